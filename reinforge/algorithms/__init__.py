@@ -1,0 +1,1 @@
+"""Algorithms: pure loss and advantage functions, and one readable recipe per algorithm."""

@@ -1,0 +1,235 @@
+"""GRPO with verifiable rewards: one loop, read top to bottom.
+
+Each step: draw P prompts; sample G answers per prompt with their logprobs; score them with each
+record's environment; group-relative advantages; recompute the old (and reference) logprobs with the
+trainer; one or more clipped policy-gradient optimizer steps over the rollout batch; copy the new
+weights into the generation engine ("refit"); validate; log.
+
+As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
+1. The loss is aggregated per token over the whole global batch by default (DAPO, arXiv:2503.14476),
+   not per sequence then per group; `loss.aggregation=sequence` gives the paper's form.
+2. The KL penalty (k3) is in the loss, as in the paper, but off by default (`loss.kl_coef=0`) and then
+   the reference model is not even loaded.
+3. Clip bounds may be asymmetric (`clip_eps_high`, DAPO's clip-higher) and dual clip is optional.
+4. The old logprobs come from the trainer, not the generation engine, so the ratio is exactly 1 on
+   the first optimizer step; the engine's logprobs are kept to measure train/inference mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from reinforge.algorithms.advantages import BASELINES, group_advantages
+from reinforge.algorithms.losses import AGGREGATIONS, grpo_loss
+from reinforge.config import Config, save_config
+from reinforge.data.batch import TrainBatch, Trajectory, collate
+from reinforge.data.jsonl import read_jsonl
+from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
+from reinforge.envs.base import Environment
+from reinforge.envs.registry import build_envs
+from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.generation.hf import HFGenerationBackend
+from reinforge.logging.console import ConsoleLog
+from reinforge.logging.metrics import JsonlWriter, Timers
+from reinforge.modeling import load_model, load_tokenizer
+from reinforge.paths import resolve_path
+from reinforge.rollout.single_turn import generate_trajectories, score_trajectories
+from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.training.torch_backend import TorchBackend
+
+
+@dataclass
+class GRPOResult:
+    run_dir: Path
+    first_val_accuracy: float | None
+    last_val_accuracy: float | None
+
+
+def train(config: Config) -> GRPOResult:
+    g = config.grpo
+    torch.manual_seed(config.seed)
+    if config.cluster.num_threads:
+        torch.set_num_threads(config.cluster.num_threads)
+    run_dir = make_run_dir(config.logging.run_dir)
+    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
+
+    tokenizer = load_tokenizer(config.model)
+    train_prompts = load_prompts(config.data.train_path, config, tokenizer)
+    val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
+    sampler = PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle)
+    envs = build_envs(config.env)
+
+    rollout_size = g.num_prompts_per_step * g.num_generations_per_prompt
+    global_batch = config.training.global_batch_size
+    trainer = TorchBackend(
+        config.model,
+        config.training,
+        temperature=config.generation.temperature,
+        num_optimizer_steps=g.max_steps * (rollout_size // global_batch),
+        load_reference=config.loss.kl_coef > 0,
+    )
+    engine = HFGenerationBackend(load_model(config.model), tokenizer, config.generation.max_batch_size)
+    loss_fn = make_loss_fn(config)
+    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
+    val_history: list[float] = []
+
+    with ConsoleLog(g.max_steps, "GRPO") as console:
+        console.print(f"run directory: {run_dir}")
+        if val_prompts:
+            val_metrics = validate(val_prompts, engine, tokenizer, envs, config)
+            val_history.append(val_metrics["val/accuracy"])
+            metrics_log.write(0, val_metrics)
+            console.step(0, val_metrics, show_line=True)
+
+        for step in range(1, g.max_steps + 1):
+            timers = Timers()
+            with timers.time("step"):
+                prompts = sampler.next_batch()
+                with timers.time("generate"):
+                    trajectories = generate_trajectories(prompts, engine, sampling_params(config, step), tokenizer)
+                with timers.time("reward"):
+                    score_trajectories(trajectories, prompts, envs, config.env.default_task)
+                rewards_PG = torch.tensor([t.reward for t in trajectories]).view(g.num_prompts_per_step, g.num_generations_per_prompt)
+                advantages_PG = group_advantages(rewards_PG, BASELINES[g.baseline], g.normalize_std)
+                batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
+
+                with timers.time("logprobs"):
+                    batch.old_logprobs = trainer.logprobs(batch)
+                    if config.loss.kl_coef > 0:
+                        batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+                with timers.time("train"):
+                    updates = [trainer.train_step(batch.slice(s, s + global_batch), loss_fn) for s in range(0, len(batch), global_batch)]
+                with timers.time("refit"):
+                    engine.update_weights(trainer.named_weights())
+
+            metrics = {
+                **rollout_metrics(trajectories, rewards_PG),
+                **train_metrics(updates),
+                **consistency_metrics(batch),
+                **env_metrics(envs),
+                **timers.metrics(),
+                "perf/tokens_per_s": batch.attention_mask.sum().item() / timers.seconds["step"],
+            }
+            if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
+                with timers.time("val"):
+                    metrics.update(validate(val_prompts, engine, tokenizer, envs, config))
+                metrics["timing/val_s"] = timers.seconds["val"]
+                val_history.append(metrics["val/accuracy"])
+            metrics_log.write(step, metrics)
+            console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
+
+        if config.checkpoint.save_final:
+            with atomic_directory(run_dir / "final") as tmp:
+                trainer.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+        engine.shutdown()
+        for env in envs.values():
+            env.close()
+
+    first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
+    if first is not None:
+        console.print(f"val/accuracy at step 0: {first:.3f}")
+        console.print(f"val/accuracy at step {g.max_steps}: {last:.3f} ({last - first:+.3f})")
+    console.print(f"metrics: {run_dir / 'metrics.jsonl'}" + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""))
+    return GRPOResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
+
+
+def load_prompts(path: str, config: Config, tokenizer) -> list[Prompt]:
+    """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`."""
+    records = read_jsonl(resolve_path(path), required_keys=(config.data.prompt_key,))
+    prompts = [
+        render_prompt(r, tokenizer, config.data.prompt_key, config.data.system_prompt, config.data.use_chat_template)
+        for r in records
+    ]
+    return [p for p in prompts if len(p.token_ids) <= config.data.max_prompt_tokens]
+
+
+def sampling_params(config: Config, step: int) -> SamplingParams:
+    gen = config.generation
+    return SamplingParams(
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        stop_strings=tuple(gen.stop_strings),
+        num_samples=config.grpo.num_generations_per_prompt,
+        seed=config.seed * 1_000_003 + step,  # a fresh, reproducible stream per step
+    )
+
+
+def make_loss_fn(config: Config):
+    loss = config.loss
+
+    def loss_fn(logprobs_BT: torch.Tensor, micro: TrainBatch, norm):
+        return grpo_loss(
+            logprobs_BT,
+            micro.old_logprobs,
+            micro.advantages,
+            micro.loss_mask,
+            norm,
+            aggregate=AGGREGATIONS[loss.aggregation],
+            eps_low=loss.clip_eps_low,
+            eps_high=loss.clip_eps_high,
+            dual_clip_c=loss.dual_clip_c,
+            kl_coef=loss.kl_coef,
+            ref_logprobs_BT=micro.ref_logprobs,
+        )
+
+    return loss_fn
+
+
+def validate(prompts: list[Prompt], engine: GenerationBackend, tokenizer, envs: dict[str, Environment], config: Config) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts: the mean reward of one greedy answer per prompt."""
+    params = SamplingParams(max_new_tokens=config.generation.max_new_tokens, temperature=0.0, num_samples=1,
+                            stop_strings=tuple(config.generation.stop_strings))
+    trajectories = generate_trajectories(prompts, engine, params, tokenizer)
+    score_trajectories(trajectories, prompts, envs, config.env.default_task)
+    return {
+        "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
+        "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
+    }
+
+
+def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) -> dict[str, float]:
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+    return {
+        "train/reward_mean": rewards_PG.mean().item(),
+        "train/reward_std": rewards_PG.std(unbiased=False).item(),
+        "train/zero_std_group_fraction": (rewards_PG.std(dim=1) == 0).float().mean().item(),
+        "rollout/gen_len_mean": lengths.mean().item(),
+        "rollout/gen_len_max": lengths.max().item(),
+        "rollout/truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
+        "rollout/prompt_len_mean": sum(len(t.prompt_ids) for t in trajectories) / len(trajectories),
+    }
+
+
+def train_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over the step's optimizer steps; extremes by max/min."""
+    out = {}
+    for name in updates[0]:
+        values = [u[name] for u in updates]
+        if name.endswith("_max"):
+            out[f"train/{name}"] = max(values)
+        elif name.endswith("_min"):
+            out[f"train/{name}"] = min(values)
+        else:
+            out[f"train/{name}"] = sum(values) / len(values)
+    out["train/num_optimizer_steps"] = len(updates)
+    return out
+
+
+def consistency_metrics(batch: TrainBatch) -> dict[str, float]:
+    """How far the generation engine's logprobs are from the trainer's for the same tokens."""
+    mask = batch.loss_mask > 0
+    diff = (batch.gen_logprobs - batch.old_logprobs)[mask]
+    return {
+        "train/token_mult_prob_error": torch.exp(diff.abs()).mean().item(),
+        "train/gen_kl_error": (torch.exp(-diff) + diff - 1).mean().item(),  # k3 estimate of KL(gen || train) per token
+    }
+
+
+def env_metrics(envs: dict[str, Environment]) -> dict[str, float]:
+    return {f"env/{task}/{name}": value for task, env in envs.items() for name, value in env.metrics().items()}

@@ -1,0 +1,124 @@
+"""Policy-gradient losses as pure tensor functions.
+
+Shapes: B sequences, T positions. `logprobs_BT[b, t]` is log p(token t | tokens < t); `mask_BT` is 1 on
+the positions that are trained on (response tokens) and 0 on prompt and padding.
+
+The normaliser is an explicit argument, fixed for the whole global batch (one optimizer step): with a
+global token count, the sum of the micro-batch losses equals the loss of the whole batch, so gradient
+accumulation (and, later, data parallelism) gives the same gradient as one big batch.
+
+The GRPO objective as implemented (per token, to be minimised):
+    ratio     = exp(logp - logp_old)
+    pg        = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))      (PPO clip, Schulman et al. 2017;
+                                                                                  eps_high > eps_low is DAPO's clip-higher)
+    pg        = min(pg, -A * c)   where A < 0, if dual clip c > 1                 (Ye et al. 2020)
+    kl        = exp(logp_ref - logp) - (logp_ref - logp) - 1                      (k3 estimator, Schulman 2020)
+    loss      = aggregate(pg + kl_coef * kl)
+Deviation from the GRPO paper: the paper averages per sequence then per group ("sequence" aggregation
+here); the default is DAPO's token-level mean, which does not down-weight long answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Normalisers:
+    """Counts over the whole global batch that every micro-batch divides by."""
+
+    num_tokens: int  # valid (mask == 1) tokens in the global batch
+    num_sequences: int  # sequences in the global batch
+
+
+Aggregate = Callable[[torch.Tensor, torch.Tensor, Normalisers], torch.Tensor]
+
+
+def token_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalisers) -> torch.Tensor:
+    """Sum over valid tokens / number of valid tokens in the global batch."""
+    return (values_BT * mask_BT).sum() / max(norm.num_tokens, 1)
+
+
+def sequence_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalisers) -> torch.Tensor:
+    """Each sequence's mean over its valid tokens, summed, / number of sequences in the global batch."""
+    per_sequence_B = (values_BT * mask_BT).sum(dim=1) / mask_BT.sum(dim=1).clamp(min=1)
+    return per_sequence_B.sum() / max(norm.num_sequences, 1)
+
+
+AGGREGATIONS: dict[str, Aggregate] = {"token": token_mean, "sequence": sequence_mean}
+
+
+def clipped_policy_gradient(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss. Returns (loss_BT, ratio_BT, clipped_BT) where `clipped_BT` is 1
+    where a clip bound (not the raw ratio) set the loss, i.e. where the token gives no gradient."""
+    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * torch.clamp(ratio_BT, 1.0 - eps_low, 1.0 + eps_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    was_clipped_BT = clipped_BT > unclipped_BT
+    if dual_clip_c is not None:
+        dual_BT = -advantages_BT * dual_clip_c
+        dual_active_BT = (advantages_BT < 0) & (loss_BT > dual_BT)
+        loss_BT = torch.where(dual_active_BT, dual_BT, loss_BT)
+        was_clipped_BT = was_clipped_BT | dual_active_BT
+    return loss_BT, ratio_BT, was_clipped_BT.to(loss_BT.dtype)
+
+
+def k3_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Unbiased, non-negative per-token estimate of KL(policy || reference) from samples of the policy."""
+    log_ratio_BT = ref_logprobs_BT - logprobs_BT
+    return torch.exp(log_ratio_BT) - log_ratio_BT - 1.0
+
+
+def grpo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    norm: Normalisers,
+    *,
+    aggregate: Aggregate,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+    kl_coef: float = 0.0,
+    ref_logprobs_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of one micro-batch, scaled so that micro-batch losses sum to the global-batch loss.
+
+    Returns the loss and metric contributions that also sum over micro-batches (token means use
+    `norm.num_tokens`), except `ratio_max`/`ratio_min`, which reduce by max/min.
+    """
+    advantages_BT = advantages_B.unsqueeze(1).expand_as(logprobs_BT)
+    pg_BT, ratio_BT, clipped_BT = clipped_policy_gradient(
+        logprobs_BT, old_logprobs_BT, advantages_BT, eps_low, eps_high, dual_clip_c
+    )
+    per_token_BT = pg_BT
+    kl_BT = torch.zeros_like(pg_BT)
+    if kl_coef > 0:
+        assert ref_logprobs_BT is not None, "kl_coef > 0 needs reference logprobs"
+        kl_BT = k3_kl(logprobs_BT, ref_logprobs_BT)
+        per_token_BT = pg_BT + kl_coef * kl_BT
+    loss = aggregate(per_token_BT, mask_BT, norm)
+    valid = mask_BT > 0
+    with torch.no_grad():
+        metrics = {
+            "loss": loss.detach(),
+            "pg_loss": aggregate(pg_BT, mask_BT, norm).detach(),
+            "kl": token_mean(kl_BT.detach(), mask_BT, norm),
+            "clip_fraction": token_mean(clipped_BT, mask_BT, norm),
+            "ratio_mean": token_mean(ratio_BT.detach(), mask_BT, norm),
+            "ratio_max": ratio_BT[valid].max() if valid.any() else ratio_BT.new_tensor(1.0),
+            "ratio_min": ratio_BT[valid].min() if valid.any() else ratio_BT.new_tensor(1.0),
+        }
+    return loss, metrics

@@ -1,0 +1,206 @@
+"""The typed configuration tree.
+
+Every setting lives here once, with its default and a docstring under it (STYLE.md #6). YAML files and
+`key=value` overrides are only serialisations of this tree; `loader.py` turns them into it and
+reports unknown keys with the nearest valid one. Cross-field checks run when the tree is built and
+say which field is wrong, why, and what to set instead.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str = "models/demo"
+    """Hugging Face model id (e.g. Qwen/Qwen2.5-1.5B) or a local directory in Hugging Face format."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training and generation. float32 on CPU; bfloat16 on GPU."""
+    trust_remote_code: bool = False
+    """Allow model code from the model's repository (only for architectures transformers lacks)."""
+
+
+class DataConfig(Section):
+    train_path: str = "data/demo/train.jsonl"
+    """JSONL file of training prompts; one object per line with `prompt` and `answer` (and `task`)."""
+    val_path: str | None = "data/demo/val.jsonl"
+    """JSONL file of held-out prompts for validation; null disables validation."""
+    prompt_key: str = "prompt"
+    """Record field holding the user message."""
+    system_prompt: str | None = None
+    """Optional system message put before every prompt."""
+    use_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template; false feeds the prompt text as it is."""
+    max_prompt_tokens: int = 1024
+    """Prompts longer than this (after templating) are dropped from the dataset, with a count."""
+    max_val_prompts: int | None = None
+    """Use at most this many validation prompts (the first ones); null: all."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by `seed`)."""
+
+
+class GenerationConfig(Section):
+    backend: Literal["hf"] = "hf"
+    """Generation engine: `hf` (Hugging Face transformers, the reference implementation)."""
+    max_new_tokens: int = 64
+    """Longest completion; a sample that reaches it without a stop is marked truncated."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts; the trainer applies the same temperature to its logits."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1.0 disables it."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    stop_strings: list[str] = []
+    """Extra strings that end a completion (the tokenizer's EOS always does)."""
+    max_batch_size: int = 256
+    """Most sequences the HF backend decodes at once; larger requests are split."""
+
+
+class TrainingConfig(Section):
+    backend: Literal["torch"] = "torch"
+    """Training engine: `torch` (one process, plain PyTorch)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward pass; gradients accumulate over micro-batches."""
+    global_batch_size: int = 128
+    """Sequences per optimizer step. Must divide the rollout batch (prompts x generations)."""
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to `lr`."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate shape after warm-up, over all optimizer steps of the run."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+class GRPOConfig(Section):
+    num_prompts_per_step: int = 16
+    """Distinct prompts per step."""
+    num_generations_per_prompt: int = 8
+    """Completions sampled per prompt (the group size G)."""
+    max_steps: int = 20
+    """Steps to run (one rollout batch each)."""
+    val_every: int = 5
+    """Validate every this many steps (and before the first and after the last); 0: only then."""
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """Group baseline: the group mean, or the mean of the other samples (RLOO)."""
+    normalize_std: bool = True
+    """Divide advantages by the group's reward standard deviation (GRPO); false for Dr.GRPO."""
+
+
+class LossConfig(Section):
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the frozen reference policy; 0 does not load the reference."""
+    clip_eps_low: float = 0.2
+    """Lower clip: the ratio is clipped below at 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper clip: the ratio is clipped above at 1 + clip_eps_high (0.28 is DAPO's clip-higher)."""
+    dual_clip_c: float | None = None
+    """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); null disables it."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """`token`: mean over all valid tokens of the global batch; `sequence`: mean over sequences of
+    each sequence's token mean."""
+
+
+class MathEnvConfig(Section):
+    timeout_s: float = 5.0
+    """Per-sample verification time limit; a timeout scores 0 and is counted."""
+
+
+class EnvConfig(Section):
+    default_task: str = "math"
+    """Environment for records that do not name a `task`."""
+    math: MathEnvConfig = MathEnvConfig()
+    """The `math` environment: answer extraction plus math-verify."""
+
+
+class ClusterConfig(Section):
+    num_threads: int = 0
+    """torch intra-op threads per process; 0 keeps torch's default (all cores)."""
+
+
+class CheckpointConfig(Section):
+    save_final: bool = True
+    """Write the trained policy in Hugging Face format to RUN_DIR/final at the end."""
+
+
+class LoggingConfig(Section):
+    run_dir: str = "runs/grpo"
+    """Run directory: config.yaml, metrics.jsonl, final/. If it already holds a run, a suffix -1, -2, ...
+    is added."""
+    console_every: int = 1
+    """Print a compact metrics line every this many steps."""
+
+
+class Config(Section):
+    """The whole run."""
+
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    generation: GenerationConfig = GenerationConfig()
+    training: TrainingConfig = TrainingConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    loss: LossConfig = LossConfig()
+    env: EnvConfig = EnvConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _check_batch_sizes(self) -> "Config":
+        g, t = self.grpo, self.training
+        rollout = g.num_prompts_per_step * g.num_generations_per_prompt
+        if g.num_generations_per_prompt < 2:
+            raise ValueError(
+                "grpo.num_generations_per_prompt must be at least 2: a group baseline needs two samples; set it to 2 or more"
+            )
+        if t.global_batch_size <= 0 or rollout % t.global_batch_size:
+            raise ValueError(
+                f"training.global_batch_size={t.global_batch_size} does not divide the rollout batch "
+                f"(grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rollout}); "
+                f"set it to a divisor of {rollout}, e.g. {rollout} or {rollout // 2 if rollout % 2 == 0 else rollout}"
+            )
+        if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
+            raise ValueError(
+                f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="
+                f"{t.global_batch_size}; set it to a divisor of {t.global_batch_size}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> "Config":
+        checks = [
+            (self.generation.temperature > 0, "generation.temperature must be > 0 for training rollouts (validation is greedy)"),
+            (self.generation.max_new_tokens > 0, "generation.max_new_tokens must be > 0"),
+            (0 < self.generation.top_p <= 1, "generation.top_p must be in (0, 1]"),
+            (self.loss.clip_eps_low > 0 and self.loss.clip_eps_high > 0, "loss.clip_eps_low and loss.clip_eps_high must be > 0"),
+            (self.loss.clip_eps_low < 1, "loss.clip_eps_low must be < 1 so that the lower clip 1 - eps stays positive"),
+            (self.loss.dual_clip_c is None or self.loss.dual_clip_c > 1, "loss.dual_clip_c must be > 1 (or null to disable dual clip)"),
+            (self.loss.kl_coef >= 0, "loss.kl_coef must be >= 0"),
+            (self.training.lr > 0, "training.lr must be > 0"),
+            (self.grpo.max_steps >= 0, "grpo.max_steps must be >= 0"),
+            (self.grpo.val_every >= 0, "grpo.val_every must be >= 0 (0: validate only before and after training)"),
+            (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self

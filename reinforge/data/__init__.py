@@ -1,0 +1,1 @@
+"""Records, datasets, chat rendering and the batch types exchanged between stages."""

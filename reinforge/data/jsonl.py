@@ -1,0 +1,34 @@
+"""Reading JSONL datasets with errors that name the file and the line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from reinforge.errors import DataError
+
+
+def read_jsonl(path: str | Path, required_keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """All records of a JSONL file; blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset file {path} does not exist; check the path (data.train_path / data.val_path)")
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{line_number}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove that line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{line_number}: expected a JSON object per line, got {type(record).__name__}")
+            missing = [key for key in required_keys if key not in record]
+            if missing:
+                raise DataError(f"{path}:{line_number}: record has no {', '.join(missing)} field; every record needs {', '.join(required_keys)}")
+            records.append(record)
+    if not records:
+        raise DataError(f"dataset file {path} holds no records")
+    return records

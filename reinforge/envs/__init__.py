@@ -1,0 +1,1 @@
+"""Environments: score (and optionally continue) conversations."""

@@ -1,0 +1,47 @@
+"""The environment interface.
+
+An environment scores a batch of conversations and may continue them. Each request carries the
+conversation so far (the last message is the policy's answer) and the dataset record it came from
+(ground truth, tests, instructions). The verifier logic lives in plain classes like these; the
+cluster layer may wrap them in actors or serve them over HTTP, never the other way round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class EnvRequest:
+    """One trajectory to score."""
+
+    messages: list[dict[str, str]]  # chat messages; the last one is the assistant's response
+    record: dict[str, Any]  # the dataset record: "answer", "tests", ... whatever the env needs
+
+
+@dataclass
+class EnvResponse:
+    """The environment's verdict on one trajectory."""
+
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)  # named parts of the reward
+    done: bool = True  # False: `observation` is appended and the policy takes another turn
+    observation: list[dict[str, str]] | None = None  # messages to append when not done
+    info: dict[str, Any] = field(default_factory=dict)  # per-sample facts, e.g. {"extracted": "42"}
+
+
+class Environment(Protocol):
+    """Scores (and optionally continues) a batch of conversations."""
+
+    def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
+        """Return one response per request, in order. Never raises for a bad model answer."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since the last call (e.g. verifier errors and timeouts), then reset them."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and connections."""
+        ...

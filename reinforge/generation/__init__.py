@@ -1,0 +1,1 @@
+"""Generation backends: sample completions with per-token logprobs, take new weights."""

@@ -1,0 +1,88 @@
+"""Hugging Face transformers generation backend: the reference implementation.
+
+Batched `model.generate` with a KV cache and left padding. The logprob of each sampled token is read
+from the scores that generate actually sampled from (after temperature, top-k and top-p), so it is the
+sampling distribution's logprob, as vLLM reports it. The engine keeps its own copy of the weights;
+`update_weights` copies the trainer's into it in place.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+
+
+class HFGenerationBackend:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+        requests = [(index, ids) for index, ids in enumerate(prompt_token_ids) for _ in range(params.num_samples)]
+        completions: list[list[Completion]] = [[] for _ in prompt_token_ids]
+        with torch.random.fork_rng(devices=[]):  # sampling never disturbs the caller's RNG
+            for chunk_index, start in enumerate(range(0, len(requests), self.max_batch_size)):
+                torch.manual_seed(params.seed * 1_000_003 + chunk_index)
+                chunk = requests[start : start + self.max_batch_size]
+                for (prompt_index, _), completion in zip(chunk, self._generate_chunk([ids for _, ids in chunk], params)):
+                    completion.prompt_index = prompt_index
+                    completions[prompt_index].append(completion)
+        return GenerationResult(completions=completions)
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        pad_id = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(prompts):  # left padding: every prompt ends at the same column
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
+        stop_ids = list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
+        greedy = params.temperature == 0
+        output = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy or params.top_k <= 0 else params.top_k,
+            eos_token_id=stop_ids,
+            pad_token_id=pad_id,
+            stop_strings=list(params.stop_strings) or None,
+            tokenizer=self.tokenizer if params.stop_strings else None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        new_tokens_BN = output.sequences[:, width:]
+        scores_BNV = torch.stack(output.scores, dim=1).float()
+        logprobs_BN = torch.log_softmax(scores_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
+        return [
+            self._cut(new_tokens_BN[row].tolist(), logprobs_BN[row].tolist(), set(stop_ids), params)
+            for row in range(len(prompts))
+        ]
+
+    def _cut(self, tokens: list[int], logprobs: list[float], stop_ids: set[int], params: SamplingParams) -> Completion:
+        """Keep the tokens up to and including the first stop token or the end of a stop string."""
+        end = next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), None)
+        if end is None and params.stop_strings:
+            end = next(
+                (i + 1 for i in range(len(tokens)) if any(s in self.tokenizer.decode(tokens[: i + 1]) for s in params.stop_strings)),
+                None,
+            )
+        finish_reason = "stop" if end is not None else "length"
+        end = end if end is not None else len(tokens)
+        return Completion(prompt_index=-1, token_ids=tokens[:end], logprobs=logprobs[:end], finish_reason=finish_reason)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_state_dict(dict(named_tensors), strict=True)
+
+    def shutdown(self) -> None:
+        self.model = None

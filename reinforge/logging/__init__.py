@@ -1,0 +1,1 @@
+"""Metrics: timers, the JSONL log, the console."""

@@ -1,0 +1,51 @@
+"""Loading models and tokenizers through the ordinary Hugging Face path, with one-line errors."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from reinforge.config.schema import ModelConfig
+from reinforge.errors import ReinforgeError
+from reinforge.paths import resolve_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_location(config: ModelConfig) -> str:
+    """A local directory (checked to exist) or a hub id like `Qwen/Qwen2.5-1.5B`."""
+    path = resolve_path(config.name_or_path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ReinforgeError(f"model.name_or_path={config.name_or_path}: {path} has no config.json; point it at a Hugging Face model directory")
+        return str(path)
+    looks_like_hub_id = config.name_or_path.count("/") == 1 and not config.name_or_path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: no such directory; point it at a Hugging Face model directory or a hub id such as Qwen/Qwen2.5-1.5B")
+    return config.name_or_path
+
+
+def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
+    location = model_location(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=config.trust_remote_code)
+    except OSError as exc:
+        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load its tokenizer ({_first_line(exc)})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad id; it is always masked out
+    return tokenizer
+
+
+def load_model(config: ModelConfig) -> PreTrainedModel:
+    location = model_location(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
+        )
+    except OSError as exc:
+        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load the model ({_first_line(exc)})") from None
+    return model
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

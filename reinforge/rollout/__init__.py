@@ -1,0 +1,1 @@
+"""Turning prompts into scored trajectories."""

@@ -1,0 +1,39 @@
+"""The run directory: created without clobbering another run, written to atomically."""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def make_run_dir(requested: str | Path) -> Path:
+    """Create the run directory; if it already holds a run, use the first free `<dir>-N` beside it."""
+    path = Path(requested)
+    candidate, suffix = path, 0
+    while candidate.exists() and any(candidate.iterdir()):
+        suffix += 1
+        candidate = path.with_name(f"{path.name}-{suffix}")
+    candidate.mkdir(parents=True, exist_ok=True)
+    return candidate
+
+
+@contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `final` with one rename, so readers
+    only ever see a complete directory (or the previous one). On failure the temporary one is removed."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

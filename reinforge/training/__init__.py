@@ -1,0 +1,1 @@
+"""Training backends: logprobs, optimizer steps, weights for refit, export."""

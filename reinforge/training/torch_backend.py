@@ -1,0 +1,128 @@
+"""Single-process PyTorch training backend (`training.backend=torch`).
+
+The policy is an ordinary Hugging Face causal LM; AdamW with a warm-up schedule from transformers;
+gradients accumulate over micro-batches with the loss function's global normaliser, so one optimizer
+step sees the gradient of the whole global batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import get_scheduler
+
+from reinforge.algorithms.losses import Normalisers, token_mean
+from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.data.batch import TrainBatch
+from reinforge.modeling import load_model
+from reinforge.training.base import LossFn
+
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logprobs_BT[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]; column 0 is 0."""
+    logits_BTV = logits_BTV[:, :-1].float() / temperature
+    targets_BT = input_ids_BT[:, 1:]
+    picked_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    logprobs_BT = picked_BT - torch.logsumexp(logits_BTV, dim=-1)
+    return F.pad(logprobs_BT, (1, 0))
+
+
+def token_entropy(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the next-token distribution that produced each token, aligned like `token_logprobs`."""
+    logp_BTV = torch.log_softmax(logits_BTV[:, :-1].float() / temperature, dim=-1)
+    entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(dim=-1)
+    return F.pad(entropy_BT, (1, 0))
+
+
+class TorchBackend:
+    """Policy (+ optional frozen reference), AdamW and its schedule, in this process."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        training_config: TrainingConfig,
+        temperature: float,
+        num_optimizer_steps: int,
+        load_reference: bool,
+    ):
+        self.config = training_config
+        self.temperature = temperature
+        self.model = load_model(model_config)
+        self.model.train()
+        self.reference = load_model(model_config).eval().requires_grad_(False) if load_reference else None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=training_config.lr,
+            betas=(training_config.adam_beta1, training_config.adam_beta2),
+            eps=training_config.adam_eps,
+            weight_decay=training_config.weight_decay,
+        )
+        self.scheduler = get_scheduler(
+            SCHEDULES[training_config.lr_schedule],
+            self.optimizer,
+            num_warmup_steps=training_config.warmup_steps,
+            num_training_steps=max(num_optimizer_steps, 1),
+        )
+
+    def _logits(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        model = self.reference if reference else self.model
+        assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
+        out = torch.zeros_like(batch.loss_mask)
+        size = self.config.micro_batch_size
+        for start in range(0, len(batch), size):
+            micro = batch.slice(start, start + size)
+            logprobs_BT = token_logprobs(self._logits(model, micro), micro.input_ids, self.temperature)
+            out[start : start + len(micro), : logprobs_BT.shape[1]] = logprobs_BT
+        return out * batch.loss_mask
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on a global batch: accumulate, clip, step, advance the schedule."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate_gradients(batch, loss_fn)
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time."""
+        norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0))
+        extremes: dict[str, list[torch.Tensor]] = defaultdict(list)
+        size = self.config.micro_batch_size
+        for start in range(0, len(batch), size):
+            micro = batch.slice(start, start + size)
+            logits_BTV = self._logits(self.model, micro)
+            logprobs_BT = token_logprobs(logits_BTV, micro.input_ids, self.temperature)
+            loss, metrics = loss_fn(logprobs_BT, micro, norm)
+            loss.backward()
+            with torch.no_grad():
+                metrics["entropy"] = token_mean(token_entropy(logits_BTV.detach(), self.temperature), micro.loss_mask, norm)
+            for name, value in metrics.items():
+                if name.endswith(("_max", "_min")):
+                    extremes[name].append(value.detach())
+                else:
+                    totals[name] = totals[name] + value.detach()
+        result = {name: float(value) for name, value in totals.items()}
+        for name, values in extremes.items():
+            reduce = torch.max if name.endswith("_max") else torch.min
+            result[name] = float(reduce(torch.stack(values)))
+        return result
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.model.state_dict().items()
+
+    def save_pretrained(self, path: Path) -> None:
+        self.model.save_pretrained(path)

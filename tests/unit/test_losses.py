@@ -1,0 +1,84 @@
+import math
+
+import torch
+
+from reinforge.algorithms.losses import (
+    Normalisers,
+    clipped_policy_gradient,
+    grpo_loss,
+    k3_kl,
+    sequence_mean,
+    token_mean,
+)
+
+
+def test_clipped_policy_gradient_matches_hand_computed_values():
+    """eps_low = eps_high = 0.2; log-ratios ln 1.5, ln 0.5, ln 1.1 with advantages +1, -1, +2:
+    token 0: ratio 1.5, A=+1: max(-1.5, -1.2) = -1.2, clipped
+    token 1: ratio 0.5, A=-1: max(0.5, 0.8) = 0.8, clipped
+    token 2: ratio 1.1, A=+2: max(-2.2, -2.2) = -2.2, not clipped"""
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    advantages = torch.tensor([[1.0, -1.0, 2.0]])
+    loss, ratio, clipped = clipped_policy_gradient(new, old, advantages, 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, 0.8, -2.2]]))
+    torch.testing.assert_close(ratio, torch.tensor([[1.5, 0.5, 1.1]]))
+    assert clipped.tolist() == [[1.0, 1.0, 0.0]]
+
+
+def test_clip_higher_uses_separate_upper_bound():
+    """eps_low 0.2, eps_high 0.28: ratio 1.25 with A=+1 is inside [0.8, 1.28], so loss = -1.25, not clipped."""
+    loss, _, clipped = clipped_policy_gradient(torch.log(torch.tensor([[1.25]])), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.28)
+    torch.testing.assert_close(loss, torch.tensor([[-1.25]]))
+    assert clipped.item() == 0.0
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    """ratio 5, A = -1, c = 3: PPO gives max(5, 1.2) = 5; dual clip caps it at -A * c = 3."""
+    loss, _, clipped = clipped_policy_gradient(torch.log(torch.tensor([[5.0]])), torch.zeros(1, 1), -torch.ones(1, 1), 0.2, 0.2, 3.0)
+    torch.testing.assert_close(loss, torch.tensor([[3.0]]))
+    assert clipped.item() == 1.0
+
+
+def test_k3_kl_matches_hand_computed_value_and_is_zero_at_equality():
+    """logp = ln 0.5, logp_ref = ln 0.25: x = ln(0.25/0.5) = -ln 2; k3 = e^x - x - 1 = 0.5 + 0.693147 - 1 = 0.193147."""
+    kl = k3_kl(torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]]))
+    torch.testing.assert_close(kl, torch.tensor([[0.193147]]), atol=1e-6, rtol=0)
+    same = torch.randn(2, 3)
+    assert torch.equal(k3_kl(same, same), torch.zeros(2, 3))
+
+
+def test_token_and_sequence_aggregation_match_hand_computed_values():
+    """values [[1, 2, 3], [4, 0, 0]], mask [[1, 1, 1], [1, 0, 0]]:
+    token mean = (1+2+3+4) / 4 = 2.5; sequence mean = (6/3 + 4/1) / 2 = 3."""
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    norm = Normalisers(num_tokens=4, num_sequences=2)
+    assert token_mean(values, mask, norm).item() == 2.5
+    assert sequence_mean(values, mask, norm).item() == 3.0
+
+
+def test_grpo_loss_with_kl_matches_hand_computed_value():
+    """Two tokens, ratio 1 (logp = old), A = +1, kl_coef 0.1, ref logprobs giving k3 = 0.193147 on token 0 and 0 on token 1:
+    per token: -1 + 0.1 * 0.193147 = -0.980685 and -1; token mean = -0.990343."""
+    logp = torch.tensor([[math.log(0.5), math.log(0.5)]])
+    ref = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    loss, metrics = grpo_loss(
+        logp, logp.clone(), torch.tensor([1.0]), torch.ones(1, 2), Normalisers(2, 1),
+        aggregate=token_mean, eps_low=0.2, eps_high=0.2, kl_coef=0.1, ref_logprobs_BT=ref,
+    )
+    torch.testing.assert_close(loss, torch.tensor(-0.990343), atol=1e-6, rtol=0)
+    torch.testing.assert_close(metrics["kl"], torch.tensor(0.193147 / 2), atol=1e-6, rtol=0)
+    assert metrics["clip_fraction"].item() == 0.0
+
+
+def test_masked_positions_never_change_the_loss():
+    """Garbage in prompt and padding positions (mask 0) of every input leaves the loss unchanged."""
+    gen = torch.Generator().manual_seed(0)
+    logp, old, ref = (torch.randn(2, 5, generator=gen) for _ in range(3))
+    mask = torch.tensor([[0.0, 0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0, 1.0]])
+    kwargs = dict(aggregate=token_mean, eps_low=0.2, eps_high=0.2, kl_coef=0.05)
+    base, _ = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, Normalisers(6, 2), ref_logprobs_BT=ref, **kwargs)
+    noise = torch.randn(2, 5, generator=gen) * 100 * (1 - mask)
+    moved, _ = grpo_loss(logp + noise, old - noise, torch.tensor([1.0, -1.0]), mask, Normalisers(6, 2), ref_logprobs_BT=ref + noise, **kwargs)
+    torch.testing.assert_close(base, moved)
