@@ -30,6 +30,7 @@ from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
 from reinforge.envs.base import Environment
 from reinforge.envs.registry import build_envs
+from reinforge.errors import DataError
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
 from reinforge.logging.console import ConsoleLog
@@ -53,14 +54,14 @@ def train(config: Config) -> GRPOResult:
     torch.manual_seed(config.seed)
     if config.cluster.num_threads:
         torch.set_num_threads(config.cluster.num_threads)
-    run_dir = make_run_dir(config.logging.run_dir)
-    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
-
     tokenizer = load_tokenizer(config.model)
     train_prompts = load_prompts(config.data.train_path, config, tokenizer)
     val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
     sampler = PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle)
     envs = build_envs(config.env)
+    # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
+    run_dir = make_run_dir(config.logging.run_dir)
+    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
 
     rollout_size = g.num_prompts_per_step * g.num_generations_per_prompt
     global_batch = config.training.global_batch_size
@@ -144,7 +145,12 @@ def load_prompts(path: str, config: Config, tokenizer) -> list[Prompt]:
         render_prompt(r, tokenizer, config.data.prompt_key, config.data.system_prompt, config.data.use_chat_template)
         for r in records
     ]
-    return [p for p in prompts if len(p.token_ids) <= config.data.max_prompt_tokens]
+    kept = [p for p in prompts if len(p.token_ids) <= config.data.max_prompt_tokens]
+    if not kept:
+        raise DataError(f"{path}: every prompt is longer than data.max_prompt_tokens={config.data.max_prompt_tokens}; raise it")
+    if len(kept) < len(prompts):
+        print(f"{path}: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than data.max_prompt_tokens")
+    return kept
 
 
 def sampling_params(config: Config, step: int) -> SamplingParams:
