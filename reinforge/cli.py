@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
 
             hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
             config = load_config(args.config if args.command == "grpo" else DEMO_CONFIG, args.overrides)
             grpo.train(config)
     except ReinforgeError as exc:

@@ -45,7 +45,7 @@ class ConsoleLog:
         self.progress.update(self.task, completed=step)
         if show_line:
             parts = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in COMPACT if key in metrics]
-            self.progress.console.print(f"step {step:>4} | " + " | ".join(parts))
+            self.progress.console.print(f"step {step:>4} | " + " | ".join(parts), soft_wrap=True)
 
     def print(self, text: str) -> None:
-        self.progress.console.print(text)
+        self.progress.console.print(text, soft_wrap=True)

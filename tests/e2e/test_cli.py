@@ -1,0 +1,65 @@
+"""The command line as a user meets it: one-line errors, reproducible runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "grpo_demo.yaml"
+SMALL = [
+    "grpo.max_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.val_every=0",
+    "training.global_batch_size=8", "training.micro_batch_size=8", "data.max_val_prompts=8", "generation.max_new_tokens=24",
+]
+
+
+def reinforge(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "reinforge.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def assert_one_line_error(result, pattern):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reinforge: error: "), result.stderr
+    assert pattern in lines[0]
+
+
+def test_misspelled_key_exits_nonzero_with_did_you_mean_and_no_traceback():
+    result = reinforge("grpo", "--config", DEMO, "grpo.num_generatoins=4")
+    assert_one_line_error(result, "did you mean grpo.num_generations_per_prompt?")
+
+
+def test_missing_dataset_file_is_a_one_line_error(tmp_path):
+    result = reinforge("grpo", "--config", DEMO, f"data.train_path={tmp_path / 'nope.jsonl'}", f"logging.run_dir={tmp_path / 'run'}")
+    assert_one_line_error(result, "nope.jsonl does not exist")
+    assert not (tmp_path / "run").exists()
+
+
+def test_malformed_jsonl_line_is_named_by_its_line_number(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?", "answer": "4"}\n{"prompt": "oops", \n')
+    result = reinforge("grpo", "--config", DEMO, f"data.train_path={data}")
+    assert_one_line_error(result, f"{data}:3: malformed JSON")
+
+
+def test_model_path_that_does_not_exist_is_a_one_line_error(tmp_path):
+    result = reinforge("grpo", "--config", DEMO, f"model.name_or_path={tmp_path / 'no_model'}")
+    assert_one_line_error(result, "no such directory")
+
+
+def test_saved_config_reproduces_the_run(tmp_path):
+    first = reinforge("grpo", "--config", DEMO, *SMALL, f"logging.run_dir={tmp_path / 'run'}")
+    assert first.returncode == 0, first.stderr
+    again = reinforge("grpo", "--config", tmp_path / "run" / "config.yaml")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "run-1" / "metrics.jsonl").is_file(), "a second run must not overwrite the first"
+
+    def deterministic(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
+
+    assert deterministic("run") == deterministic("run-1")
+    assert len(deterministic("run")) == 3  # step 0 validation, steps 1 and 2
