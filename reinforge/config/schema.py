@@ -48,8 +48,8 @@ class DataConfig(Section):
 
 
 class GenerationConfig(Section):
-    backend: Literal["hf"] = "hf"
-    """Generation engine: `hf` (Hugging Face transformers, the reference implementation)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Generation engine: `hf` (Hugging Face transformers, the reference implementation) or `vllm`."""
     max_new_tokens: int = 64
     """Longest completion; a sample that reaches it without a stop is marked truncated."""
     temperature: float = 1.0
@@ -62,6 +62,19 @@ class GenerationConfig(Section):
     """Extra strings that end a completion (the tokenizer's EOS always does)."""
     max_batch_size: int = 256
     """Most sequences the HF backend decodes at once; larger requests are split."""
+    max_logprob_error: float = 1.05
+    """Consistency gate: stop the run when the engine's and the trainer's logprobs of the same tokens
+    differ by more than this token_mult_prob_error (checked at start-up and after the first refit)."""
+    num_probe_prompts: int = 8
+    """Training prompts sampled by the consistency probe."""
+    vllm_max_model_len: int | None = None
+    """vLLM's context length; null: data.max_prompt_tokens + generation.max_new_tokens."""
+    vllm_enforce_eager: bool | None = None
+    """Disable vLLM's torch.compile/CUDA graphs; null: eager on CPU (compiling costs ~35 s there), compiled on GPU."""
+    vllm_cpu_kv_cache_gb: int = 1
+    """vLLM KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights and KV cache (the trainer needs the rest when colocated)."""
 
 
 class TrainingConfig(Section):
@@ -113,6 +126,16 @@ class LossConfig(Section):
     """Upper clip: the ratio is clipped above at 1 + clip_eps_high (0.28 is DAPO's clip-higher)."""
     dual_clip_c: float | None = None
     """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); null disables it."""
+    is_correction: Literal["none", "token_truncate", "sequence_mask"] = "none"
+    """Importance-sampling correction for the train/inference mismatch, with w_t = exp(logp_old - logp_gen):
+    `token_truncate` multiplies each token's loss by min(w_t, is_truncate_cap) (TIS); `sequence_mask` drops
+    sequences whose geometric-mean ratio exp(mean_t log w_t) is outside [is_sequence_low, is_sequence_high]."""
+    is_truncate_cap: float = 2.0
+    """C in TIS: the cap on the per-token importance weight."""
+    is_sequence_low: float = 0.5
+    """Lower bound of the sequence ratio kept by `sequence_mask`."""
+    is_sequence_high: float = 2.0
+    """Upper bound of the sequence ratio kept by `sequence_mask`."""
     aggregation: Literal["token", "sequence"] = "token"
     """`token`: mean over all valid tokens of the global batch; `sequence`: mean over sequences of
     each sequence's token mean."""
@@ -199,6 +222,9 @@ class Config(Section):
             (self.grpo.max_steps >= 0, "grpo.max_steps must be >= 0"),
             (self.grpo.val_every >= 0, "grpo.val_every must be >= 0 (0: validate only before and after training)"),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
+            (self.generation.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
+            (self.loss.is_truncate_cap > 0, "loss.is_truncate_cap must be > 0"),
+            (0 <= self.loss.is_sequence_low < 1 < self.loss.is_sequence_high, "loss.is_sequence_low must be in [0, 1) and loss.is_sequence_high > 1"),
         ]
         for ok, message in checks:
             if not ok:

