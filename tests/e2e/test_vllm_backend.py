@@ -107,3 +107,18 @@ def test_same_seed_gives_the_same_samples(engine, prompts):
     tokens = lambda r: [[c.token_ids for c in group] for group in r.completions]
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
+
+
+def test_consistency_gate_stops_a_run_whose_engine_kept_stale_weights(engine, prompts, tokenizer):
+    trainer = make_trainer()
+    engine.update_weights(trainer.named_weights())
+    with torch.no_grad():  # the trainer moves on; the engine is not refitted
+        generator = torch.Generator().manual_seed(2)
+        for param in trainer.model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    error = consistency.probe(prompts, engine, trainer, tokenizer, sampling())
+    assert error > 1.05
+    with pytest.raises(consistency.ConsistencyError, match="after the first refit.*did not take the new weights"):
+        consistency.check(error, 1.05, "after the first refit", sampling())
+    engine.update_weights(trainer.named_weights())
+    assert consistency.probe(prompts, engine, trainer, tokenizer, sampling()) <= 1.05
