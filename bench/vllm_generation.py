@@ -4,7 +4,8 @@
 
 1. Overhead: the same engine, prompts and sampling parameters, alternately through
    `VLLMGenerationBackend.generate` (token ids in, `GenerationResult` out) and through `LLM.generate`
-   directly; median of the repeats; overhead = 1 - reinforge_tokens_per_s / direct_tokens_per_s.
+   directly, alternating which goes first; median of the repeats;
+   overhead = 1 - reinforge_tokens_per_s / direct_tokens_per_s.
 2. Refit: `update_weights` with a full state dict for three model sizes (the demo model, ~30M and
    ~150M parameters with random weights and the demo tokenizer), each in its own process because a
    process holds one vLLM engine. Median of the repeats.
@@ -70,11 +71,10 @@ def overhead(num_prompts: int, num_samples: int, max_new_tokens: int, repeats: i
 
     run_ours(), run_direct()  # warm-up
     ours_tps, direct_tps = [], []
-    for _ in range(repeats):
-        seconds, tokens = run_ours()
-        ours_tps.append(tokens / seconds)
-        seconds, tokens = run_direct()
-        direct_tps.append(tokens / seconds)
+    for repeat in range(repeats):  # alternate which goes first, so neither gains from going second
+        for run, record in sorted([(run_ours, ours_tps), (run_direct, direct_tps)], key=lambda pair: (pair[0] is run_ours) == (repeat % 2 == 0)):
+            seconds, tokens = run()
+            record.append(tokens / seconds)
     ours_median, direct_median = statistics.median(ours_tps), statistics.median(direct_tps)
     return {
         "num_prompts": num_prompts, "num_samples": num_samples, "max_new_tokens": max_new_tokens, "repeats": repeats,
@@ -85,7 +85,7 @@ def overhead(num_prompts: int, num_samples: int, max_new_tokens: int, repeats: i
 
 def refit_one(size: str, repeats: int) -> dict:
     """Runs in a child process: build the model, start an engine, time update_weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     from reinforge.generation.vllm_backend import VLLMGenerationBackend
 
@@ -93,9 +93,9 @@ def refit_one(size: str, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = demo
         if SIZES[size] is not None:
-            config = AutoConfig.from_pretrained(demo)
-            for key, value in SIZES[size].items():
-                setattr(config, key, value)
+            base = AutoConfig.from_pretrained(demo)
+            config = Qwen2Config(vocab_size=base.vocab_size, eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
+                                 tie_word_embeddings=True, max_position_embeddings=2048, dtype="float32", **SIZES[size])
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
             AutoTokenizer.from_pretrained(demo).save_pretrained(tmp)
