@@ -17,6 +17,7 @@ As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,84 +60,54 @@ def train(config: Config) -> GRPOResult:
     train_prompts = load_prompts(config.data.train_path, config, tokenizer)
     val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
     sampler = PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle)
-    envs = build_envs(config.env)
-    # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
-    run_dir = make_run_dir(config.logging.run_dir)
-    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
 
-    rollout_size = g.num_prompts_per_step * g.num_generations_per_prompt
-    global_batch = config.training.global_batch_size
-    trainer = TorchBackend(
-        config.model,
-        config.training,
-        temperature=config.generation.temperature,
-        num_optimizer_steps=g.max_steps * (rollout_size // global_batch),
-        load_reference=config.loss.kl_coef > 0,
-    )
-    engine = build_engine(config, tokenizer)
-    probe_prompts = train_prompts[: config.generation.num_probe_prompts]
-    consistency.check(consistency.probe(probe_prompts, engine, trainer, tokenizer, sampling_params(config, 0)),
-                      config.generation.max_logprob_error, "at start-up", sampling_params(config, 0))
-    loss_fn = make_loss_fn(config)
-    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
-    val_history: list[float] = []
-
-    with ConsoleLog(g.max_steps, "GRPO") as console:
-        console.print(f"run directory: {run_dir}")
-        if val_prompts:
-            val_metrics = validate(val_prompts, engine, tokenizer, envs, config)
-            val_history.append(val_metrics["val/accuracy"])
-            metrics_log.write(0, val_metrics)
-            console.step(0, val_metrics, show_line=True)
-
-        for step in range(1, g.max_steps + 1):
-            timers = Timers()
-            with timers.time("step"):
-                prompts = sampler.next_batch()
-                with timers.time("generate"):
-                    trajectories = generate_trajectories(prompts, engine, sampling_params(config, step), tokenizer)
-                with timers.time("reward"):
-                    score_trajectories(trajectories, prompts, envs, config.env.default_task)
-                rewards_PG = torch.tensor([t.reward for t in trajectories]).view(g.num_prompts_per_step, g.num_generations_per_prompt)
-                advantages_PG = group_advantages(rewards_PG, BASELINES[g.baseline], g.normalize_std)
-                batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
-
-                with timers.time("logprobs"):
-                    batch.old_logprobs = trainer.logprobs(batch)
-                    if config.loss.kl_coef > 0:
-                        batch.ref_logprobs = trainer.logprobs(batch, reference=True)
-                batch.is_weights = importance_weights(config, batch)
-                with timers.time("train"):
-                    updates = [trainer.train_step(batch.slice(s, s + global_batch), loss_fn) for s in range(0, len(batch), global_batch)]
-                with timers.time("refit"):
-                    engine.update_weights(trainer.named_weights())
-            if step == 1:  # the first refit must really have moved the engine to the trainer's weights
-                consistency.check(consistency.probe(probe_prompts, engine, trainer, tokenizer, sampling_params(config, 0)),
-                                  config.generation.max_logprob_error, "after the first refit", sampling_params(config, 0))
-
-            metrics = {
-                **rollout_metrics(trajectories, rewards_PG),
-                **train_metrics(updates),
-                **consistency.mismatch_metrics(batch),
-                **env_metrics(envs),
-                **timers.metrics(),
-                "perf/tokens_per_s": batch.attention_mask.sum().item() / timers.seconds["step"],
-            }
-            if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
-                with timers.time("val"):
-                    metrics.update(validate(val_prompts, engine, tokenizer, envs, config))
-                metrics["timing/val_s"] = timers.seconds["val"]
-                val_history.append(metrics["val/accuracy"])
-            metrics_log.write(step, metrics)
-            console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
-
-        if config.checkpoint.save_final:
-            with atomic_directory(run_dir / "final") as tmp:
-                trainer.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-        engine.shutdown()
+    with ExitStack() as cleanup:  # engines and verifier processes are released on every exit path
+        envs = build_envs(config.env)
         for env in envs.values():
-            env.close()
+            cleanup.callback(env.close)
+        # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
+        run_dir = make_run_dir(config.logging.run_dir)
+        save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
+        trainer = TorchBackend(
+            config.model,
+            config.training,
+            temperature=config.generation.temperature,
+            num_optimizer_steps=g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size),
+            load_reference=config.loss.kl_coef > 0,
+        )
+        engine = build_engine(config, tokenizer)
+        cleanup.callback(engine.shutdown)
+        probe_prompts = train_prompts[: config.generation.num_probe_prompts]
+        check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
+        loss_fn = make_loss_fn(config)
+        metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
+        val_history: list[float] = []
+
+        with ConsoleLog(g.max_steps, "GRPO") as console:
+            console.print(f"run directory: {run_dir}")
+            if val_prompts:
+                val_metrics = validate(val_prompts, engine, tokenizer, envs, config)
+                val_history.append(val_metrics["val/accuracy"])
+                metrics_log.write(0, val_metrics)
+                console.step(0, val_metrics, show_line=True)
+
+            for step in range(1, g.max_steps + 1):
+                metrics = grpo_step(step, sampler.next_batch(), engine, trainer, envs, tokenizer, loss_fn, config)
+                if step == 1:  # the first refit must really have moved the engine to the trainer's weights
+                    check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
+                if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
+                    timers = Timers()
+                    with timers.time("val"):
+                        metrics.update(validate(val_prompts, engine, tokenizer, envs, config))
+                    metrics.update(timers.metrics())
+                    val_history.append(metrics["val/accuracy"])
+                metrics_log.write(step, metrics)
+                console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
+
+            if config.checkpoint.save_final:
+                with atomic_directory(run_dir / "final") as tmp:
+                    trainer.save_pretrained(tmp)
+                    tokenizer.save_pretrained(tmp)
 
     first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
     if first is not None:
@@ -144,6 +115,46 @@ def train(config: Config) -> GRPOResult:
         console.print(f"val/accuracy at step {g.max_steps}: {last:.3f} ({last - first:+.3f})")
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}" + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""))
     return GRPOResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
+
+
+def grpo_step(step: int, prompts: list[Prompt], engine: GenerationBackend, trainer: TorchBackend,
+              envs: dict[str, Environment], tokenizer, loss_fn, config: Config) -> dict[str, float]:
+    """One GRPO step: generate, score, advantages, logprobs, optimizer steps, refit. Returns its metrics."""
+    g, global_batch = config.grpo, config.training.global_batch_size
+    timers = Timers()
+    with timers.time("step"):
+        with timers.time("generate"):
+            trajectories = generate_trajectories(prompts, engine, sampling_params(config, step), tokenizer)
+        with timers.time("reward"):
+            score_trajectories(trajectories, prompts, envs, config.env.default_task)
+        rewards_PG = torch.tensor([t.reward for t in trajectories]).view(g.num_prompts_per_step, g.num_generations_per_prompt)
+        advantages_PG = group_advantages(rewards_PG, BASELINES[g.baseline], g.normalize_std)
+        batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
+
+        with timers.time("logprobs"):
+            batch.old_logprobs = trainer.logprobs(batch)
+            if config.loss.kl_coef > 0:
+                batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+        batch.is_weights = importance_weights(config, batch)
+        with timers.time("train"):  # one optimizer step per global batch of the rollout
+            updates = [trainer.train_step(batch.slice(s, s + global_batch), loss_fn) for s in range(0, len(batch), global_batch)]
+        with timers.time("refit"):
+            engine.update_weights(trainer.named_weights())
+    return {
+        **rollout_metrics(trajectories, rewards_PG),
+        **train_metrics(updates),
+        **consistency.mismatch_metrics(batch),
+        **env_metrics(envs),
+        **timers.metrics(),
+        "perf/tokens_per_s": batch.attention_mask.sum().item() / timers.seconds["step"],
+    }
+
+
+def check_consistency(prompts: list[Prompt], engine: GenerationBackend, trainer: TorchBackend, tokenizer, config: Config, when: str) -> None:
+    """Stop the run if the engine's logprobs disagree with the trainer's (see generation/consistency.py)."""
+    params = sampling_params(config, 0)
+    error = consistency.probe(prompts, engine, trainer, tokenizer, params)
+    consistency.check(error, config.generation.max_logprob_error, when, params)
 
 
 def load_prompts(path: str, config: Config, tokenizer) -> list[Prompt]:

@@ -1,0 +1,211 @@
+"""One rank of the FSDP2 training backend: a plain Python class, one instance per process.
+
+Every rank holds a 1/N shard of the policy (PyTorch FSDP2 `fully_shard` on each decoder layer, then
+on the root) and of its AdamW state. Callers hand every rank the WHOLE global batch; rank r trains on
+the contiguous rows [r*B/N, (r+1)*B/N) but divides by the normalisers of the whole batch, and the
+gradient reduction is a plain sum (FSDP2's default average over ranks is switched off), so the summed
+gradient is exactly the gradient of the global-batch loss, as in `TorchBackend`. Metrics are reduced
+over ranks the same way (sums, and max/min for `*_max`/`*_min`); grad_norm is the global norm.
+
+On GPU the master weights and optimizer state are fp32 and forward/backward run in
+`model.dtype` (bf16 by default there), with fp32 gradient reduction; on CPU everything is fp32.
+Ray is not imported here: the cluster layer wraps this class in actors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel, get_scheduler
+
+from reinforge.algorithms.losses import Normalisers, token_mean
+from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.data.batch import TrainBatch
+from reinforge.modeling import DTYPES, load_model
+from reinforge.training.base import LossFn
+from reinforge.training.torch_backend import SCHEDULES, token_entropy, token_logprobs
+
+
+def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> PreTrainedModel:
+    """FSDP2 on each decoder layer, then the root (embeddings, final norm and the tied lm_head).
+
+    Gradients are SUM-reduced: the loss is already divided by the global token count, so FSDP2's
+    default division by the world size would shrink the gradient N-fold. `set_gradient_divide_factor`
+    acts on one module only, hence the loop; sum-only collectives avoid PREMUL_SUM, which gloo lacks.
+    """
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            pass
+            pass
+    return model
+
+
+def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch) if getattr(batch, f.name) is not None})
+
+
+def reduce_metrics(totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Sum `totals` and take the max/min of `extremes` over ranks (every rank has the same names)."""
+    result = {}
+    for names, op in ((sorted(totals), dist.ReduceOp.SUM),
+                      (sorted(n for n in extremes if n.endswith("_max")), dist.ReduceOp.MAX),
+                      (sorted(n for n in extremes if n.endswith("_min")), dist.ReduceOp.MIN)):
+        if not names:
+            continue
+        values = torch.stack([(totals | extremes)[n].float().to(device) for n in names])
+        dist.all_reduce(values, op=op)
+        result.update(zip(names, values.tolist()))
+    return result
+
+
+class FSDP2Worker:
+    """One rank: sharded policy (+ optional frozen sharded reference), AdamW and its schedule."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_config: ModelConfig,
+        training_config: TrainingConfig,
+        temperature: float,
+        num_optimizer_steps: int,
+        load_reference: bool,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.config = training_config
+        self.temperature = temperature
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            # under Ray each actor usually sees one GPU; LOCAL_RANK covers torchrun-style launches
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+        )
+        mesh = init_device_mesh(self.device.type, (world_size,))
+        # fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32
+        mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_config.dtype], reduce_dtype=torch.float32)
+        fp32_config = model_config.model_copy(update={"dtype": "float32"})
+        self.model = shard_model(load_model(fp32_config).to(self.device), mesh, mp_policy)
+        self.model.train()
+        self.reference = None
+        if load_reference:
+            self.reference = shard_model(load_model(fp32_config).requires_grad_(False).to(self.device), mesh, mp_policy).eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=training_config.lr,
+            betas=(training_config.adam_beta1, training_config.adam_beta2),
+            eps=training_config.adam_eps,
+            weight_decay=training_config.weight_decay,
+        )
+        self.scheduler = get_scheduler(
+            SCHEDULES[training_config.lr_schedule],
+            self.optimizer,
+            num_warmup_steps=training_config.warmup_steps,
+            num_training_steps=max(num_optimizer_steps, 1),
+        )
+
+    def _share(self, batch: TrainBatch) -> tuple[int, int]:
+        """This rank's contiguous rows; equal shares keep the ranks' collectives in step."""
+        assert len(batch) % self.world_size == 0, f"batch of {len(batch)} rows does not split over {self.world_size} ranks"
+        size = len(batch) // self.world_size
+        return self.rank * size, (self.rank + 1) * size
+
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[int, TrainBatch]]:
+        """(row offset within the share, micro-batch on this device) over this rank's share."""
+        start, end = self._share(batch)
+        for offset in range(0, end - start, self.config.micro_batch_size):
+            micro_end = min(start + offset + self.config.micro_batch_size, end)
+            yield offset, batch_to(batch.slice(start + offset, micro_end), self.device)
+
+    def _logits(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the whole batch, on every rank (each computes its share)."""
+        model = self.reference if reference else self.model
+        assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
+        start, end = self._share(batch)
+        share_BT = torch.zeros((end - start, batch.loss_mask.shape[1]), device=self.device)
+        for offset, micro in self._micro_batches(batch):
+            logprobs_BT = token_logprobs(self._logits(model, micro), micro.input_ids, self.temperature)
+            share_BT[offset : offset + len(micro), : logprobs_BT.shape[1]] = logprobs_BT
+        shares = [torch.empty_like(share_BT) for _ in range(self.world_size)]
+        dist.all_gather(shares, share_BT)
+        return torch.cat(shares).cpu() * batch.loss_mask
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on the global batch: accumulate, clip by the global norm, step, schedule."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate_gradients(batch, loss_fn)
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        if isinstance(grad_norm, DTensor):  # each rank's norm of its shard, pending a reduction
+            grad_norm = grad_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Add the gradient of the global-batch loss to the sharded `.grad`s; return global metrics."""
+        norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
+        extremes: dict[str, torch.Tensor] = {}
+        for _, micro in self._micro_batches(batch):
+            logits_BTV = self._logits(self.model, micro)
+            logprobs_BT = token_logprobs(logits_BTV, micro.input_ids, self.temperature)
+            loss, metrics = loss_fn(logprobs_BT, micro, norm)
+            loss.backward()
+            with torch.no_grad():
+                metrics["entropy"] = token_mean(token_entropy(logits_BTV.detach(), self.temperature), micro.loss_mask, norm)
+            for name, value in metrics.items():
+                value = value.detach().float()
+                if name.endswith(("_max", "_min")):
+                    reduce = torch.maximum if name.endswith("_max") else torch.minimum
+                    extremes[name] = reduce(extremes[name], value) if name in extremes else value
+                else:
+                    totals[name] = totals[name] + value
+        return reduce_metrics(totals, extremes, self.device)
+
+    @torch.no_grad()
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full fp32 weights with HF names on every rank (a collective: all ranks must iterate).
+
+        Tied parameters (lm_head and embed_tokens) appear under both names as the same tensor object,
+        so `save_pretrained` recognises the tie and writes it once."""
+        gathered: dict[int, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():  # keep_vars: tied names share one object
+            if id(tensor) not in gathered:
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                gathered[id(tensor)] = full.detach().cpu()
+            yield name, gathered[id(tensor)]
+
+    def save_pretrained(self, path: Path) -> None:
+        """Every rank gathers; rank 0 writes the Hugging Face directory."""
+        state_dict = dict(self.named_weights())
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state_dict)
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        dist.destroy_process_group()
