@@ -7,8 +7,8 @@ gradient reduction is a plain sum (FSDP2's default average over ranks is switche
 gradient is exactly the gradient of the global-batch loss, as in `TorchBackend`. Metrics are reduced
 over ranks the same way (sums, and max/min for `*_max`/`*_min`); grad_norm is the global norm.
 
-On GPU the master weights and optimizer state are fp32 and forward/backward run in
-`model.dtype` (bf16 by default there), with fp32 gradient reduction; on CPU everything is fp32.
+Master weights and optimizer state are always fp32; forward/backward run in `model.dtype` (float32
+on CPU, bfloat16 on GPU) through FSDP2's MixedPrecisionPolicy, and gradients are reduced in fp32.
 Ray is not imported here: the cluster layer wraps this class in actors.
 """
 
@@ -25,14 +25,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel
 
 from reinforge.algorithms.losses import Normalisers, token_mean
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import DTYPES, load_model
 from reinforge.training.base import LossFn
-from reinforge.training.torch_backend import SCHEDULES, token_entropy, token_logprobs
+from reinforge.training.torch_backend import build_optimizer, token_entropy, token_logprobs
 
 
 def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> PreTrainedModel:
@@ -47,8 +47,8 @@ def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecis
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            pass
-            pass
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -107,19 +107,7 @@ class FSDP2Worker:
         self.reference = None
         if load_reference:
             self.reference = shard_model(load_model(fp32_config).requires_grad_(False).to(self.device), mesh, mp_policy).eval()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=training_config.lr,
-            betas=(training_config.adam_beta1, training_config.adam_beta2),
-            eps=training_config.adam_eps,
-            weight_decay=training_config.weight_decay,
-        )
-        self.scheduler = get_scheduler(
-            SCHEDULES[training_config.lr_schedule],
-            self.optimizer,
-            num_warmup_steps=training_config.warmup_steps,
-            num_training_steps=max(num_optimizer_steps, 1),
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
 
     def _share(self, batch: TrainBatch) -> tuple[int, int]:
         """This rank's contiguous rows; equal shares keep the ranks' collectives in step."""

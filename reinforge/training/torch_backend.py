@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,23 @@ from reinforge.modeling import load_model
 from reinforge.training.base import LossFn
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def build_optimizer(
+    parameters: Iterable[torch.nn.Parameter], config: TrainingConfig, num_optimizer_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW and its warm-up + schedule over the run's optimizer steps (shared by every backend)."""
+    optimizer = torch.optim.AdamW(
+        parameters,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
+    scheduler = get_scheduler(
+        SCHEDULES[config.lr_schedule], optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max(num_optimizer_steps, 1)
+    )
+    return optimizer, scheduler
 
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -56,19 +73,7 @@ class TorchBackend:
         self.model = load_model(model_config)
         self.model.train()
         self.reference = load_model(model_config).eval().requires_grad_(False) if load_reference else None
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=training_config.lr,
-            betas=(training_config.adam_beta1, training_config.adam_beta2),
-            eps=training_config.adam_eps,
-            weight_decay=training_config.weight_decay,
-        )
-        self.scheduler = get_scheduler(
-            SCHEDULES[training_config.lr_schedule],
-            self.optimizer,
-            num_warmup_steps=training_config.warmup_steps,
-            num_training_steps=max(num_optimizer_steps, 1),
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
 
     def _logits(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits

@@ -1,0 +1,124 @@
+"""The FSDP2 worker with real torch.distributed (gloo) in real processes.
+
+One world of 1 rank and one world of 2 ranks run the same script once (module fixture: spawning
+processes is the expensive part); the tests compare what they wrote.
+"""
+
+import socket
+import time
+from functools import partial
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_torch_backend import loss_fn, make_backend, make_batch
+from transformers import AutoModelForCausalLM
+
+from reinforge.algorithms.losses import token_mean
+from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.training.fsdp2_worker import FSDP2Worker
+
+NUM_STEPS = 2
+
+
+def perturb(batch, logprobs, ref_logprobs):
+    """Old and reference logprobs away from the policy's, so the clip and the KL term are active."""
+    noise = 0.3 * torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
+    batch.old_logprobs = logprobs + noise * batch.loss_mask
+    batch.ref_logprobs = ref_logprobs - noise * batch.loss_mask
+
+
+def run_rank(rank, world_size, port, model_dir, out_dir):
+    """The script every rank runs: logprobs, NUM_STEPS train steps, gather the weights, export."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    worker = FSDP2Worker(
+        rank, world_size, "127.0.0.1", port,
+        ModelConfig(name_or_path=str(model_dir)),
+        TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-3),
+        temperature=0.7, num_optimizer_steps=10, load_reference=True,
+    )
+    batch = make_batch()
+    logprobs = worker.logprobs(batch)
+    perturb(batch, logprobs, worker.logprobs(batch, reference=True))
+    metrics = [worker.train_step(batch, partial(loss_fn, token_mean, 0.1)) for _ in range(NUM_STEPS)]
+    weights = dict(worker.named_weights())
+    worker.save_pretrained(out_dir / "export")
+    result = {"logprobs": logprobs, "metrics": metrics}
+    if rank == 0:
+        result["weights"] = weights
+    torch.save(result, out_dir / f"rank{rank}.pt")
+    worker.shutdown()
+
+
+def launch(world_size, model_dir, out_dir, timeout_s=120):
+    """Run `run_rank` in `world_size` fresh processes on a free port; fail (not hang) if one fails."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=run_rank, args=(rank, world_size, port, model_dir, out_dir)) for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """{world_size: (per-rank results, export directory)} for worlds of 1 and 2 ranks."""
+    result = {}
+    for world_size in (1, 2):
+        out_dir = tmp_path_factory.mktemp(f"fsdp2_world{world_size}")
+        result[world_size] = launch(world_size, tiny_model_dir, out_dir), out_dir / "export"
+    return result
+
+
+def test_two_ranks_give_the_same_loss_and_weights_as_one_rank(runs, tiny_model_dir):
+    (one,), _ = runs[1]
+    two, _ = runs[2]
+    assert one["metrics"][0]["clip_fraction"] > 0 and one["metrics"][0]["kl"] > 0
+    for name in ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "ratio_max", "ratio_min", "grad_norm"):
+        for step in range(NUM_STEPS):
+            for rank in range(2):
+                assert abs(two[rank]["metrics"][step][name] - one["metrics"][step][name]) <= 1e-5, (name, step, rank)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for name, weight in one["weights"].items():
+        assert (weight - initial[name]).abs().max() > 0, f"{name} was not updated"
+        torch.testing.assert_close(two[0]["weights"][name], weight, atol=1e-5, rtol=0)
+    # and one FSDP2 rank is the single-process backend
+    backend = make_backend(tiny_model_dir, micro_batch_size=2, load_reference=True)
+    batch = make_batch()
+    perturb(batch, backend.logprobs(batch), backend.logprobs(batch, reference=True))
+    for step in range(NUM_STEPS):
+        metrics = backend.train_step(batch, partial(loss_fn, token_mean, 0.1))
+        assert abs(metrics["loss"] - one["metrics"][step]["loss"]) <= 1e-5
+    for name, weight in backend.named_weights():
+        torch.testing.assert_close(one["weights"][name], weight, atol=1e-5, rtol=0)
+
+
+def test_logprobs_are_identical_across_ranks_and_match_the_single_process_backend(runs, tiny_model_dir):
+    (one,), _ = runs[1]
+    two, _ = runs[2]
+    assert torch.equal(two[0]["logprobs"], two[1]["logprobs"])
+    expected = make_backend(tiny_model_dir, micro_batch_size=2).logprobs(make_batch())
+    assert expected.abs().max() > 0
+    for logprobs in (one["logprobs"], two[0]["logprobs"]):
+        torch.testing.assert_close(logprobs, expected, atol=1e-6, rtol=0)
+
+
+def test_export_from_shards_loads_with_from_pretrained(runs):
+    two, export_dir = runs[2]
+    model = AutoModelForCausalLM.from_pretrained(export_dir)
+    assert model.config.architectures == ["Qwen2ForCausalLM"]
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    loaded = model.state_dict()
+    assert loaded.keys() == two[0]["weights"].keys()
+    for name, weight in two[0]["weights"].items():
+        assert torch.equal(loaded[name], weight), name
