@@ -41,6 +41,7 @@ from reinforge.modeling import load_model, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.rollout.single_turn import generate_trajectories, score_trajectories
 from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.training.base import TrainingBackend
 from reinforge.training.torch_backend import TorchBackend
 
 
@@ -68,13 +69,7 @@ def train(config: Config) -> GRPOResult:
         # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
         run_dir = make_run_dir(config.logging.run_dir)
         save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
-        trainer = TorchBackend(
-            config.model,
-            config.training,
-            temperature=config.generation.temperature,
-            num_optimizer_steps=g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size),
-            load_reference=config.loss.kl_coef > 0,
-        )
+        trainer = build_trainer(config, cleanup)
         engine = build_engine(config, tokenizer)
         cleanup.callback(engine.shutdown)
         probe_prompts = train_prompts[: config.generation.num_probe_prompts]
@@ -117,7 +112,7 @@ def train(config: Config) -> GRPOResult:
     return GRPOResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
 
 
-def grpo_step(step: int, prompts: list[Prompt], engine: GenerationBackend, trainer: TorchBackend,
+def grpo_step(step: int, prompts: list[Prompt], engine: GenerationBackend, trainer: TrainingBackend,
               envs: dict[str, Environment], tokenizer, loss_fn, config: Config) -> dict[str, float]:
     """One GRPO step: generate, score, advantages, logprobs, optimizer steps, refit. Returns its metrics."""
     g, global_batch = config.grpo, config.training.global_batch_size
@@ -150,7 +145,7 @@ def grpo_step(step: int, prompts: list[Prompt], engine: GenerationBackend, train
     }
 
 
-def check_consistency(prompts: list[Prompt], engine: GenerationBackend, trainer: TorchBackend, tokenizer, config: Config, when: str) -> None:
+def check_consistency(prompts: list[Prompt], engine: GenerationBackend, trainer: TrainingBackend, tokenizer, config: Config, when: str) -> None:
     """Stop the run if the engine's logprobs disagree with the trainer's (see generation/consistency.py)."""
     params = sampling_params(config, 0)
     error = consistency.probe(prompts, engine, trainer, tokenizer, params)
@@ -183,6 +178,22 @@ def sampling_params(config: Config, step: int) -> SamplingParams:
         num_samples=config.grpo.num_generations_per_prompt,
         seed=config.seed * 1_000_003 + step,  # a fresh, reproducible stream per step
     )
+
+
+def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
+    g = config.grpo
+    num_optimizer_steps = g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size)
+    if config.training.backend == "torch":
+        return TorchBackend(config.model, config.training, temperature=config.generation.temperature,
+                            num_optimizer_steps=num_optimizer_steps, load_reference=config.loss.kl_coef > 0)
+    from reinforge.cluster import fsdp2_trainer, worker_group  # Ray only where the run asks for it
+    import ray
+
+    worker_group.start_ray(config.cluster)
+    cleanup.callback(ray.shutdown)
+    trainer = fsdp2_trainer.FSDP2Trainer(config, num_optimizer_steps)
+    cleanup.callback(trainer.shutdown)
+    return trainer
 
 
 def build_engine(config: Config, tokenizer) -> GenerationBackend:

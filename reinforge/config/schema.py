@@ -78,8 +78,11 @@ class GenerationConfig(Section):
 
 
 class TrainingConfig(Section):
-    backend: Literal["torch"] = "torch"
-    """Training engine: `torch` (one process, plain PyTorch)."""
+    backend: Literal["torch", "fsdp2"] = "torch"
+    """Training engine: `torch` (one process, plain PyTorch) or `fsdp2` (PyTorch FSDP2 over
+    `training.num_workers` ranks in Ray actors; gloo on CPU, NCCL on GPU)."""
+    num_workers: int = 1
+    """Training ranks for `fsdp2`; each trains on global_batch_size / num_workers sequences per step."""
     micro_batch_size: int = 32
     """Sequences per forward/backward pass; gradients accumulate over micro-batches."""
     global_batch_size: int = 128
@@ -156,6 +159,16 @@ class EnvConfig(Section):
 class ClusterConfig(Section):
     num_threads: int = 0
     """torch intra-op threads per process; 0 keeps torch's default (all cores)."""
+    address: str = ""
+    """Ray cluster to use: empty starts a local Ray; `auto` or HOST:PORT joins a running cluster."""
+    num_cpus: int = 0
+    """CPUs a local Ray may use; 0: all of this machine's."""
+    num_cpus_per_worker: float = 1.0
+    """CPUs reserved for each Ray worker (training rank)."""
+    num_gpus_per_worker: float = 0.0
+    """GPUs reserved for each Ray worker; 1 on a GPU cluster."""
+    worker_timeout_s: float = 600.0
+    """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""
 
 
 class CheckpointConfig(Section):
@@ -201,6 +214,13 @@ class Config(Section):
                 f"(grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rollout}); "
                 f"set it to a divisor of {rollout}, e.g. {rollout} or {rollout // 2 if rollout % 2 == 0 else rollout}"
             )
+        if t.num_workers < 1 or t.global_batch_size % t.num_workers:
+            raise ValueError(
+                f"training.num_workers={t.num_workers} does not divide training.global_batch_size={t.global_batch_size}; "
+                "every rank trains on an equal share, so set it to a divisor"
+            )
+        if t.num_workers > 1 and t.backend != "fsdp2":
+            raise ValueError(f"training.num_workers={t.num_workers} needs training.backend=fsdp2; the torch backend is one process")
         if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
             raise ValueError(
                 f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="

@@ -188,6 +188,14 @@ class FSDP2Worker:
                 gathered[id(tensor)] = full.detach().cpu()
             yield name, gathered[id(tensor)]
 
+    def full_state(self) -> list[tuple[str, torch.Tensor]]:
+        """`named_weights` as a list on rank 0 (empty elsewhere): what a remote caller fetches for refit."""
+        weights = list(self.named_weights())
+        return weights if self.rank == 0 else []
+
+    def pid(self) -> int:
+        return os.getpid()
+
     def save_pretrained(self, path: Path) -> None:
         """Every rank gathers; rank 0 writes the Hugging Face directory."""
         state_dict = dict(self.named_weights())

@@ -1,0 +1,48 @@
+"""`training.backend=fsdp2`: N FSDP2 ranks (`training/fsdp2_worker.py`) in Ray actors, behind the
+same training-backend interface as the single-process `TorchBackend`, so the GRPO loop does not know
+where its ranks run. Every rank gets the whole global batch (through the object store, once) and
+trains on its share; rank 0 answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from reinforge.cluster.worker_group import WorkerGroup, free_port
+from reinforge.config.schema import Config
+from reinforge.data.batch import TrainBatch
+from reinforge.training.base import LossFn
+from reinforge.training.fsdp2_worker import FSDP2Worker
+
+
+class FSDP2Trainer:
+    def __init__(self, config: Config, num_optimizer_steps: int):
+        port = free_port()
+        num_workers = config.training.num_workers
+        self.group = WorkerGroup(
+            "training",
+            FSDP2Worker,
+            num_workers,
+            lambda rank, master_ip: (rank, num_workers, master_ip, port, config.model, config.training,
+                                     config.generation.temperature, num_optimizer_steps, config.loss.kl_coef > 0),
+            num_cpus_per_worker=config.cluster.num_cpus_per_worker,
+            num_gpus_per_worker=config.cluster.num_gpus_per_worker,
+            timeout_s=config.cluster.worker_timeout_s,
+        )
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        return self.group.call("logprobs", batch, reference)[0]
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        return self.group.call("train_step", batch, loss_fn)[0]
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.group.call("full_state")[0])
+
+    def save_pretrained(self, path: Path) -> None:
+        self.group.call("save_pretrained", str(path))
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

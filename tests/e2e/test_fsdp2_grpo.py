@@ -1,0 +1,57 @@
+"""GRPO with training.backend=fsdp2: two real FSDP2 ranks in real Ray actors (gloo on CPU)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from reinforge.paths import PROJECT_ROOT
+
+COMMAND = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
+           "training.backend=fsdp2", "training.num_workers=2", "grpo.val_every=0"]
+
+
+def worker_pids(pattern: str) -> list[int]:
+    result = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return [int(pid) for pid in result.stdout.split()]
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_on_two_fsdp2_ranks_matches_one_process_and_raises_accuracy(tmp_path):
+    result = subprocess.run(COMMAND + ["grpo.max_steps=12", f"logging.run_dir={tmp_path / 'fsdp2'}"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "fsdp2")
+    assert rows[-1]["val/accuracy"] >= rows[0]["val/accuracy"] + 0.05, (rows[0]["val/accuracy"], rows[-1]["val/accuracy"])
+    assert (tmp_path / "fsdp2" / "final" / "model.safetensors").is_file()
+    # the first step starts from the same weights and samples the same answers: the two backends must agree
+    single = COMMAND[:6] + ["grpo.max_steps=1", "grpo.val_every=0", "data.max_val_prompts=1", f"logging.run_dir={tmp_path / 'torch'}"]
+    assert subprocess.run(single, capture_output=True, text=True, timeout=600).returncode == 0
+    one, two = read_metrics(tmp_path / "torch")[1], rows[1]
+    assert one["train/reward_mean"] == two["train/reward_mean"]
+    for key in ("train/loss", "train/kl", "train/grad_norm", "train/entropy", "train/ratio_max"):
+        assert abs(one[key] - two[key]) <= 1e-5 * max(1.0, abs(one[key])), (key, one[key], two[key])
+
+
+def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftovers(tmp_path):
+    run = subprocess.Popen(COMMAND + ["grpo.max_steps=200", f"logging.run_dir={tmp_path / 'run'}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.5)
+    victims = worker_pids("ray::FSDP2Worker")
+    assert len(victims) == 2, victims
+    os.kill(victims[1], signal.SIGKILL)
+    killed_at = time.time()
+    _, stderr = run.communicate(timeout=120)
+    assert time.time() - killed_at < 30
+    assert run.returncode == 2, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert "Traceback" not in stderr and last.startswith("reinforge: error: training[") and "died" in last, last
+    time.sleep(3)
+    assert worker_pids("ray::") == [] and worker_pids("raylet") == []
