@@ -17,12 +17,14 @@ As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from reinforge.cluster.fsdp2_trainer import FSDP2Trainer
 from reinforge.algorithms.advantages import BASELINES, group_advantages
 from reinforge.algorithms.losses import AGGREGATIONS, grpo_loss, sequence_ratio_mask, truncated_importance_weights
 from reinforge.config import Config, save_config
@@ -70,8 +72,11 @@ def train(config: Config) -> GRPOResult:
         run_dir = make_run_dir(config.logging.run_dir)
         save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
         trainer = build_trainer(config, cleanup)
-        engine = build_engine(config, tokenizer)
+        engine = build_engine(config, tokenizer, trainer)
         cleanup.callback(engine.shutdown)
+        if isinstance(trainer, FSDP2Trainer):  # where each worker landed, for the user and the tests
+            placement = {"training": trainer.group.node_ids(), "generation": engine.group.node_ids()}
+            (run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
         probe_prompts = train_prompts[: config.generation.num_probe_prompts]
         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
         loss_fn = make_loss_fn(config)
@@ -186,18 +191,30 @@ def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
     if config.training.backend == "torch":
         return TorchBackend(config.model, config.training, temperature=config.generation.temperature,
                             num_optimizer_steps=num_optimizer_steps, load_reference=config.loss.kl_coef > 0)
-    from reinforge.cluster import fsdp2_trainer, worker_group  # Ray only where the run asks for it
+    from reinforge.cluster import worker_group  # Ray only where the run asks for it
     import ray
 
-    worker_group.start_ray(config.cluster)
+    cluster = config.cluster
+    num_engine_bundles = 0 if cluster.colocate else config.generation.num_workers
+    worker_group.start_ray(cluster, (config.training.num_workers + num_engine_bundles) * cluster.num_cpus_per_worker)
     cleanup.callback(ray.shutdown)
-    trainer = fsdp2_trainer.FSDP2Trainer(config, num_optimizer_steps)
+    trainer = FSDP2Trainer(config, num_optimizer_steps)
     cleanup.callback(trainer.shutdown)
     return trainer
 
 
-def build_engine(config: Config, tokenizer) -> GenerationBackend:
+def build_engine(config: Config, tokenizer, trainer: TrainingBackend) -> GenerationBackend:
     gen = config.generation
+    if config.training.backend == "fsdp2":  # Ray is up: engines are a worker group too
+        from reinforge.cluster.generation_group import GenerationGroup
+
+        share = config.cluster.colocate
+        return GenerationGroup(
+            config,
+            num_cpus_per_engine=config.cluster.num_cpus_per_worker * (0.5 if share else 1.0),
+            num_gpus_per_engine=config.cluster.num_gpus_per_worker * (0.5 if share else 1.0),
+            share_with=trainer.group if share else None,
+        )
     if gen.backend == "hf":
         return HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size)
     try:

@@ -30,6 +30,7 @@ class FSDP2Trainer:
             num_cpus_per_worker=config.cluster.num_cpus_per_worker,
             num_gpus_per_worker=config.cluster.num_gpus_per_worker,
             timeout_s=config.cluster.worker_timeout_s,
+            actor_fraction=0.5 if config.cluster.colocate else 1.0,  # colocated engines take the other half
         )
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:

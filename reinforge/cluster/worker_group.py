@@ -9,6 +9,7 @@ blocked in a collective with the dead one, are killed, never waited for.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import socket
 from pathlib import Path
@@ -22,20 +23,26 @@ from reinforge.config.schema import ClusterConfig
 from reinforge.errors import ReinforgeError
 
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default session log directory
+PLACEMENT_TIMEOUT_S = 60.0  # resources that are not there within a minute will not appear
 
 
 class WorkerFailed(ReinforgeError):
     """A worker process died or raised; the message names it and shows its last log lines."""
 
 
-def start_ray(config: ClusterConfig) -> None:
-    """Start a local Ray (cluster.address empty) or join an existing cluster (`auto` or HOST:PORT)."""
+def start_ray(config: ClusterConfig, num_cpus_needed: float) -> None:
+    """Start a local Ray (cluster.address empty) or join an existing cluster (`auto` or HOST:PORT).
+
+    A local Ray gets `cluster.num_cpus` logical CPUs, or by default enough for the run's workers even
+    if that is more than the machine's cores: on CPU, workers that oversubscribe the cores only run
+    slower, while too few logical CPUs would leave workers unplaced."""
     if ray.is_initialized():
         return
     if config.address:
         ray.init(address=config.address, log_to_driver=False)
     else:
-        ray.init(num_cpus=config.num_cpus or None, include_dashboard=False, log_to_driver=False)
+        num_cpus = config.num_cpus or max(os.cpu_count() or 1, math.ceil(num_cpus_needed))
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 def free_port() -> int:
@@ -56,30 +63,44 @@ class WorkerGroup:
         num_cpus_per_worker: float,
         num_gpus_per_worker: float,
         timeout_s: float,
+        share_with: "WorkerGroup | None" = None,
+        actor_fraction: float = 1.0,
     ):
+        """With `share_with`, the workers go into that group's bundles (worker i into bundle i) instead
+        of bundles of their own: colocation. `actor_fraction` of a bundle is what each actor asks for,
+        leaving the rest to the group that will share it."""
         self.name, self.timeout_s = name, timeout_s
         bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
-        self.placement_group: PlacementGroup = placement_group([bundle] * num_workers, strategy="SPREAD")
-        try:
-            ray.get(self.placement_group.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement_group)
-            raise ReinforgeError(
-                f"{name}: the cluster cannot place {num_workers} workers of {bundle} within {timeout_s:.0f} s; "
-                "lower the worker count or the per-worker resources (cluster.*), or add nodes"
-            ) from None
+        self.owns_placement_group = share_with is None
+        if share_with is None:
+            self.placement_group = placement_group([bundle] * num_workers, strategy="SPREAD")
+            try:
+                ray.get(self.placement_group.ready(), timeout=min(timeout_s, PLACEMENT_TIMEOUT_S))
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(self.placement_group)
+                raise ReinforgeError(
+                    f"{name}: the cluster cannot place {num_workers} workers of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                    "lower the worker count or the per-worker resources (cluster.*), or add nodes"
+                ) from None
+        else:
+            self.placement_group = share_with.placement_group
         rank0_ip = self._bundle_ip(0)
         actor_cls = ray.remote(worker_cls)
         self.workers = [
             actor_cls.options(
-                num_cpus=num_cpus_per_worker,
-                num_gpus=num_gpus_per_worker,
+                num_cpus=num_cpus_per_worker * actor_fraction,
+                num_gpus=num_gpus_per_worker * actor_fraction,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
             ).remote(*args_for_rank(rank, rank0_ip))
             for rank in range(num_workers)
         ]
         self.names = [f"{name}[{rank}]" for rank in range(num_workers)]
-        self.pids = self.call("pid")
+        self.pids = ray.get([worker.__ray_call__.remote(lambda _: os.getpid()) for worker in self.workers])
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each worker's bundle, in rank order."""
+        table = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"]
+        return [table[rank] for rank in range(len(self.workers))]
 
     def _bundle_ip(self, index: int) -> str:
         node_id = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"][index]
@@ -89,7 +110,12 @@ class WorkerGroup:
         """Run `method(*args)` on every worker; results in rank order. Large arguments go through
         the object store once."""
         args = tuple(ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args)
-        refs = [getattr(worker, method).remote(*args) for worker in self.workers]
+        return self.call_each(method, [args] * len(self.workers))
+
+    def call_each(self, method: str, args_per_worker: list[tuple]) -> list[Any]:
+        """Run `method(*args_per_worker[i])` on worker i, all at once; results in rank order."""
+        refs = [getattr(worker, method).remote(*args) for worker, args in zip(self.workers, args_per_worker)]
+        names = dict(zip(refs, self.names))
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
@@ -99,7 +125,7 @@ class WorkerGroup:
             try:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-                rank = refs.index(done[0])
+                rank = self.names.index(names[done[0]])
                 self.shutdown()
                 raise WorkerFailed(f"{self.names[rank]} failed in {method}: {_first_line(exc)}{self._log_tail(rank)}") from None
         return ray.get(refs)
@@ -116,9 +142,9 @@ class WorkerGroup:
         for worker in getattr(self, "workers", []):
             ray.kill(worker, no_restart=True)
         self.workers = []
-        if self.placement_group is not None:
+        if self.placement_group is not None and self.owns_placement_group:
             remove_placement_group(self.placement_group)
-            self.placement_group = None
+        self.placement_group = None
 
 
 def _first_line(exc: BaseException) -> str:

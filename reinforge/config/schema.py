@@ -62,6 +62,8 @@ class GenerationConfig(Section):
     """Extra strings that end a completion (the tokenizer's EOS always does)."""
     max_batch_size: int = 256
     """Most sequences the HF backend decodes at once; larger requests are split."""
+    num_workers: int = 1
+    """Generation engines, data-parallel over prompts, when the run uses Ray (training.backend=fsdp2)."""
     max_logprob_error: float = 1.05
     """Consistency gate: stop the run when the engine's and the trainer's logprobs of the same tokens
     differ by more than this token_mult_prob_error (checked at start-up and after the first refit)."""
@@ -167,6 +169,9 @@ class ClusterConfig(Section):
     """CPUs reserved for each Ray worker (training rank)."""
     num_gpus_per_worker: float = 0.0
     """GPUs reserved for each Ray worker; 1 on a GPU cluster."""
+    colocate: bool = True
+    """With Ray: true puts generation engine i in training rank i's resources (they take turns);
+    false gives the engines resources of their own (split placement)."""
     worker_timeout_s: float = 600.0
     """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""
 
@@ -221,6 +226,11 @@ class Config(Section):
             )
         if t.num_workers > 1 and t.backend != "fsdp2":
             raise ValueError(f"training.num_workers={t.num_workers} needs training.backend=fsdp2; the torch backend is one process")
+        if self.cluster.colocate and t.backend == "fsdp2" and self.generation.num_workers > t.num_workers:
+            raise ValueError(
+                f"generation.num_workers={self.generation.num_workers} > training.num_workers={t.num_workers} with cluster.colocate=true: "
+                "each engine shares one training rank's resources; lower generation.num_workers or set cluster.colocate=false"
+            )
         if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
             raise ValueError(
                 f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="

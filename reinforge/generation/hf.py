@@ -86,3 +86,12 @@ class HFGenerationBackend:
 
     def shutdown(self) -> None:
         self.model = None
+
+
+class HFGenerationWorker(HFGenerationBackend):
+    """The HF backend built from config inside its own process (a Ray actor)."""
+
+    def __init__(self, model_config, max_batch_size: int):
+        from reinforge.modeling import load_model, load_tokenizer
+
+        super().__init__(load_model(model_config), load_tokenizer(model_config), max_batch_size)

@@ -193,9 +193,6 @@ class FSDP2Worker:
         weights = list(self.named_weights())
         return weights if self.rank == 0 else []
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def save_pretrained(self, path: Path) -> None:
         """Every rank gathers; rank 0 writes the Hugging Face directory."""
         state_dict = dict(self.named_weights())

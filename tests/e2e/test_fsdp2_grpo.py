@@ -55,3 +55,21 @@ def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftove
     assert "Traceback" not in stderr and last.startswith("reinforge: error: training[") and "died" in last, last
     time.sleep(3)
     assert worker_pids("ray::") == [] and worker_pids("raylet") == []
+
+
+def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_over_both_nodes_and_learns(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        command = COMMAND + ["grpo.max_steps=12", f"cluster.address={cluster.address}", f"logging.run_dir={tmp_path / 'run'}"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        cluster.shutdown()
+    placement = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert len(set(placement["training"])) == 2, placement
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["val/accuracy"] >= rows[0]["val/accuracy"] + 0.05, (rows[0]["val/accuracy"], rows[-1]["val/accuracy"])

@@ -1,0 +1,63 @@
+"""M generation engines as Ray actors, data-parallel over prompts, behind the generation interface.
+
+Each engine gets a contiguous slice of the prompts (engine 0 with the step's seed, so one engine
+samples exactly what an in-process engine would; the others with seed streams of their own) and the results are
+merged in prompt order. A refit puts the weights in the object store once and every engine loads them.
+With `cluster.colocate=true` engine i shares training rank i's placement bundle (they take turns on
+the same resources); otherwise the engines get bundles of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+import ray
+import torch
+
+from reinforge.cluster.worker_group import WorkerGroup
+from reinforge.config.schema import Config
+from reinforge.generation.base import GenerationResult, SamplingParams
+from reinforge.modeling import model_location
+
+
+class GenerationGroup:
+    def __init__(self, config: Config, num_cpus_per_engine: float, num_gpus_per_engine: float, share_with: WorkerGroup | None):
+        gen = config.generation
+        if gen.backend == "vllm":
+            from reinforge.generation.vllm_backend import VLLMGenerationBackend
+
+            worker_cls, args = VLLMGenerationBackend, (
+                model_location(config.model), config.model.dtype, config.seed,
+                gen.vllm_max_model_len or config.data.max_prompt_tokens + gen.max_new_tokens,
+                gen.vllm_enforce_eager, gen.vllm_cpu_kv_cache_gb, gen.vllm_gpu_memory_utilization,
+            )
+        else:
+            from reinforge.generation.hf import HFGenerationWorker
+
+            worker_cls, args = HFGenerationWorker, (config.model, gen.max_batch_size)
+        self.group = WorkerGroup(
+            "generation", worker_cls, gen.num_workers, lambda rank, _: args,
+            num_cpus_per_worker=num_cpus_per_engine, num_gpus_per_worker=num_gpus_per_engine,
+            timeout_s=config.cluster.worker_timeout_s, share_with=share_with,
+        )
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+        num_engines = len(self.group.workers)
+        size = -(-len(prompt_token_ids) // num_engines)
+        starts = range(0, len(prompt_token_ids), size)
+        calls = [(prompt_token_ids[s : s + size], replace(params, seed=params.seed + 7_919 * i)) for i, s in enumerate(starts)]
+        results = self.group.call_each("generate", calls)  # engines beyond the last slice stay idle
+        merged = GenerationResult()
+        for start, result in zip(starts, results):
+            for group in result.completions:
+                for completion in group:
+                    completion.prompt_index += start
+                merged.completions.append(group)
+        return merged
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.group.call("update_weights", [(name, tensor.detach().cpu()) for name, tensor in named_tensors])
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
