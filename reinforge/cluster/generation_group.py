@@ -12,32 +12,26 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-import ray
 import torch
 
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.config.schema import Config
 from reinforge.generation.base import GenerationResult, SamplingParams
-from reinforge.modeling import model_location
 
 
 class GenerationGroup:
     def __init__(self, config: Config, num_cpus_per_engine: float, num_gpus_per_engine: float, share_with: WorkerGroup | None):
         gen = config.generation
         if gen.backend == "vllm":
-            from reinforge.generation.vllm_backend import VLLMGenerationBackend
+            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
 
-            worker_cls, args = VLLMGenerationBackend, (
-                model_location(config.model), config.model.dtype, config.seed,
-                gen.vllm_max_model_len or config.data.max_prompt_tokens + gen.max_new_tokens,
-                gen.vllm_enforce_eager, gen.vllm_cpu_kv_cache_gb, gen.vllm_gpu_memory_utilization,
-            )
+            worker_cls, kwargs = VLLMGenerationBackend, engine_kwargs(config)
         else:
             from reinforge.generation.hf import HFGenerationWorker
 
-            worker_cls, args = HFGenerationWorker, (config.model, gen.max_batch_size)
+            worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
         self.group = WorkerGroup(
-            "generation", worker_cls, gen.num_workers, lambda rank, _: args,
+            "generation", worker_cls, gen.num_workers, lambda rank, _: kwargs,
             num_cpus_per_worker=num_cpus_per_engine, num_gpus_per_worker=num_gpus_per_engine,
             timeout_s=config.cluster.worker_timeout_s, share_with=share_with,
         )

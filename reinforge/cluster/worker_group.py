@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from reinforge.config.schema import ClusterConfig
@@ -59,7 +59,7 @@ class WorkerGroup:
         name: str,
         worker_cls: type,
         num_workers: int,
-        args_for_rank: Callable[[int, str], tuple],
+        kwargs_for_rank: Callable[[int, str], dict[str, Any]],
         num_cpus_per_worker: float,
         num_gpus_per_worker: float,
         timeout_s: float,
@@ -91,7 +91,7 @@ class WorkerGroup:
                 num_cpus=num_cpus_per_worker * actor_fraction,
                 num_gpus=num_gpus_per_worker * actor_fraction,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
-            ).remote(*args_for_rank(rank, rank0_ip))
+            ).remote(**kwargs_for_rank(rank, rank0_ip))
             for rank in range(num_workers)
         ]
         self.names = [f"{name}[{rank}]" for rank in range(num_workers)]

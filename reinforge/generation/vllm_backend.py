@@ -21,6 +21,22 @@ import torch
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
 
 
+def engine_kwargs(config) -> dict:
+    """`VLLMGenerationBackend` arguments from a run's `Config` (in-process engine or Ray actor alike)."""
+    from reinforge.modeling import model_location
+
+    gen = config.generation
+    return dict(
+        model_path=model_location(config.model),
+        dtype=config.model.dtype,
+        seed=config.seed,
+        max_model_len=gen.vllm_max_model_len or config.data.max_prompt_tokens + gen.max_new_tokens,
+        enforce_eager=gen.vllm_enforce_eager,
+        cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
+        gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
+    )
+
+
 class VLLMGenerationBackend:
     def __init__(
         self,

@@ -27,12 +27,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from reinforge.algorithms.losses import Normalisers, token_mean
+from reinforge.algorithms.losses import Normalisers
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import DTYPES, load_model
 from reinforge.training.base import LossFn
-from reinforge.training.torch_backend import build_optimizer, token_entropy, token_logprobs
+from reinforge.training.torch_backend import backward_micro_batch, build_optimizer, policy_logits, token_logprobs
 
 
 def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> PreTrainedModel:
@@ -122,9 +122,6 @@ class FSDP2Worker:
             micro_end = min(start + offset + self.config.micro_batch_size, end)
             yield offset, batch_to(batch.slice(start + offset, micro_end), self.device)
 
-    def _logits(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [B, T] of the whole batch, on every rank (each computes its share)."""
@@ -133,7 +130,7 @@ class FSDP2Worker:
         start, end = self._share(batch)
         share_BT = torch.zeros((end - start, batch.loss_mask.shape[1]), device=self.device)
         for offset, micro in self._micro_batches(batch):
-            logprobs_BT = token_logprobs(self._logits(model, micro), micro.input_ids, self.temperature)
+            logprobs_BT = token_logprobs(policy_logits(model, micro), micro.input_ids, self.temperature)
             share_BT[offset : offset + len(micro), : logprobs_BT.shape[1]] = logprobs_BT
         shares = [torch.empty_like(share_BT) for _ in range(self.world_size)]
         dist.all_gather(shares, share_BT)
@@ -160,12 +157,7 @@ class FSDP2Worker:
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
         extremes: dict[str, torch.Tensor] = {}
         for _, micro in self._micro_batches(batch):
-            logits_BTV = self._logits(self.model, micro)
-            logprobs_BT = token_logprobs(logits_BTV, micro.input_ids, self.temperature)
-            loss, metrics = loss_fn(logprobs_BT, micro, norm)
-            loss.backward()
-            with torch.no_grad():
-                metrics["entropy"] = token_mean(token_entropy(logits_BTV.detach(), self.temperature), micro.loss_mask, norm)
+            metrics = backward_micro_batch(self.model, micro, loss_fn, norm, self.temperature)
             for name, value in metrics.items():
                 value = value.detach().float()
                 if name.endswith(("_max", "_min")):

@@ -41,6 +41,23 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def policy_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Logits [B, T, V] of a right-padded batch (no KV cache: a training forward)."""
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+
+
+def backward_micro_batch(model: torch.nn.Module, micro: TrainBatch, loss_fn: LossFn, norm: Normalisers,
+                         temperature: float) -> dict[str, torch.Tensor]:
+    """Forward, loss and backward of one micro-batch; returns its detached metric contributions
+    (summable over micro-batches, like the loss), the policy's entropy included."""
+    logits_BTV = policy_logits(model, micro)
+    loss, metrics = loss_fn(token_logprobs(logits_BTV, micro.input_ids, temperature), micro, norm)
+    loss.backward()
+    with torch.no_grad():
+        metrics["entropy"] = token_mean(token_entropy(logits_BTV.detach(), temperature), micro.loss_mask, norm)
+    return {name: value.detach() for name, value in metrics.items()}
+
+
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
     """logprobs_BT[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]; column 0 is 0."""
     logits_BTV = logits_BTV[:, :-1].float() / temperature
@@ -75,9 +92,6 @@ class TorchBackend:
         self.reference = load_model(model_config).eval().requires_grad_(False) if load_reference else None
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
 
-    def _logits(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         model = self.reference if reference else self.model
@@ -86,7 +100,7 @@ class TorchBackend:
         size = self.config.micro_batch_size
         for start in range(0, len(batch), size):
             micro = batch.slice(start, start + size)
-            logprobs_BT = token_logprobs(self._logits(model, micro), micro.input_ids, self.temperature)
+            logprobs_BT = token_logprobs(policy_logits(model, micro), micro.input_ids, self.temperature)
             out[start : start + len(micro), : logprobs_BT.shape[1]] = logprobs_BT
         return out * batch.loss_mask
 
@@ -109,12 +123,7 @@ class TorchBackend:
         size = self.config.micro_batch_size
         for start in range(0, len(batch), size):
             micro = batch.slice(start, start + size)
-            logits_BTV = self._logits(self.model, micro)
-            logprobs_BT = token_logprobs(logits_BTV, micro.input_ids, self.temperature)
-            loss, metrics = loss_fn(logprobs_BT, micro, norm)
-            loss.backward()
-            with torch.no_grad():
-                metrics["entropy"] = token_mean(token_entropy(logits_BTV.detach(), self.temperature), micro.loss_mask, norm)
+            metrics = backward_micro_batch(self.model, micro, loss_fn, norm, self.temperature)
             for name, value in metrics.items():
                 if name.endswith(("_max", "_min")):
                     extremes[name].append(value.detach())
