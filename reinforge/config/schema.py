@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+from reinforge.config.section import Section
 
 
 class ModelConfig(Section):

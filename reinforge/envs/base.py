@@ -9,7 +9,7 @@ cluster layer may wrap them in actors or serve them over HTTP, never the other w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 @dataclass
@@ -31,8 +31,22 @@ class EnvResponse:
     info: dict[str, Any] = field(default_factory=dict)  # per-sample facts, e.g. {"extracted": "42"}
 
 
+@dataclass
+class Tool:
+    """A function the policy may call with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    run: Callable[[dict[str, Any]], str]  # arguments -> observation text; raises ValueError on bad arguments
+
+
 class Environment(Protocol):
-    """Scores (and optionally continues) a batch of conversations."""
+    """Scores (and optionally continues) a batch of conversations.
+
+    An environment that offers tools to the policy also has `tools: dict[str, Tool]`; the HTTP server
+    exposes each one as `POST /tools/{name}`.
+    """
 
     def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
         """Return one response per request, in order. Never raises for a bad model answer."""
