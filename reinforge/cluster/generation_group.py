@@ -53,5 +53,8 @@ class GenerationGroup:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.group.call("update_weights", [(name, tensor.detach().cpu()) for name, tensor in named_tensors])
 
+    def sleep(self) -> None:
+        self.group.call("sleep")
+
     def shutdown(self) -> None:
         self.group.shutdown()

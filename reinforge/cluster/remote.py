@@ -25,6 +25,9 @@ class RemoteGenerationBackend:
         weights = ray.put([(name, tensor.detach().cpu()) for name, tensor in named_tensors])
         ray.get(self.actor.update_weights.remote(weights))
 
+    def sleep(self) -> None:
+        ray.get(self.actor.sleep.remote())
+
     def shutdown(self) -> None:
         try:
             ray.get(self.actor.shutdown.remote(), timeout=30)

@@ -73,6 +73,10 @@ class GenerationConfig(Section):
     """vLLM KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take for weights and KV cache (the trainer needs the rest when colocated)."""
+    vllm_sleep_mode: bool | None = None
+    """Put vLLM to sleep while the trainer works (weights offloaded to CPU memory, KV cache freed) and
+    wake it for the refit and the next rollout, so training and generation share a GPU's memory in
+    turns; null: on when a GPU is present, off on CPU (where vLLM has no sleep mode)."""
 
 
 class TrainingConfig(Section):
@@ -101,6 +105,12 @@ class TrainingConfig(Section):
     """Learning-rate shape after warm-up, over all optimizer steps of the run."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    activation memory drops from O(layers) to O(1) layers for about a third more compute."""
+    cpu_offload: bool = False
+    """`fsdp2` on GPU: keep the sharded fp32 parameters, gradients and AdamW state in CPU memory and
+    run the optimizer step there (FSDP2 CPUOffloadPolicy); frees GPU memory for 70B-class models."""
 
 
 class GRPOConfig(Section):
@@ -150,6 +160,11 @@ class MathEnvConfig(Section):
 class EnvConfig(Section):
     default_task: str = "math"
     """Environment for records that do not name a `task`."""
+    num_workers: int = 0
+    """Verifier worker processes (Ray actors, each holding every environment the run uses) that score
+    a batch in parallel slices; 0 scores in the driver process."""
+    num_cpus_per_worker: float = 1.0
+    """CPUs reserved for each verifier worker."""
     math: MathEnvConfig = MathEnvConfig()
     """The `math` environment: answer extraction plus math-verify."""
 
@@ -227,6 +242,10 @@ class Config(Section):
                 f"generation.num_workers={self.generation.num_workers} > training.num_workers={t.num_workers} with cluster.colocate=true: "
                 "each engine shares one training rank's resources; lower generation.num_workers or set cluster.colocate=false"
             )
+        if self.env.num_workers < 0:
+            raise ValueError("env.num_workers must be >= 0 (0: score in the driver process)")
+        if t.cpu_offload and t.backend != "fsdp2":
+            raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
         if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
             raise ValueError(
                 f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="

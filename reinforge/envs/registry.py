@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from reinforge.config.schema import EnvConfig
-from reinforge.envs.base import Environment
-from reinforge.errors import ConfigError
+from reinforge.envs.base import EnvRequest, EnvResponse, Environment
+from reinforge.errors import ConfigError, DataError
 
 
 def build_env(name: str, config: EnvConfig) -> Environment:
@@ -19,6 +19,33 @@ def build_env(name: str, config: EnvConfig) -> Environment:
 ENV_NAMES = ("math",)
 
 
-def build_envs(config: EnvConfig) -> dict[str, Environment]:
-    """Environments by task name; records pick one with their `task` field."""
-    return {"math": build_env("math", config)}
+def check_tasks(tasks: set[str], config: EnvConfig) -> None:
+    """Fail before any process starts when a record names a task no environment serves."""
+    unknown = sorted(tasks - set(ENV_NAMES))
+    if unknown:
+        raise DataError(
+            f"records name task {unknown[0]!r}, which no environment serves; built-in environments: {', '.join(ENV_NAMES)} "
+            f"(records without a `task` use env.default_task={config.default_task!r})"
+        )
+
+
+def build_envs(config: EnvConfig, tasks: set[str] | None = None) -> dict[str, Environment]:
+    """Environments by task name (records pick one with their `task` field); default: the default task."""
+    return {task: build_env(task, config) for task in sorted(tasks or {config.default_task})}
+
+
+class EnvWorker:
+    """Every environment a run uses, in one process: what each verifier worker (a Ray actor) holds."""
+
+    def __init__(self, config: EnvConfig, tasks: set[str]):
+        self.envs = build_envs(config, tasks)
+
+    def step(self, task: str, requests: list[EnvRequest]) -> list[EnvResponse]:
+        return self.envs[task].step(requests)
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        return {task: env.metrics() for task, env in self.envs.items()}
+
+    def close(self) -> None:
+        for env in self.envs.values():
+            env.close()

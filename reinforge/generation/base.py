@@ -45,7 +45,7 @@ class GenerationResult:
 
 
 class GenerationBackend(Protocol):
-    """A few methods, nothing else: generate, take new weights, shut down."""
+    """A few methods, nothing else: generate, take new weights, sleep, shut down."""
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
         """Sample `params.num_samples` completions for every prompt."""
@@ -53,6 +53,11 @@ class GenerationBackend(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights in place (the "refit"); names are Hugging Face parameter names."""
+        ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory for the trainer until the next `update_weights` or `generate`
+        (which wake the engine); a no-op for engines that cannot."""
         ...
 
     def shutdown(self) -> None:

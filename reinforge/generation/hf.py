@@ -84,6 +84,9 @@ class HFGenerationBackend:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=True)
 
+    def sleep(self) -> None:
+        """Nothing to release: the HF engine holds only the weights, which it needs for the refit."""
+
     def shutdown(self) -> None:
         self.model = None
 

@@ -6,6 +6,11 @@ weight reload, then `reset_prefix_cache()` because cached KV blocks were compute
 weights. To run the engine in another process, the cluster layer puts this whole class inside a Ray
 actor; the weights then travel through Ray's object store.
 
+Sleep mode (GPU only, `generation.vllm_sleep_mode`): `sleep()` after each rollout offloads the
+weights to CPU memory and frees the KV cache (vLLM level 1), so a colocated trainer gets the GPU's
+memory for its logprob and training passes. The refit wakes the weights first and loads the new ones
+into them; the next `generate` wakes the KV cache. Untested on CPU, where vLLM has no sleep mode.
+
 Logprobs are vLLM's `processed_logprobs`: after temperature and top-k/top-p, i.e. of the
 distribution it sampled from, like the HF backend's. Prefix caching is on: the G samples of a prompt
 share its KV blocks.
@@ -34,6 +39,7 @@ def engine_kwargs(config) -> dict:
         enforce_eager=gen.vllm_enforce_eager,
         cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
         gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
+        sleep_mode=gen.vllm_sleep_mode,
     )
 
 
@@ -47,8 +53,15 @@ class VLLMGenerationBackend:
         enforce_eager: bool | None = None,
         cpu_kv_cache_gb: int = 1,
         gpu_memory_utilization: float = 0.5,
+        sleep_mode: bool | None = None,
     ):
         on_gpu = torch.cuda.is_available()
+        self.sleep_mode = on_gpu if sleep_mode is None else sleep_mode
+        if self.sleep_mode and not on_gpu:
+            from reinforge.errors import ConfigError
+
+            raise ConfigError("generation.vllm_sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null")
+        self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
         # Before importing vllm: it reads these when its engine starts.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
@@ -68,12 +81,26 @@ class VLLMGenerationBackend:
             # A partially prefilled request "un-samples" its token by rewinding its seeded generator,
             # which CPU generators cannot do; whole-prompt prefills never need the rewind.
             enable_chunked_prefill=on_gpu,
+            enable_sleep_mode=self.sleep_mode,
         )
+
+    def sleep(self) -> None:
+        """Release accelerator memory until the next refit or rollout (a no-op without sleep mode)."""
+        if self.sleep_mode and not self.asleep_tags:
+            self.llm.sleep(level=1)
+            self.asleep_tags = {"weights", "kv_cache"}
+
+    def _wake(self, tag: str) -> None:
+        if tag in self.asleep_tags:
+            self.llm.wake_up(tags=[tag])
+            self.asleep_tags.discard(tag)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._wake("weights")
+        self._wake("kv_cache")
         greedy = params.temperature == 0
         per_prompt = [
             VLLMSamplingParams(
@@ -110,6 +137,7 @@ class VLLMGenerationBackend:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        self._wake("weights")  # the KV cache stays free until the next rollout
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 

@@ -23,28 +23,31 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from reinforge.algorithms.losses import Normalisers
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
-from reinforge.modeling import DTYPES, load_model
+from reinforge.errors import ConfigError
+from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
 from reinforge.training.torch_backend import backward_micro_batch, build_optimizer, policy_logits, token_logprobs
 
 
-def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> PreTrainedModel:
+def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                offload_policy: OffloadPolicy | None = None) -> PreTrainedModel:
     """FSDP2 on each decoder layer, then the root (embeddings, final norm and the tied lm_head).
 
     Gradients are SUM-reduced: the loss is already divided by the global token count, so FSDP2's
     default division by the world size would shrink the gradient N-fold. `set_gradient_divide_factor`
     acts on one module only, hence the loop; sum-only collectives avoid PREMUL_SUM, which gloo lacks.
     """
+    offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -101,12 +104,21 @@ class FSDP2Worker:
         mesh = init_device_mesh(self.device.type, (world_size,))
         # fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32
         mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_config.dtype], reduce_dtype=torch.float32)
+        if training_config.cpu_offload and not on_gpu:
+            raise ConfigError("training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, so set it to false")
+        # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
+        offload_policy = CPUOffloadPolicy() if training_config.cpu_offload else None
         fp32_config = model_config.model_copy(update={"dtype": "float32"})
-        self.model = shard_model(load_model(fp32_config).to(self.device), mesh, mp_policy)
+        policy = load_model(fp32_config)
+        if training_config.activation_checkpointing:
+            enable_activation_checkpointing(policy)  # before sharding: FSDP2 wraps the checkpointed layers
+        # with offload FSDP2 moves the shards to CPU itself and unshards onto the GPU for compute
+        self.model = shard_model(policy if offload_policy else policy.to(self.device), mesh, mp_policy, offload_policy)
         self.model.train()
         self.reference = None
         if load_reference:
-            self.reference = shard_model(load_model(fp32_config).requires_grad_(False).to(self.device), mesh, mp_policy).eval()
+            reference = load_model(fp32_config).requires_grad_(False)
+            self.reference = shard_model(reference if offload_policy else reference.to(self.device), mesh, mp_policy, offload_policy).eval()
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
 
     def _share(self, batch: TrainBatch) -> tuple[int, int]:

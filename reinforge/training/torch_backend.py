@@ -18,7 +18,7 @@ from transformers import get_scheduler
 from reinforge.algorithms.losses import Normalisers, token_mean
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
-from reinforge.modeling import load_model
+from reinforge.modeling import enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -88,6 +88,8 @@ class TorchBackend:
         self.config = training_config
         self.temperature = temperature
         self.model = load_model(model_config)
+        if training_config.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
         self.model.train()
         self.reference = load_model(model_config).eval().requires_grad_(False) if load_reference else None
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from reinforge.paths import PROJECT_ROOT
 
 COMMAND = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
@@ -57,19 +59,34 @@ def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftove
     assert worker_pids("ray::") == [] and worker_pids("raylet") == []
 
 
-def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_over_both_nodes_and_learns(tmp_path):
+def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_nodes_and_learns(tmp_path):
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
-        command = COMMAND + ["grpo.max_steps=12", f"cluster.address={cluster.address}", f"logging.run_dir={tmp_path / 'run'}"]
+        command = COMMAND + ["grpo.max_steps=12", "env.num_workers=2", f"cluster.address={cluster.address}", f"logging.run_dir={tmp_path / 'run'}"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
     finally:
         cluster.shutdown()
     placement = json.loads((tmp_path / "run" / "placement.json").read_text())
-    assert len(set(placement["training"])) == 2, placement
+    assert len(set(placement["training"])) == 2 and len(set(placement["env"])) == 2, placement
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["val/accuracy"] >= rows[0]["val/accuracy"] + 0.05, (rows[0]["val/accuracy"], rows[-1]["val/accuracy"])
+
+
+@pytest.mark.parametrize("colocate", ["false", "true"])
+def test_fsdp2_ranks_refit_a_vllm_engine_split_or_colocated(tmp_path, colocate):
+    """The issue's command at a smaller size: two FSDP2 ranks train, a vLLM engine in its own Ray actor
+    (with its own resources, or sharing rank 0's) generates, and every refit reaches it."""
+    command = COMMAND + ["generation.backend=vllm", f"cluster.colocate={colocate}", "grpo.max_steps=2",
+                         "data.max_val_prompts=16", f"logging.run_dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    # the engine's logprobs of its own samples agree with the trainer's after each refit
+    assert all(row["train/token_mult_prob_error"] <= 1.01 for row in rows[1:]), [row["train/token_mult_prob_error"] for row in rows[1:]]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -28,14 +28,14 @@ def perturb(batch, logprobs, ref_logprobs):
     batch.ref_logprobs = ref_logprobs - noise * batch.loss_mask
 
 
-def run_rank(rank, world_size, port, model_dir, out_dir):
+def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointing):
     """The script every rank runs: logprobs, NUM_STEPS train steps, gather the weights, export."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     worker = FSDP2Worker(
         rank, world_size, "127.0.0.1", port,
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-3),
+        TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-3, activation_checkpointing=activation_checkpointing),
         temperature=0.7, num_optimizer_steps=10, load_reference=True,
     )
     batch = make_batch()
@@ -51,13 +51,13 @@ def run_rank(rank, world_size, port, model_dir, out_dir):
     worker.shutdown()
 
 
-def launch(world_size, model_dir, out_dir, timeout_s=120):
+def launch(world_size, model_dir, out_dir, activation_checkpointing=False, timeout_s=120):
     """Run `run_rank` in `world_size` fresh processes on a free port; fail (not hang) if one fails."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
-    processes = [context.Process(target=run_rank, args=(rank, world_size, port, model_dir, out_dir)) for rank in range(world_size)]
+    processes = [context.Process(target=run_rank, args=(rank, world_size, port, model_dir, out_dir, activation_checkpointing)) for rank in range(world_size)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout_s
@@ -72,11 +72,12 @@ def launch(world_size, model_dir, out_dir, timeout_s=120):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """{world_size: (per-rank results, export directory)} for worlds of 1 and 2 ranks."""
+    """{world_size: (per-rank results, export directory)} for worlds of 1 and 2 ranks, and "2ac": two
+    ranks with activation checkpointing."""
     result = {}
-    for world_size in (1, 2):
-        out_dir = tmp_path_factory.mktemp(f"fsdp2_world{world_size}")
-        result[world_size] = launch(world_size, tiny_model_dir, out_dir), out_dir / "export"
+    for key, world_size, checkpointing in ((1, 1, False), (2, 2, False), ("2ac", 2, True)):
+        out_dir = tmp_path_factory.mktemp(f"fsdp2_{key}")
+        result[key] = launch(world_size, tiny_model_dir, out_dir, checkpointing), out_dir / "export"
     return result
 
 
@@ -101,6 +102,16 @@ def test_two_ranks_give_the_same_loss_and_weights_as_one_rank(runs, tiny_model_d
         assert abs(metrics["loss"] - one["metrics"][step]["loss"]) <= 1e-5
     for name, weight in backend.named_weights():
         torch.testing.assert_close(one["weights"][name], weight, atol=1e-5, rtol=0)
+
+
+def test_activation_checkpointing_changes_memory_not_results(runs):
+    (one,), _ = runs[1]
+    checkpointed, _ = runs["2ac"]
+    for step in range(NUM_STEPS):
+        for name in ("loss", "grad_norm", "entropy"):
+            assert abs(checkpointed[0]["metrics"][step][name] - one["metrics"][step][name]) <= 1e-5, (name, step)
+    for name, weight in one["weights"].items():
+        torch.testing.assert_close(checkpointed[0]["weights"][name], weight, atol=1e-5, rtol=0)
 
 
 def test_logprobs_are_identical_across_ranks_and_match_the_single_process_backend(runs, tiny_model_dir):

@@ -21,11 +21,11 @@ def make_batch(num_rows=8, seed=0):
     return collate(trajectories, advantages, pad_token_id=0)
 
 
-def make_backend(model_dir, micro_batch_size, load_reference=False):
+def make_backend(model_dir, micro_batch_size, load_reference=False, activation_checkpointing=False):
     torch.manual_seed(0)
     return TorchBackend(
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(micro_batch_size=micro_batch_size, global_batch_size=8, lr=1e-3),
+        TrainingConfig(micro_batch_size=micro_batch_size, global_batch_size=8, lr=1e-3, activation_checkpointing=activation_checkpointing),
         temperature=0.7,
         num_optimizer_steps=10,
         load_reference=load_reference,
@@ -53,6 +53,20 @@ def test_micro_batches_give_the_same_gradient_as_one_big_batch(tiny_model_dir, a
     assert grads[0].abs().max() > 0
     for other in grads[1:]:
         assert (other - grads[0]).abs().max() <= 1e-6
+
+
+def test_activation_checkpointing_gives_the_same_gradient(tiny_model_dir):
+    batch = make_batch()
+    grads = []
+    for checkpointing in (False, True):
+        backend = make_backend(tiny_model_dir, 4, activation_checkpointing=checkpointing)
+        batch.old_logprobs = backend.logprobs(batch) + 0.1 * batch.loss_mask
+        backend.optimizer.zero_grad()
+        backend.accumulate_gradients(batch, partial(loss_fn, token_mean, 0.0))
+        grads.append(torch.cat([p.grad.flatten() for p in backend.model.parameters()]))
+    assert backend.model.is_gradient_checkpointing
+    assert grads[0].abs().max() > 0
+    assert (grads[1] - grads[0]).abs().max() <= 1e-6
 
 
 def test_ratio_is_one_and_kl_zero_on_the_first_minibatch(tiny_model_dir):

