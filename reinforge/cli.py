@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         "accuracy on arithmetic word problems; prints validation accuracy before and after.",
     )
     demo.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+
+    from reinforge.envs.cli import add_env_commands
+
+    add_env_commands(commands)
     return parser
 
 
@@ -56,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             hf_logging.disable_progress_bar()
             config = load_config(args.config if args.command == "grpo" else DEMO_CONFIG, args.overrides)
             grpo.train(config)
+        elif args.command == "env":
+            from reinforge.envs.cli import run_env_command
+
+            run_env_command(args)
     except ReinforgeError as exc:
         print(f"reinforge: error: {exc}", file=sys.stderr)
         return 2

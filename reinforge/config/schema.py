@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import model_validator
 
 from reinforge.config.section import Section
+from reinforge.envs.http_client import RemoteEnvConfig
+from reinforge.envs.judge import JudgeEnvConfig
 
 
 class ModelConfig(Section):
@@ -167,6 +169,11 @@ class EnvConfig(Section):
     """CPUs reserved for each verifier worker."""
     math: MathEnvConfig = MathEnvConfig()
     """The `math` environment: answer extraction plus math-verify."""
+    judge: JudgeEnvConfig = JudgeEnvConfig()
+    """The `judge` environment: an LLM judge or reward model over HTTP, or a local reward model."""
+    remote: dict[str, RemoteEnvConfig] = {}
+    """Tasks scored by environment servers (`reinforge env serve`): task name -> server, e.g.
+    `env.remote.code.url=http://10.0.0.5:8000`. A remote task may have any name, built in or not."""
 
 
 class ClusterConfig(Section):

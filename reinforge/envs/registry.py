@@ -8,7 +8,16 @@ from reinforge.errors import ConfigError, DataError
 
 
 def build_env(name: str, config: EnvConfig) -> Environment:
-    """The built-in environment called `name`, configured by `config.<name>`."""
+    """The environment for task `name`: a server's when `env.remote.<name>` is set, else the built-in
+    one configured by `config.<name>`."""
+    if name in config.remote:
+        from reinforge.envs.http_client import RemoteEnvironment
+
+        return RemoteEnvironment.from_config(config.remote[name])
+    if name == "judge":
+        from reinforge.envs.judge import JudgeEnv
+
+        return JudgeEnv(config.judge)
     if name == "math":
         from reinforge.envs.math_env import MathEnv
 
@@ -16,15 +25,16 @@ def build_env(name: str, config: EnvConfig) -> Environment:
     raise ConfigError(f"unknown environment {name!r}; built-in environments: {', '.join(ENV_NAMES)}")
 
 
-ENV_NAMES = ("math",)
+ENV_NAMES = ("math", "judge")
 
 
 def check_tasks(tasks: set[str], config: EnvConfig) -> None:
     """Fail before any process starts when a record names a task no environment serves."""
-    unknown = sorted(tasks - set(ENV_NAMES))
+    unknown = sorted(tasks - set(ENV_NAMES) - set(config.remote))
     if unknown:
         raise DataError(
-            f"records name task {unknown[0]!r}, which no environment serves; built-in environments: {', '.join(ENV_NAMES)} "
+            f"records name task {unknown[0]!r}, which no environment serves; built-in environments: {', '.join(ENV_NAMES)}; "
+            f"a task served over HTTP needs env.remote.{unknown[0]}.url "
             f"(records without a `task` use env.default_task={config.default_task!r})"
         )
 

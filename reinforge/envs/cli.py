@@ -1,0 +1,150 @@
+"""`reinforge env serve` and `reinforge env score`: an environment over HTTP, or on a file of answers.
+
+Only argparse is imported at module level, so that `reinforge --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+ENV_OVERRIDES_HELP = (
+    "key=value overrides of the environment config, e.g. math.timeout_s=3 (the env section of the "
+    "config; `env.` in front is optional)"
+)
+DEFAULT_SCORE_BATCH_SIZE = 256
+
+
+def add_env_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add `env serve` and `env score` to the `reinforge` command line."""
+    env = subparsers.add_parser(
+        "env",
+        help="serve an environment over HTTP, or score a JSONL file of answers with one",
+        description="Run a built-in environment (e.g. math) outside training: serve it over HTTP for remote "
+        "trainers, or score a file of model answers offline.",
+    )
+    commands = env.add_subparsers(dest="env_command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve an environment over HTTP (POST /verify, GET /health, /metrics, /tools)",
+        description="Serve a built-in environment over HTTP until Ctrl-C. Trainers reach it with "
+        "env.<task>.url; see reinforge/envs/http_server.py for the endpoints.",
+    )
+    serve.add_argument("--env", required=True, help="built-in environment name, e.g. math")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    serve.add_argument(
+        "--token-env", metavar="VAR",
+        help="name of the environment variable holding the bearer token clients must send (the token itself "
+        "never goes on the command line, where `ps` would show it)",
+    )
+    serve.add_argument("--allow-remote", action="store_true", help="allow a --host other than loopback")
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=None,
+        help="largest request body accepted; larger ones get HTTP 413 (default: 64 MiB)",
+    )
+    serve.add_argument("overrides", nargs="*", help=ENV_OVERRIDES_HELP)
+
+    score = commands.add_parser(
+        "score",
+        help="score a JSONL file of answers offline; prints the mean reward",
+        description="Score each record's `response` (the assistant's answer) with an environment; `prompt` or "
+        "`messages` (the conversation before it) are optional, plus whatever the environment needs (math: "
+        "`answer`). Writes each record back with `reward` and `components`.",
+    )
+    score.add_argument("--env", required=True, help="built-in environment name, e.g. math")
+    score.add_argument("--input", required=True, type=Path, help="JSONL file of records with a `response` field")
+    score.add_argument("--output", required=True, type=Path, help="JSONL file to write the scored records to")
+    score.add_argument(
+        "--batch-size", type=int, default=DEFAULT_SCORE_BATCH_SIZE,
+        help=f"records per environment call (default: {DEFAULT_SCORE_BATCH_SIZE})",
+    )
+    score.add_argument("overrides", nargs="*", help=ENV_OVERRIDES_HELP)
+
+
+def run_env_command(args: argparse.Namespace) -> None:
+    """Run `reinforge env serve` or `reinforge env score`; user errors raise `ReinforgeError`."""
+    if args.env_command == "serve":
+        _serve(args)
+    else:
+        _score(args)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from reinforge.envs.http_server import DEFAULT_MAX_REQUEST_BYTES, check_bind_address, serve
+    from reinforge.errors import ConfigError
+
+    check_bind_address(args.host, args.allow_remote)  # before the environment starts its processes
+    token = None
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise ConfigError(f"--token-env {args.token_env}: that environment variable is unset or empty; export the token in it")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    max_request_bytes = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
+    env = _build_env(args.env, args.overrides)
+    serve(
+        env, host=args.host, port=args.port, token=token, max_request_bytes=max_request_bytes,
+        allow_remote=args.allow_remote,
+    )
+
+
+def _score(args: argparse.Namespace) -> None:
+    from reinforge.data.jsonl import read_jsonl
+    from reinforge.errors import ConfigError, DataError
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not args.input.is_file():
+        raise DataError(f"input file {args.input} does not exist")
+    records = read_jsonl(args.input, required_keys=("response",))
+    requests = [_request(record, f"{args.input} record {i}") for i, record in enumerate(records, start=1)]
+    env = _build_env(args.env, args.overrides)
+    try:
+        responses = []
+        for start in range(0, len(requests), args.batch_size):
+            responses.extend(env.step(requests[start : start + args.batch_size]))
+        env_metrics = env.metrics()
+    finally:
+        env.close()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with args.output.open("w", encoding="utf-8") as handle:
+        for record, response in zip(records, responses):
+            handle.write(json.dumps({**record, "reward": response.reward, "components": response.components}) + "\n")
+    mean = sum(r.reward for r in responses) / len(responses)
+    print(f"mean reward {mean:.4f} over {len(responses)} records; wrote {args.output}")
+    if any(env_metrics.values()):
+        print("environment counters: " + ", ".join(f"{k}={v:g}" for k, v in env_metrics.items()))
+
+
+def _request(record: dict, where: str):
+    """The conversation to score: the record's prompt (if any), then its response."""
+    from reinforge.envs.base import EnvRequest
+    from reinforge.errors import DataError
+
+    if not isinstance(record["response"], str):
+        raise DataError(f"{where}: `response` must be a string, got {type(record['response']).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        ):
+            raise DataError(f"{where}: `messages` must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        messages = list(messages)
+    elif "prompt" in record:
+        messages = [{"role": "user", "content": str(record["prompt"])}]
+    else:
+        messages = []
+    return EnvRequest(messages=messages + [{"role": "assistant", "content": record["response"]}], record=record)
+
+
+def _build_env(name: str, overrides: list[str]):
+    from reinforge.config import load_config
+    from reinforge.envs.registry import build_env
+
+    dotted = [o if o.startswith("env.") else f"env.{o}" for o in overrides]
+    return build_env(name, load_config(None, dotted).env)

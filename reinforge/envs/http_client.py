@@ -1,0 +1,159 @@
+"""An environment served over HTTP (http_server.py), used like a local one.
+
+`RemoteEnvironment` implements the `Environment` protocol by calling `POST /verify` in batches of
+`batch_size`, `GET /metrics`, and `GET /tools` then `POST /tools/{name}` for each tool.
+
+Failures: a connection error, a timeout or a 5xx answer is retried `max_retries` times, waiting
+`backoff_s`, then twice as long before each further retry; after that, `EnvServerError` names the
+URL and the last cause. A 4xx answer (bad token, a record the environment cannot score, a request
+over the server's size limit) is not retried: it fails at once with the server's message. So a call
+never hangs: it ends within about `(max_retries + 1) * timeout_s + backoff_s * (2**max_retries - 1)`
+(httpx applies `timeout_s` to connecting, to sending and to each wait for response bytes).
+A retried `/verify` may count a batch twice in the server's metrics; tool calls are retried too, so
+a tool with side effects should make them idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+import httpx
+from pydantic import model_validator
+
+from reinforge.config.section import Section
+from reinforge.envs.base import EnvRequest, EnvResponse, Tool
+from reinforge.errors import ConfigError, ReinforgeError
+
+
+class EnvServerError(ReinforgeError):
+    """An environment server that cannot be reached, keeps failing, or rejects a request."""
+
+
+class RemoteEnvConfig(Section):
+    url: str = ""
+    """Base URL of a `reinforge env serve` server, e.g. http://127.0.0.1:8100; empty: run the environment in-process."""
+    token_env: str = ""
+    """Name of the environment variable holding the server's bearer token; empty: send no token."""
+    timeout_s: float = 60.0
+    """Time limit for connecting, sending, and each wait for the server's answer to one batch."""
+    max_retries: int = 3
+    """Retries after a connection error, a timeout or a 5xx answer; then the run stops with the cause."""
+    backoff_s: float = 0.5
+    """Wait before the first retry; each further retry waits twice as long."""
+    batch_size: int = 256
+    """Most trajectories per POST /verify; a larger step is split into several calls."""
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> "RemoteEnvConfig":
+        checks = [
+            (self.timeout_s > 0, "timeout_s must be > 0"),
+            (self.max_retries >= 0, "max_retries must be >= 0 (0: no retries)"),
+            (self.backoff_s >= 0, "backoff_s must be >= 0"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"remote environment {message}")
+        return self
+
+
+class RemoteEnvironment:
+    """The environment served at `url`; see the module doc for retries and time bounds."""
+
+    def __init__(
+        self, url: str, *, token: str | None, timeout_s: float, max_retries: int, backoff_s: float, batch_size: int
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"environment server URL {url!r} must start with http:// or https://")
+        self.url = url.rstrip("/")
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.batch_size = batch_size
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    @classmethod
+    def from_config(cls, config: RemoteEnvConfig) -> "RemoteEnvironment":
+        token = None
+        if config.token_env:
+            token = os.environ.get(config.token_env)
+            if not token:
+                raise ConfigError(
+                    f"token_env names the environment variable {config.token_env}, which is unset or empty; "
+                    "export the server's token in it"
+                )
+        return cls(
+            config.url, token=token, timeout_s=config.timeout_s, max_retries=config.max_retries,
+            backoff_s=config.backoff_s, batch_size=config.batch_size,
+        )
+
+    def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
+        responses = []
+        for start in range(0, len(requests), self.batch_size):
+            batch = requests[start : start + self.batch_size]
+            body = {"requests": [{"messages": r.messages, "record": r.record} for r in batch]}
+            results = self._call("POST", "/verify", body)["responses"]
+            if len(results) != len(batch):
+                raise EnvServerError(f"environment server {self.url} answered {len(results)} responses to {len(batch)} requests")
+            responses.extend(EnvResponse(**result) for result in results)
+        return responses
+
+    def metrics(self) -> dict[str, float]:
+        return self._call("GET", "/metrics")["metrics"]
+
+    @functools.cached_property
+    def tools(self) -> dict[str, Tool]:
+        """The server's tools, fetched once; each `run` is a `POST /tools/{name}`."""
+        specs = self._call("GET", "/tools")["tools"]
+        return {
+            spec["name"]: Tool(
+                name=spec["name"], description=spec["description"], parameters=spec["parameters"],
+                run=functools.partial(self._run_tool, spec["name"]),
+            )
+            for spec in specs
+        }
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _run_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        return self._call("POST", f"/tools/{name}", {"arguments": arguments})["observation"]
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON answer to one call, retried per the module doc."""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._client.request(method, path, json=body)
+            except httpx.TransportError as exc:  # refused, reset, timed out, disconnected
+                cause = f"{type(exc).__name__}: {_one_line(exc)}"
+                continue
+            if response.status_code < 400:
+                try:
+                    return response.json()
+                except ValueError:
+                    raise EnvServerError(
+                        f"{self.url}{path} answered with something other than JSON; is it a reinforge env server?"
+                    ) from None
+            cause = f"HTTP {response.status_code}: {_detail(response)}"
+            if response.status_code < 500:
+                raise EnvServerError(f"environment server {self.url} rejected {method} {path}: {cause}")
+        tries = f"{self.max_retries + 1} attempt{'s' if self.max_retries else ''}"
+        raise EnvServerError(f"environment server {self.url} failed {method} {path} after {tries}: {cause}")
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = None
+    return _one_line(detail if isinstance(detail, str) else response.text[:200] or response.reason_phrase)
+
+
+def _one_line(exc_or_text: BaseException | str) -> str:
+    text = " ".join(str(exc_or_text).split())
+    return text or type(exc_or_text).__name__
