@@ -39,7 +39,7 @@ from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.modeling import load_tokenizer
 from reinforge.paths import resolve_path
-from reinforge.rollout.single_turn import generate_trajectories, score_trajectories
+from reinforge.rollout.rollout import RolloutOptions, rollout
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.base import TrainingBackend
 
@@ -61,7 +61,7 @@ def train(config: Config) -> GRPOResult:
     val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
     sampler = PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle)
 
-    tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts}
+    tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
     check_tasks(tasks, config.env)
 
     with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
@@ -119,11 +119,9 @@ def grpo_step(step: int, prompts: list[Prompt], engine: GenerationBackend, train
     g, global_batch = config.grpo, config.training.global_batch_size
     timers = Timers()
     with timers.time("step"):
-        with timers.time("generate"):
-            trajectories = generate_trajectories(prompts, engine, sampling_params(config, step), tokenizer)
-            engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
-        with timers.time("reward"):
-            score_trajectories(trajectories, prompts, envs, config.env.default_task)
+        # generation and scoring, turn by turn: timing/generate_s and timing/reward_s
+        trajectories = rollout(prompts, engine, sampling_params(config, step), tokenizer, envs, rollout_options(config), timers)
+        engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
         rewards_PG = torch.tensor([t.reward for t in trajectories]).view(g.num_prompts_per_step, g.num_generations_per_prompt)
         advantages_PG = group_advantages(rewards_PG, BASELINES[g.baseline], g.normalize_std)
         batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
@@ -218,12 +216,32 @@ def validate(prompts: list[Prompt], engine: GenerationBackend, tokenizer, envs: 
     """Greedy accuracy on the held-out prompts: the mean reward of one greedy answer per prompt."""
     params = SamplingParams(max_new_tokens=config.generation.max_new_tokens, temperature=0.0, num_samples=1,
                             stop_strings=tuple(config.generation.stop_strings))
-    trajectories = generate_trajectories(prompts, engine, params, tokenizer)
-    score_trajectories(trajectories, prompts, envs, config.env.default_task)
+    trajectories = rollout(prompts, engine, params, tokenizer, envs, rollout_options(config))
     return {
         "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
         "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
+        **per_task_means(trajectories, "val", "accuracy"),
     }
+
+
+def rollout_options(config: Config) -> RolloutOptions:
+    g = config.grpo
+    return RolloutOptions(default_task=config.env.default_task, max_turns=g.max_turns, turn_reward=g.turn_reward,
+                          max_observation_tokens=g.max_observation_tokens, extra_rewards=config.env.extra_rewards)
+
+
+def per_task_means(trajectories: list[Trajectory], prefix: str, name: str) -> dict[str, float]:
+    """`{prefix}/{task}/{name}` (mean reward) and the mean of each reward component, per task."""
+    by_task: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:
+        by_task.setdefault(trajectory.task, []).append(trajectory)
+    metrics = {}
+    for task, group in by_task.items():
+        metrics[f"{prefix}/{task}/{name}"] = sum(t.reward for t in group) / len(group)
+        for component in sorted({c for t in group for c in t.components}):
+            values = [t.components[component] for t in group if component in t.components]
+            metrics[f"{prefix}/{task}/{component}_mean"] = sum(values) / len(values)
+    return metrics
 
 
 def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) -> dict[str, float]:
@@ -236,6 +254,8 @@ def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) ->
         "rollout/gen_len_max": lengths.max().item(),
         "rollout/truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
         "rollout/prompt_len_mean": sum(len(t.prompt_ids) for t in trajectories) / len(trajectories),
+        "rollout/turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
+        **per_task_means(trajectories, "train", "reward_mean"),
     }
 
 

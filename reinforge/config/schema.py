@@ -14,7 +14,10 @@ from pydantic import model_validator
 
 from reinforge.config.section import Section
 from reinforge.envs.http_client import RemoteEnvConfig
+from reinforge.envs.format_env import FormatEnvConfig
+from reinforge.envs.ifeval import IfEvalConfig
 from reinforge.envs.judge import JudgeEnvConfig
+from reinforge.envs.tool_use import ToolUseEnvConfig
 
 
 class ModelConfig(Section):
@@ -128,6 +131,13 @@ class GRPOConfig(Section):
     """Group baseline: the group mean, or the mean of the other samples (RLOO)."""
     normalize_std: bool = True
     """Divide advantages by the group's reward standard deviation (GRPO); false for Dr.GRPO."""
+    max_turns: int = 1
+    """Policy turns per trajectory: above 1, an environment may answer a turn with observations (tool
+    results) that are appended as tokens, never trained on, and the policy continues."""
+    turn_reward: Literal["last", "sum"] = "last"
+    """Multi-turn reward: the last turn's, or the sum over turns (e.g. with per-call penalties)."""
+    max_observation_tokens: int = 256
+    """Longest observation appended in one turn; longer ones are cut (the chat template's framing kept)."""
 
 
 class LossConfig(Section):
@@ -169,8 +179,19 @@ class EnvConfig(Section):
     """CPUs reserved for each verifier worker."""
     math: MathEnvConfig = MathEnvConfig()
     """The `math` environment: answer extraction plus math-verify."""
+    ifeval: IfEvalConfig = IfEvalConfig()
+    """The `ifeval` environment: IFEval's 25 verifiable instruction types."""
+    format: FormatEnvConfig = FormatEnvConfig()
+    """The `format` environment: "detailed thinking on/off" compliance (<think> tags)."""
     judge: JudgeEnvConfig = JudgeEnvConfig()
     """The `judge` environment: an LLM judge or reward model over HTTP, or a local reward model."""
+    tool_use: ToolUseEnvConfig = ToolUseEnvConfig()
+    """The `tool_use` environment: calculator and sandboxed Python tools, then a scored final answer
+    (needs grpo.max_turns > 1)."""
+    extra_rewards: dict[str, float] = {}
+    """Environments that score every trajectory's final answer on top of its task's, with weights:
+    reward = task reward + sum of weight x extra reward; e.g. {format: 0.5} adds reasoning-mode
+    compliance to any task. Each appears as a reward component."""
     remote: dict[str, RemoteEnvConfig] = {}
     """Tasks scored by environment servers (`reinforge env serve`): task name -> server, e.g.
     `env.remote.code.url=http://10.0.0.5:8000`. A remote task may have any name, built in or not."""
@@ -272,6 +293,7 @@ class Config(Section):
             (self.loss.kl_coef >= 0, "loss.kl_coef must be >= 0"),
             (self.training.lr > 0, "training.lr must be > 0"),
             (self.grpo.max_steps >= 0, "grpo.max_steps must be >= 0"),
+            (self.grpo.max_turns >= 1, "grpo.max_turns must be >= 1 (1: single-turn)"),
             (self.grpo.val_every >= 0, "grpo.val_every must be >= 0 (0: validate only before and after training)"),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
             (self.generation.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),

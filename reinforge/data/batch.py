@@ -8,7 +8,7 @@ never trained on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -24,7 +24,10 @@ class Trajectory:
     reward: float
     group: int  # index of its prompt within the step; samples of one prompt share it
     task: str  # environment that scored it
-    response_text: str = ""
+    response_text: str = ""  # the policy's text (the last turn's, in a multi-turn rollout)
+    response_mask: list[int] | None = None  # per response token: 1 policy, 0 environment (None: all policy)
+    num_turns: int = 1  # policy turns in a multi-turn rollout
+    components: dict[str, float] = field(default_factory=dict)  # named parts of the reward
 
 
 @dataclass
@@ -33,7 +36,7 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # [B, T] long: prompt + response + padding
     attention_mask: torch.Tensor  # [B, T] long: 1 on real tokens
-    loss_mask: torch.Tensor  # [B, T] float: 1 on response tokens
+    loss_mask: torch.Tensor  # [B, T] float: 1 on tokens the policy generated
     advantages: torch.Tensor  # [B] float
     gen_logprobs: torch.Tensor  # [B, T] float: the generation engine's logprobs (0 off the mask)
     old_logprobs: torch.Tensor | None = None  # [B, T]: the trainer's logprobs before this step's updates
@@ -64,7 +67,8 @@ def _rows(tensor: torch.Tensor, start: int, end: int, width: int) -> torch.Tenso
 
 
 def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_id: int) -> TrainBatch:
-    """Pack trajectories into right-padded tensors with the loss on response tokens only."""
+    """Pack trajectories into right-padded tensors with the loss on the policy's own tokens only
+    (environment observations inside a multi-turn response are masked out)."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     num_rows = len(trajectories)
     input_ids = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
@@ -76,7 +80,7 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
         end = num_prompt + num_response
         input_ids[row, :end] = torch.tensor(trajectory.prompt_ids + trajectory.response_ids)
         attention_mask[row, :end] = 1
-        loss_mask[row, num_prompt:end] = 1.0
+        loss_mask[row, num_prompt:end] = 1.0 if trajectory.response_mask is None else torch.tensor(trajectory.response_mask, dtype=torch.float32)
         gen_logprobs[row, num_prompt:end] = torch.tensor(trajectory.gen_logprobs, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,

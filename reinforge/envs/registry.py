@@ -14,6 +14,18 @@ def build_env(name: str, config: EnvConfig) -> Environment:
         from reinforge.envs.http_client import RemoteEnvironment
 
         return RemoteEnvironment.from_config(config.remote[name])
+    if name == "ifeval":
+        from reinforge.envs.ifeval import IfEvalEnv
+
+        return IfEvalEnv(config.ifeval)
+    if name == "format":
+        from reinforge.envs.format_env import FormatEnv
+
+        return FormatEnv(config.format)
+    if name == "tool_use":
+        from reinforge.envs.tool_use import ToolUseEnv
+
+        return ToolUseEnv(config.tool_use, answer_env=build_env(config.tool_use.answer_env, config))
     if name == "judge":
         from reinforge.envs.judge import JudgeEnv
 
@@ -25,7 +37,7 @@ def build_env(name: str, config: EnvConfig) -> Environment:
     raise ConfigError(f"unknown environment {name!r}; built-in environments: {', '.join(ENV_NAMES)}")
 
 
-ENV_NAMES = ("math", "judge")
+ENV_NAMES = ("math", "ifeval", "format", "judge", "tool_use")
 
 
 def check_tasks(tasks: set[str], config: EnvConfig) -> None:

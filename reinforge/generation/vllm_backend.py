@@ -26,6 +26,12 @@ import torch
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
 
 
+def max_sequence_tokens(config) -> int:
+    """The longest sequence a rollout can make: the prompt, every turn, every observation between turns."""
+    g = config.grpo
+    return config.data.max_prompt_tokens + g.max_turns * config.generation.max_new_tokens + (g.max_turns - 1) * g.max_observation_tokens
+
+
 def engine_kwargs(config) -> dict:
     """`VLLMGenerationBackend` arguments from a run's `Config` (in-process engine or Ray actor alike)."""
     from reinforge.modeling import model_location
@@ -35,7 +41,7 @@ def engine_kwargs(config) -> dict:
         model_path=model_location(config.model),
         dtype=config.model.dtype,
         seed=config.seed,
-        max_model_len=gen.vllm_max_model_len or config.data.max_prompt_tokens + gen.max_new_tokens,
+        max_model_len=gen.vllm_max_model_len or max_sequence_tokens(config),
         enforce_eager=gen.vllm_enforce_eager,
         cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
         gpu_memory_utilization=gen.vllm_gpu_memory_utilization,

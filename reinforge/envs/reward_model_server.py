@@ -1,0 +1,144 @@
+"""Serving a Hugging Face sequence-classification reward model over HTTP.
+
+This is how a trained reward model is served to the `judge` environment (`mode="reward_model"`),
+and `RewardModelScorer` is what that environment runs in-process in `mode="local"`, so both modes
+give the same scores.
+
+Protocol (JSON over HTTP):
+
+- `POST /score` with `{"conversations": [[{"role": "user", "content": "..."},
+  {"role": "assistant", "content": "..."}], ...]}` answers `{"scores": [0.73, -1.2, ...]}`: one
+  float per conversation, in order. A malformed body gets HTTP 422 (FastAPI's validation error).
+- `GET /health` answers `{"status": "ok", "model": "<path>"}` once the model is loaded.
+
+Scoring: each conversation is rendered with the tokenizer's chat template
+(`apply_chat_template(messages, tokenize=False)`, no generation prompt), tokenized without further
+special tokens, cut to its last `max_length` tokens (so the response survives), and right-padded in
+micro-batches of `batch_size`. The score is the model's single logit at the last non-pad token
+(Hugging Face's pooling for `*ForSequenceClassification`). Padding leaves scores unchanged up to
+float rounding (a test holds 1e-5). Forward passes are serialised with a lock; batches come from
+within one request, not across concurrent requests.
+
+Run it with `python -m reinforge.envs.reward_model_server MODEL_DIR --port 8001` or
+`serve_reward_model(...)`; it listens on 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from reinforge.errors import ReinforgeError
+
+
+class RewardModelScorer:
+    """A sequence-classification model with one label that scores chat conversations."""
+
+    def __init__(self, model_path: str, device: str, dtype: str, max_length: int, batch_size: int) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from reinforge.modeling import DTYPES
+
+        self.model_path = model_path
+        self.device = device
+        self.max_length = max_length
+        self.batch_size = batch_size
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=DTYPES[dtype])
+        except OSError as exc:
+            raise ReinforgeError(f"reward model {model_path}: could not load it ({str(exc).strip().splitlines()[0]})") from None
+        if self.tokenizer.chat_template is None:
+            raise ReinforgeError(f"reward model {model_path}: its tokenizer has no chat template; save one with the model")
+        if self.model.config.num_labels != 1:
+            raise ReinforgeError(f"reward model {model_path}: num_labels={self.model.config.num_labels}; a reward model has one output")
+        self.tokenizer.truncation_side = "left"  # keep the response, which is what is scored
+        self.tokenizer.padding_side = "right"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # the pooling finds the last non-pad token by it
+        self.model.to(device).eval()
+        self._lock = threading.Lock()
+
+    @torch.no_grad()
+    def score(self, conversations: list[list[dict[str, str]]]) -> list[float]:
+        """One score per conversation, in order."""
+        texts = [self.tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(
+                texts[start : start + self.batch_size], add_special_tokens=False, padding=True,
+                truncation=True, max_length=self.max_length, return_tensors="pt",
+            ).to(self.device)
+            with self._lock:
+                logits_B1 = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            scores += logits_B1[:, 0].float().tolist()
+        return scores
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool calls, names: passed to the chat template as they are
+
+    role: str
+    content: str
+
+
+class ScoreRequest(BaseModel):
+    conversations: list[list[Message]]
+
+
+class ScoreResponse(BaseModel):
+    scores: list[float]
+
+
+def create_app(scorer: RewardModelScorer):
+    """The FastAPI app of the protocol in the module doc."""
+    from fastapi import FastAPI
+
+    app = FastAPI(title="reinforge reward model")
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok", "model": scorer.model_path}
+
+    @app.post("/score")
+    def score(request: ScoreRequest) -> ScoreResponse:  # a plain def: FastAPI runs it off the event loop
+        conversations = [[message.model_dump() for message in messages] for messages in request.conversations]
+        return ScoreResponse(scores=scorer.score(conversations))
+
+    return app
+
+
+def serve_reward_model(
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_length: int = 2048,
+    batch_size: int = 8,
+) -> None:
+    """Load the model, then serve it until interrupted."""
+    import uvicorn
+
+    scorer = RewardModelScorer(model_path, device=device, dtype=dtype, max_length=max_length, batch_size=batch_size)
+    uvicorn.run(create_app(scorer), host=host, port=port, log_level="warning")
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Options left out keep serve_reward_model's defaults.
+    parser = argparse.ArgumentParser(description="Serve a reward model: POST /score, GET /health.", argument_default=argparse.SUPPRESS)
+    parser.add_argument("model_path", help="directory of a Hugging Face sequence-classification model with one label")
+    parser.add_argument("--host", help="default 127.0.0.1")
+    parser.add_argument("--port", type=int, help="default 8001")
+    parser.add_argument("--device", help="default cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
+    parser.add_argument("--max-length", type=int, help="tokens per conversation, longer ones lose their beginning; default 2048")
+    parser.add_argument("--batch-size", type=int, help="conversations per forward pass; default 8")
+    serve_reward_model(**vars(parser.parse_args(argv)))
+
+if __name__ == "__main__":
+    main()

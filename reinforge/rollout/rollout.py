@@ -1,0 +1,147 @@
+"""Rollouts: sample G answers per prompt and let each record's environment score them, over as many
+turns as the environments ask for (up to `max_turns`).
+
+Turn 1 samples G completions per prompt. Each trajectory is then scored by its record's task
+environment (`record["task"]`, else `env.default_task`; one batch may mix tasks). An environment may
+answer "not done" with observations (tool results): they are rendered with the chat template,
+appended to the trajectory as tokens with loss mask 0 and logprob 0, and the trajectory takes
+another turn (one completion, continuing its own token sequence, so the engine's prefix cache
+serves it). A trajectory ends when its environment says done, or after `max_turns` policy turns.
+Its reward is the last turn's or the sum over turns; the `extra_rewards` environments then score
+its final answer and add their weighted rewards as components. With `max_turns=1` this is plain
+single-turn GRPO.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from transformers import PreTrainedTokenizerBase
+
+from reinforge.data.batch import Trajectory
+from reinforge.data.prompts import Prompt
+from reinforge.envs.base import EnvRequest, EnvResponse, Environment
+from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.logging.metrics import Timers
+from reinforge.rollout.single_turn import generate_trajectories
+
+TOOL_CALL_END = "</tool_call>"  # a turn that calls a tool ends there: the observation comes next
+_MARK = "\u2063reinforge\u2063"  # an unlikely string, to find where the template closes a message
+
+
+@dataclass
+class RolloutOptions:
+    default_task: str  # for records without a `task`
+    max_turns: int = 1
+    turn_reward: str = "last"  # "last" or "sum"
+    max_observation_tokens: int = 256
+    extra_rewards: dict[str, float] | None = None  # env name -> weight, on every final answer
+
+
+def rollout(prompts: list[Prompt], engine: GenerationBackend, params: SamplingParams, tokenizer: PreTrainedTokenizerBase,
+            envs: dict[str, Environment], options: RolloutOptions, timers: Timers | None = None) -> list[Trajectory]:
+    """`params.num_samples` scored trajectories per prompt, grouped by prompt, in prompt order; time in
+    the engine and in the environments goes to `timers` as `generate` and `reward`."""
+    timers = timers or Timers()
+    if options.max_turns > 1 and TOOL_CALL_END not in params.stop_strings:
+        params = replace(params, stop_strings=params.stop_strings + (TOOL_CALL_END,))
+    with timers.time("generate"):
+        trajectories = generate_trajectories(prompts, engine, params, tokenizer)
+    for trajectory in trajectories:
+        trajectory.task = prompts[trajectory.group].record.get("task", options.default_task)
+        trajectory.response_mask = [1] * len(trajectory.response_ids)
+    conversations = [prompts[t.group].messages + [_assistant(t.response_text)] for t in trajectories]
+    turn_rewards: list[list[float]] = [[] for _ in trajectories]
+    active = list(range(len(trajectories)))
+    for turn in range(1, options.max_turns + 1):
+        with timers.time("reward"):
+            responses = _step_by_task(active, trajectories, conversations, prompts, envs)
+        continuing = []
+        for index, response in zip(active, responses):
+            turn_rewards[index].append(response.reward)
+            trajectories[index].components.update(response.components)
+            if response.done or not response.observation or turn == options.max_turns or trajectories[index].truncated:
+                continue
+            trajectory = trajectories[index]
+            ended_with_eos = bool(trajectory.response_ids) and trajectory.response_ids[-1] == tokenizer.eos_token_id
+            observation_ids = observation_token_ids(tokenizer, response.observation, ended_with_eos, options.max_observation_tokens)
+            trajectory.response_ids += observation_ids
+            trajectory.response_mask += [0] * len(observation_ids)
+            trajectory.gen_logprobs += [0.0] * len(observation_ids)
+            conversations[index] += response.observation
+            continuing.append(index)
+        if not continuing:
+            break
+        with timers.time("generate"):
+            result = engine.generate(
+                [trajectories[i].prompt_ids + trajectories[i].response_ids for i in continuing],
+                replace(params, num_samples=1, seed=params.seed + 7_919 * turn),
+            )
+        for index, (completion,) in zip(continuing, result.completions):
+            trajectory = trajectories[index]
+            trajectory.response_ids += completion.token_ids
+            trajectory.response_mask += [1] * len(completion.token_ids)
+            trajectory.gen_logprobs += completion.logprobs
+            trajectory.truncated = completion.finish_reason == "length"
+            trajectory.response_text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            trajectory.num_turns += 1
+            conversations[index].append(_assistant(trajectory.response_text))
+        active = continuing
+    for trajectory, rewards in zip(trajectories, turn_rewards):
+        trajectory.reward = sum(rewards) if options.turn_reward == "sum" else rewards[-1]
+    with timers.time("reward"):
+        _add_extra_rewards(trajectories, conversations, prompts, envs, options.extra_rewards or {})
+    return trajectories
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def _step_by_task(indices: list[int], trajectories: list[Trajectory], conversations: list[list[dict[str, str]]],
+                  prompts: list[Prompt], envs: dict[str, Environment]) -> list[EnvResponse]:
+    """One `step` call per task environment; responses in the order of `indices`."""
+    by_task: dict[str, list[int]] = defaultdict(list)
+    for position, index in enumerate(indices):
+        by_task[trajectories[index].task].append(position)
+    responses: list[EnvResponse | None] = [None] * len(indices)
+    for task, positions in by_task.items():
+        requests = [EnvRequest(messages=conversations[indices[p]], record=prompts[trajectories[indices[p]].group].record) for p in positions]
+        for position, response in zip(positions, envs[task].step(requests)):
+            responses[position] = response
+    return responses  # type: ignore[return-value]
+
+
+def _add_extra_rewards(trajectories: list[Trajectory], conversations: list[list[dict[str, str]]], prompts: list[Prompt],
+                       envs: dict[str, Environment], weights: dict[str, float]) -> None:
+    for name, weight in weights.items():
+        requests = [EnvRequest(messages=conversations[i], record=prompts[t.group].record) for i, t in enumerate(trajectories)]
+        for trajectory, response in zip(trajectories, envs[name].step(requests)):
+            trajectory.components[name] = response.reward
+            trajectory.reward += weight * response.reward
+
+
+def observation_token_ids(tokenizer: PreTrainedTokenizerBase, observation: list[dict[str, str]], ended_with_eos: bool,
+                          max_tokens: int) -> list[int]:
+    """The tokens between the policy's turn and its next one: whatever closes the assistant message
+    (unless the policy's EOS already did), the observation messages, and the next assistant header,
+    all as the chat template renders them. The content is cut so that the whole fits `max_tokens`."""
+    if tokenizer.chat_template is None:
+        text = "".join("\n" + message["content"] for message in observation) + "\n"
+        return tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
+    before = [{"role": "user", "content": "."}, _assistant(_MARK)]
+    closed = tokenizer.apply_chat_template(before, tokenize=False)
+    closing = closed[closed.index(_MARK) + len(_MARK):]
+    if ended_with_eos and tokenizer.eos_token and closing.startswith(tokenizer.eos_token):
+        closing = closing[len(tokenizer.eos_token):]
+    framed = tokenizer.apply_chat_template(before + [dict(m, content=_MARK) for m in observation], tokenize=False,
+                                           add_generation_prompt=True)[len(closed):]
+    pieces = framed.split(_MARK)  # the framing around each observation message's content
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    framing_ids = [encode(piece) for piece in [closing + pieces[0]] + pieces[1:]]
+    budget = max(max_tokens - sum(map(len, framing_ids)), 0) // len(observation)
+    ids = list(framing_ids[0])
+    for message, after in zip(observation, framing_ids[1:]):
+        ids += encode(message["content"])[:budget] + after
+    return ids
