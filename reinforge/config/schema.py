@@ -192,6 +192,9 @@ class EnvConfig(Section):
     """Environments that score every trajectory's final answer on top of its task's, with weights:
     reward = task reward + sum of weight x extra reward; e.g. {format: 0.5} adds reasoning-mode
     compliance to any task. Each appears as a reward component."""
+    custom: dict[str, str] = {}
+    """Your own environments: task name -> `module:Class` (importable; built with no arguments), e.g.
+    `env.custom.sql=my_project.envs:SqlEnv`. See docs/environments.md."""
     remote: dict[str, RemoteEnvConfig] = {}
     """Tasks scored by environment servers (`reinforge env serve`): task name -> server, e.g.
     `env.remote.code.url=http://10.0.0.5:8000`. A remote task may have any name, built in or not."""

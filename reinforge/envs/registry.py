@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
+
 from reinforge.config.schema import EnvConfig
 from reinforge.envs.base import EnvRequest, EnvResponse, Environment
 from reinforge.errors import ConfigError, DataError
 
 
 def build_env(name: str, config: EnvConfig) -> Environment:
-    """The environment for task `name`: a server's when `env.remote.<name>` is set, else the built-in
-    one configured by `config.<name>`."""
+    """The environment for task `name`: your class when `env.custom.<name>` is set (or `name` is itself
+    `module:Class`), a server's when `env.remote.<name>` is, else the built-in one configured by `config.<name>`."""
+    if name in config.custom or ":" in name:
+        return _import_env(config.custom.get(name, name))
     if name in config.remote:
         from reinforge.envs.http_client import RemoteEnvironment
 
@@ -37,16 +41,26 @@ def build_env(name: str, config: EnvConfig) -> Environment:
     raise ConfigError(f"unknown environment {name!r}; built-in environments: {', '.join(ENV_NAMES)}")
 
 
+def _import_env(path: str) -> Environment:
+    """Build `module:Class` with no arguments."""
+    module_name, _, class_name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"environment {path!r}: cannot import it ({exc}); give it as module:Class with the module on PYTHONPATH") from None
+    return cls()
+
+
 ENV_NAMES = ("math", "ifeval", "format", "judge", "tool_use")
 
 
 def check_tasks(tasks: set[str], config: EnvConfig) -> None:
     """Fail before any process starts when a record names a task no environment serves."""
-    unknown = sorted(tasks - set(ENV_NAMES) - set(config.remote))
+    unknown = sorted(tasks - set(ENV_NAMES) - set(config.remote) - set(config.custom))
     if unknown:
         raise DataError(
             f"records name task {unknown[0]!r}, which no environment serves; built-in environments: {', '.join(ENV_NAMES)}; "
-            f"a task served over HTTP needs env.remote.{unknown[0]}.url "
+            f"your own environment class needs env.custom.{unknown[0]}=module:Class, one served over HTTP env.remote.{unknown[0]}.url "
             f"(records without a `task` use env.default_task={config.default_task!r})"
         )
 
