@@ -14,6 +14,7 @@ from pydantic import model_validator
 
 from reinforge.config.section import Section
 from reinforge.envs.http_client import RemoteEnvConfig
+from reinforge.envs.code_env import CodeEnvConfig
 from reinforge.envs.format_env import FormatEnvConfig
 from reinforge.envs.ifeval import IfEvalConfig
 from reinforge.envs.judge import JudgeEnvConfig
@@ -131,6 +132,21 @@ class GRPOConfig(Section):
     """Group baseline: the group mean, or the mean of the other samples (RLOO)."""
     normalize_std: bool = True
     """Divide advantages by the group's reward standard deviation (GRPO); false for Dr.GRPO."""
+    whiten_advantages: bool = False
+    """After the group baseline, normalise the advantages by the mean and standard deviation of the whole
+    batch, all groups together (REINFORCE++'s global advantage normalisation)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (they have no advantage) and roll out
+    further batches of `num_prompts_per_step` prompts until that many groups remain; the surplus is discarded."""
+    dynamic_sampling_max_extra_rounds: int = 4
+    """Most extra rollout rounds per step under dynamic sampling; when they are used up the step trains on
+    the groups it has (fewer than `num_prompts_per_step`; none: the step is skipped)."""
+    overlong_buffer_tokens: int = 0
+    """L_cache of DAPO's soft overlong punishment: a reward penalty growing linearly from 0 to -1 over the
+    last L_cache tokens before `generation.max_new_tokens` (L_max); 0 disables it."""
+    overlong_filtering: bool = False
+    """DAPO's overlong filtering: truncated answers (no stop before `generation.max_new_tokens`) are masked
+    out of the loss; their rewards still count in their group's baseline."""
     max_turns: int = 1
     """Policy turns per trajectory: above 1, an environment may answer a turn with observations (tool
     results) that are appended as tokens, never trained on, and the policy continues."""
@@ -159,9 +175,15 @@ class LossConfig(Section):
     """Lower bound of the sequence ratio kept by `sequence_mask`."""
     is_sequence_high: float = 2.0
     """Upper bound of the sequence ratio kept by `sequence_mask`."""
-    aggregation: Literal["token", "sequence"] = "token"
+    aggregation: Literal["token", "sequence", "constant"] = "token"
     """`token`: mean over all valid tokens of the global batch; `sequence`: mean over sequences of
-    each sequence's token mean."""
+    each sequence's token mean; `constant`: sum over valid tokens / (sequences x `constant_normaliser_tokens`)
+    (Dr.GRPO)."""
+    constant_normaliser_tokens: int | None = None
+    """Tokens per sequence in the `constant` aggregation's divisor; null: `generation.max_new_tokens`."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio in the clipped objective: each token's own (PPO, GRPO), or the sequence's
+    exp(mean_t (logp - logp_old)) on all its tokens, clipped as one (GSPO; use with `aggregation=sequence`)."""
 
 
 class MathEnvConfig(Section):
@@ -179,6 +201,8 @@ class EnvConfig(Section):
     """CPUs reserved for each verifier worker."""
     math: MathEnvConfig = MathEnvConfig()
     """The `math` environment: answer extraction plus math-verify."""
+    code: CodeEnvConfig = CodeEnvConfig()
+    """The `code` environment: model-written Python against unit tests in a sandbox."""
     ifeval: IfEvalConfig = IfEvalConfig()
     """The `ifeval` environment: IFEval's 25 verifiable instruction types."""
     format: FormatEnvConfig = FormatEnvConfig()
@@ -277,6 +301,12 @@ class Config(Section):
             raise ValueError("env.num_workers must be >= 0 (0: score in the driver process)")
         if t.cpu_offload and t.backend != "fsdp2":
             raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
+        if g.dynamic_sampling and t.backend == "fsdp2" and g.num_generations_per_prompt % t.num_workers:
+            raise ValueError(
+                f"grpo.dynamic_sampling=true with training.num_workers={t.num_workers}: a step may train on fewer groups, "
+                f"and a batch of whole groups of grpo.num_generations_per_prompt={g.num_generations_per_prompt} must split "
+                "evenly over the ranks; make num_generations_per_prompt a multiple of training.num_workers"
+            )
         if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
             raise ValueError(
                 f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="
@@ -302,6 +332,12 @@ class Config(Section):
             (self.generation.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
             (self.loss.is_truncate_cap > 0, "loss.is_truncate_cap must be > 0"),
             (0 <= self.loss.is_sequence_low < 1 < self.loss.is_sequence_high, "loss.is_sequence_low must be in [0, 1) and loss.is_sequence_high > 1"),
+            (self.grpo.dynamic_sampling_max_extra_rounds >= 0, "grpo.dynamic_sampling_max_extra_rounds must be >= 0"),
+            (0 <= self.grpo.overlong_buffer_tokens <= self.generation.max_new_tokens,
+             f"grpo.overlong_buffer_tokens={self.grpo.overlong_buffer_tokens} must be in [0, generation.max_new_tokens="
+             f"{self.generation.max_new_tokens}]: the buffer is the last tokens before the length limit (0 disables the penalty)"),
+            (self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
+             "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)"),
         ]
         for ok, message in checks:
             if not ok:

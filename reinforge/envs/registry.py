@@ -18,6 +18,10 @@ def build_env(name: str, config: EnvConfig) -> Environment:
         from reinforge.envs.http_client import RemoteEnvironment
 
         return RemoteEnvironment.from_config(config.remote[name])
+    if name == "code":
+        from reinforge.envs.code_env import CodeEnv
+
+        return CodeEnv(config.code)
     if name == "ifeval":
         from reinforge.envs.ifeval import IfEvalEnv
 
@@ -51,7 +55,7 @@ def _import_env(path: str) -> Environment:
     return cls()
 
 
-ENV_NAMES = ("math", "ifeval", "format", "judge", "tool_use")
+ENV_NAMES = ("math", "code", "ifeval", "format", "judge", "tool_use")
 
 
 def check_tasks(tasks: set[str], config: EnvConfig) -> None:
