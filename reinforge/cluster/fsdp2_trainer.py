@@ -48,5 +48,11 @@ class FSDP2Trainer:
     def save_pretrained(self, path: Path) -> None:
         self.group.call("save_pretrained", str(path))
 
+    def save_state(self, path: Path) -> None:
+        self.group.call("save_state", str(path))
+
+    def load_state(self, path: Path) -> None:
+        self.group.call("load_state", str(path))
+
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -245,6 +245,18 @@ class ClusterConfig(Section):
 class CheckpointConfig(Section):
     save_final: bool = True
     """Write the trained policy in Hugging Face format to RUN_DIR/final at the end."""
+    save_every: int = 0
+    """Write a checkpoint (weights, optimizer, data position, RNG, step) every this many steps to
+    RUN_DIR/checkpoints/step_N; 0: never."""
+    keep_last: int = 2
+    """Keep the newest this many checkpoints (0: keep all)."""
+    keep_best_metric: str | None = None
+    """Also keep the checkpoint with the best value of this metric (e.g. val/accuracy)."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether a higher or a lower `keep_best_metric` is better."""
+    resume: Literal["auto", "never"] = "never"
+    """`auto`: continue from the newest complete checkpoint in logging.run_dir (which is then reused,
+    not suffixed); `never`: always start a new run."""
 
 
 class LoggingConfig(Section):
@@ -329,6 +341,7 @@ class Config(Section):
             (self.grpo.max_turns >= 1, "grpo.max_turns must be >= 1 (1: single-turn)"),
             (self.grpo.val_every >= 0, "grpo.val_every must be >= 0 (0: validate only before and after training)"),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
+            (self.checkpoint.save_every >= 0 and self.checkpoint.keep_last >= 0, "checkpoint.save_every and checkpoint.keep_last must be >= 0"),
             (self.generation.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
             (self.loss.is_truncate_cap > 0, "loss.is_truncate_cap must be > 0"),
             (0 <= self.loss.is_sequence_low < 1 < self.loss.is_sequence_high, "loss.is_sequence_low must be in [0, 1) and loss.is_sequence_high > 1"),

@@ -36,3 +36,11 @@ class TrainingBackend(Protocol):
     def save_pretrained(self, path: Path) -> None:
         """Write the policy and tokenizer as a Hugging Face directory."""
         ...
+
+    def save_state(self, path: Path) -> None:
+        """Write everything an exact resume needs: policy weights, optimizer and LR-schedule state."""
+        ...
+
+    def load_state(self, path: Path) -> None:
+        """Restore what `save_state` wrote (same model, same optimizer settings)."""
+        ...

@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -203,6 +205,22 @@ class FSDP2Worker:
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state_dict)
         dist.barrier()
+
+    def save_state(self, path: str) -> None:
+        """Sharded policy and AdamW state (torch.distributed.checkpoint: each rank writes its own shards;
+        on several nodes `path` must be on a shared filesystem) and the LR schedule's position."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        if self.rank == 0:
+            torch.save(self.scheduler.state_dict(), Path(path) / "scheduler.pt")
+        dist.barrier()
+
+    def load_state(self, path: str) -> None:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=False))
 
     def shutdown(self) -> None:
         dist.destroy_process_group()

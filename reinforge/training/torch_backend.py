@@ -142,3 +142,15 @@ class TorchBackend:
 
     def save_pretrained(self, path: Path) -> None:
         self.model.save_pretrained(path)
+
+    def save_state(self, path: Path) -> None:
+        """Policy weights, AdamW state and the LR schedule's position, for an exact resume."""
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        torch.save(state, path / "state.pt")
+
+    def load_state(self, path: Path) -> None:
+        state = torch.load(path / "state.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

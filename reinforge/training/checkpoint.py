@@ -1,0 +1,124 @@
+"""Run checkpoints: everything a run needs to continue exactly, written atomically.
+
+Layout: `RUN_DIR/checkpoints/step_00000012/` holds
+- `trainer/`: the policy weights and the optimizer and LR-scheduler state, written by the training
+  backend (one file for the single-process backend; a sharded torch.distributed.checkpoint for
+  FSDP2, each rank writing its own shards);
+- `driver.pt`: the loop's own state: step, data sampler position, RNG states, validation history,
+  curriculum state;
+- `config.yaml`: the run's config, to refuse a resume under a different one;
+- `COMPLETE`: written last, listing every file with its size. A directory without it, or whose files
+  do not match it, is skipped with a warning (a crash mid-save, a truncated copy).
+
+The directory is built under a temporary name and renamed into place, so a kill at any moment
+leaves either the previous newest checkpoint or the new one, never a half-written newest.
+`checkpoint.keep_last` keeps the newest N; `checkpoint.keep_best_metric` also keeps the best one by
+that metric.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reinforge.errors import ConfigError
+from reinforge.run_dir import atomic_directory
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+# settings that may change between a run and its resumption: the length of the run, where it logs,
+# how it checkpoints, and where its workers run
+RESUMABLE_CHANGES = ("grpo.max_steps", "grpo.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts")
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def save_checkpoint(run_dir: Path, step: int, trainer, driver_state: dict[str, Any], config_yaml: str) -> Path:
+    """Write checkpoint `step` atomically; returns its directory."""
+    final = checkpoints_dir(run_dir) / f"step_{step:08d}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(final) as tmp:
+        trainer.save_state(tmp / "trainer")
+        torch.save(driver_state, tmp / "driver.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+    return final
+
+
+def is_complete(path: Path) -> bool:
+    """The marker exists and every file it lists is there with its size."""
+    try:
+        manifest = json.loads((path / "COMPLETE").read_text())
+        return all((path / name).stat().st_size == size for name, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def latest_checkpoint(run_dir: Path, warn=print) -> Path | None:
+    """The newest complete checkpoint; incomplete or corrupt ones are skipped with a warning."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    for path in sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True):
+        if is_complete(path):
+            return path
+        warn(f"checkpoint {path} is incomplete or corrupt; skipping it")
+    return None
+
+
+def load_driver_state(path: Path) -> dict[str, Any]:
+    return torch.load(path / "driver.pt", weights_only=False)
+
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse to resume under a config that changes what was trained, naming the first setting that differs."""
+    for key in sorted(set(_flatten(saved)) | set(_flatten(current))):
+        if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
+            continue
+        before, after = _flatten(saved).get(key), _flatten(current).get(key)
+        if before != after:
+            raise ConfigError(
+                f"cannot resume from {path}: {key} was {before!r} there and is {after!r} now; resume with the same "
+                f"setting, or start a new run (another logging.run_dir, or checkpoint.resume=never)"
+            )
+
+
+def prune(run_dir: Path, keep_last: int, best_step: int | None) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (and the best one, if any)."""
+    complete = sorted(p for p in checkpoints_dir(run_dir).iterdir() if STEP_DIR.match(p.name) and is_complete(p))
+    keep = set(complete[-keep_last:]) if keep_last > 0 else set(complete)
+    if best_step is not None:
+        keep.add(checkpoints_dir(run_dir) / f"step_{best_step:08d}")
+    for path in complete:
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def rng_state() -> dict[str, Any]:
+    import random
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
