@@ -1,0 +1,144 @@
+"""A Bradley-Terry reward model from preference pairs: one loop, read top to bottom.
+
+The model is the causal LM of `model.name_or_path` with its LM head replaced by a freshly initialised
+scalar head (transformers' `AutoModelForSequenceClassification`, `num_labels=1`); the reward of a
+conversation is the head's output at its last non-pad token. Each step: draw a global batch of pairs;
+render both conversations of each with the chat template (exactly as `RewardModelScorer` does when
+serving the model); rewards of chosen and rejected, micro-batch by micro-batch; the Bradley-Terry
+loss -log sigmoid(r_chosen - r_rejected); one AdamW step; validate (held-out pair accuracy); log. At
+the end the model and its tokenizer are saved in Hugging Face format, ready for
+`python -m reinforge.envs.reward_model_server RUN_DIR/final` or the judge environment's `local` mode.
+
+As implemented, relative to the reward model of InstructGPT (Ouyang et al. 2022, arXiv:2203.02155):
+one pair per prompt rather than all K-choose-2 comparisons of K ranked answers, and no reward
+normalisation after training (GRPO's group-normalised advantages do not need it; the judge's
+`reward_model_transform: sigmoid` maps scores into (0, 1) where a bounded reward is wanted).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import model_validator
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
+
+from reinforge.algorithms.losses import bradley_terry_loss
+from reinforge.algorithms.pairs import PairRunConfig, PairRunResult, check_schedule, evaluate, optimizer_step, with_prefix
+from reinforge.config.loader import save_config
+from reinforge.config.schema import LoggingConfig, ModelConfig
+from reinforge.config.section import Section
+from reinforge.data.preference import PairBatch, load_pairs, tokenize_for_reward_model
+from reinforge.data.prompts import PromptSampler
+from reinforge.errors import ReinforgeError
+from reinforge.logging.console import ConsoleLog
+from reinforge.logging.metrics import JsonlWriter, Timers
+from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_tokenizer, model_location
+from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.training.torch_backend import build_optimizer
+
+
+class RewardModelTrainingConfig(Section):
+    max_steps: int = 200
+    """Optimizer steps; each takes training.global_batch_size / 2 pairs, the data recycled epoch after epoch."""
+    val_every: int = 20
+    """Validate on the held-out pairs every this many steps (and before the first and after the last); 0: only then."""
+
+
+class RMRunConfig(PairRunConfig):
+    """A whole `reinforge rm` run."""
+
+    rm: RewardModelTrainingConfig = RewardModelTrainingConfig()
+    """The reward-model schedule."""
+    logging: LoggingConfig = LoggingConfig(run_dir="runs/rm")
+    """Run directory (config.yaml, metrics.jsonl, final/) and console output."""
+
+    @model_validator(mode="after")
+    def _check_rm(self) -> "RMRunConfig":
+        check_schedule(self.rm.max_steps, self.rm.val_every, "rm")
+        return self
+
+
+def train(config: RMRunConfig) -> PairRunResult:
+    r, t = config.rm, config.training
+    torch.manual_seed(config.seed)  # also seeds the new scalar head
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    tokenizer = load_tokenizer(config.model)
+    pad_id = tokenizer.pad_token_id
+    train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_reward_model, config.data)
+    val_pairs = load_pairs(config.data.val_path, tokenizer, tokenize_for_reward_model, config.data)[: config.data.max_val_pairs] if config.data.val_path else []
+    run_dir = make_run_dir(config.logging.run_dir)
+    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
+
+    model = load_reward_model(config.model, pad_id).train()
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    optimizer, scheduler = build_optimizer(model.parameters(), t, r.max_steps)
+    pairs_per_step = t.global_batch_size // 2
+    sampler = PromptSampler(train_pairs, pairs_per_step, config.seed, config.data.shuffle)  # draws pairs
+    micro_loss = make_micro_loss(model)
+    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
+    first_val, last_val = {}, {}
+
+    with ConsoleLog(r.max_steps, "RM") as console:
+        console.print(f"run directory: {run_dir}   {len(train_pairs)} train / {len(val_pairs)} val pairs")
+        if val_pairs:
+            first_val = last_val = evaluate(model, val_pairs, micro_loss, t.micro_batch_size, pad_id)
+            metrics_log.write(0, first_val)
+            console.print(val_line(0, first_val))
+
+        for step in range(1, r.max_steps + 1):
+            timers = Timers()
+            with timers.time("step"):
+                pairs = sampler.next_batch()
+                updates = optimizer_step(model, optimizer, scheduler, pairs, micro_loss, t, pad_id)
+            metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
+            if val_pairs and (step == r.max_steps or (r.val_every and step % r.val_every == 0)):
+                with timers.time("val"):
+                    last_val = evaluate(model, val_pairs, micro_loss, t.micro_batch_size, pad_id)
+                metrics.update(last_val)
+            metrics.update(timers.metrics())
+            metrics["perf/tokens_per_s"] = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs) / timers.seconds["step"]
+            metrics_log.write(step, metrics)
+            console.step(step, metrics, show_line=step % config.logging.console_every == 0)
+            if "val/loss" in metrics:
+                console.print(val_line(step, metrics))
+
+        if config.checkpoint.save_final:
+            with atomic_directory(run_dir / "final") as tmp:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+
+    if first_val:
+        for name in ("preference_accuracy", "reward_margin"):
+            console.print(f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> {last_val[f'val/{name}']:.3f} at step {r.max_steps}")
+    console.print(f"metrics: {run_dir / 'metrics.jsonl'}" + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""))
+    return PairRunResult(run_dir=run_dir, first_val=first_val, last_val=last_val)
+
+
+def load_reward_model(config: ModelConfig, pad_token_id: int) -> PreTrainedModel:
+    """The causal LM's body under a new one-output head; the pad id tells the pooling where each sequence ends."""
+    location = model_location(config)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            location, num_labels=1, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:  # ValueError: an architecture without a sequence-classification head
+        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load it as a reward model ({str(exc).strip().splitlines()[0]})") from None
+    model.config.pad_token_id = pad_token_id
+    return model
+
+
+def make_micro_loss(model: PreTrainedModel):
+    """The Bradley-Terry loss of a micro-batch: rewards are the scalar head at each row's last non-pad token."""
+
+    def micro_loss(batch: PairBatch, rows: slice, num_pairs: int):
+        rewards_2B = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, 0]
+        num = len(batch)
+        return bradley_terry_loss(rewards_2B[:num].float(), rewards_2B[num:].float(), num_pairs)
+
+    return micro_loss
+
+
+def val_line(step: int, metrics: dict[str, float]) -> str:
+    return (f"step {step:>4} | val loss {metrics['val/loss']:.4f} | accuracy {metrics['val/preference_accuracy']:.3f} | "
+            f"margin {metrics['val/reward_margin']:+.3f}")

@@ -1,0 +1,104 @@
+"""Chat records to token ids and a loss mask that is 1 exactly on the assistant's tokens.
+
+The method is the prefix diff, which needs nothing from a template but that it renders a conversation
+turn by turn: for each assistant message i,
+
+    prompt_i = render(messages[:i], add_generation_prompt=True)     ends where the reply starts
+    full_i   = render(messages[:i + 1])                              ends after the reply's end-of-turn
+
+so `full_i[len(prompt_i):]` is the reply as the template frames it (ChatML: `answer<|im_end|>\\n`).
+Trailing whitespace of that span is the template's separator between turns, which the model never
+generates (generation stops at the end-of-turn token), so it is not trained on: the mask covers
+`answer<|im_end|>`. Everything else (system, user and tool messages, role headers) is 0.
+
+Each text segment is tokenized on its own, as at generation time, where the prompt is tokenized apart
+from the reply. A template that rewrites earlier turns (e.g. one that drops past reasoning) is not
+prefix-consistent and is rejected with a `DataError`, never silently mis-masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from reinforge.errors import DataError
+
+TRAINED_ROLE = "assistant"
+
+
+@dataclass
+class ChatExample:
+    """One tokenized conversation."""
+
+    token_ids: list[int]  # [L] the whole conversation as the chat template renders it
+    loss_mask: list[int]  # [L] 1 on assistant tokens (content and end-of-turn), else 0; loss_mask[0] == 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def chat_segments(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
+    """The rendered conversation as consecutive (text, trained) pieces, by the prefix diff."""
+    segments: list[tuple[str, bool]] = []
+    rendered = ""
+    for i, message in enumerate(messages):
+        if message["role"] != TRAINED_ROLE:
+            continue
+        if i == 0:
+            raise DataError("a conversation starts with an assistant message; there is nothing for it to answer")
+        prompt = _render(messages[:i], tokenizer, add_generation_prompt=True)
+        full = _render(messages[: i + 1], tokenizer, add_generation_prompt=False)
+        if not (prompt.startswith(rendered) and full.startswith(prompt)):
+            raise DataError(
+                f"the chat template does not render message {i} as an extension of the messages before it "
+                "(it rewrites earlier turns), so the assistant tokens cannot be located; use a prefix-consistent template"
+            )
+        reply = full[len(prompt) :]
+        trained = reply.rstrip()
+        segments += [(prompt[len(rendered) :], False), (trained, True), (reply[len(trained) :], False)]
+        rendered = full
+    if not any(trained for _, trained in segments):
+        raise DataError(f"a conversation has no {TRAINED_ROLE} message; there is nothing to train on")
+    segments.append((_render(messages, tokenizer, add_generation_prompt=False)[len(rendered) :], False))
+    return [(text, trained) for text, trained in segments if text]
+
+
+def render_chat(
+    record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, messages_key: str = "messages", system_prompt: str | None = None
+) -> ChatExample:
+    """Token ids and loss mask of one chat record; `system_prompt` is put first unless the chat has a system message."""
+    messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in record[messages_key]]
+    if system_prompt is not None and messages and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    token_ids: list[int] = []
+    loss_mask: list[int] = []
+    for text, trained in chat_segments(messages, tokenizer):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        token_ids += ids
+        loss_mask += [int(trained)] * len(ids)
+    loss_mask[0] = 0  # column 0 has no preceding token to predict it from (data/batch.py's convention)
+    return ChatExample(token_ids=token_ids, loss_mask=loss_mask)
+
+
+def fit_length(example: ChatExample, max_seq_len: int, policy: Literal["right", "drop"]) -> ChatExample | None:
+    """Apply the truncation policy to an example longer than `max_seq_len` tokens.
+
+    `right` keeps the first max_seq_len tokens (the prompt and the start of the reply are what the model
+    learns to continue); `drop` drops the example. An example left with no trained token is dropped.
+    """
+    if len(example) <= max_seq_len:
+        return example
+    if policy == "drop":
+        return None
+    cut = ChatExample(token_ids=example.token_ids[:max_seq_len], loss_mask=example.loss_mask[:max_seq_len])
+    return cut if cut.num_trained_tokens else None
+
+
+def _render(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -1,0 +1,118 @@
+"""Sequence packing: whole examples laid end to end in rows, rows grouped into micro-batches by tokens.
+
+Rows are filled first-fit decreasing (longest example first, into the first row it fits), each row
+holding at most `max_row_tokens`. Examples are never split. Inside a row, `position_ids` restart at 0
+for every example, and the attention of each token stays within its own example.
+
+How the attention is confined: the model is called with `position_ids`, no attention mask and no KV
+cache. transformers (5.x, `masking_utils.find_packed_sequence_indices`) then reads a drop in the
+position ids as the start of a new sequence and builds a block-diagonal causal mask for the `sdpa` and
+`eager` implementations. Passing an attention mask, or a cache, turns that off, so `packed_logits`
+never passes either. tests/unit/test_packing.py holds it: a packed batch gives the same loss and
+gradients as the same examples padded one per row.
+
+The padding at the end of a row is one more "sequence" of its own (positions 0, 1, ...): nothing real
+attends to it, and its loss mask is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reinforge.data.chat import ChatExample
+
+# Attention implementations checked to build the block-diagonal mask from position ids in a [R, T] batch.
+# flash_attention_2 detects packing only in a single row ([1, T]); it is not supported here yet.
+PACKED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch: R rows of T positions, each row some whole examples end to end, right-padded."""
+
+    input_ids: torch.Tensor  # [R, T] long
+    position_ids: torch.Tensor  # [R, T] long: 0, 1, ... restarting at each example and at the padding
+    loss_mask: torch.Tensor  # [R, T] float: 1 on trained (assistant) tokens
+    num_real_tokens: int  # tokens that are not padding
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_slots(self) -> int:
+        """R x T: the positions a forward pass computes, padding included."""
+        return self.input_ids.numel()
+
+
+def first_fit_decreasing(lengths: list[int], max_row_tokens: int) -> list[list[int]]:
+    """Indices of the examples in each row: longest first, each into the first row with room."""
+    assert max(lengths, default=0) <= max_row_tokens, "an example is longer than a row; truncate it first"
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, free in enumerate(room) if free >= lengths[index]), None)
+        if row is None:
+            rows.append([])
+            room.append(max_row_tokens)
+            row = len(rows) - 1
+        rows[row].append(index)
+        room[row] -= lengths[index]
+    return rows
+
+
+def group_rows(row_lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Rows per micro-batch, longest first, so that rows x the longest row <= max_batch_tokens."""
+    assert max(row_lengths, default=0) <= max_batch_tokens, "a row is longer than a micro-batch's token budget"
+    groups: list[list[int]] = []
+    for index in sorted(range(len(row_lengths)), key=lambda i: (-row_lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * row_lengths[groups[-1][0]] <= max_batch_tokens:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def collate_rows(rows: list[list[ChatExample]], pad_token_id: int) -> PackedBatch:
+    """Lay each row's examples end to end and right-pad the rows to the longest."""
+    width = max(sum(len(e) for e in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for r, row in enumerate(rows):
+        start = 0
+        for example in row:
+            end = start + len(example)
+            input_ids[r, start:end] = torch.tensor(example.token_ids)
+            position_ids[r, start:end] = torch.arange(len(example))
+            loss_mask[r, start:end] = torch.tensor(example.loss_mask, dtype=torch.float32)
+            start = end
+        position_ids[r, start:] = torch.arange(width - start)
+    num_real = sum(len(e) for row in rows for e in row)
+    return PackedBatch(input_ids=input_ids, position_ids=position_ids, loss_mask=loss_mask, num_real_tokens=num_real)
+
+
+def micro_batches(
+    examples: list[ChatExample], max_row_tokens: int, max_batch_tokens: int, pad_token_id: int, pack: bool = True
+) -> list[PackedBatch]:
+    """All examples in micro-batches of at most `max_batch_tokens` positions: packed rows, or with
+    `pack=False` one example per row (grouped by length, which keeps the padding small)."""
+    for example in examples:
+        # The first token of an example is predicted from the last token of the one before it in the
+        # row: it must never be trained on (render_chat guarantees it).
+        assert example.loss_mask[0] == 0, "an example's first token is in the loss mask"
+    lengths = [len(e) for e in examples]
+    rows = first_fit_decreasing(lengths, max_row_tokens) if pack else [[i] for i in range(len(examples))]
+    row_lengths = [sum(lengths[i] for i in row) for row in rows]
+    return [
+        collate_rows([[examples[i] for i in rows[r]] for r in group], pad_token_id)
+        for group in group_rows(row_lengths, max_batch_tokens)
+    ]
+
+
+def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Logits [R, T, V] with attention confined to each example (see the module docstring)."""
+    assert model.config._attn_implementation in PACKED_ATTENTION, model.config._attn_implementation
+    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None, use_cache=False).logits

@@ -1,0 +1,156 @@
+"""Preference pairs: reading them, tokenizing them for a policy (DPO) or a reward model, batching them.
+
+A pair is one JSON object per line, with the conversation before the answer and two assistant replies,
+the first preferred:
+
+    {"prompt": "How many ...?", "chosen": "23 + 48 = 71. ...", "rejected": "23 + 48 = 61. ..."}
+    {"messages": [{"role": "user", "content": "..."}, ...], "chosen": "...", "rejected": "..."}
+
+`prompt` is one user message (after `data.system_prompt`, if set); `messages` is a whole conversation,
+used as it is. `chosen` and `rejected` are plain strings.
+
+Two tokenizations, each matching how its model is used later:
+- policy (DPO): the chat-templated prompt with the generation prompt, then the reply's tokens and the
+  end-of-turn (eos) token, as the generation engine produces them in a GRPO rollout;
+- reward model: the whole conversation rendered by the chat template and tokenized in one piece, as
+  `RewardModelScorer` (and so the judge environment and the reward-model server) renders it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from reinforge.config.section import Section
+from reinforge.data.jsonl import read_jsonl
+from reinforge.errors import DataError
+from reinforge.paths import resolve_path
+
+
+class PreferenceDataConfig(Section):
+    train_path: str = "data/demo/preference_train.jsonl"
+    """JSONL file of training pairs: `prompt` (or `messages`), `chosen`, `rejected` per line."""
+    val_path: str | None = "data/demo/preference_val.jsonl"
+    """JSONL file of held-out pairs for the val/ metrics; null disables validation."""
+    system_prompt: str | None = None
+    """Optional system message put before the `prompt` of every pair (`messages` pairs are used as they are)."""
+    max_length: int = 1024
+    """Pairs whose longer sequence (prompt and reply, after the chat template) exceeds this many tokens
+    are dropped from the dataset, with a count."""
+    max_val_pairs: int | None = None
+    """Use at most this many held-out pairs (the first ones); null: all."""
+    shuffle: bool = True
+    """Shuffle the training pairs each epoch (seeded by `seed`)."""
+
+
+@dataclass
+class PreferenceRecord:
+    """One pair as read from the file."""
+
+    messages: list[dict[str, str]]  # the conversation before the reply
+    chosen: str  # the preferred assistant reply
+    rejected: str  # the other one
+
+
+@dataclass
+class TokenizedPair:
+    """Both sequences of a pair, each the whole conversation followed by its reply."""
+
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    num_prompt_tokens: int  # leading tokens the two share before the replies; never trained on
+
+
+@dataclass
+class PairBatch:
+    """B pairs as 2B right-padded rows: chosen sequences in rows [0, B), rejected ones in rows [B, 2B)."""
+
+    input_ids: torch.Tensor  # [2B, T] long
+    attention_mask: torch.Tensor  # [2B, T] long: 1 on real tokens
+    loss_mask: torch.Tensor  # [2B, T] float: 1 on reply tokens (the end-of-turn token included)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0] // 2
+
+
+def read_preference_records(path: str, system_prompt: str | None) -> list[PreferenceRecord]:
+    """Every pair of a JSONL file, checked: a `prompt` string or a `messages` list, and string replies."""
+    records = []
+    for line_number, raw in enumerate(read_jsonl(resolve_path(path), required_keys=("chosen", "rejected")), start=1):
+        where = f"{path}: pair {line_number}"
+        if not all(isinstance(raw[key], str) for key in ("chosen", "rejected")):
+            raise DataError(f"{where}: `chosen` and `rejected` must be strings (the assistant's replies)")
+        if isinstance(raw.get("messages"), list) and raw["messages"]:
+            messages = raw["messages"]
+        elif isinstance(raw.get("prompt"), str):
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": raw["prompt"]}]
+        else:
+            raise DataError(f"{where}: needs a `prompt` string or a non-empty `messages` list (the conversation before the reply)")
+        records.append(PreferenceRecord(messages=messages, chosen=raw["chosen"], rejected=raw["rejected"]))
+    return records
+
+
+def tokenize_for_policy(record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase) -> TokenizedPair:
+    """Prompt (with the generation prompt) + reply tokens + eos, as the policy generates them."""
+    prompt_text = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+
+    def reply(text: str) -> list[int]:
+        return prompt_ids + list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+    return TokenizedPair(chosen_ids=reply(record.chosen), rejected_ids=reply(record.rejected), num_prompt_tokens=len(prompt_ids))
+
+
+def tokenize_for_reward_model(record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase) -> TokenizedPair:
+    """Each whole conversation through the chat template, tokenized in one piece (RewardModelScorer's rendering)."""
+
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    chosen_ids = render(record.messages + [{"role": "assistant", "content": record.chosen}], False)
+    rejected_ids = render(record.messages + [{"role": "assistant", "content": record.rejected}], False)
+    # Where the prompt ends: a template may tokenize the boundary differently in one piece, so at most
+    # where the two sequences first differ.
+    shared = next((i for i, (a, b) in enumerate(zip(chosen_ids, rejected_ids)) if a != b), min(len(chosen_ids), len(rejected_ids)))
+    return TokenizedPair(chosen_ids, rejected_ids, num_prompt_tokens=min(len(render(record.messages, True)), shared))
+
+
+Tokenize = Callable[[PreferenceRecord, PreTrainedTokenizerBase], TokenizedPair]
+
+
+def load_pairs(path: str, tokenizer: PreTrainedTokenizerBase, tokenize: Tokenize, config: PreferenceDataConfig) -> list[TokenizedPair]:
+    """Read and tokenize a pair file, dropping pairs longer than `data.max_length`."""
+    pairs = [tokenize(record, tokenizer) for record in read_preference_records(path, config.system_prompt)]
+    kept = [p for p in pairs if max(len(p.chosen_ids), len(p.rejected_ids)) <= config.max_length]
+    if not kept:
+        raise DataError(f"{path}: every pair is longer than data.max_length={config.max_length} tokens; raise it")
+    if len(kept) < len(pairs):
+        print(f"{path}: dropped {len(pairs) - len(kept)} of {len(pairs)} pairs longer than data.max_length")
+    return kept
+
+
+def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int) -> PairBatch:
+    """Right-pad the chosen then the rejected sequences of `pairs` into one [2B, T] batch."""
+    rows: list[tuple[list[int], int]] = [(p.chosen_ids, p.num_prompt_tokens) for p in pairs]
+    rows += [(p.rejected_ids, p.num_prompt_tokens) for p in pairs]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for row, (ids, num_prompt) in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        loss_mask[row, num_prompt : len(ids)] = 1.0
+    return PairBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+
+
+def num_reply_tokens(pairs: list[TokenizedPair]) -> dict[str, int]:
+    """Reply tokens of the chosen and of the rejected sequences: normalisers of token-mean terms."""
+    return {
+        "chosen": sum(len(p.chosen_ids) - p.num_prompt_tokens for p in pairs),
+        "rejected": sum(len(p.rejected_ids) - p.num_prompt_tokens for p in pairs),
+    }
