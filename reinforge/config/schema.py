@@ -19,6 +19,7 @@ from reinforge.envs.format_env import FormatEnvConfig
 from reinforge.envs.ifeval import IfEvalConfig
 from reinforge.envs.judge import JudgeEnvConfig
 from reinforge.envs.tool_use import ToolUseEnvConfig
+from reinforge.logging.loggers import LoggersConfig
 
 
 class ModelConfig(Section):
@@ -143,7 +144,7 @@ class GRPOConfig(Section):
     the groups it has (fewer than `num_prompts_per_step`; none: the step is skipped)."""
     overlong_buffer_tokens: int = 0
     """L_cache of DAPO's soft overlong punishment: a reward penalty growing linearly from 0 to -1 over the
-    last L_cache tokens before `generation.max_new_tokens` (L_max); 0 disables it."""
+    last L_cache tokens before `generation.max_new_tokens` (L_max); single-turn only; 0 disables it."""
     overlong_filtering: bool = False
     """DAPO's overlong filtering: truncated answers (no stop before `generation.max_new_tokens`) are masked
     out of the loss; their rewards still count in their group's baseline."""
@@ -265,6 +266,11 @@ class LoggingConfig(Section):
     is added."""
     console_every: int = 1
     """Print a compact metrics line every this many steps."""
+    loggers: LoggersConfig = LoggersConfig()
+    """Where the metrics go besides RUN_DIR/metrics.jsonl (always written): TensorBoard, Weights & Biases, MLflow."""
+    capture_dependency_logs: bool = True
+    """Send the logs of vLLM, Ray, transformers and other dependencies, and anything written to stderr
+    during the run, to RUN_DIR/logs/dependencies.log instead of the console."""
 
 
 class Config(Section):
@@ -349,6 +355,9 @@ class Config(Section):
             (0 <= self.grpo.overlong_buffer_tokens <= self.generation.max_new_tokens,
              f"grpo.overlong_buffer_tokens={self.grpo.overlong_buffer_tokens} must be in [0, generation.max_new_tokens="
              f"{self.generation.max_new_tokens}]: the buffer is the last tokens before the length limit (0 disables the penalty)"),
+            (self.grpo.overlong_buffer_tokens == 0 or self.grpo.max_turns == 1,
+             "grpo.overlong_buffer_tokens > 0 needs grpo.max_turns=1: L_max is generation.max_new_tokens, a per-turn limit, "
+             "so a multi-turn answer would be punished for its number of turns; set overlong_buffer_tokens=0"),
             (self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
              "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)"),
         ]
