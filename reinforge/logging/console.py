@@ -31,6 +31,7 @@ class ConsoleLog:
             TimeRemainingColumn(),
             console=self.console,
             transient=True,
+            redirect_stderr=False,  # stderr belongs to the dependency-log capture (RUN_DIR/logs), not the bar
         )
         self.task = self.progress.add_task(description, total=total_steps)
 
