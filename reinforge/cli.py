@@ -17,6 +17,12 @@ OVERRIDES_HELP = (
 )
 
 
+SFT_OVERRIDES_HELP = (
+    "key=value overrides, type-checked against the SFT config schema, e.g. sft.max_steps=10 training.lr=1e-5. "
+    "Sections: model, data, training, sft, checkpoint, logging, plus seed and num_threads."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reinforge", description="Reinforcement-learning post-training of LLMs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -38,9 +44,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
 
+    sft = commands.add_parser(
+        "sft",
+        help="supervised fine-tuning on chat data (loss on assistant tokens, packed batches)",
+        description="Run SFT: chats rendered with the model's chat template, loss on the assistant tokens, "
+        "packed micro-batches. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+    )
+    sft.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
+    sft.add_argument("overrides", nargs="*", help=SFT_OVERRIDES_HELP)
+
+    for name, summary, description in (
+        ("dpo", "train a policy with DPO on preference pairs (prompt, chosen, rejected)",
+         "Run DPO: the policy learns to prefer the chosen reply over the rejected one relative to a frozen "
+         "reference (the starting model). Writes config.yaml, metrics.jsonl and final/ to logging.run_dir."),
+        ("rm", "train a Bradley-Terry reward model on preference pairs",
+         "Train a reward model: a scalar head on a causal LM, loss -log sigmoid(r_chosen - r_rejected). Writes "
+         "config.yaml, metrics.jsonl and final/ (servable by `python -m reinforge.envs.reward_model_server`)."),
+    ):
+        pairs = commands.add_parser(name, help=summary, description=description)
+        pairs.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
+        pairs.add_argument("overrides", nargs="*", help=f"key=value overrides, type-checked against the {name} config schema, "
+                           f"e.g. {name}.max_steps=10 training.lr=1e-5. Sections: model, data, training, {name}, checkpoint, "
+                           "logging, plus seed and num_threads.")
+
     from reinforge.envs.cli import add_env_commands
 
     add_env_commands(commands)
+
+    from reinforge.evaluation.cli import add_eval_command
+
+    add_eval_command(commands)
+
+    report = commands.add_parser(
+        "report",
+        help="plots and a summary of a run, written to RUN_DIR/report/",
+        description="Read RUN_DIR/metrics.jsonl and config.yaml; write PNG plots (reward, validation accuracy, KL, "
+        "entropy, lengths, mismatch, time per phase, throughput) and summary.md to RUN_DIR/report/.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (it holds metrics.jsonl)")
     return parser
 
 
@@ -60,10 +101,42 @@ def main(argv: list[str] | None = None) -> int:
             hf_logging.disable_progress_bar()
             config = load_config(args.config if args.command == "grpo" else DEMO_CONFIG, args.overrides)
             grpo.train(config)
+        elif args.command == "sft":
+            from reinforge.algorithms import sft
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            from reinforge.config.recipe_loader import load_recipe_config
+
+            sft.train(load_recipe_config(sft.SFTRunConfig, args.config, args.overrides))
+        elif args.command in ("dpo", "rm"):
+            from reinforge.algorithms import dpo, rm
+            from reinforge.config.recipe_loader import load_recipe_config
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            if args.command == "dpo":
+                dpo.train(load_recipe_config(dpo.DPORunConfig, args.config, args.overrides))
+            else:
+                rm.train(load_recipe_config(rm.RMRunConfig, args.config, args.overrides))
         elif args.command == "env":
             from reinforge.envs.cli import run_env_command
 
             run_env_command(args)
+        elif args.command == "eval":
+            from reinforge.evaluation.cli import run_eval_command
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            run_eval_command(args)
+        elif args.command == "report":
+            from reinforge.logging.report import write_report
+
+            for path in write_report(args.run_dir):
+                print(path)
     except ReinforgeError as exc:
         print(f"reinforge: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,149 @@
+"""The evaluation benchmarks: each one's file in data/benchmarks/, its prompt format and its scorer.
+
+A benchmark loads into `BenchmarkItem`s: the user message sent to the model (`prompt`, rendered with
+the model's chat template, no system prompt) and the `record` its environment scores the response
+against (`record["task"]` names the environment). The files are described, with their sources, in
+data/benchmarks/README.md. Items keep the file's order; `limit` takes the first ones.
+
+Prompt formats (`{...}` are the file's fields):
+
+- gsm8k, math500, aime2024, aime2025 (env `math`): `{question or problem}` + "\\n\\n" + MATH_SUFFIX,
+  the instruction of Qwen2.5-Math and DeepSeek-R1's evaluations. The gold answer is GSM8K's number
+  after "#### " (thousands commas dropped), MATH-500's `answer`, AIME's integer `answer`.
+- humaneval (env `code`): HUMANEVAL_INSTRUCTION, then the HumanEval `prompt` (signature and
+  docstring) in a ```python block. The code env runs the HumanEval prompt before the program, so a
+  response may give the whole function or only its body; it then runs `check(candidate)`.
+- mbpp (env `code`): `{prompt}`, then "Your code should pass this test:" and the first of the
+  record's `test_list` in a ```python block, as MBPP's paper and the EvalPlus/bigcode prompts show
+  one test to fix the function's name and signature; then MBPP_INSTRUCTION. All of `test_list`
+  (with `test_imports` run first) is scored.
+- ifeval (env `ifeval`): IFEval's `prompt` as it is, no suffix (the instructions are the prompt).
+  Scored in IFEval's strict mode, prompt level (1 when every instruction is followed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from reinforge.data.jsonl import read_jsonl
+from reinforge.errors import DataError, ReinforgeError
+from reinforge.paths import PROJECT_ROOT
+
+BENCHMARKS_DIR = PROJECT_ROOT / "data" / "benchmarks"
+MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function, signature included, in a "
+    "```python code block."
+)
+MBPP_INSTRUCTION = "Write the function in a ```python code block."
+
+
+@dataclass
+class BenchmarkItem:
+    """One benchmark question."""
+
+    id: str  # the file's own id (task_id, unique_id, key) or "<benchmark>/<line index>"
+    prompt: str  # the user message sent to the model
+    record: dict[str, Any]  # what the environment scores against: `task` plus its fields
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    file: str  # under data/benchmarks/
+    task: str  # the environment that scores it
+    has_final_answer: bool  # a math answer to extract and vote on (maj@k)
+    to_items: Callable[[list[dict[str, Any]]], list[BenchmarkItem]]
+
+
+def _math_prompt(problem: str) -> str:
+    return f"{problem}\n\n{MATH_SUFFIX}"
+
+
+def _gsm8k(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
+    return [
+        BenchmarkItem(f"gsm8k/{i}", _math_prompt(row["question"]),
+                      {"task": "math", "answer": row["answer"].split("####")[-1].strip().replace(",", "")})
+        for i, row in enumerate(rows)
+    ]
+
+
+def _math500(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
+    return [BenchmarkItem(row["unique_id"], _math_prompt(row["problem"]), {"task": "math", "answer": row["answer"]}) for row in rows]
+
+
+def _aime(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
+    return [BenchmarkItem(row["id"], _math_prompt(row["problem"]), {"task": "math", "answer": str(row["answer"])}) for row in rows]
+
+
+def _humaneval(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
+    return [
+        BenchmarkItem(
+            row["task_id"],
+            f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{row['prompt'].rstrip()}\n```",
+            {"task": "code", **{key: row[key] for key in ("task_id", "prompt", "test", "entry_point")}},
+        )
+        for row in rows
+    ]
+
+
+def _mbpp(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
+    return [
+        BenchmarkItem(
+            f"mbpp/{row['task_id']}",
+            f"{row['prompt']}\nYour code should pass this test:\n\n```python\n{row['test_list'][0]}\n```\n\n{MBPP_INSTRUCTION}",
+            {"task": "code", "task_id": row["task_id"], "test_list": row["test_list"], "test_imports": row["test_imports"]},
+        )
+        for row in rows
+    ]
+
+
+def _ifeval(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
+    return [
+        BenchmarkItem(
+            f"ifeval/{row['key']}",
+            row["prompt"],
+            {"task": "ifeval", **{key: row[key] for key in ("key", "prompt", "instruction_id_list", "kwargs")}},
+        )
+        for row in rows
+    ]
+
+
+BENCHMARKS = {
+    b.name: b
+    for b in (
+        Benchmark("gsm8k", "gsm8k/test.jsonl", "math", True, _gsm8k),
+        Benchmark("math500", "math500/test.jsonl", "math", True, _math500),
+        Benchmark("aime2024", "aime2024/aime_2024.jsonl", "math", True, _aime),
+        Benchmark("aime2025", "aime2025/aime_2025.jsonl", "math", True, _aime),
+        Benchmark("humaneval", "humaneval/HumanEval.jsonl", "code", False, _humaneval),
+        Benchmark("mbpp", "mbpp/sanitized-mbpp.json", "code", False, _mbpp),
+        Benchmark("ifeval", "ifeval/input_data.jsonl", "ifeval", False, _ifeval),
+    )
+}
+
+
+def get_benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ReinforgeError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name]
+
+
+def load_benchmark(name: str, limit: int | None = None, root: Path = BENCHMARKS_DIR) -> list[BenchmarkItem]:
+    """The benchmark's items in file order, the first `limit` of them when given."""
+    benchmark = get_benchmark(name)
+    path = root / benchmark.file
+    if path.suffix == ".json":  # MBPP's sanitized split is one JSON array
+        if not path.is_file():
+            raise DataError(f"benchmark file {path} does not exist")
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    else:
+        rows = read_jsonl(path)
+    if limit is not None:
+        if limit < 1:
+            raise ReinforgeError(f"--limit must be >= 1, got {limit}")
+        rows = rows[:limit]
+    return benchmark.to_items(rows)
