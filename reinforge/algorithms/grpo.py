@@ -13,19 +13,33 @@ As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
 3. Clip bounds may be asymmetric (`clip_eps_high`, DAPO's clip-higher) and dual clip is optional.
 4. The old logprobs come from the trainer, not the generation engine, so the ratio is exactly 1 on
    the first optimizer step; the engine's logprobs are kept to measure train/inference mismatch.
+
+The GRPO family are settings of this loop and its loss (configs/*_demo.yaml, docs/algorithms.md): DAPO
+(dynamic sampling, overlong reward shaping and filtering, clip-higher, token-level loss), GSPO (sequence-
+level ratio), Dr.GRPO (no std division, constant normaliser), RLOO (leave-one-out baseline), REINFORCE++
+(batch-whitened advantages).
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from reinforge.algorithms.advantages import BASELINES, group_advantages
+from reinforge.algorithms.advantages import BASELINES, batch_whiten, group_advantages, informative_groups, overlong_penalty
+from reinforge.algorithms.checkpointing import open_run_dir, restore_rng, resume_run, save_run_checkpoint, update_best
 from reinforge.algorithms.builders import build_engine, build_environments, build_trainer, start_ray_if_needed, write_placement
-from reinforge.algorithms.losses import AGGREGATIONS, grpo_loss, sequence_ratio_mask, truncated_importance_weights
+from reinforge.algorithms.losses import (
+    AGGREGATIONS,
+    LOG_RATIOS,
+    constant_normaliser,
+    grpo_loss,
+    sequence_ratio_mask,
+    truncated_importance_weights,
+)
 from reinforge.config import Config, save_config
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.jsonl import read_jsonl
@@ -36,11 +50,14 @@ from reinforge.errors import DataError
 from reinforge.generation import consistency
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.console import ConsoleLog
-from reinforge.logging.metrics import JsonlWriter, Timers
+from reinforge.logging.capture import capture_dependency_logs
+from reinforge.logging.loggers import MetricLogger, check_backends
+from reinforge.logging.memory import memory_metrics
+from reinforge.logging.metrics import Timers
 from reinforge.modeling import load_tokenizer
 from reinforge.paths import resolve_path
 from reinforge.rollout.rollout import RolloutOptions, rollout
-from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
 
 
@@ -64,31 +81,41 @@ def train(config: Config) -> GRPOResult:
     tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
     check_tasks(tasks, config.env)
 
+    check_backends(config.logging.loggers)
+
     with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
+        # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
+        run_dir, resume_from = open_run_dir(config)
+        cleanup.enter_context(capture_dependency_logs(run_dir, config.logging.capture_dependency_logs))
+        save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
         start_ray_if_needed(config, cleanup)
         envs = build_environments(config, tasks, cleanup)
-        # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
-        run_dir = make_run_dir(config.logging.run_dir)
-        save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
         trainer = build_trainer(config, cleanup)
         engine = build_engine(config, tokenizer, trainer, cleanup)
         write_placement(run_dir, trainer, engine, envs)
+        state = resume_run(resume_from, run_dir, trainer, engine, sampler) if resume_from else None
+        start_step, val_history, best = (state["step"], state["val_history"], state["best"]) if state else (0, [], {})
         probe_prompts = train_prompts[: config.generation.num_probe_prompts]
         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
         loss_fn = make_loss_fn(config)
-        metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
-        val_history: list[float] = []
+        metrics_log = cleanup.enter_context(MetricLogger(run_dir, config.logging.loggers))
+        metrics_log.log_config(config.model_dump(mode="json"))
+        if state:
+            restore_rng(state)  # after the start-up probe, which samples
 
-        with ConsoleLog(g.max_steps, "GRPO") as console:
-            console.print(f"run directory: {run_dir}")
-            if val_prompts:
-                val_metrics = validate(val_prompts, engine, tokenizer, envs, config)
+        with ConsoleLog(g.max_steps, "GRPO", completed=start_step) as console:
+            console.print(f"run directory: {run_dir}" + (f" (resumed from {resume_from.name})" if resume_from else ""))
+            if val_prompts and not state:
+                timers = Timers()
+                with timers.time("val"):
+                    val_metrics = validate(val_prompts, engine, tokenizer, envs, config)
+                val_metrics.update(timers.metrics())
                 val_history.append(val_metrics["val/accuracy"])
-                metrics_log.write(0, val_metrics)
+                metrics_log.log(0, val_metrics)
                 console.step(0, val_metrics, show_line=True)
 
-            for step in range(1, g.max_steps + 1):
-                metrics = grpo_step(step, sampler.next_batch(), engine, trainer, envs, tokenizer, loss_fn, config)
+            for step in range(start_step + 1, g.max_steps + 1):
+                metrics = grpo_step(step, sampler, engine, trainer, envs, tokenizer, loss_fn, config)
                 if step == 1:  # the first refit must really have moved the engine to the trainer's weights
                     check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
                 if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
@@ -97,8 +124,12 @@ def train(config: Config) -> GRPOResult:
                         metrics.update(validate(val_prompts, engine, tokenizer, envs, config))
                     metrics.update(timers.metrics())
                     val_history.append(metrics["val/accuracy"])
-                metrics_log.write(step, metrics)
+                metrics.update(memory_metrics("perf/"))
+                metrics_log.log(step, metrics)
                 console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
+                if config.checkpoint.save_every and (step % config.checkpoint.save_every == 0 or step == g.max_steps):
+                    best = update_best(best, step, metrics, config)
+                    save_run_checkpoint(run_dir, step, trainer, sampler, val_history, best, config)
 
             if config.checkpoint.save_final:
                 with atomic_directory(run_dir / "final") as tmp:
@@ -113,36 +144,103 @@ def train(config: Config) -> GRPOResult:
     return GRPOResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
 
 
-def grpo_step(step: int, prompts: list[Prompt], engine: GenerationBackend, trainer: TrainingBackend,
+def grpo_step(step: int, sampler: PromptSampler, engine: GenerationBackend, trainer: TrainingBackend,
               envs: dict[str, Environment], tokenizer, loss_fn, config: Config) -> dict[str, float]:
     """One GRPO step: generate, score, advantages, logprobs, optimizer steps, refit. Returns its metrics."""
     g, global_batch = config.grpo, config.training.global_batch_size
     timers = Timers()
     with timers.time("step"):
         # generation and scoring, turn by turn: timing/generate_s and timing/reward_s
-        trajectories = rollout(prompts, engine, sampling_params(config, step), tokenizer, envs, rollout_options(config), timers)
+        trajectories, sampling_metrics = sample_groups(step, sampler, engine, tokenizer, envs, config, timers)
         engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
-        rewards_PG = torch.tensor([t.reward for t in trajectories]).view(g.num_prompts_per_step, g.num_generations_per_prompt)
-        advantages_PG = group_advantages(rewards_PG, BASELINES[g.baseline], g.normalize_std)
+        if not trajectories:  # dynamic sampling found no group with unequal rewards: nothing to learn from
+            return {**sampling_metrics, **timers.metrics()}
+        rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, g.num_generations_per_prompt)
+        penalties_PG = overlong_penalties(trajectories, config).view_as(rewards_PG)
+        advantages_PG = group_advantages(rewards_PG + penalties_PG, BASELINES[g.baseline], g.normalize_std)
+        if g.whiten_advantages:
+            advantages_PG = batch_whiten(advantages_PG)
         batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
 
         with timers.time("logprobs"):
             batch.old_logprobs = trainer.logprobs(batch)
             if config.loss.kl_coef > 0:
                 batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+        mismatch = consistency.mismatch_metrics(batch)  # over every generated token, overlong-filtered ones included
+        if g.overlong_filtering:  # DAPO: truncated answers are not trained on (their rewards still set the baseline)
+            batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
         batch.is_weights = importance_weights(config, batch)
-        with timers.time("train"):  # one optimizer step per global batch of the rollout
-            updates = [trainer.train_step(batch.slice(s, s + global_batch), loss_fn) for s in range(0, len(batch), global_batch)]
+        with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
+            global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
+            updates = [trainer.train_step(b, loss_fn) for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
         with timers.time("refit"):
             engine.update_weights(trainer.named_weights())
     return {
         **rollout_metrics(trajectories, rewards_PG),
+        **sampling_metrics,
+        **advantage_metrics(trajectories, penalties_PG, advantages_PG, config),
         **train_metrics(updates),
-        **consistency.mismatch_metrics(batch),
+        **mismatch,
         **env_metrics(envs),
         **timers.metrics(),
         "perf/tokens_per_s": batch.attention_mask.sum().item() / timers.seconds["step"],
     }
+
+
+def sample_groups(step: int, sampler: PromptSampler, engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
+                  config: Config, timers: Timers) -> tuple[list[Trajectory], dict[str, float]]:
+    """The step's scored groups: one rollout of the next `num_prompts_per_step` prompts, or, with dynamic
+    sampling, as many rollouts of further prompts as `fill_with_informative_groups` needs."""
+    g = config.grpo
+
+    def rollout_round(round_index: int) -> list[Trajectory]:
+        params = sampling_params(config, step)
+        params = replace(params, seed=params.seed + 500_009 * round_index)  # a fresh stream per extra round
+        return rollout(sampler.next_batch(), engine, params, tokenizer, envs, rollout_options(config), timers)
+
+    if not g.dynamic_sampling:
+        return rollout_round(0), {}
+    return fill_with_informative_groups(rollout_round, g.num_prompts_per_step, g.num_generations_per_prompt,
+                                        g.dynamic_sampling_max_extra_rounds)
+
+
+def fill_with_informative_groups(rollout_round: Callable[[int], list[Trajectory]], num_groups: int, group_size: int,
+                                 max_extra_rounds: int) -> tuple[list[Trajectory], dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): call `rollout_round(0)`, `rollout_round(1)`,
+    ... (each returns whole groups of `group_size` trajectories, grouped by prompt), drop the groups whose
+    rewards are all equal, and stop once `num_groups` groups are kept (the surplus of the last round is
+    discarded) or after `max_extra_rounds` extra rounds. Deviation: DAPO samples until the batch is full;
+    here a step that runs out of rounds trains on the groups it has, possibly none."""
+    kept: list[list[Trajectory]] = []
+    num_rounds = num_generated = num_dropped = 0
+    while len(kept) < num_groups and num_rounds <= max_extra_rounds:
+        trajectories = rollout_round(num_rounds)
+        num_rounds += 1
+        groups = [trajectories[start : start + group_size] for start in range(0, len(trajectories), group_size)]
+        keep = informative_groups(torch.tensor([[t.reward for t in group] for group in groups])).tolist()
+        kept += [group for group, informative in zip(groups, keep) if informative]
+        num_generated += len(groups)
+        num_dropped += keep.count(False)
+    kept = kept[:num_groups]
+    for index, group in enumerate(kept):  # `group` indexes the step's prompts, now across rounds
+        for trajectory in group:
+            trajectory.group = index
+    metrics = {
+        "rollout/dynamic_sampling_rounds": num_rounds,
+        "rollout/num_dropped_groups": num_dropped,
+        "rollout/dropped_group_fraction": num_dropped / num_generated,
+        "rollout/num_trained_groups": len(kept),
+    }
+    return [trajectory for group in kept for trajectory in group], metrics
+
+
+def overlong_penalties(trajectories: list[Trajectory], config: Config) -> torch.Tensor:
+    """DAPO's soft overlong punishment of each single-turn trajectory [N] on its number of generated tokens
+    (zeros when `grpo.overlong_buffer_tokens` is 0)."""
+    if not config.grpo.overlong_buffer_tokens:
+        return torch.zeros(len(trajectories))
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+    return overlong_penalty(lengths, config.generation.max_new_tokens, config.grpo.overlong_buffer_tokens)
 
 
 def check_consistency(prompts: list[Prompt], engine: GenerationBackend, trainer: TrainingBackend, tokenizer, config: Config, when: str) -> None:
@@ -192,6 +290,10 @@ def importance_weights(config: Config, batch: TrainBatch) -> torch.Tensor | None
 
 def make_loss_fn(config: Config):
     loss = config.loss
+    if loss.aggregation == "constant":
+        aggregate = constant_normaliser(loss.constant_normaliser_tokens or config.generation.max_new_tokens)
+    else:
+        aggregate = AGGREGATIONS[loss.aggregation]
 
     def loss_fn(logprobs_BT: torch.Tensor, micro: TrainBatch, norm):
         return grpo_loss(
@@ -200,7 +302,8 @@ def make_loss_fn(config: Config):
             micro.advantages,
             micro.loss_mask,
             norm,
-            aggregate=AGGREGATIONS[loss.aggregation],
+            aggregate=aggregate,
+            log_ratio=LOG_RATIOS[loss.ratio_level],
             eps_low=loss.clip_eps_low,
             eps_high=loss.clip_eps_high,
             dual_clip_c=loss.dual_clip_c,
@@ -218,6 +321,7 @@ def validate(prompts: list[Prompt], engine: GenerationBackend, tokenizer, envs: 
                             stop_strings=tuple(config.generation.stop_strings))
     trajectories = rollout(prompts, engine, params, tokenizer, envs, rollout_options(config))
     return {
+        **{f"val/{name}": value for name, value in env_metrics(envs).items()},  # the validation's own env counters
         "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
         "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
         **per_task_means(trajectories, "val", "accuracy"),
@@ -259,10 +363,25 @@ def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) ->
     }
 
 
+def advantage_metrics(trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor,
+                    config: Config) -> dict[str, float]:
+    """The advantages trained on, and what overlong shaping and filtering did to this step's batch."""
+    g = config.grpo
+    metrics = {
+        "train/advantage_mean": advantages_PG.mean().item(),
+        "train/advantage_std": advantages_PG.std(unbiased=False).item(),
+    }
+    if g.overlong_buffer_tokens:
+        metrics["rollout/overlong_penalty_mean"] = penalties_PG.mean().item()
+    if g.overlong_filtering:
+        metrics["rollout/overlong_filtered_fraction"] = sum(t.truncated for t in trajectories) / len(trajectories)
+    return metrics
+
+
 def train_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     """Mean over the step's optimizer steps; extremes by max/min."""
     out = {}
-    for name in updates[0]:
+    for name in updates[0] if updates else []:
         values = [u[name] for u in updates]
         if name.endswith("_max"):
             out[f"train/{name}"] = max(values)

@@ -20,7 +20,7 @@ COMPACT = [
 
 
 class ConsoleLog:
-    def __init__(self, total_steps: int, description: str):
+    def __init__(self, total_steps: int, description: str, completed: int = 0):
         self.console = Console(highlight=False)
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -33,7 +33,7 @@ class ConsoleLog:
             transient=True,
             redirect_stderr=False,  # stderr belongs to the dependency-log capture (RUN_DIR/logs), not the bar
         )
-        self.task = self.progress.add_task(description, total=total_steps)
+        self.task = self.progress.add_task(description, total=total_steps, completed=completed)
 
     def __enter__(self) -> "ConsoleLog":
         self.progress.start()

@@ -1,0 +1,79 @@
+"""Kill a GRPO run with SIGKILL at random moments (one of them mid-save), resume it each time with the
+same command, and compare its metrics.jsonl with a run that was never killed: equal."""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+from reinforge.paths import PROJECT_ROOT
+
+ARGS = ["grpo.max_steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.resume=auto",
+        "grpo.num_prompts_per_step=4", "training.global_batch_size=32", "training.micro_batch_size=32",
+        "generation.max_new_tokens=40", "data.max_val_prompts=8", "grpo.val_every=2", "checkpoint.save_final=false",
+        "cluster.num_threads=1"]
+
+
+def command(run_dir):
+    return [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
+            *ARGS, f"logging.run_dir={run_dir}"]
+
+
+def comparable(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
+
+
+def kill_when(run_dir, ready, timeout_s=240):
+    """Start the run and SIGKILL it as soon as `ready()` holds (or let it finish)."""
+    process = subprocess.Popen(command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + timeout_s
+    while process.poll() is None and time.time() < deadline:
+        if ready():
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    process.wait(timeout=60)
+    return process.returncode
+
+
+def test_a_run_killed_at_random_moments_resumes_to_the_same_metrics(tmp_path):
+    reference = tmp_path / "uninterrupted"
+    assert subprocess.run(command(reference), capture_output=True, timeout=600).returncode == 0
+    run = tmp_path / "killed"
+    checkpoints = run / "checkpoints"
+    rng = random.Random(7)
+    started = [0.0]
+
+    def after_random_delay():
+        return time.time() - started[0] > rng_delay
+    kills = 0
+    # 1: mid-save, the moment a checkpoint's temporary directory appears
+    assert kill_when(run, lambda: checkpoints.is_dir() and any(p.name.endswith(".tmp") for p in checkpoints.iterdir())) == -9
+    kills += 1
+    # 2 and 3: at random moments of the resumed runs (start-up, generation, training or saving)
+    for _ in range(2):
+        rng_delay = rng.uniform(3.0, 20.0)
+        started[0] = time.time()
+        if kill_when(run, after_random_delay) == -9:
+            kills += 1
+        newest = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step_"))
+        assert all((p / "COMPLETE").is_file() for p in newest), "a half-written checkpoint is visible as a checkpoint"
+    final = subprocess.run(command(run), capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert kills >= 2
+    assert comparable(run) == comparable(reference)
+    assert len(comparable(run)) == 6  # steps 0..5, none lost, none repeated
+
+
+def test_resuming_with_another_model_is_refused_naming_the_setting(tmp_path):
+    run = tmp_path / "run"
+    short = command(run)[:-len(ARGS) - 1] + ["grpo.max_steps=1", "checkpoint.save_every=1", "checkpoint.resume=auto",
+                                               "grpo.num_prompts_per_step=4", "training.global_batch_size=32",
+                                               "training.micro_batch_size=32", "data.max_val_prompts=4", f"logging.run_dir={run}"]
+    assert subprocess.run(short, capture_output=True, timeout=600).returncode == 0
+    other = subprocess.run(short + ["training.lr=3e-4"], capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines()[-1].startswith("reinforge: error: cannot resume from") and "training.lr" in other.stderr
