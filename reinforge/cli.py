@@ -82,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         "entropy, lengths, mismatch, time per phase, throughput) and summary.md to RUN_DIR/report/.",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (it holds metrics.jsonl)")
+
+    convert = commands.add_parser(
+        "convert",
+        help="a training checkpoint as a Hugging Face directory",
+        description="Write the policy of a checkpoint (RUN_DIR/checkpoints/step_N, or a run directory: its newest "
+        "complete checkpoint), single-process or FSDP2-sharded, as a Hugging Face directory that transformers and vLLM load.",
+    )
+    convert.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="RUN_DIR/checkpoints/step_N or RUN_DIR")
+    convert.add_argument("--out", required=True, help="new Hugging Face directory to write")
     return parser
 
 
@@ -132,6 +141,14 @@ def main(argv: list[str] | None = None) -> int:
             hf_logging.set_verbosity_error()
             hf_logging.disable_progress_bar()
             run_eval_command(args)
+        elif args.command == "convert":
+            from pathlib import Path
+
+            from reinforge.training.convert import convert
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            print(convert(Path(args.checkpoint), Path(args.out)))
         elif args.command == "report":
             from reinforge.logging.report import write_report
 

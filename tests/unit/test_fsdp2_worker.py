@@ -44,6 +44,7 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
     metrics = [worker.train_step(batch, partial(loss_fn, token_mean, 0.1)) for _ in range(NUM_STEPS)]
     weights = dict(worker.named_weights())
     worker.save_pretrained(out_dir / "export")
+    worker.save_state(str(out_dir / "sharded_state"))  # each rank writes its shards
     result = {"logprobs": logprobs, "metrics": metrics}
     if rank == 0:
         result["weights"] = weights
@@ -133,3 +134,14 @@ def test_export_from_shards_loads_with_from_pretrained(runs):
     assert loaded.keys() == two[0]["weights"].keys()
     for name, weight in two[0]["weights"].items():
         assert torch.equal(loaded[name], weight), name
+
+
+def test_a_sharded_checkpoint_converts_to_the_full_weights(runs):
+    from reinforge.training.convert import policy_state_dict
+
+    two, export_dir = runs[2]
+    full = policy_state_dict(export_dir.parent / "sharded_state")
+    for name, weight in two[0]["weights"].items():
+        if name in full:
+            assert torch.equal(full[name], weight), name
+    assert set(two[0]["weights"]) - set(full) <= {"lm_head.weight"}  # tied to the embeddings
