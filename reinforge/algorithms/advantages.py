@@ -5,8 +5,14 @@ GRPO (Shao et al. 2024, DeepSeekMath) scores each of the G samples of a prompt a
 Baselines:
     mean:           baseline_i = mean_j r_j
     leave-one-out:  baseline_i = mean_{j != i} r_j = (sum_j r_j - r_i) / (G - 1)   (RLOO, Ahmadian et al. 2024)
-A group whose rewards are all equal gets advantage 0 everywhere, so it adds no policy gradient.
+A group whose rewards are all equal gets advantage 0 everywhere, so it adds no policy gradient
+(DAPO's dynamic sampling drops such groups: `informative_groups`).
 `std` is the unbiased (G - 1) sample standard deviation, as in the GRPO reference implementations.
+
+Also here, as pure functions of rewards:
+    batch whitening:  A <- (A - mean(A)) / (std(A) + eps) over the whole batch, all groups together
+                      (REINFORCE++, Hu 2025, arXiv:2501.03262; after a group-mean baseline it is REINFORCE++-baseline)
+    overlong penalty: DAPO's "soft overlong punishment" (Yu et al. 2025, arXiv:2503.14476), added to the reward
 """
 
 from __future__ import annotations
@@ -41,3 +47,26 @@ def group_advantages(
     if normalize_std:
         advantages_PG = advantages_PG / (rewards_PG.std(dim=1, keepdim=True) + eps)
     return advantages_PG
+
+
+def batch_whiten(advantages_PG: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages normalised by the mean and the (population) standard deviation of the whole batch [P, G],
+    not of each group: REINFORCE++'s global advantage normalisation."""
+    return (advantages_PG - advantages_PG.mean()) / (advantages_PG.std(unbiased=False) + eps)
+
+
+def informative_groups(rewards_PG: torch.Tensor) -> torch.Tensor:
+    """[P] bool: True for the groups whose rewards are not all equal (the others have advantage 0)."""
+    return (rewards_PG != rewards_PG[:, :1]).any(dim=1)
+
+
+def overlong_penalty(lengths_B: torch.Tensor, max_length: int, buffer_length: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment for responses of `lengths_B` tokens, with L_max = max_length and
+    L_cache = buffer_length (> 0):
+        R = 0                                  if |y| <= L_max - L_cache
+        R = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max   (linear from 0 to -1)
+        R = -1                                 if |y| > L_max
+    """
+    assert buffer_length > 0, "the overlong buffer must be at least one token"
+    penalty_B = ((max_length - buffer_length) - lengths_B.float()) / buffer_length
+    return penalty_B.clamp(min=-1.0, max=0.0)

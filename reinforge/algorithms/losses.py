@@ -8,7 +8,8 @@ global token count, the sum of the micro-batch losses equals the loss of the who
 accumulation (and, later, data parallelism) gives the same gradient as one big batch.
 
 The GRPO objective as implemented (per token, to be minimised):
-    ratio     = exp(logp - logp_old)
+    ratio     = exp(logp - logp_old)                                              (per token; or GSPO's sequence ratio
+                                                                                  exp(mean_t (logp - logp_old)) on all its tokens)
     pg        = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))      (PPO clip, Schulman et al. 2017;
                                                                                   eps_high > eps_low is DAPO's clip-higher)
     pg        = min(pg, -A * c)   where A < 0, if dual clip c > 1                 (Ye et al. 2020)
@@ -16,7 +17,8 @@ The GRPO objective as implemented (per token, to be minimised):
     pg        = w * pg   with optional importance weights w for train/inference mismatch (TIS or a sequence mask)
     loss      = aggregate(pg + kl_coef * kl)
 Deviation from the GRPO paper: the paper averages per sequence then per group ("sequence" aggregation
-here); the default is DAPO's token-level mean, which does not down-weight long answers.
+here); the default is DAPO's token-level mean, which does not down-weight long answers. Dr.GRPO's
+aggregation divides the token sum by a constant (sequences x a fixed token budget) instead.
 """
 
 from __future__ import annotations
@@ -49,20 +51,51 @@ def sequence_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalis
     return per_sequence_B.sum() / max(norm.num_sequences, 1)
 
 
+def constant_normaliser(max_tokens_per_sequence: int) -> Aggregate:
+    """Dr.GRPO (Liu et al. 2025, arXiv:2503.20783): sum over valid tokens / (number of sequences in the global
+    batch x max_tokens_per_sequence). The divisor does not depend on how long the answers are, so neither a
+    sequence's length nor the batch's token count rescales a token's gradient (a sum of sequence
+    log-likelihoods, as in REINFORCE, up to that constant)."""
+
+    def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalisers) -> torch.Tensor:
+        return (values_BT * mask_BT).sum() / (max(norm.num_sequences, 1) * max_tokens_per_sequence)
+
+    return aggregate
+
+
 AGGREGATIONS: dict[str, Aggregate] = {"token": token_mean, "sequence": sequence_mean}
 
 
+LogRatio = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def token_log_ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """PPO/GRPO: each token's own log importance ratio, logp - logp_old."""
+    return logprobs_BT - old_logprobs_BT
+
+
+def sequence_log_ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): log s_i = mean over the sequence's valid tokens of
+    (logp - logp_old), i.e. s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|), put on every position of the row.
+    Its gradient reaches every token of the sequence with weight 1/|y_i|, so clipping s_i keeps or drops
+    the whole sequence."""
+    mean_B = ((logprobs_BT - old_logprobs_BT) * mask_BT).sum(dim=1) / mask_BT.sum(dim=1).clamp(min=1)
+    return mean_B.unsqueeze(1).expand_as(logprobs_BT)
+
+
+LOG_RATIOS: dict[str, LogRatio] = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
 def clipped_policy_gradient(
-    logprobs_BT: torch.Tensor,
-    old_logprobs_BT: torch.Tensor,
+    log_ratio_BT: torch.Tensor,
     advantages_BT: torch.Tensor,
     eps_low: float,
     eps_high: float,
     dual_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss. Returns (loss_BT, ratio_BT, clipped_BT) where `clipped_BT` is 1
-    where a clip bound (not the raw ratio) set the loss, i.e. where the token gives no gradient."""
-    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
+    """Per-token clipped surrogate loss of the ratio exp(log_ratio_BT). Returns (loss_BT, ratio_BT, clipped_BT)
+    where `clipped_BT` is 1 where a clip bound (not the raw ratio) set the loss, i.e. where the token gives no gradient."""
+    ratio_BT = torch.exp(log_ratio_BT)
     unclipped_BT = -advantages_BT * ratio_BT
     clipped_BT = -advantages_BT * torch.clamp(ratio_BT, 1.0 - eps_low, 1.0 + eps_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
@@ -113,15 +146,17 @@ def grpo_loss(
     kl_coef: float = 0.0,
     ref_logprobs_BT: torch.Tensor | None = None,
     is_weights_BT: torch.Tensor | None = None,
+    log_ratio: LogRatio = token_log_ratio,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch, scaled so that micro-batch losses sum to the global-batch loss.
+    GSPO is this loss with `log_ratio=sequence_log_ratio` and `aggregate=sequence_mean`.
 
     Returns the loss and metric contributions that also sum over micro-batches (token means use
     `norm.num_tokens`), except `ratio_max`/`ratio_min`, which reduce by max/min.
     """
     advantages_BT = advantages_B.unsqueeze(1).expand_as(logprobs_BT)
     pg_BT, ratio_BT, clipped_BT = clipped_policy_gradient(
-        logprobs_BT, old_logprobs_BT, advantages_BT, eps_low, eps_high, dual_clip_c
+        log_ratio(logprobs_BT, old_logprobs_BT, mask_BT), advantages_BT, eps_low, eps_high, dual_clip_c
     )
     if is_weights_BT is not None:  # importance-sampling correction of the policy-gradient term only
         pg_BT = pg_BT * is_weights_BT
@@ -143,4 +178,61 @@ def grpo_loss(
             "ratio_max": ratio_BT[valid].max() if valid.any() else ratio_BT.new_tensor(1.0),
             "ratio_min": ratio_BT[valid].min() if valid.any() else ratio_BT.new_tensor(1.0),
         }
+    return loss, metrics
+
+
+# --- Preference losses: reward models and DPO -------------------------------------------------
+# Pairs, not tokens: the normaliser is the number of pairs in the global batch, so micro-batch losses
+# and their metrics sum to the global-batch values.
+
+
+def sequence_logprobs(logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """log pi(y | x) of each sequence [B]: the sum of its valid (reply) tokens' logprobs."""
+    return (logprobs_BT * mask_BT).sum(dim=1)
+
+
+def bradley_terry_loss(
+    chosen_rewards_B: torch.Tensor, rejected_rewards_B: torch.Tensor, num_pairs: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bradley-Terry pairwise loss (Bradley & Terry 1952; the reward-model loss of Ouyang et al. 2022,
+    arXiv:2203.02155):  loss = -(1 / num_pairs) sum_i log sigmoid(r_chosen_i - r_rejected_i).
+
+    Metric contributions, each a sum over this micro-batch's pairs / num_pairs: `loss`, `reward_margin`
+    (r_c - r_r), `preference_accuracy` (1 where r_c > r_r, 1/2 on a tie, so equal rewards score chance),
+    `chosen_reward`, `rejected_reward`."""
+    margins_B = chosen_rewards_B - rejected_rewards_B
+    loss = -torch.nn.functional.logsigmoid(margins_B).sum() / num_pairs
+    with torch.no_grad():
+        wins_B = (margins_B > 0).float() + 0.5 * (margins_B == 0).float()
+        metrics = {
+            "loss": loss.detach(),
+            "reward_margin": margins_B.sum() / num_pairs,
+            "preference_accuracy": wins_B.sum() / num_pairs,
+            "chosen_reward": chosen_rewards_B.sum() / num_pairs,
+            "rejected_reward": rejected_rewards_B.sum() / num_pairs,
+        }
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def dpo_loss(
+    chosen_logps_B: torch.Tensor,
+    rejected_logps_B: torch.Tensor,
+    ref_chosen_logps_B: torch.Tensor,
+    ref_rejected_logps_B: torch.Tensor,
+    num_pairs: int,
+    *,
+    beta: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO's sigmoid loss (Rafailov et al. 2023, arXiv:2305.18290, eq. 7): Bradley-Terry on the implicit
+    rewards r = beta * (log pi(y|x) - log pi_ref(y|x)) of sequence logprobs (sums over reply tokens):
+
+        loss = -(1 / num_pairs) sum_i log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+
+    Metrics: those of `bradley_terry_loss` on the implicit rewards, plus `chosen_logp` and
+    `rejected_logp`, the policy's mean sequence logprobs (both falling is DPO's known failure mode)."""
+    chosen_rewards_B = beta * (chosen_logps_B - ref_chosen_logps_B)
+    rejected_rewards_B = beta * (rejected_logps_B - ref_rejected_logps_B)
+    loss, metrics = bradley_terry_loss(chosen_rewards_B, rejected_rewards_B, num_pairs)
+    metrics["chosen_logp"] = chosen_logps_B.detach().sum() / num_pairs
+    metrics["rejected_logp"] = rejected_logps_B.detach().sum() / num_pairs
     return loss, metrics

@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from reinforge.algorithms.advantages import group_advantages, leave_one_out_baseline, mean_baseline
+from reinforge.algorithms.advantages import (
+    batch_whiten,
+    group_advantages,
+    informative_groups,
+    leave_one_out_baseline,
+    mean_baseline,
+    overlong_penalty,
+)
 
 
 def test_group_advantages_match_hand_computed_values():
@@ -39,3 +46,35 @@ def test_mean_baseline_advantages_sum_to_zero_in_every_group():
     rewards = torch.rand(5, 8, generator=torch.Generator().manual_seed(0))
     advantages = group_advantages(rewards, mean_baseline, normalize_std=True)
     torch.testing.assert_close(advantages.sum(dim=1), torch.zeros(5), atol=1e-5, rtol=0)
+
+
+def test_batch_whitening_uses_the_mean_and_std_of_the_whole_batch():
+    """REINFORCE++-baseline: rewards [[1, 0], [1, 1], [0, 0], [1, 0]] minus their group means give
+    [[0.5, -0.5], [0, 0], [0, 0], [0.5, -0.5]]; batch mean 0, population variance (4 * 0.25) / 8 = 0.125,
+    std = 0.353553; whitened = +-0.5 / 0.353553 = +-1.414214 (and 0 stays 0)."""
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    advantages = batch_whiten(group_advantages(rewards, mean_baseline, normalize_std=False))
+    r = 1.414214
+    torch.testing.assert_close(advantages, torch.tensor([[r, -r], [0.0, 0.0], [0.0, 0.0], [r, -r]]), atol=1e-5, rtol=0)
+    assert abs(advantages.mean().item()) < 1e-6 and abs(advantages.std(unbiased=False).item() - 1) < 1e-5
+
+
+def test_batch_whitening_subtracts_the_batch_mean():
+    """[[1, 2], [3, 6]]: mean 3, deviations [-2, -1, 0, 3], population variance (4 + 1 + 0 + 9) / 4 = 3.5,
+    std 1.870829: whitened [-1.069045, -0.534522, 0, 1.603567]."""
+    whitened = batch_whiten(torch.tensor([[1.0, 2.0], [3.0, 6.0]]))
+    torch.testing.assert_close(whitened, torch.tensor([[-1.069045, -0.534522], [0.0, 1.603567]]), atol=1e-5, rtol=0)
+
+
+def test_informative_groups_are_those_whose_rewards_are_not_all_equal():
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.25]])
+    assert informative_groups(rewards).tolist() == [False, True, False, True]
+
+
+def test_overlong_penalty_follows_dapo_soft_overlong_punishment():
+    """L_max = 20, L_cache = 8, so the buffer is lengths 13..20:
+    |y| = 5, 12 (<= L_max - L_cache = 12): 0;  |y| = 13: (12 - 13) / 8 = -0.125;  |y| = 16: -4/8 = -0.5;
+    |y| = 20 (= L_max): -8/8 = -1;  |y| = 21, 30 (> L_max): -1."""
+    lengths = torch.tensor([5, 12, 13, 16, 20, 21, 30])
+    penalty = overlong_penalty(lengths, max_length=20, buffer_length=8)
+    assert penalty.tolist() == [0.0, 0.0, -0.125, -0.5, -1.0, -1.0, -1.0]

@@ -5,9 +5,12 @@ import torch
 from reinforge.algorithms.losses import (
     Normalisers,
     clipped_policy_gradient,
+    constant_normaliser,
     grpo_loss,
     k3_kl,
+    sequence_log_ratio,
     sequence_mean,
+    token_log_ratio,
     token_mean,
 )
 
@@ -20,7 +23,7 @@ def test_clipped_policy_gradient_matches_hand_computed_values():
     old = torch.zeros(1, 3)
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
     advantages = torch.tensor([[1.0, -1.0, 2.0]])
-    loss, ratio, clipped = clipped_policy_gradient(new, old, advantages, 0.2, 0.2)
+    loss, ratio, clipped = clipped_policy_gradient(new - old, advantages, 0.2, 0.2)
     torch.testing.assert_close(loss, torch.tensor([[-1.2, 0.8, -2.2]]))
     torch.testing.assert_close(ratio, torch.tensor([[1.5, 0.5, 1.1]]))
     assert clipped.tolist() == [[1.0, 1.0, 0.0]]
@@ -28,14 +31,14 @@ def test_clipped_policy_gradient_matches_hand_computed_values():
 
 def test_clip_higher_uses_separate_upper_bound():
     """eps_low 0.2, eps_high 0.28: ratio 1.25 with A=+1 is inside [0.8, 1.28], so loss = -1.25, not clipped."""
-    loss, _, clipped = clipped_policy_gradient(torch.log(torch.tensor([[1.25]])), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.28)
+    loss, _, clipped = clipped_policy_gradient(torch.log(torch.tensor([[1.25]])), torch.ones(1, 1), 0.2, 0.28)
     torch.testing.assert_close(loss, torch.tensor([[-1.25]]))
     assert clipped.item() == 0.0
 
 
 def test_dual_clip_caps_the_loss_of_negative_advantages():
     """ratio 5, A = -1, c = 3: PPO gives max(5, 1.2) = 5; dual clip caps it at -A * c = 3."""
-    loss, _, clipped = clipped_policy_gradient(torch.log(torch.tensor([[5.0]])), torch.zeros(1, 1), -torch.ones(1, 1), 0.2, 0.2, 3.0)
+    loss, _, clipped = clipped_policy_gradient(torch.log(torch.tensor([[5.0]])), -torch.ones(1, 1), 0.2, 0.2, 3.0)
     torch.testing.assert_close(loss, torch.tensor([[3.0]]))
     assert clipped.item() == 1.0
 
@@ -110,3 +113,61 @@ def test_importance_weights_scale_the_policy_gradient_term_only():
     loss, _ = grpo_loss(logp, logp.clone(), torch.tensor([1.0]), torch.ones(1, 2), Normalisers(2, 1),
                         aggregate=token_mean, eps_low=0.2, eps_high=0.2, is_weights_BT=torch.tensor([[2.0, 0.5]]))
     assert loss.item() == -1.25
+
+
+def test_sequence_log_ratio_is_the_mean_log_ratio_over_valid_tokens_on_every_position():
+    """Row 0: log ratios [ln 2, ln 8, padding 5.0 (mask 0)] -> (ln 2 + ln 8) / 2 = ln 4, so s = 4 = (2 * 8)^(1/2).
+    Row 1: one valid token with log ratio -ln 2 -> s = 0.5. Every position of a row carries its sequence's value."""
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[math.log(2.0), math.log(8.0), 5.0], [-math.log(2.0), 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ratio = torch.exp(sequence_log_ratio(new, old, mask))
+    torch.testing.assert_close(ratio, torch.tensor([[4.0, 4.0, 4.0], [0.5, 0.5, 0.5]]))
+    assert torch.equal(token_log_ratio(new, old, mask), new)
+
+
+def test_gspo_loss_clips_whole_sequences_and_spreads_the_gradient_over_their_tokens():
+    """GSPO = grpo_loss with the sequence ratio and sequence aggregation; eps_low 0.2, eps_high 0.28; 2 sequences.
+    Sequence 0: log ratios [0.1, -0.1] -> s = exp(0) = 1, A = +1: loss term -1, unclipped.
+    Sequence 1: log ratios [0.6, 0.6, 0.6] -> s = e^0.6 = 1.822119 > 1.28, A = +1: loss term -1.28, clipped.
+    loss = (-1 - 1.28) / 2 = -1.14. Gradient wrt logp: sequence 0's tokens get -A * s / |y| / B = -1 * 1 / 2 / 2 = -0.25
+    each; sequence 1 is clipped, so its tokens get 0. Token clip fraction 3/5."""
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, -0.1, 0.0], [0.6, 0.6, 0.6]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, metrics = grpo_loss(logp, old, torch.tensor([1.0, 1.0]), mask, Normalisers(num_tokens=5, num_sequences=2),
+                              aggregate=sequence_mean, log_ratio=sequence_log_ratio, eps_low=0.2, eps_high=0.28)
+    torch.testing.assert_close(loss, torch.tensor(-1.14))
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, -0.25, 0.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(metrics["clip_fraction"], torch.tensor(0.6))
+    torch.testing.assert_close(metrics["ratio_max"], torch.tensor(math.exp(0.6)))
+
+
+def test_constant_normaliser_divides_the_token_sum_by_sequences_times_max_tokens():
+    """values [[1, 2, 3], [4, (9), (9)]], mask [[1, 1, 1], [1, 0, 0]], 2 sequences, L = 10:
+    (1 + 2 + 3 + 4) / (2 * 10) = 0.5, whatever the number of valid tokens (4) or the sequence lengths (3, 1)."""
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert constant_normaliser(10)(values, mask, Normalisers(num_tokens=4, num_sequences=2)).item() == 0.5
+
+
+def test_micro_batch_losses_sum_to_the_global_batch_loss_for_every_variant():
+    """With the global normalisers, two micro-batches of 2 sequences give the loss and the gradient of one batch of 4,
+    for the token ratio with token/constant aggregation and for GSPO's sequence ratio with sequence aggregation."""
+    gen = torch.Generator().manual_seed(0)
+    logp, old = torch.randn(4, 6, generator=gen) * 0.1, torch.randn(4, 6, generator=gen) * 0.1
+    mask = (torch.rand(4, 6, generator=gen) > 0.3).float()
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    norm = Normalisers(num_tokens=int(mask.sum()), num_sequences=4)
+    variants = [(token_mean, token_log_ratio), (constant_normaliser(6), token_log_ratio), (sequence_mean, sequence_log_ratio)]
+    for aggregate, log_ratio in variants:
+        kwargs = dict(aggregate=aggregate, log_ratio=log_ratio, eps_low=0.2, eps_high=0.28)
+        whole_logp = logp.clone().requires_grad_(True)
+        whole, _ = grpo_loss(whole_logp, old, advantages, mask, norm, **kwargs)
+        whole.backward()
+        split_logp = logp.clone().requires_grad_(True)
+        parts = [grpo_loss(split_logp[s:s + 2], old[s:s + 2], advantages[s:s + 2], mask[s:s + 2], norm, **kwargs)[0] for s in (0, 2)]
+        sum(parts).backward()
+        torch.testing.assert_close(sum(parts), whole)
+        torch.testing.assert_close(split_logp.grad, whole_logp.grad)
