@@ -47,6 +47,7 @@ from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
 from reinforge.envs.base import Environment
 from reinforge.envs.registry import check_tasks
 from reinforge.errors import DataError
+from reinforge.evaluation.evaluate import ValidationBenchmark, benchmark_metrics, prepare_validation_benchmarks
 from reinforge.generation import consistency
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.console import ConsoleLog
@@ -78,7 +79,9 @@ def train(config: Config) -> GRPOResult:
     val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
     sampler = PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle)
 
+    benchmarks = prepare_validation_benchmarks(g.val_benchmarks, g.val_benchmark_limit, tokenizer)
     tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
+    tasks |= {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
     check_tasks(tasks, config.env)
 
     check_backends(config.logging.loggers)
@@ -108,7 +111,7 @@ def train(config: Config) -> GRPOResult:
             if val_prompts and not state:
                 timers = Timers()
                 with timers.time("val"):
-                    val_metrics = validate(val_prompts, engine, tokenizer, envs, config)
+                    val_metrics = validate(val_prompts, engine, tokenizer, envs, config, benchmarks)
                 val_metrics.update(timers.metrics())
                 val_history.append(val_metrics["val/accuracy"])
                 metrics_log.log(0, val_metrics)
@@ -121,7 +124,7 @@ def train(config: Config) -> GRPOResult:
                 if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
                     timers = Timers()
                     with timers.time("val"):
-                        metrics.update(validate(val_prompts, engine, tokenizer, envs, config))
+                        metrics.update(validate(val_prompts, engine, tokenizer, envs, config, benchmarks))
                     metrics.update(timers.metrics())
                     val_history.append(metrics["val/accuracy"])
                 metrics.update(memory_metrics("perf/"))
@@ -315,8 +318,12 @@ def make_loss_fn(config: Config):
     return loss_fn
 
 
-def validate(prompts: list[Prompt], engine: GenerationBackend, tokenizer, envs: dict[str, Environment], config: Config) -> dict[str, float]:
-    """Greedy accuracy on the held-out prompts: the mean reward of one greedy answer per prompt."""
+def validate(prompts: list[Prompt], engine: GenerationBackend, tokenizer, envs: dict[str, Environment], config: Config,
+             benchmarks: list[ValidationBenchmark] = ()) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts (the mean reward of one greedy answer per prompt), and the
+    `grpo.val_benchmarks` scores."""
+    benchmark_scores = benchmark_metrics(list(benchmarks), engine, tokenizer, envs, config.grpo.val_benchmark_k,
+                                         config.generation.max_new_tokens, config.seed) if benchmarks else {}
     params = SamplingParams(max_new_tokens=config.generation.max_new_tokens, temperature=0.0, num_samples=1,
                             stop_strings=tuple(config.generation.stop_strings))
     trajectories = rollout(prompts, engine, params, tokenizer, envs, rollout_options(config))
@@ -325,6 +332,7 @@ def validate(prompts: list[Prompt], engine: GenerationBackend, tokenizer, envs: 
         "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
         "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
         **per_task_means(trajectories, "val", "accuracy"),
+        **benchmark_scores,
     }
 
 

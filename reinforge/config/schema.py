@@ -148,6 +148,13 @@ class GRPOConfig(Section):
     overlong_filtering: bool = False
     """DAPO's overlong filtering: truncated answers (no stop before `generation.max_new_tokens`) are masked
     out of the loss; their rewards still count in their group's baseline."""
+    val_benchmarks: list[str] = []
+    """Benchmarks evaluated with the validation, as `reinforge eval` does (aime2024, aime2025, math500,
+    gsm8k, humaneval, mbpp, ifeval): val/<benchmark>/pass@1, pass@k, maj@k."""
+    val_benchmark_limit: int | None = 50
+    """First this many prompts of each validation benchmark; null: all."""
+    val_benchmark_k: int = 1
+    """Samples per benchmark prompt (n = k); 1 is greedy pass@1."""
     max_turns: int = 1
     """Policy turns per trajectory: above 1, an environment may answer a turn with observations (tool
     results) that are appended as tokens, never trained on, and the policy continues."""

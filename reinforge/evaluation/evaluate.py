@@ -199,7 +199,7 @@ def build_engine(model: ModelConfig, tokenizer, backend: str, longest_prompt: in
 
 def sample_and_score(items: list[BenchmarkItem], prompts: list[Prompt], engine: GenerationBackend, tokenizer,
                      envs: dict[str, Environment], params: SamplingParams, batch_size: int, default_task: str,
-                     timers: Timers | None = None) -> list[SampleResult]:
+                     timers: Timers | None = None, show_progress: bool = True) -> list[SampleResult]:
     """`params.num_samples` scored samples per item, grouped by item in order; `batch_size` prompts per
     single-turn rollout, each batch with its own seed."""
     timers = timers or Timers()
@@ -227,7 +227,8 @@ def sample_and_score(items: list[BenchmarkItem], prompts: list[Prompt], engine: 
             )
         done = min(start + batch_size, len(prompts))
         accuracy = sum(r.reward for r in results) / len(results)
-        print(f"  {done}/{len(prompts)} prompts, mean accuracy so far {accuracy:.3f}", flush=True)
+        if show_progress:
+            print(f"  {done}/{len(prompts)} prompts, mean accuracy so far {accuracy:.3f}", flush=True)
     return results
 
 
@@ -249,3 +250,37 @@ def write_results(directory: Path, summary: dict[str, Any], samples: list[Sample
         for sample in samples:
             handle.write(json.dumps(asdict(sample), ensure_ascii=False) + "\n")
     (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+@dataclass
+class ValidationBenchmark:
+    """A benchmark prepared for repeated evaluation inside a training run (`grpo.val_benchmarks`)."""
+
+    name: str
+    items: list[BenchmarkItem]
+    prompts: list[Prompt]
+    has_final_answer: bool
+
+
+def prepare_validation_benchmarks(names: list[str], limit: int | None, tokenizer) -> list[ValidationBenchmark]:
+    """Load and render each benchmark once, at start-up (an unknown name fails before the run starts)."""
+    prepared = []
+    for name in names:
+        items = load_benchmark(name, limit)
+        prepared.append(ValidationBenchmark(name, items, render_items(items, tokenizer), get_benchmark(name).has_final_answer))
+    return prepared
+
+
+def benchmark_metrics(benchmarks: list[ValidationBenchmark], engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
+                      k: int, max_new_tokens: int, seed: int) -> dict[str, float]:
+    """`val/<benchmark>/pass@1`, `pass@k` and `maj@k`: the same evaluation as `reinforge eval`, on the engine
+    the run already holds (n = k samples per prompt; greedy when k = 1, temperature 0.6 otherwise)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if k == 1 else 0.6, num_samples=k, seed=seed)
+    metrics: dict[str, float] = {}
+    for benchmark in benchmarks:
+        samples = sample_and_score(benchmark.items, benchmark.prompts, engine, tokenizer, envs, params, batch_size=64,
+                                   default_task="math", show_progress=False)
+        for name, value in summarize(samples, k, k, benchmark.has_final_answer).items():
+            if value is not None:
+                metrics[f"val/{benchmark.name}/{name}"] = float(value)
+    return metrics

@@ -15,6 +15,7 @@ def test_a_batch_mixing_math_and_code_trains_with_per_task_metrics(tmp_path):
         f"data.train_path={MIXED}", f"data.val_path={MIXED}", "grpo.num_prompts_per_step=16", "training.global_batch_size=128",
         "training.micro_batch_size=64", "grpo.max_steps=2", "grpo.val_every=0", "generation.max_new_tokens=32",
         "checkpoint.save_final=false", f"logging.run_dir={tmp_path / 'run'}",
+        "grpo.val_benchmarks=[gsm8k,humaneval]", "grpo.val_benchmark_limit=4",
     ])
     result = grpo.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -27,4 +28,7 @@ def test_a_batch_mixing_math_and_code_trains_with_per_task_metrics(tmp_path):
         assert "env/math/verifier_errors" in row
     # the demo model writes arithmetic, not Python: code scores 0, math is scored by the verifier
     assert val["val/code/accuracy"] == 0.0 and val["val/math/accuracy"] > 0.2
+    # the benchmarks of `reinforge eval`, scored inside the run's validation (HumanEval in the sandbox)
+    for row in (val, steps[-1]):
+        assert 0.0 <= row["val/gsm8k/pass@1"] <= 1.0 and row["val/humaneval/pass@1"] == 0.0 and "val/gsm8k/maj@1" in row
     assert abs(val["val/accuracy"] - (24 * val["val/math/accuracy"] + 8 * val["val/code/accuracy"]) / 32) < 1e-9
