@@ -127,7 +127,9 @@ def train(config: Config) -> GRPOResult:
                         metrics.update(validate(val_prompts, engine, tokenizer, envs, config, benchmarks))
                     metrics.update(timers.metrics())
                     val_history.append(metrics["val/accuracy"])
-                metrics.update(memory_metrics("perf/"))
+                metrics.update(memory_metrics("perf/"))  # the driver's; a Ray trainer adds each rank's
+                if hasattr(trainer, "memory_metrics"):
+                    metrics.update(trainer.memory_metrics())
                 metrics_log.log(step, metrics)
                 console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
                 if config.checkpoint.save_every and (step % config.checkpoint.save_every == 0 or step == g.max_steps):

@@ -42,6 +42,11 @@ class FSDP2Trainer:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         return self.group.call("train_step", batch, loss_fn)[0]
 
+    def memory_metrics(self) -> dict[str, float]:
+        """`perf/training[r]/peak_rss_gb` (and `gpu_peak_memory_gb`) of every rank."""
+        return {f"perf/training[{rank}]/{name}": value
+                for rank, metrics in enumerate(self.group.call("memory")) for name, value in metrics.items()}
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.group.call("full_state")[0])
 

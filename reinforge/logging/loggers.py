@@ -168,6 +168,8 @@ class WandbLogger:
     the terminal belongs to the progress bar."""
 
     def __init__(self, run_dir: Path, config: WandbConfig):
+        # W&B's Weave advert fires whenever an LLM client library (openai, which vLLM imports) is loaded
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
         self.wandb = _require("wandb", "wandb", "wandb")
         try:
             self.run = self.wandb.init(

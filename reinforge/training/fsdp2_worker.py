@@ -206,6 +206,12 @@ class FSDP2Worker:
             self.model.save_pretrained(path, state_dict=state_dict)
         dist.barrier()
 
+    def memory(self) -> dict[str, float]:
+        """This rank's peak host (and GPU) memory, GiB."""
+        from reinforge.logging.memory import memory_metrics
+
+        return memory_metrics(prefix="")
+
     def save_state(self, path: str) -> None:
         """Sharded policy and AdamW state (torch.distributed.checkpoint: each rank writes its own shards;
         on several nodes `path` must be on a shared filesystem) and the LR schedule's position."""

@@ -90,3 +90,4 @@ def test_fsdp2_ranks_refit_a_vllm_engine_split_or_colocated(tmp_path, colocate):
     # the engine's logprobs of its own samples agree with the trainer's after each refit
     assert all(row["train/token_mult_prob_error"] <= 1.01 for row in rows[1:]), [row["train/token_mult_prob_error"] for row in rows[1:]]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert all(row["perf/training[1]/peak_rss_gb"] > 0.1 for row in rows[1:])  # each rank reports its memory

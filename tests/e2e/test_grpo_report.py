@@ -55,6 +55,6 @@ def test_report_of_a_grpo_run_has_every_figure_and_the_runs_numbers(run_dir):
     assert f"| `val/accuracy` | {val[0]:.4g} | {val[-1]:.4g} | {best:.4g} | {val.index(best)} |" in summary
     assert f"| `train/reward_mean` | {rewards[0]:.4g} | {rewards[-1]:.4g} | {max(rewards):.4g} |" in summary
     generate_s = sum(row["timing/generate_s"] for row in rows[1:])
-    total_s = sum(row["timing/step_s"] + row["timing/val_s"] for row in rows[1:])
+    total_s = sum(row.get("timing/step_s", 0.0) + row.get("timing/val_s", 0.0) for row in rows)  # step 0: validation only
     assert f"| generate | {generate_s:.1f} s | {100 * generate_s / total_s:.1f}% |" in summary
     assert f"| **total** | **{total_s:.1f} s** | 100% | |" in summary

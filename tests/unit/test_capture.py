@@ -45,11 +45,13 @@ def test_dependency_logs_go_to_the_file_and_reinforge_output_to_the_terminal(tmp
     assert "reinforge: error" not in log and "reward 0.500" not in log
 
 
-def test_vllm_processes_log_to_the_file_through_their_logging_config(tmp_path):
+def test_vllm_processes_log_to_the_file_through_their_logging_config(tmp_path, monkeypatch):
     """A process started inside the context configures vLLM's logging as vLLM's engine does
     (LoggingConfig from the environment), and its INFO records land in the file."""
     child = ("from vllm.config.logging import LoggingConfig; from vllm.logger import configure_logging, init_logger; "
              "configure_logging(LoggingConfig()); init_logger('vllm.v1.engine.core').info('engine core started')")
+    # vLLM's own default level, INFO (an in-process engine earlier in this pytest process sets WARNING)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     with capture_dependency_logs(tmp_path) as path:
         result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
