@@ -24,10 +24,8 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(BIN)/reinforge demo
 
-# Two pytest-xdist workers, one torch thread each: the 2-core CI machine is kept busy without
-# oversubscribing it (tests/conftest.py keeps each file, and files that must not overlap, on one worker).
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest
 
 build-demo-model: install
 	$(BIN)/python scripts/build_demo_model.py

@@ -42,7 +42,8 @@ def start_ray(config: ClusterConfig, num_cpus_needed: float) -> None:
         ray.init(address=config.address, log_to_driver=False)
     else:
         num_cpus = config.num_cpus or max(os.cpu_count() or 1, math.ceil(num_cpus_needed))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # address="local": a new Ray of our own, never a cluster some other job left running on this machine
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 def free_port() -> int:

@@ -82,6 +82,7 @@ def test_fsdp2_ranks_refit_a_vllm_engine_split_or_colocated(tmp_path, colocate):
     """The issue's command at a smaller size: two FSDP2 ranks train, a vLLM engine in its own Ray actor
     (with its own resources, or sharing rank 0's) generates, and every refit reaches it."""
     command = COMMAND + ["generation.backend=vllm", f"cluster.colocate={colocate}", "grpo.max_steps=2",
+                         "cluster.num_threads=1",  # the driver's torch threads: it only scores here
                          "data.max_val_prompts=16", f"logging.run_dir={tmp_path / 'run'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
