@@ -13,29 +13,38 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from reinforge.config.schema import Config
+from reinforge.config.section import Section
 from reinforge.errors import ConfigError
+
+RootT = TypeVar("RootT", bound=Section)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Build the config from an optional YAML file plus `key=value` overrides."""
+    """Build the GRPO config from an optional YAML file plus `key=value` overrides."""
+    return load_recipe_config(Config, path, overrides)
+
+
+def load_recipe_config(schema: type[RootT], path: str | Path | None, overrides: list[str] = ()) -> RootT:
+    """Build any root config (`Config`, or a recipe's own tree such as SFT's) from an optional YAML file
+    plus `key=value` overrides."""
     tree = _read_yaml_tree(Path(path)) if path is not None else {}
     for override in overrides:
-        key, value = _parse_override(override)
+        key, value = _parse_override(override, schema)
         _set_dotted(tree, key, value)
-    return build_config(tree)
+    return build_config(tree, schema)
 
 
-def build_config(tree: dict[str, Any]) -> Config:
+def build_config(tree: dict[str, Any], schema: type[RootT] = Config) -> RootT:
     """Validate a nested dict against the schema, with one-line errors."""
-    _check_keys(tree, Config, prefix="")
+    _check_keys(tree, schema, schema, prefix="")
     try:
-        return Config.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_describe_validation_error(exc)) from None
 
@@ -90,12 +99,12 @@ def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> None:
             base[key] = value
 
 
-def _parse_override(text: str) -> tuple[str, Any]:
+def _parse_override(text: str, schema: type[BaseModel] = Config) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. grpo.max_steps=10)")
-    annotation = _annotation_at(key)
+    annotation = _annotation_at(key, schema)
     if raw.strip() in ("null", "None", "~"):
         return key, None
     if annotation is not None and _accepts_str(annotation) and not _accepts_container(annotation):
@@ -117,25 +126,25 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _check_keys(tree: dict[str, Any], model: type[BaseModel], prefix: str) -> None:
+def _check_keys(tree: dict[str, Any], schema: type[BaseModel], model: type[BaseModel], prefix: str) -> None:
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         field = model.model_fields.get(key)
         if field is None:
-            raise ConfigError(_unknown_key_message(dotted))
+            raise ConfigError(_unknown_key_message(dotted, schema))
         sub = _section_type(field.annotation)
         if sub is not None and isinstance(value, dict):
-            _check_keys(value, sub, dotted + ".")
+            _check_keys(value, schema, sub, dotted + ".")
 
 
-def _unknown_key_message(dotted: str) -> str:
-    keys = all_keys()
+def _unknown_key_message(dotted: str, schema: type[BaseModel]) -> str:
+    keys = all_keys(schema)
     section = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
     same_section = [k for k in keys if k.startswith(section) and k.count(".") == dotted.count(".")]
     match = difflib.get_close_matches(dotted, same_section, n=1, cutoff=0.5) or difflib.get_close_matches(
         dotted, keys, n=1, cutoff=0.5
     )
-    hint = f"; did you mean {match[0]}?" if match else "; run `reinforge grpo --help` for the sections"
+    hint = f"; did you mean {match[0]}?" if match else f"; the sections are {', '.join(schema.model_fields)}"
     return f"unknown config key {dotted}{hint}"
 
 
@@ -149,8 +158,8 @@ def _describe_validation_error(exc: ValidationError) -> str:
     return f"config key {where}: {message} (got {got!r})"
 
 
-def _annotation_at(dotted: str) -> Any:
-    model: type[BaseModel] | None = Config
+def _annotation_at(dotted: str, schema: type[BaseModel] = Config) -> Any:
+    model: type[BaseModel] | None = schema
     annotation = None
     for part in dotted.split("."):
         if model is None or part not in model.model_fields:
