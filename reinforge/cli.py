@@ -13,7 +13,7 @@ DEMO_CONFIG = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
 OVERRIDES_HELP = (
     "key=value overrides, type-checked against the config schema, e.g. grpo.max_steps=10 "
     "training.lr=1e-5 model.name_or_path=Qwen/Qwen2.5-1.5B. Sections: model, data, generation, training, "
-    "grpo, loss, env, cluster, checkpoint, logging, plus seed."
+    "grpo, loss, env, curriculum, cluster, checkpoint, logging, plus seed."
 )
 
 
@@ -74,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     from reinforge.evaluation.cli import add_eval_command
 
     add_eval_command(commands)
+
+    curriculum = commands.add_parser("curriculum", help="offline pass-rate pre-filtering of a prompt file (Llama-Nemotron's curriculum)")
+    prefilter = curriculum.add_subparsers(dest="curriculum_command", required=True, metavar="COMMAND").add_parser(
+        "prefilter", help="write data.train_path's records with a measured `pass_rate` field",
+        description="Sample curriculum.prefilter_samples answers to each prompt of data.train_path with the config's model, "
+        "score them, and write the records below curriculum.prefilter_threshold (all with --keep-all) with their pass_rate.")
+    prefilter.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
+    prefilter.add_argument("--out", required=True, help="JSONL file to write")
+    prefilter.add_argument("--keep-all", action="store_true", help="also write the prompts at or above the threshold")
+    prefilter.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
 
     report = commands.add_parser(
         "report",
@@ -149,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
 
             hf_logging.disable_progress_bar()
             print(convert(Path(args.checkpoint), Path(args.out)))
+        elif args.command == "curriculum":
+            from pathlib import Path
+
+            from reinforge.data.curriculum import prefilter_file
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            written, measured = prefilter_file(load_config(args.config, args.overrides), Path(args.out), args.keep_all)
+            print(f"{args.out}: {written} of {measured} records")
         elif args.command == "report":
             from reinforge.logging.report import write_report
 

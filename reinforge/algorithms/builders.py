@@ -20,7 +20,13 @@ from reinforge.training.base import TrainingBackend
 
 
 def uses_ray(config: Config) -> bool:
-    return config.training.backend == "fsdp2" or config.env.num_workers > 0
+    return config.training.backend == "fsdp2" or config.env.num_workers > 0 or engines_on_ray(config)
+
+
+def engines_on_ray(config: Config) -> bool:
+    """FSDP2 runs put the engines on Ray beside the ranks; async GRPO puts them there too, so that they
+    generate in processes of their own while the trainer works."""
+    return config.training.backend == "fsdp2" or config.grpo.async_rollouts
 
 
 def start_ray_if_needed(config: Config, cleanup: ExitStack) -> None:
@@ -35,6 +41,8 @@ def start_ray_if_needed(config: Config, cleanup: ExitStack) -> None:
     if config.training.backend == "fsdp2":
         num_engine_bundles = 0 if cluster.colocate else config.generation.num_workers
         num_cpus += (config.training.num_workers + num_engine_bundles) * cluster.num_cpus_per_worker
+    elif engines_on_ray(config):
+        num_cpus += config.generation.num_workers * cluster.num_cpus_per_worker
     num_cpus += config.env.num_workers * config.env.num_cpus_per_worker
     worker_group.start_ray(cluster, num_cpus)
     cleanup.callback(ray.shutdown)
@@ -73,10 +81,10 @@ def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
 
 def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: ExitStack) -> GenerationBackend:
     gen = config.generation
-    if config.training.backend == "fsdp2":  # Ray is up: engines are a worker group too
+    if engines_on_ray(config):  # Ray is up: engines are a worker group too
         from reinforge.cluster.generation_group import GenerationGroup
 
-        share = config.cluster.colocate
+        share = config.cluster.colocate and config.training.backend == "fsdp2"
         engine = GenerationGroup(
             config,
             num_cpus_per_engine=config.cluster.num_cpus_per_worker * (0.5 if share else 1.0),

@@ -2,7 +2,8 @@
 
 A resumed run continues as if it had never stopped: the trainer's weights, AdamW state and LR
 schedule, the prompt sampler's position, the RNG states and the validation history come back from
-the newest complete checkpoint; the engine is refitted with the restored weights; metrics.jsonl is
+the newest complete checkpoint, and so do the rollout batches that async generation had made ahead
+of training; the engine is refitted with the restored weights; metrics.jsonl is
 cut back to the checkpoint's step (the rows after it are recomputed, identically). The storage
 format and its atomicity are `training/checkpoint.py`'s.
 """
@@ -19,8 +20,8 @@ import yaml
 from reinforge.config import Config
 from reinforge.data.prompts import PromptSampler
 from reinforge.run_dir import make_run_dir
-from reinforge.training.checkpoint import (check_compatible, latest_checkpoint, load_driver_state, prune, rng_state,
-                                           save_checkpoint, set_rng_state)
+from reinforge.training.checkpoint import (check_compatible, latest_checkpoint, load_driver_state, prune, save_checkpoint,
+                                           set_rng_state)
 
 
 def open_run_dir(config: Config, warn=print) -> tuple[Path, Path | None]:
@@ -42,9 +43,12 @@ def config_tree(config: Config, run_dir: Path) -> dict[str, Any]:
     return config.model_dump(mode="json") | {"logging": config.logging.model_dump(mode="json") | {"run_dir": str(run_dir)}}
 
 
-def save_run_checkpoint(run_dir: Path, step: int, trainer, sampler: PromptSampler, val_history: list[float],
+def save_run_checkpoint(run_dir: Path, step: int, trainer, resume_state: dict[str, Any], val_history: list[float],
                         best: dict[str, Any], config: Config) -> None:
-    driver_state = {"step": step, "sampler": sampler.state_dict(), "rng": rng_state(), "val_history": val_history, "best": best}
+    """`resume_state`: the sampler position, the rollout batches generated but not yet trained on (async
+    generation) and the RNG states, all taken while the engine was idle (`rollout_source.snapshot`)."""
+    driver_state = {"step": step, "sampler": resume_state["sampler"], "pending_rollouts": resume_state["pending"],
+                    "rng": resume_state["rng"], "val_history": val_history, "best": best}
     save_checkpoint(run_dir, step, trainer, driver_state, yaml.safe_dump(config_tree(config, run_dir), sort_keys=False))
     prune(run_dir, config.checkpoint.keep_last, best.get("step"))
 

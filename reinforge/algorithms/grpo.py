@@ -23,6 +23,7 @@ level ratio), Dr.GRPO (no std division, constant normaliser), RLOO (leave-one-ou
 from __future__ import annotations
 
 from contextlib import ExitStack
+from functools import partial
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -31,6 +32,7 @@ import torch
 
 from reinforge.algorithms.advantages import BASELINES, batch_whiten, group_advantages, informative_groups, overlong_penalty
 from reinforge.algorithms.checkpointing import open_run_dir, restore_rng, resume_run, save_run_checkpoint, update_best
+from reinforge.algorithms.rollout_source import RolloutBatch, rollout_source
 from reinforge.algorithms.builders import build_engine, build_environments, build_trainer, start_ray_if_needed, write_placement
 from reinforge.algorithms.losses import (
     AGGREGATIONS,
@@ -42,6 +44,7 @@ from reinforge.algorithms.losses import (
 )
 from reinforge.config import Config, save_config
 from reinforge.data.batch import TrainBatch, Trajectory, collate
+from reinforge.data.curriculum import batch_metrics, build_prompt_sampler
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
 from reinforge.envs.base import Environment
@@ -60,6 +63,7 @@ from reinforge.paths import resolve_path
 from reinforge.rollout.rollout import RolloutOptions, rollout
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
+from reinforge.training.checkpoint import rng_state
 
 
 @dataclass
@@ -77,7 +81,6 @@ def train(config: Config) -> GRPOResult:
     tokenizer = load_tokenizer(config.model)
     train_prompts = load_prompts(config.data.train_path, config, tokenizer)
     val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
-    sampler = PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle)
 
     benchmarks = prepare_validation_benchmarks(g.val_benchmarks, g.val_benchmark_limit, tokenizer)
     tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
@@ -95,6 +98,7 @@ def train(config: Config) -> GRPOResult:
         envs = build_environments(config, tasks, cleanup)
         trainer = build_trainer(config, cleanup)
         engine = build_engine(config, tokenizer, trainer, cleanup)
+        sampler, curriculum_metrics = build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)  # may sample: pass rates
         write_placement(run_dir, trainer, engine, envs)
         state = resume_run(resume_from, run_dir, trainer, engine, sampler) if resume_from else None
         start_step, val_history, best = (state["step"], state["val_history"], state["best"]) if state else (0, [], {})
@@ -117,24 +121,39 @@ def train(config: Config) -> GRPOResult:
                 metrics_log.log(0, val_metrics)
                 console.step(0, val_metrics, show_line=True)
 
+            produce = partial(generate_batch, sampler=sampler, engine=engine, tokenizer=tokenizer, envs=envs, config=config)
+            rollouts = rollout_source(produce, sampler, start_step, g.max_steps, g.async_rollouts, g.max_staleness,
+                                      state.get("pending_rollouts", []) if state else [])
+            cleanup.callback(rollouts.close)
             for step in range(start_step + 1, g.max_steps + 1):
-                metrics = grpo_step(step, sampler, engine, trainer, envs, tokenizer, loss_fn, config)
-                if step == 1:  # the first refit must really have moved the engine to the trainer's weights
-                    check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
-                if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
-                    timers = Timers()
-                    with timers.time("val"):
-                        metrics.update(validate(val_prompts, engine, tokenizer, envs, config, benchmarks))
-                    metrics.update(timers.metrics())
-                    val_history.append(metrics["val/accuracy"])
+                timers = Timers()
+                with timers.time("step"):
+                    with timers.time("rollout_wait"):  # synchronous: the whole generation; async: what was not hidden
+                        batch = rollouts.get(step)
+                    metrics, trained = train_on_batch(step, batch, trainer, tokenizer, loss_fn, config, timers)
+                saving = bool(config.checkpoint.save_every) and (step % config.checkpoint.save_every == 0 or step == g.max_steps)
+                with rollouts.engine_turn(step, timers):  # the engine is ours: refit, then probe, validate, snapshot
+                    if trained:
+                        with timers.time("step"), timers.time("refit"):
+                            engine.update_weights(trainer.named_weights())
+                    if step == 1:  # the first refit must really have moved the engine to the trainer's weights
+                        check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
+                    if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
+                        with timers.time("val"):
+                            metrics.update(validate(val_prompts, engine, tokenizer, envs, config, benchmarks))
+                        val_history.append(metrics["val/accuracy"])
+                    resume_state = {**rollouts.snapshot(), "rng": rng_state()} if saving else None
+                metrics.update(timers.metrics())
+                metrics["perf/tokens_per_s"] = metrics.pop("perf/num_tokens", 0.0) / timers.seconds["step"]
                 metrics.update(memory_metrics("perf/"))  # the driver's; a Ray trainer adds each rank's
                 if hasattr(trainer, "memory_metrics"):
                     metrics.update(trainer.memory_metrics())
+                metrics.update(curriculum_metrics)
                 metrics_log.log(step, metrics)
                 console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
-                if config.checkpoint.save_every and (step % config.checkpoint.save_every == 0 or step == g.max_steps):
+                if saving:
                     best = update_best(best, step, metrics, config)
-                    save_run_checkpoint(run_dir, step, trainer, sampler, val_history, best, config)
+                    save_run_checkpoint(run_dir, step, trainer, resume_state, val_history, best, config)
 
             if config.checkpoint.save_final:
                 with atomic_directory(run_dir / "final") as tmp:
@@ -149,47 +168,57 @@ def train(config: Config) -> GRPOResult:
     return GRPOResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
 
 
-def grpo_step(step: int, sampler: PromptSampler, engine: GenerationBackend, trainer: TrainingBackend,
-              envs: dict[str, Environment], tokenizer, loss_fn, config: Config) -> dict[str, float]:
-    """One GRPO step: generate, score, advantages, logprobs, optimizer steps, refit. Returns its metrics."""
-    g, global_batch = config.grpo, config.training.global_batch_size
+def generate_batch(step: int, sampler: PromptSampler, engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
+                   config: Config) -> tuple[list[Trajectory], dict[str, float]]:
+    """Step `step`'s scored groups and their metrics (generation and scoring times, environment counters).
+    Runs on the rollout producer's thread under async generation."""
     timers = Timers()
-    with timers.time("step"):
-        # generation and scoring, turn by turn: timing/generate_s and timing/reward_s
-        trajectories, sampling_metrics = sample_groups(step, sampler, engine, tokenizer, envs, config, timers)
+    trajectories, metrics = sample_groups(step, sampler, engine, tokenizer, envs, config, timers)
+    if not config.grpo.async_rollouts:
         engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
-        if not trajectories:  # dynamic sampling found no group with unequal rewards: nothing to learn from
-            return {**sampling_metrics, **timers.metrics()}
-        rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, g.num_generations_per_prompt)
-        penalties_PG = overlong_penalties(trajectories, config).view_as(rewards_PG)
-        advantages_PG = group_advantages(rewards_PG + penalties_PG, BASELINES[g.baseline], g.normalize_std)
-        if g.whiten_advantages:
-            advantages_PG = batch_whiten(advantages_PG)
-        batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
+    return trajectories, {**metrics, **batch_metrics(sampler), **env_metrics(envs), **timers.metrics()}
 
-        with timers.time("logprobs"):
-            batch.old_logprobs = trainer.logprobs(batch)
-            if config.loss.kl_coef > 0:
-                batch.ref_logprobs = trainer.logprobs(batch, reference=True)
-        mismatch = consistency.mismatch_metrics(batch)  # over every generated token, overlong-filtered ones included
-        if g.overlong_filtering:  # DAPO: truncated answers are not trained on (their rewards still set the baseline)
-            batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
-        batch.is_weights = importance_weights(config, batch)
-        with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
-            global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
-            updates = [trainer.train_step(b, loss_fn) for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
-        with timers.time("refit"):
-            engine.update_weights(trainer.named_weights())
+
+def train_on_batch(step: int, rollout_batch: RolloutBatch, trainer: TrainingBackend, tokenizer, loss_fn, config: Config,
+                   timers: Timers) -> tuple[dict[str, float], bool]:
+    """Advantages, logprobs and the optimizer steps on one step's rollout batch. Returns its metrics and
+    whether the policy changed (the refit is then due)."""
+    g, global_batch = config.grpo, config.training.global_batch_size
+    trajectories = rollout_batch.trajectories
+    metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
+    if not trajectories:  # dynamic sampling found no group with unequal rewards: nothing to learn from
+        return metrics, False
+    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, g.num_generations_per_prompt)
+    penalties_PG = overlong_penalties(trajectories, config).view_as(rewards_PG)
+    advantages_PG = group_advantages(rewards_PG + penalties_PG, BASELINES[g.baseline], g.normalize_std)
+    if g.whiten_advantages:
+        advantages_PG = batch_whiten(advantages_PG)
+    batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
+
+    with timers.time("logprobs"):
+        batch.old_logprobs = trainer.logprobs(batch)
+        if config.loss.kl_coef > 0:
+            batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+    mismatch = consistency.mismatch_metrics(batch)  # over every generated token, overlong-filtered ones included
+    if g.overlong_filtering:  # DAPO: truncated answers are not trained on (their rewards still set the baseline)
+        batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
+    batch.is_weights = importance_weights(config, batch)
+    with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
+        global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
+        updates = [trainer.train_step(b, loss_fn) for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
     return {
+        **metrics,
         **rollout_metrics(trajectories, rewards_PG),
-        **sampling_metrics,
         **advantage_metrics(trajectories, penalties_PG, advantages_PG, config),
         **train_metrics(updates),
         **mismatch,
-        **env_metrics(envs),
-        **timers.metrics(),
-        "perf/tokens_per_s": batch.attention_mask.sum().item() / timers.seconds["step"],
-    }
+        "perf/num_tokens": batch.attention_mask.sum().item(),
+    }, bool(updates)
+
+
+def staleness_metrics(step: int, batch: RolloutBatch) -> dict[str, float]:
+    """How far behind the trainer the policy that generated this step's batch was (0: on-policy)."""
+    return {"rollout/policy_version": batch.policy_version, "rollout/policy_lag": step - 1 - batch.policy_version}
 
 
 def sample_groups(step: int, sampler: PromptSampler, engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
@@ -259,7 +288,8 @@ def load_prompts(path: str, config: Config, tokenizer) -> list[Prompt]:
     """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`."""
     records = read_jsonl(resolve_path(path), required_keys=(config.data.prompt_key,))
     prompts = [
-        render_prompt(r, tokenizer, config.data.prompt_key, config.data.system_prompt, config.data.use_chat_template)
+        render_prompt(r, tokenizer, config.data.prompt_key, config.data.system_prompt, config.data.use_chat_template,
+                      config.data.system_key)
         for r in records
     ]
     kept = [p for p in prompts if len(p.token_ids) <= config.data.max_prompt_tokens]
@@ -284,11 +314,15 @@ def sampling_params(config: Config, step: int) -> SamplingParams:
 
 
 def importance_weights(config: Config, batch: TrainBatch) -> torch.Tensor | None:
-    """Per-token weights correcting for the engine's sampling distribution differing from the trainer's."""
+    """Per-token weights correcting for the engine's sampling distribution differing from the trainer's
+    (numerics, or under async generation an older policy)."""
     loss = config.loss
-    if loss.is_correction == "token_truncate":
+    correction = loss.is_correction
+    if correction == "auto":
+        correction = "token_truncate" if config.grpo.async_rollouts and config.grpo.max_staleness > 0 else "none"
+    if correction == "token_truncate":
         return truncated_importance_weights(batch.old_logprobs, batch.gen_logprobs, loss.is_truncate_cap)
-    if loss.is_correction == "sequence_mask":
+    if correction == "sequence_mask":
         return sequence_ratio_mask(batch.old_logprobs, batch.gen_logprobs, batch.loss_mask, loss.is_sequence_low, loss.is_sequence_high)
     return None
 

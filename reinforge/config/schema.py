@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from reinforge.config.section import Section
 from reinforge.envs.http_client import RemoteEnvConfig
@@ -39,7 +39,10 @@ class DataConfig(Section):
     prompt_key: str = "prompt"
     """Record field holding the user message."""
     system_prompt: str | None = None
-    """Optional system message put before every prompt."""
+    """Optional system message put before every prompt whose record has no `system_key` field."""
+    system_key: str = "system"
+    """Record field holding that record's own system message (e.g. "detailed thinking on"); when a
+    record has it (not null) it replaces `system_prompt` for that record, "" meaning none."""
     use_chat_template: bool = True
     """Render prompts with the tokenizer's chat template; false feeds the prompt text as it is."""
     max_prompt_tokens: int = 1024
@@ -162,6 +165,15 @@ class GRPOConfig(Section):
     """Multi-turn reward: the last turn's, or the sum over turns (e.g. with per-call penalties)."""
     max_observation_tokens: int = 256
     """Longest observation appended in one turn; longer ones are cut (the chat template's framing kept)."""
+    async_rollouts: bool = False
+    """Async GRPO: the next steps' rollouts are generated while the current step trains, at most
+    `max_staleness` policy versions behind; the engine pauses only for each refit. The engines then run
+    as Ray actors with resources of their own (`generation.num_workers` x `cluster.num_cpus_per_worker`
+    / `num_gpus_per_worker`; with FSDP2, `cluster.colocate=false`)."""
+    max_staleness: int = Field(default=1, ge=0)
+    """With `async_rollouts`: the most training steps the policy that generated a batch may lag behind
+    the policy that trains on it. 0 is synchronous GRPO (same metrics as `async_rollouts=false`); 1
+    overlaps each step's training with the next step's generation."""
 
 
 class LossConfig(Section):
@@ -173,8 +185,9 @@ class LossConfig(Section):
     """Upper clip: the ratio is clipped above at 1 + clip_eps_high (0.28 is DAPO's clip-higher)."""
     dual_clip_c: float | None = None
     """Dual-clip bound c > 1 for negative advantages (Ye et al. 2020); null disables it."""
-    is_correction: Literal["none", "token_truncate", "sequence_mask"] = "none"
-    """Importance-sampling correction for the train/inference mismatch, with w_t = exp(logp_old - logp_gen):
+    is_correction: Literal["auto", "none", "token_truncate", "sequence_mask"] = "auto"
+    """Importance-sampling correction for the train/inference mismatch, with w_t = exp(logp_old - logp_gen)
+    (`auto`: `token_truncate` under async generation with `grpo.max_staleness` >= 1, else `none`):
     `token_truncate` multiplies each token's loss by min(w_t, is_truncate_cap) (TIS); `sequence_mask` drops
     sequences whose geometric-mean ratio exp(mean_t log w_t) is outside [is_sequence_low, is_sequence_high]."""
     is_truncate_cap: float = 2.0
@@ -230,6 +243,60 @@ class EnvConfig(Section):
     remote: dict[str, RemoteEnvConfig] = {}
     """Tasks scored by environment servers (`reinforge env serve`): task name -> server, e.g.
     `env.remote.code.url=http://10.0.0.5:8000`. A remote task may have any name, built in or not."""
+
+
+class CurriculumConfig(Section):
+    """Llama-Nemotron's RL data curriculum (arXiv:2505.00949): a pass-rate pre-filter and a sampler that
+    moves from easy to hard prompts. Implemented in reinforge/data/curriculum.py (docs/algorithms.md)."""
+
+    prefilter: bool = False
+    """Before training, sample `prefilter_samples` answers to every training prompt with the initial policy
+    and drop the prompts whose pass rate is at least `prefilter_threshold`. The pass rates are stored in
+    RUN_DIR/curriculum/pass_rates.jsonl and reused on resume; records that carry a `pass_rate` field
+    (`reinforge curriculum prefilter` writes them) are not sampled again."""
+    prefilter_samples: int = 8
+    """Answers sampled per prompt to measure its pass rate (k); pass rates are then multiples of 1/k."""
+    prefilter_threshold: float = 0.75
+    """Prompts with pass rate >= this are dropped: the policy already solves them."""
+    prefilter_temperature: float | None = None
+    """Sampling temperature of the pre-filter; null: generation.temperature."""
+    success_reward: float = 1.0
+    """A sampled answer passes when its reward is at least this; with 0/1 rewards (math, code) the pass
+    rate is the mean reward. Lower it for graded rewards (a judge's scores)."""
+    sampler: Literal["uniform", "progressive"] = "uniform"
+    """`uniform`: shuffled epochs (data.shuffle) over the kept prompts; `progressive`: each batch follows a
+    Gaussian over pass rate whose centre moves from `start_pass_rate` to `end_pass_rate` (needs pass rates:
+    `prefilter=true`, or a `pass_rate` field in every record)."""
+    num_bins: int | None = None
+    """Pass-rate bins of the progressive sampler: null: one bin per distinct pass rate (with the pre-filter,
+    the multiples of 1/k); N: N equal-width bins over [0, 1], each at its centre (empty ones are left out)."""
+    sigma: float = 0.15
+    """Width (standard deviation, in pass rate) of the progressive sampler's Gaussian target."""
+    start_pass_rate: float = 0.75
+    """Centre of the Gaussian for the first batch (easy: a high pass rate)."""
+    end_pass_rate: float = 0.0
+    """Centre of the Gaussian from batch `num_steps` on (hard: a low pass rate)."""
+    num_steps: int | None = None
+    """Batches over which the centre moves linearly from start to end; null: grpo.max_steps. Dynamic
+    sampling draws extra batches in a step, which move the centre too."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "CurriculumConfig":
+        checks = [
+            (self.prefilter_samples >= 1, "curriculum.prefilter_samples must be >= 1 (8 in Llama-Nemotron)"),
+            (0 < self.prefilter_threshold <= 1, "curriculum.prefilter_threshold must be in (0, 1]: prompts with a pass rate at or above it are dropped"),
+            (self.prefilter_temperature is None or self.prefilter_temperature > 0,
+             "curriculum.prefilter_temperature must be > 0 (or null for generation.temperature)"),
+            (self.num_bins is None or self.num_bins >= 1, "curriculum.num_bins must be >= 1 (or null: one bin per distinct pass rate)"),
+            (self.sigma > 0, "curriculum.sigma must be > 0 (the Gaussian's width in pass rate, e.g. 0.15)"),
+            (0 <= self.start_pass_rate <= 1 and 0 <= self.end_pass_rate <= 1,
+             "curriculum.start_pass_rate and curriculum.end_pass_rate must be in [0, 1]"),
+            (self.num_steps is None or self.num_steps >= 1, "curriculum.num_steps must be >= 1 (or null: grpo.max_steps)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
 
 
 class ClusterConfig(Section):
@@ -292,6 +359,7 @@ class Config(Section):
     grpo: GRPOConfig = GRPOConfig()
     loss: LossConfig = LossConfig()
     env: EnvConfig = EnvConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
     cluster: ClusterConfig = ClusterConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -321,6 +389,11 @@ class Config(Section):
             raise ValueError(
                 f"generation.num_workers={self.generation.num_workers} > training.num_workers={t.num_workers} with cluster.colocate=true: "
                 "each engine shares one training rank's resources; lower generation.num_workers or set cluster.colocate=false"
+            )
+        if g.async_rollouts and t.backend == "fsdp2" and self.cluster.colocate:
+            raise ValueError(
+                "grpo.async_rollouts=true with training.backend=fsdp2 needs cluster.colocate=false: the engines generate "
+                "while the ranks train, so they need resources of their own"
             )
         if self.env.num_workers < 0:
             raise ValueError("env.num_workers must be >= 0 (0: score in the driver process)")
@@ -365,6 +438,9 @@ class Config(Section):
             (self.grpo.overlong_buffer_tokens == 0 or self.grpo.max_turns == 1,
              "grpo.overlong_buffer_tokens > 0 needs grpo.max_turns=1: L_max is generation.max_new_tokens, a per-turn limit, "
              "so a multi-turn answer would be punished for its number of turns; set overlong_buffer_tokens=0"),
+            (not (self.grpo.async_rollouts and self.generation.vllm_sleep_mode),
+             "grpo.async_rollouts=true keeps the engine generating while the trainer works, so it never sleeps; "
+             "set generation.vllm_sleep_mode to false or null"),
             (self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
              "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)"),
         ]

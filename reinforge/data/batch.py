@@ -28,6 +28,7 @@ class Trajectory:
     response_mask: list[int] | None = None  # per response token: 1 policy, 0 environment (None: all policy)
     num_turns: int = 1  # policy turns in a multi-turn rollout
     components: dict[str, float] = field(default_factory=dict)  # named parts of the reward
+    policy_version: int = 0  # the policy that generated it: trained through this many steps
 
 
 @dataclass

@@ -8,6 +8,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from reinforge.errors import DataError
+
 
 @dataclass
 class Prompt:
@@ -24,9 +26,23 @@ def render_prompt(
     prompt_key: str,
     system_prompt: str | None,
     use_chat_template: bool,
+    system_key: str = "system",
 ) -> Prompt:
-    """Render one record with the tokenizer's chat template (or as plain text)."""
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+    """Render one record with the tokenizer's chat template (or as plain text).
+
+    The system message is the record's own `system_key` field when it has one (not null), else
+    `system_prompt`: the record wins, so one file can mix system prompts (e.g. "detailed thinking
+    on" and "off" per record) while the global one fills in for records without. An empty string
+    in the record means no system message for that record. The default `system_key` is
+    `data.system_key`'s (config/schema.py).
+    """
+    system = record.get(system_key)
+    if system is None:
+        system = system_prompt
+    elif not isinstance(system, str):
+        raise DataError(f"the record field {system_key!r} must be its system message as a string (or null for none), "
+                        f"got {type(system).__name__} in the record with prompt {str(record.get(prompt_key))[:60]!r}")
+    messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": str(record[prompt_key])}
     ]
     if use_chat_template:
