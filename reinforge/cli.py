@@ -67,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
                            f"e.g. {name}.max_steps=10 training.lr=1e-5. Sections: model, data, training, {name}, checkpoint, "
                            "logging, plus seed and num_threads.")
 
+    recipe = commands.add_parser(
+        "recipe",
+        help="run a multi-stage recipe (e.g. GRPO at growing context lengths, or SFT then GRPO)",
+        description="Run the stages of a recipe file in order, each from the previous stage's final weights, in "
+        "RUN_DIR/stages/<kk>-<name>. Rerunning the same command skips finished stages and resumes the unfinished one. "
+        "See docs/recipes.md.",
+    )
+    recipe.add_argument("recipe", metavar="FILE", help="recipe YAML file (run_dir, base, overrides, stages)")
+    recipe.add_argument("--validate", "--dry-run", dest="validate", action="store_true",
+                        help="build and check every stage's config and print the plan; load no model, run nothing")
+    recipe.add_argument("--run-dir", help="RUN_DIR instead of the recipe's run_dir (options go before FILE when overrides follow it)")
+    recipe.add_argument("overrides", nargs="*", help="key=value overrides applied to every stage, after the recipe's own")
+
     from reinforge.envs.cli import add_env_commands
 
     add_env_commands(commands)
@@ -140,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                 dpo.train(load_recipe_config(dpo.DPORunConfig, args.config, args.overrides))
             else:
                 rm.train(load_recipe_config(rm.RMRunConfig, args.config, args.overrides))
+        elif args.command == "recipe":
+            from reinforge.recipes.runner import run_recipe_command
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            run_recipe_command(args)
         elif args.command == "env":
             from reinforge.envs.cli import run_env_command
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,3 +38,13 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never a part: write a sibling, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from reinforge.config.schema import Config
 from reinforge.config.section import Section
+from reinforge.config.tree import deep_merge, set_dotted
 from reinforge.errors import ConfigError
 
 RootT = TypeVar("RootT", bound=Section)
@@ -33,10 +34,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 def load_recipe_config(schema: type[RootT], path: str | Path | None, overrides: list[str] = ()) -> RootT:
     """Build any root config (`Config`, or a recipe's own tree such as SFT's) from an optional YAML file
     plus `key=value` overrides."""
-    tree = _read_yaml_tree(Path(path)) if path is not None else {}
+    tree = read_yaml_tree(Path(path)) if path is not None else {}
     for override in overrides:
-        key, value = _parse_override(override, schema)
-        _set_dotted(tree, key, value)
+        key, value = parse_override(override, schema)
+        set_dotted(tree, key, value)
     return build_config(tree, schema)
 
 
@@ -67,39 +68,37 @@ def all_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     return keys
 
 
-def _read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing YAML file with --config")
-    if path in seen:
-        raise ConfigError(f"config file {path} inherits from itself through `defaults:`; remove the cycle")
+def read_yaml_mapping(path: Path, what: str, expected: str) -> dict[str, Any]:
+    """The YAML mapping in `path`, or a one-line ConfigError naming the file (and line) and what it should hold."""
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"config file {path}{line} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(f"{what} {path}{line} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(tree).__name__}")
+        raise ConfigError(f"{what} {path} must hold {expected}, not a {type(tree).__name__}")
+    return tree
+
+
+def read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing YAML file with --config")
+    if path in seen:
+        raise ConfigError(f"config file {path} inherits from itself through `defaults:`; remove the cycle")
+    tree = read_yaml_mapping(path, "config file", "a mapping of sections")
     parents = tree.pop("defaults", None) or []
     if isinstance(parents, str):
         parents = [parents]
     merged: dict[str, Any] = {}
     for parent in parents:
-        _deep_merge(merged, _read_yaml_tree(path.parent / parent, seen + (path,)))
-    _deep_merge(merged, tree)
+        deep_merge(merged, read_yaml_tree(path.parent / parent, seen + (path,)))
+    deep_merge(merged, tree)
     return merged
 
 
-def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
-        else:
-            base[key] = value
-
-
-def _parse_override(text: str, schema: type[BaseModel] = Config) -> tuple[str, Any]:
+def parse_override(text: str, schema: type[BaseModel] = Config) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -113,17 +112,6 @@ def _parse_override(text: str, schema: type[BaseModel] = Config) -> tuple[str, A
         return key, yaml.safe_load(raw) if raw.strip() else raw
     except yaml.YAMLError:
         return key, raw
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = node[part] = {}
-        node = child
-    node[parts[-1]] = value
 
 
 def _check_keys(tree: dict[str, Any], schema: type[BaseModel], model: type[BaseModel], prefix: str) -> None:

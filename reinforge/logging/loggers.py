@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from reinforge.config.section import Section
+from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import JsonlWriter
 
@@ -128,17 +129,6 @@ def _require(module: str, package: str, key: str) -> ModuleType:
             f"logging.loggers.{key}.enabled=true needs the {package} package, which does not import here ({exc}); "
             f"pip install {package}"
         ) from None
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}: the dotted keys of the config overrides."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class TensorBoardLogger:

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from reinforge.errors import DataError
-from reinforge.logging.loggers import flatten
+from reinforge.config.tree import flatten
 
 Rows = list[dict[str, float | None]]
 

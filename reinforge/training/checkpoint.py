@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
 from reinforge.run_dir import atomic_directory
 
@@ -79,10 +80,10 @@ def load_driver_state(path: Path) -> dict[str, Any]:
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """Refuse to resume under a config that changes what was trained, naming the first setting that differs."""
-    for key in sorted(set(_flatten(saved)) | set(_flatten(current))):
+    for key in sorted(set(flatten(saved)) | set(flatten(current))):
         if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
             continue
-        before, after = _flatten(saved).get(key), _flatten(current).get(key)
+        before, after = flatten(saved).get(key), flatten(current).get(key)
         if before != after:
             raise ConfigError(
                 f"cannot resume from {path}: {key} was {before!r} there and is {after!r} now; resume with the same "
@@ -99,16 +100,6 @@ def prune(run_dir: Path, keep_last: int, best_step: int | None) -> None:
     for path in complete:
         if path not in keep:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def rng_state() -> dict[str, Any]:

@@ -10,7 +10,8 @@ import pytest
 
 from reinforge.config import Config
 from reinforge.errors import ConfigError
-from reinforge.logging.loggers import LoggersConfig, MetricLogger, check_backends, flatten
+from reinforge.config.tree import flatten
+from reinforge.logging.loggers import LoggersConfig, MetricLogger, check_backends
 
 STEPS = {
     0: {"val/accuracy": 0.25},
