@@ -115,6 +115,9 @@ def _step_by_task(indices: list[int], trajectories: list[Trajectory], conversati
 
 def _add_extra_rewards(trajectories: list[Trajectory], conversations: list[list[dict[str, str]]], prompts: list[Prompt],
                        envs: dict[str, Environment], weights: dict[str, float]) -> None:
+    if weights:  # the task's own reward, apart from the extras (val/<task>/task_reward_mean: accuracy alone)
+        for trajectory in trajectories:
+            trajectory.components["task_reward"] = trajectory.reward
     for name, weight in weights.items():
         requests = [EnvRequest(messages=conversations[i], record=prompts[t.group].record) for i, t in enumerate(trajectories)]
         for trajectory, response in zip(trajectories, envs[name].step(requests)):

@@ -115,5 +115,6 @@ def test_extra_rewards_add_weighted_components_to_the_task_reward(demo):
     for with_format, alone in zip(trajectories, plain):  # same seed: same samples
         assert with_format.response_ids == alone.response_ids
         assert with_format.reward == alone.reward + 0.5 * with_format.components["format"]
+        assert with_format.components["task_reward"] == alone.reward  # the task's own, kept apart
     assert any(t.components["format"] == 1.0 for t in trajectories)  # "off": no think tags is compliant
     envs["math"].close()
