@@ -128,8 +128,7 @@ def train(config: Config) -> GRPOResult:
             for step in range(start_step + 1, g.max_steps + 1):
                 timers = Timers()
                 with timers.time("step"):
-                    with timers.time("rollout_wait"):  # synchronous: the whole generation; async: what was not hidden
-                        batch = rollouts.get(step)
+                    batch = rollouts.get(step, timers)  # async: the wait for what generation ahead did not hide
                     metrics, trained = train_on_batch(step, batch, trainer, tokenizer, loss_fn, config, timers)
                 saving = bool(config.checkpoint.save_every) and (step % config.checkpoint.save_every == 0 or step == g.max_steps)
                 with rollouts.engine_turn(step, timers):  # the engine is ours: refit, then probe, validate, snapshot

@@ -50,8 +50,8 @@ class SyncRollouts:
     def __init__(self, produce: Produce, sampler, start_step: int):
         self.produce, self.sampler, self.version = produce, sampler, start_step
 
-    def get(self, step: int) -> RolloutBatch:
-        trajectories, metrics = self.produce(step)
+    def get(self, step: int, timers: Timers | None = None) -> RolloutBatch:
+        trajectories, metrics = self.produce(step)  # timed by `produce` as generate and reward
         for trajectory in trajectories:
             trajectory.policy_version = self.version
         return RolloutBatch(step, trajectories, metrics, self.version)
@@ -116,9 +116,9 @@ class AsyncRollouts:
         if not predicate():
             raise self._error  # type: ignore[misc]
 
-    def get(self, step: int) -> RolloutBatch:
-        """The batch for `step`, waiting for the producer if it is not ready yet."""
-        with self._cond:
+    def get(self, step: int, timers: Timers | None = None) -> RolloutBatch:
+        """The batch for `step`, waiting for the producer if it is not ready yet (timing/rollout_wait_s)."""
+        with (timers or Timers()).time("rollout_wait"), self._cond:
             self._wait(lambda: step in self._ready)
             return self._ready.pop(step)
 

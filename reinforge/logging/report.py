@@ -60,8 +60,9 @@ CONFIG_HIGHLIGHTS = [
 ALGORITHMS = ("grpo", "sft", "dpo", "rm")  # the algorithm's own section is shown whole
 
 # Phases in the order a step runs them; `other` is the step's time outside the named phases.
-PHASE_ORDER = ["generate", "reward", "logprobs", "reference", "train", "refit", "other", "val"]
+PHASE_ORDER = ["generate", "reward", "rollout_wait", "logprobs", "reference", "train", "engine_wait", "refit", "other", "val"]
 OUTSIDE_STEP = {"val"}  # timed apart from timing/step_s (see docs/metrics.md)
+OVERLAPPED = {"generate", "reward"}  # under async rollouts: the producer's time, hidden behind the step's (not wall time)
 
 FIGSIZE, DPI = (8.0, 4.5), 150
 SMOOTH_ABOVE = 100  # points in a line beyond which it is drawn smoothed
@@ -216,6 +217,8 @@ def phase_seconds(rows: Rows) -> dict[str, list[tuple[int, float]]]:
         named = {key[len("timing/"):-2]: value for key, value in row.items()
                  if key.startswith("timing/") and key.endswith("_s") and value is not None}
         step_total = named.pop("step", None)
+        if "rollout_wait" in named:  # async: the step waited `rollout_wait` for generation that ran alongside it
+            named = {name: value for name, value in named.items() if name not in OVERLAPPED}
         if step_total is not None:
             inside = sum(v for name, v in named.items() if name not in OUTSIDE_STEP)
             named["other"] = max(step_total - inside, 0.0)
