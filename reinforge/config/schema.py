@@ -121,6 +121,31 @@ class TrainingConfig(Section):
     cpu_offload: bool = False
     """`fsdp2` on GPU: keep the sharded fp32 parameters, gradients and AdamW state in CPU memory and
     run the optimizer step there (FSDP2 CPUOffloadPolicy); frees GPU memory for 70B-class models."""
+    sequence_packing: bool = True
+    """GRPO logprob and training passes: lay a micro-batch's sequences end to end in rows as wide as its
+    longest sequence (first-fit decreasing) with block-diagonal attention, instead of one right-padded
+    sequence per row, so no compute is spent on padding. Same logprobs, loss and gradients as unpacked
+    (tests/unit/test_packing_rl.py); needs an `sdpa` or `eager` attention implementation. (SFT packs
+    with its own `sft.packing`.)"""
+    micro_batch_tokens: int | None = None
+    """GRPO logprob and training passes: build micro-batches to this many computed positions (rows x
+    row width, padding included) instead of `micro_batch_size` sequences, longest rows first; a sequence
+    longer than the budget gets a micro-batch of its own. null: `micro_batch_size` sequences. (SFT sizes
+    its micro-batches with `sft.micro_batch_tokens`.)"""
+    logprob_chunk_tokens: int = 2048
+    """Apply the LM head to at most this many tokens at a time when computing logprobs and entropies (the
+    training pass recomputes each chunk's logits in the backward pass), so memory grows with
+    chunk x vocabulary, not with sequence length x vocabulary."""
+
+    @model_validator(mode="after")
+    def _check_micro_batching(self) -> "TrainingConfig":
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"training.micro_batch_tokens={self.micro_batch_tokens} must be >= 1, or null to group "
+                             "micro-batches by training.micro_batch_size sequences")
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"training.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 "
+                             "(tokens per LM-head chunk; 2048 is a good default)")
+        return self
 
 
 class GRPOConfig(Section):

@@ -59,6 +59,19 @@ class TrainBatch:
             },
         )
 
+    def select(self, indices: list[int]) -> "TrainBatch":
+        """Rows `indices` (in that order), with trailing all-padding columns dropped."""
+        rows = torch.tensor(indices, dtype=torch.long)
+        width = int(self.attention_mask[rows].sum(dim=1).max())
+        return replace(
+            self,
+            **{
+                f.name: value[rows] if value.dim() == 1 else value[rows, :width]
+                for f in fields(self)
+                if isinstance(value := getattr(self, f.name), torch.Tensor)
+            },
+        )
+
     def num_valid_tokens(self) -> int:
         return int(self.loss_mask.sum())
 

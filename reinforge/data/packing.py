@@ -116,3 +116,77 @@ def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Logits [R, T, V] with attention confined to each example (see the module docstring)."""
     assert model.config._attn_implementation in PACKED_ATTENTION, model.config._attn_implementation
     return model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None, use_cache=False).logits
+
+
+# --- Row layouts for the RL training backends --------------------------------------------------
+# The backends' batches are right-padded [B, T] TrainBatches (data/batch.py). A `RowLayout` is where a
+# forward pass puts those sequences: packed end to end in rows (first-fit decreasing, positions
+# restarting per sequence, as above), or one per row as they come (with their attention mask).
+# Either way `flat_starts[b]` says where sequence b begins in the flattened [R * W] layout, so token t
+# of sequence b is at flat position flat_starts[b] + t, whichever layout it is.
+
+
+@dataclass
+class RowLayout:
+    """B sequences in R rows of W positions, for one forward pass."""
+
+    input_ids: torch.Tensor  # [R, W] long
+    position_ids: torch.Tensor  # [R, W] long: 0, 1, ... from each sequence's start (and the row's padding)
+    attention_mask: torch.Tensor | None  # [R, W]: one sequence per row; None when packed (positions mark the boundaries)
+    flat_starts: torch.Tensor  # [B] long: row * W + column of each sequence's first token
+    num_real_tokens: int  # tokens that are not padding
+
+    @property
+    def num_slots(self) -> int:
+        """R x W: the positions the forward pass computes, padding included."""
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> "RowLayout":
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return RowLayout(self.input_ids.to(device), self.position_ids.to(device), mask, self.flat_starts.to(device),
+                         self.num_real_tokens)
+
+
+def padded_layout(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> RowLayout:
+    """One sequence per row, right-padded as they are (the unpacked reference)."""
+    num_rows, width = input_ids_BT.shape
+    return RowLayout(
+        input_ids=input_ids_BT,
+        position_ids=torch.arange(width).expand(num_rows, width),
+        attention_mask=attention_mask_BT,
+        flat_starts=torch.arange(num_rows) * width,
+        num_real_tokens=int(attention_mask_BT.sum()),
+    )
+
+
+def packed_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], rows: list[list[int]], pad_token_id: int) -> RowLayout:
+    """The sequences end to end in the given rows (indices into the B sequences), right-padded to the
+    longest row."""
+    width = max(sum(lengths_B[b] for b in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    flat_starts = torch.zeros(len(lengths_B), dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for b in row:
+            end = start + lengths_B[b]
+            input_ids[r, start:end] = input_ids_BT[b, : lengths_B[b]]
+            position_ids[r, start:end] = torch.arange(lengths_B[b])
+            flat_starts[b] = r * width + start
+            start = end
+        position_ids[r, start:] = torch.arange(width - start)  # the row's padding: a "sequence" of its own
+    return RowLayout(input_ids=input_ids, position_ids=position_ids, attention_mask=None, flat_starts=flat_starts,
+                     num_real_tokens=sum(lengths_B))
+
+
+def sequence_rows(lengths: list[int], pack: bool) -> list[list[int]]:
+    """Rows of sequence indices: first-fit decreasing into rows as wide as the longest sequence (so a
+    packed row never makes attention costlier than the padded layout does), or one sequence per row."""
+    return first_fit_decreasing(lengths, max(lengths)) if pack else [[i] for i in range(len(lengths))]
+
+
+def rows_by_token_budget(rows: list[list[int]], lengths: list[int], max_batch_tokens: int) -> list[list[list[int]]]:
+    """The rows grouped into micro-batches whose forward computes at most `max_batch_tokens` positions
+    (rows x the longest row); a row longer than the budget is a micro-batch of its own."""
+    widths = [min(sum(lengths[i] for i in row), max_batch_tokens) for row in rows]
+    return [[rows[r] for r in group] for group in group_rows(widths, max_batch_tokens)]

@@ -35,7 +35,8 @@ from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
 from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
-from reinforge.training.torch_backend import backward_micro_batch, build_optimizer, policy_logits, token_logprobs
+from reinforge.training.micro_batching import HiddenStates, micro_batch_logprobs, plan_micro_batches, select_micro_batch, split_to
+from reinforge.training.torch_backend import accumulate_metrics, backward_micro_batch, build_optimizer
 
 
 def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
@@ -121,6 +122,7 @@ class FSDP2Worker:
         if load_reference:
             reference = load_model(fp32_config).requires_grad_(False)
             self.reference = shard_model(reference if offload_policy else reference.to(self.device), mesh, mp_policy, offload_policy).eval()
+        self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
 
     def _share(self, batch: TrainBatch) -> tuple[int, int]:
@@ -129,12 +131,18 @@ class FSDP2Worker:
         size = len(batch) // self.world_size
         return self.rank * size, (self.rank + 1) * size
 
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[int, TrainBatch]]:
-        """(row offset within the share, micro-batch on this device) over this rank's share."""
-        start, end = self._share(batch)
-        for offset in range(0, end - start, self.config.micro_batch_size):
-            micro_end = min(start + offset + self.config.micro_batch_size, end)
-            yield offset, batch_to(batch.slice(start + offset, micro_end), self.device)
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch, list[list[int]]]]:
+        """(indices within the share, micro-batch on this device, its rows) over this rank's share. Every
+        rank plans every share and splits its own micro-batches up to the largest count: FSDP2's
+        collectives need the same number of forward (and backward) passes on every rank."""
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        size = len(batch) // self.world_size
+        plans = [plan_micro_batches(lengths[r * size : (r + 1) * size], self.config) for r in range(self.world_size)]
+        share = self._share(batch)
+        share_batch = batch.slice(*share)
+        for rows in split_to(plans[self.rank], max(len(plan) for plan in plans)):
+            micro, local_rows, indices = select_micro_batch(share_batch, rows)
+            yield indices, batch_to(micro, self.device), local_rows
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
@@ -143,9 +151,9 @@ class FSDP2Worker:
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
         start, end = self._share(batch)
         share_BT = torch.zeros((end - start, batch.loss_mask.shape[1]), device=self.device)
-        for offset, micro in self._micro_batches(batch):
-            logprobs_BT = token_logprobs(policy_logits(model, micro), micro.input_ids, self.temperature)
-            share_BT[offset : offset + len(micro), : logprobs_BT.shape[1]] = logprobs_BT
+        for indices, micro, rows in self._micro_batches(batch):
+            logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
+            share_BT[indices, : logprobs_BT.shape[1]] = logprobs_BT
         shares = [torch.empty_like(share_BT) for _ in range(self.world_size)]
         dist.all_gather(shares, share_BT)
         return torch.cat(shares).cpu() * batch.loss_mask
@@ -170,15 +178,10 @@ class FSDP2Worker:
         norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
         extremes: dict[str, torch.Tensor] = {}
-        for _, micro in self._micro_batches(batch):
-            metrics = backward_micro_batch(self.model, micro, loss_fn, norm, self.temperature)
-            for name, value in metrics.items():
-                value = value.detach().float()
-                if name.endswith(("_max", "_min")):
-                    reduce = torch.maximum if name.endswith("_max") else torch.minimum
-                    extremes[name] = reduce(extremes[name], value) if name in extremes else value
-                else:
-                    totals[name] = totals[name] + value
+        for _, micro, rows in self._micro_batches(batch):
+            metrics = backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm,
+                                           self.config, self.temperature)
+            accumulate_metrics(totals, extremes, metrics)
         return reduce_metrics(totals, extremes, self.device)
 
     @torch.no_grad()

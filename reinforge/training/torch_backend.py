@@ -2,7 +2,9 @@
 
 The policy is an ordinary Hugging Face causal LM; AdamW with a warm-up schedule from transformers;
 gradients accumulate over micro-batches with the loss function's global normaliser, so one optimizer
-step sees the gradient of the whole global batch.
+step sees the gradient of the whole global batch. Micro-batches are packed (or not) and sized in
+sequences or tokens as `training.sequence_packing` and `training.micro_batch_tokens` say, and logprobs
+come from a chunked LM head on the trained tokens only (training/micro_batching.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
+from reinforge.training.micro_batching import HiddenStates, micro_batch_logprobs, plan_micro_batches, select_micro_batch
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -41,21 +44,27 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-def policy_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """Logits [B, T, V] of a right-padded batch (no KV cache: a training forward)."""
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-
-
-def backward_micro_batch(model: torch.nn.Module, micro: TrainBatch, loss_fn: LossFn, norm: Normalisers,
-                         temperature: float) -> dict[str, torch.Tensor]:
-    """Forward, loss and backward of one micro-batch; returns its detached metric contributions
-    (summable over micro-batches, like the loss), the policy's entropy included."""
-    logits_BTV = policy_logits(model, micro)
-    loss, metrics = loss_fn(token_logprobs(logits_BTV, micro.input_ids, temperature), micro, norm)
+def backward_micro_batch(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
+                         loss_fn: LossFn, norm: Normalisers, config: TrainingConfig, temperature: float) -> dict[str, torch.Tensor]:
+    """Forward, loss and backward of one micro-batch (`rows` index its sequences); returns its detached
+    metric contributions (summable over micro-batches, like the loss), the policy's entropy included.
+    The loss function sees logprobs on `micro.loss_mask` and 0 elsewhere."""
+    logprobs_BT, entropy_BT = micro_batch_logprobs(model, hidden, micro, rows, config, temperature)
+    loss, metrics = loss_fn(logprobs_BT, micro, norm)
     loss.backward()
-    with torch.no_grad():
-        metrics["entropy"] = token_mean(token_entropy(logits_BTV.detach(), temperature), micro.loss_mask, norm)
+    metrics["entropy"] = token_mean(entropy_BT, micro.loss_mask, norm)
     return {name: value.detach() for name, value in metrics.items()}
+
+
+def accumulate_metrics(totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Add one micro-batch's metric contributions: sums, and max/min for `*_max`/`*_min`."""
+    for name, value in metrics.items():
+        value = value.detach().float()
+        if name.endswith(("_max", "_min")):
+            reduce = torch.maximum if name.endswith("_max") else torch.minimum
+            extremes[name] = reduce(extremes[name], value) if name in extremes else value
+        else:
+            totals[name] = totals[name] + value
 
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -92,18 +101,23 @@ class TorchBackend:
             enable_activation_checkpointing(self.model)
         self.model.train()
         self.reference = load_model(model_config).eval().requires_grad_(False) if load_reference else None
+        self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
+
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch, list[list[int]]]]:
+        """(batch indices, micro-batch, its rows) for every micro-batch of the batch."""
+        for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), self.config):
+            micro, local_rows, indices = select_micro_batch(batch, rows)
+            yield indices, micro, local_rows
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         model = self.reference if reference else self.model
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
         out = torch.zeros_like(batch.loss_mask)
-        size = self.config.micro_batch_size
-        for start in range(0, len(batch), size):
-            micro = batch.slice(start, start + size)
-            logprobs_BT = token_logprobs(policy_logits(model, micro), micro.input_ids, self.temperature)
-            out[start : start + len(micro), : logprobs_BT.shape[1]] = logprobs_BT
+        for indices, micro, rows in self._micro_batches(batch):
+            logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
+            out[indices, : logprobs_BT.shape[1]] = logprobs_BT
         return out * batch.loss_mask
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -121,21 +135,12 @@ class TorchBackend:
         """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time."""
         norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0))
-        extremes: dict[str, list[torch.Tensor]] = defaultdict(list)
-        size = self.config.micro_batch_size
-        for start in range(0, len(batch), size):
-            micro = batch.slice(start, start + size)
-            metrics = backward_micro_batch(self.model, micro, loss_fn, norm, self.temperature)
-            for name, value in metrics.items():
-                if name.endswith(("_max", "_min")):
-                    extremes[name].append(value.detach())
-                else:
-                    totals[name] = totals[name] + value.detach()
-        result = {name: float(value) for name, value in totals.items()}
-        for name, values in extremes.items():
-            reduce = torch.max if name.endswith("_max") else torch.min
-            result[name] = float(reduce(torch.stack(values)))
-        return result
+        extremes: dict[str, torch.Tensor] = {}
+        for _, micro, rows in self._micro_batches(batch):
+            metrics = backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm,
+                                           self.config, self.temperature)
+            accumulate_metrics(totals, extremes, metrics)
+        return {name: float(value) for name, value in (totals | extremes).items()}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.model.state_dict().items()

@@ -1,0 +1,90 @@
+"""Shared by the benchmarks: model builders, a GRPO-shaped batch, the FLOP count of a training step, and
+the machine's matmul peak. (A leading underscore: `make bench` runs bench/[!_]*.py.)"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# A Qwen2 of ~30M parameters (27.5M with the demo tokenizer's 449-token vocabulary)
+MODEL_30M = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
+# Qwen2.5-1.5B's architecture (its config.json), for random initialisation
+QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True)
+
+
+def build_30m_model(out_dir: Path) -> Path:
+    """A randomly initialised ~30M-parameter Qwen2 with the demo model's tokenizer (seed 0), saved."""
+    from transformers import AutoConfig, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    base = AutoConfig.from_pretrained(ROOT / "models" / "demo")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=base.vocab_size, eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
+                         bos_token_id=None, tie_word_embeddings=True, max_position_embeddings=2048, **MODEL_30M)
+    Qwen2ForCausalLM(config).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(ROOT / "models" / "demo").save_pretrained(out_dir)
+    return out_dir
+
+
+def grpo_like_batch(num_sequences: int, prompt_tokens: tuple[int, int], response_tokens: tuple[int, int], vocab_size: int,
+                    num_generations: int = 8, seed: int = 0):
+    """A TrainBatch shaped like a GRPO rollout: prompt and response lengths uniform in the given ranges,
+    random tokens, the loss on the responses, advantages of both signs, old logprobs still to fill in."""
+    from reinforge.data.batch import Trajectory, collate
+
+    rng = random.Random(seed)
+    trajectories = []
+    for index in range(num_sequences):
+        num_prompt, num_response = rng.randint(*prompt_tokens), rng.randint(*response_tokens)
+        ids = [rng.randrange(3, vocab_size) for _ in range(num_prompt + num_response)]
+        trajectories.append(Trajectory(ids[:num_prompt], ids[num_prompt:], [0.0] * num_response, False, 0.0,
+                                       index // num_generations, "math"))
+    return collate(trajectories, [rng.gauss(0.0, 1.0) for _ in trajectories], pad_token_id=0)
+
+
+def training_flops(config, batch) -> float:
+    """Model FLOPs of one forward + backward (3x the forward) on `batch`, as reinforge computes it:
+    decoder matmuls on every real token (2 FLOPs per weight), causal attention (QK^T and AV over the
+    L(L+1)/2 causal pairs of each sequence, per layer), and the LM head on the trained tokens only (the
+    chunked head's recompute in the backward pass is not counted: it is not model work)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
+    weights_per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * config.intermediate_size
+    lengths = batch.attention_mask.sum(dim=1).double()
+    forward = (2 * weights_per_layer * layers * lengths.sum()
+               + 2 * hidden * layers * (lengths * (lengths + 1)).sum()
+               + 2 * hidden * config.vocab_size * batch.loss_mask.sum())
+    return 3 * float(forward)
+
+
+def matmul_peak_flops(dtype: torch.dtype, device: str, size: int, repeats: int = 5) -> float:
+    """The best FLOP/s of a [size x size] @ [size x size] torch.matmul over `repeats` tries (after a warm-up)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def clipped_token_mean_loss(logprobs_BT, micro, norm):
+    """The benchmarks' loss: GRPO's clipped ratio (0.2 / 0.28), token mean over the global batch, no KL."""
+    from reinforge.algorithms.losses import grpo_loss, token_mean
+
+    return grpo_loss(logprobs_BT, micro.old_logprobs, micro.advantages, micro.loss_mask, norm, aggregate=token_mean,
+                     eps_low=0.2, eps_high=0.28)

