@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test build-demo-model clean
+.PHONY: install demo test bench build-demo-model clean
 
 install: $(STAMP)
 
@@ -24,8 +24,18 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(BIN)/reinforge demo
 
+# Two xdist workers; tests that must not overlap share an xdist group (tests/conftest.py).
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+# Every benchmark with its default arguments, each writing bench/results/NAME.json (docs/benchmarks.md
+# keeps the results); bench/_*.py are their shared helpers. The `bench` extra brings TRL for grpo_vs_trl.
+bench: install
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	@for script in bench/[!_]*.py; do \
+		name=$$(basename $$script .py); echo "== $$script"; \
+		$(BIN)/python $$script --json bench/results/$$name.json || exit 1; \
+	done
 
 build-demo-model: install
 	$(BIN)/python scripts/build_demo_model.py

@@ -1,8 +1,25 @@
-"""Shared fixtures: a tiny random Qwen2 saved in Hugging Face format."""
+"""Shared fixtures: a tiny random Qwen2 saved in Hugging Face format.
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Tests that must not
+overlap with each other carry an xdist group, and a group runs on one worker, test after test:
+- "ray": every test that starts Ray or vLLM (they watch for leftover Ray processes, and each takes
+  the machine's CPUs);
+- "sandbox": every test that starts sandboxes (some count the live sandbox processes).
+Each worker keeps torch to one thread, and so do the processes it starts (OMP_NUM_THREADS), so that
+the two workers share the cores instead of fighting over them.
+"""
+
+import os
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from reinforge.paths import PROJECT_ROOT
+
+# One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("ray")
 
 ARGS = ["grpo.max_steps=4", "grpo.num_prompts_per_step=4", "training.global_batch_size=32", "training.micro_batch_size=32",
         "generation.max_new_tokens=32", "data.max_val_prompts=8", "grpo.val_every=2", "checkpoint.save_final=false",

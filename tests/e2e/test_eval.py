@@ -16,6 +16,9 @@ from reinforge.evaluation.benchmarks import MATH_SUFFIX, load_benchmark
 from reinforge.evaluation.evaluate import evaluate, resolve_model
 from reinforge.evaluation.metrics import pass_at_k
 
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("sandbox")
+
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--max-new-tokens", "16"]  # the demo model never answers these benchmarks right: keep the run short
 

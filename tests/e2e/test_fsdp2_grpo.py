@@ -11,6 +11,9 @@ import pytest
 
 from reinforge.paths import PROJECT_ROOT
 
+# One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("ray")
+
 COMMAND = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
            "training.backend=fsdp2", "training.num_workers=2", "grpo.val_every=0"]
 

@@ -3,9 +3,14 @@
 
 import json
 
+import pytest
+
 from reinforge.algorithms import grpo
 from reinforge.config import load_config
 from reinforge.paths import PROJECT_ROOT
+
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("sandbox")
 
 MIXED = PROJECT_ROOT / "tests" / "data" / "mixed_math_code.jsonl"
 

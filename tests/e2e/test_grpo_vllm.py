@@ -6,7 +6,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from reinforge.paths import PROJECT_ROOT
+
+# One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 def test_grpo_with_vllm_raises_reward_and_logs_refit_and_consistency(tmp_path):

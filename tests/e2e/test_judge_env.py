@@ -23,12 +23,16 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from pydantic import ValidationError
+
+import pytest
 
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.judge import JudgeEnv, JudgeEnvConfig, JudgeError
 from reinforge.errors import ConfigError
+
+# One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("ray")
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"

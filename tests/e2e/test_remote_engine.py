@@ -3,6 +3,8 @@
 import ray
 import torch
 
+import pytest
+
 from reinforge.cluster.remote import RemoteGenerationBackend
 from reinforge.config.schema import ModelConfig
 from reinforge.data.jsonl import read_jsonl
@@ -11,6 +13,9 @@ from reinforge.generation.base import SamplingParams
 from reinforge.generation.vllm_backend import VLLMGenerationBackend
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
+
+# One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("ray")
 
 MODEL = ModelConfig(name_or_path=str(PROJECT_ROOT / "models" / "demo"))
 

@@ -2,8 +2,9 @@
 
 One engine per module: vLLM sets up process-wide state, so the engine lives in this process once."""
 
-import pytest
 import torch
+
+import pytest
 
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import collate
@@ -16,6 +17,9 @@ from reinforge.modeling import load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 from reinforge.rollout.single_turn import generate_trajectories
 from reinforge.training.torch_backend import TorchBackend
+
+# One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("ray")
 
 MODEL = ModelConfig(name_or_path=str(PROJECT_ROOT / "models" / "demo"))
 

@@ -28,7 +28,11 @@ from reinforge.envs.code_env import CodeEnv, CodeEnvConfig, extract_code
 from reinforge.envs.sandbox import SandboxLimits
 from reinforge.errors import DataError
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")  # in MBPP code
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+pytestmark = [
+    pytest.mark.xdist_group("sandbox"),
+    pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning"),  # in MBPP code
+]
 BENCHMARKS = Path(__file__).resolve().parents[2] / "data" / "benchmarks"
 HUMANEVAL = [json.loads(line) for line in (BENCHMARKS / "humaneval" / "HumanEval.jsonl").read_text().splitlines()]
 MBPP = json.loads((BENCHMARKS / "mbpp" / "sanitized-mbpp.json").read_text())

@@ -19,6 +19,9 @@ import pytest
 
 from reinforge.envs.sandbox import SandboxLimits, run_python
 
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("sandbox")
+
 ISOLATIONS = ["namespaces", "plain"]
 FAST = dict(wall_time_s=3.0, cpu_time_s=3.0, memory_mb=512, max_output_bytes=10_000)
 

@@ -7,6 +7,9 @@ from reinforge.envs.math_env import MathEnv
 from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig, calculate, parse_tool_calls
 from reinforge.errors import ConfigError
 
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("sandbox")
+
 
 @pytest.fixture(scope="module")
 def env():
