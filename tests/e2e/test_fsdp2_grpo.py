@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,25 @@ COMMAND = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJEC
 def worker_pids(pattern: str) -> list[int]:
     result = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(pid) for pid in result.stdout.split()]
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parent, grandparent, ... of a process (a local Ray's workers descend from the driver)."""
+    chain = []
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        chain.append(pid)
+    return chain
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def read_metrics(run_dir):
@@ -43,15 +63,16 @@ def test_grpo_on_two_fsdp2_ranks_matches_one_process_and_raises_accuracy(tmp_pat
 
 
 def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftovers(tmp_path):
-    earlier = set(worker_pids("ray::") + worker_pids("raylet"))  # an earlier test's Ray may still be exiting
     run = subprocess.Popen(COMMAND + ["grpo.max_steps=200", f"logging.run_dir={tmp_path / 'run'}"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
         time.sleep(0.5)
-    victims = [pid for pid in worker_pids("ray::FSDP2Worker") if pid not in earlier]
+    victims = [pid for pid in worker_pids("ray::FSDP2Worker") if run.pid in ancestors(pid)]  # this run's ranks
     assert len(victims) == 2, victims
+    ours = [pid for pid in worker_pids("ray::") + worker_pids("raylet") + worker_pids("gcs_server") if run.pid in ancestors(pid)]
+    assert len(ours) >= 4, ours  # the ranks, the engines' actors, raylet, GCS
     os.kill(victims[1], signal.SIGKILL)
     killed_at = time.time()
     _, stderr = run.communicate(timeout=120)
@@ -59,10 +80,10 @@ def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftove
     assert run.returncode == 2, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert "Traceback" not in stderr and last.startswith("reinforge: error: training[") and "died" in last, last
-    deadline = time.time() + 30  # this run's Ray processes, every one of them, exit on their own
-    while time.time() < deadline and set(worker_pids("ray::") + worker_pids("raylet")) - earlier:
+    deadline = time.time() + 30  # every Ray process of this run exits on its own
+    while time.time() < deadline and [pid for pid in ours if alive(pid)]:
         time.sleep(0.5)
-    assert set(worker_pids("ray::") + worker_pids("raylet")) - earlier == set()
+    assert [pid for pid in ours if alive(pid)] == []
 
 
 def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_nodes_and_learns(tmp_path):
