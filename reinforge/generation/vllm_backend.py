@@ -49,6 +49,14 @@ def engine_kwargs(config) -> dict:
     )
 
 
+def sampled_logprobs(sample) -> list[float]:
+    """The logprob of each sampled token from a sample's `FlatLogprobs` (with `logprobs=0` it holds exactly
+    one entry per position: the sampled token's)."""
+    flat = sample.logprobs
+    assert list(flat.token_ids) == list(sample.token_ids), "vLLM returned logprobs for other tokens than it sampled"
+    return list(flat.logprobs)
+
+
 class VLLMGenerationBackend:
     def __init__(
         self,
@@ -120,6 +128,8 @@ class VLLMGenerationBackend:
                 include_stop_str_in_output=True,  # the stop string's tokens are trained on, as in the HF backend
                 seed=params.seed * 1_000_003 + index,  # reproducible, and independent across prompts
                 logprobs=0,  # just the sampled token's
+                flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
+                detokenize=bool(params.stop_strings),  # only stop strings need text; rewards decode the token ids
             )
             for index in range(len(prompt_token_ids))
         ]
@@ -133,7 +143,7 @@ class VLLMGenerationBackend:
                     Completion(
                         prompt_index=index,
                         token_ids=list(sample.token_ids),
-                        logprobs=[step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+                        logprobs=sampled_logprobs(sample),
                         finish_reason="length" if sample.finish_reason == "length" else "stop",
                     )
                     for sample in output.outputs
