@@ -1,8 +1,8 @@
 """GRPO with verifiable rewards: one loop, read top to bottom.
 
 Each step: draw P prompts; sample G answers per prompt with their logprobs; score them with each
-record's environment; group-relative advantages; recompute the old (and reference) logprobs with the
-trainer; one or more clipped policy-gradient optimizer steps over the rollout batch; copy the new
+record's environment; group-relative advantages; the reference (and, with several optimizer steps per
+rollout, the old) logprobs from the trainer; one or more clipped policy-gradient optimizer steps over the rollout batch; copy the new
 weights into the generation engine ("refit"); validate; log.
 
 As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
@@ -12,7 +12,8 @@ As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
    the reference model is not even loaded.
 3. Clip bounds may be asymmetric (`clip_eps_high`, DAPO's clip-higher) and dual clip is optional.
 4. The old logprobs come from the trainer, not the generation engine, so the ratio is exactly 1 on
-   the first optimizer step; the engine's logprobs are kept to measure train/inference mismatch.
+   the first optimizer step; the engine's logprobs are kept to measure train/inference mismatch. With
+   one optimizer step per rollout they are the training pass's own (`loss.old_logprobs`).
 
 The GRPO family are settings of this loop and its loss (configs/*_demo.yaml, docs/algorithms.md): DAPO
 (dynamic sampling, overlong reward shaping and filtering, clip-higher, token-level loss), GSPO (sequence-
@@ -37,12 +38,14 @@ from reinforge.algorithms.builders import build_engine, build_environments, buil
 from reinforge.algorithms.losses import (
     AGGREGATIONS,
     LOG_RATIOS,
+    Normalisers,
     constant_normaliser,
     grpo_loss,
     sequence_ratio_mask,
     truncated_importance_weights,
 )
 from reinforge.config import Config, save_config
+from reinforge.config.schema import LossConfig
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.curriculum import batch_metrics, build_prompt_sampler
 from reinforge.data.jsonl import read_jsonl
@@ -195,24 +198,42 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, trainer: TrainingBack
     batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
 
     with timers.time("logprobs"):
-        batch.old_logprobs = trainer.logprobs(batch)
+        if config.loss.old_logprobs == "recompute" or len(batch) > global_batch:  # else the loss takes the training pass's
+            batch.old_logprobs = trainer.logprobs(batch)
         if config.loss.kl_coef > 0:
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
-    mismatch = consistency.mismatch_metrics(batch)  # over every generated token, overlong-filtered ones included
     if g.overlong_filtering:  # DAPO: truncated answers are not trained on (their rewards still set the baseline)
         batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
-    batch.is_weights = importance_weights(config, batch)
     with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
         global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
-        updates = [trainer.train_step(b, loss_fn) for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
+        updates = [trainer.train_step(computed_part(b, config), loss_fn) for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
     return {
         **metrics,
         **rollout_metrics(trajectories, rewards_PG),
         **advantage_metrics(trajectories, penalties_PG, advantages_PG, config),
-        **train_metrics(updates),
-        **mismatch,
+        **train_metrics(updates),  # the engine/trainer mismatch (train/token_mult_prob_error, ...) among them
         "perf/num_tokens": batch.attention_mask.sum().item(),
     }, bool(updates)
+
+
+def computed_part(batch: TrainBatch, config: Config) -> TrainBatch:
+    """A global batch without the sequences that add nothing to its loss (`grpo.skip_zero_advantage`):
+    with no KL term a zero-advantage sequence's loss is 0 whatever the policy. The part keeps the whole
+    batch's normalisers, so its gradient is the batch's. At least one sequence per training rank stays
+    (the shortest zero-advantage ones, adding 0), so the optimizer step still runs when every advantage
+    is 0: AdamW's moments move the weights even on a zero gradient."""
+    if not config.grpo.skip_zero_advantage or config.loss.kl_coef > 0:
+        return batch
+    keep = (batch.advantages != 0).nonzero().flatten().tolist()
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    fillers = sorted(set(range(len(batch))) - set(keep), key=lambda i: (lengths[i], i))
+    keep = sorted(keep + fillers[: max(config.training.num_workers - len(keep), 0)])
+    if len(keep) == len(batch):
+        return batch
+    part = batch.select(keep)
+    part.loss_normalisers = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch),
+                                        num_computed_tokens=part.num_valid_tokens())
+    return part
 
 
 def staleness_metrics(step: int, batch: RolloutBatch) -> dict[str, float]:
@@ -312,31 +333,34 @@ def sampling_params(config: Config, step: int) -> SamplingParams:
     )
 
 
-def importance_weights(config: Config, batch: TrainBatch) -> torch.Tensor | None:
+def importance_weights(loss: LossConfig, correction: str, old_logprobs_BT: torch.Tensor,
+                       micro: TrainBatch) -> torch.Tensor | None:
     """Per-token weights correcting for the engine's sampling distribution differing from the trainer's
-    (numerics, or under async generation an older policy)."""
-    loss = config.loss
-    correction = loss.is_correction
-    if correction == "auto":
-        correction = "token_truncate" if config.grpo.async_rollouts and config.grpo.max_staleness > 0 else "none"
+    (numerics, or under async generation an older policy); `correction` is `loss.is_correction` resolved."""
     if correction == "token_truncate":
-        return truncated_importance_weights(batch.old_logprobs, batch.gen_logprobs, loss.is_truncate_cap)
+        return truncated_importance_weights(old_logprobs_BT, micro.gen_logprobs, loss.is_truncate_cap)
     if correction == "sequence_mask":
-        return sequence_ratio_mask(batch.old_logprobs, batch.gen_logprobs, batch.loss_mask, loss.is_sequence_low, loss.is_sequence_high)
+        return sequence_ratio_mask(old_logprobs_BT, micro.gen_logprobs, micro.loss_mask, loss.is_sequence_low, loss.is_sequence_high)
     return None
 
 
 def make_loss_fn(config: Config):
+    """The GRPO loss of a micro-batch, with the engine/trainer mismatch among its metrics."""
     loss = config.loss
     if loss.aggregation == "constant":
         aggregate = constant_normaliser(loss.constant_normaliser_tokens or config.generation.max_new_tokens)
     else:
         aggregate = AGGREGATIONS[loss.aggregation]
+    correction = loss.is_correction
+    if correction == "auto":
+        correction = "token_truncate" if config.grpo.async_rollouts and config.grpo.max_staleness > 0 else "none"
 
     def loss_fn(logprobs_BT: torch.Tensor, micro: TrainBatch, norm):
-        return grpo_loss(
+        # Without a pass of their own (loss.old_logprobs), the old policy is the one being trained: this pass's logprobs
+        old_BT = logprobs_BT.detach() if micro.old_logprobs is None else micro.old_logprobs
+        value, metrics = grpo_loss(
             logprobs_BT,
-            micro.old_logprobs,
+            old_BT,
             micro.advantages,
             micro.loss_mask,
             norm,
@@ -347,8 +371,9 @@ def make_loss_fn(config: Config):
             dual_clip_c=loss.dual_clip_c,
             kl_coef=loss.kl_coef,
             ref_logprobs_BT=micro.ref_logprobs,
-            is_weights_BT=micro.is_weights,
+            is_weights_BT=importance_weights(loss, correction, old_BT, micro),
         )
+        return value, {**metrics, **consistency.mismatch_contributions(old_BT, micro.gen_logprobs, micro.loss_mask, norm)}
 
     return loss_fn
 
@@ -413,6 +438,7 @@ def advantage_metrics(trajectories: list[Trajectory], penalties_PG: torch.Tensor
     metrics = {
         "train/advantage_mean": advantages_PG.mean().item(),
         "train/advantage_std": advantages_PG.std(unbiased=False).item(),
+        "train/zero_advantage_fraction": (advantages_PG == 0).float().mean().item(),
     }
     if g.overlong_buffer_tokens:
         metrics["rollout/overlong_penalty_mean"] = penalties_PG.mean().item()

@@ -35,6 +35,13 @@ class Normalisers:
 
     num_tokens: int  # valid (mask == 1) tokens in the global batch
     num_sequences: int  # sequences in the global batch
+    num_computed_tokens: int | None = None
+    """Valid tokens actually run through the model when sequences that add nothing to the loss were left
+    out of the batch (GRPO's zero-advantage sequences); None: all of them. Metric means divide by it."""
+
+    @property
+    def metric_tokens(self) -> int:
+        return self.num_tokens if self.num_computed_tokens is None else self.num_computed_tokens
 
 
 Aggregate = Callable[[torch.Tensor, torch.Tensor, Normalisers], torch.Tensor]
@@ -43,6 +50,12 @@ Aggregate = Callable[[torch.Tensor, torch.Tensor, Normalisers], torch.Tensor]
 def token_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalisers) -> torch.Tensor:
     """Sum over valid tokens / number of valid tokens in the global batch."""
     return (values_BT * mask_BT).sum() / max(norm.num_tokens, 1)
+
+
+def metric_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalisers) -> torch.Tensor:
+    """A per-token metric's contribution to its mean over the valid tokens computed in the global batch
+    (`token_mean` unless sequences were left out)."""
+    return (values_BT * mask_BT).sum() / max(norm.metric_tokens, 1)
 
 
 def sequence_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalisers) -> torch.Tensor:
@@ -151,8 +164,8 @@ def grpo_loss(
     """The GRPO loss of one micro-batch, scaled so that micro-batch losses sum to the global-batch loss.
     GSPO is this loss with `log_ratio=sequence_log_ratio` and `aggregate=sequence_mean`.
 
-    Returns the loss and metric contributions that also sum over micro-batches (token means use
-    `norm.num_tokens`), except `ratio_max`/`ratio_min`, which reduce by max/min.
+    Returns the loss and metric contributions that also sum over micro-batches (metric means divide by
+    `norm.metric_tokens`), except `ratio_max`/`ratio_min`, which reduce by max/min.
     """
     advantages_BT = advantages_B.unsqueeze(1).expand_as(logprobs_BT)
     pg_BT, ratio_BT, clipped_BT = clipped_policy_gradient(
@@ -172,9 +185,9 @@ def grpo_loss(
         metrics = {
             "loss": loss.detach(),
             "pg_loss": aggregate(pg_BT, mask_BT, norm).detach(),
-            "kl": token_mean(kl_BT.detach(), mask_BT, norm),
-            "clip_fraction": token_mean(clipped_BT, mask_BT, norm),
-            "ratio_mean": token_mean(ratio_BT.detach(), mask_BT, norm),
+            "kl": metric_mean(kl_BT.detach(), mask_BT, norm),
+            "clip_fraction": metric_mean(clipped_BT, mask_BT, norm),
+            "ratio_mean": metric_mean(ratio_BT.detach(), mask_BT, norm),
             "ratio_max": ratio_BT[valid].max() if valid.any() else ratio_BT.new_tensor(1.0),
             "ratio_min": ratio_BT[valid].min() if valid.any() else ratio_BT.new_tensor(1.0),
         }

@@ -164,6 +164,11 @@ class GRPOConfig(Section):
     whiten_advantages: bool = False
     """After the group baseline, normalise the advantages by the mean and standard deviation of the whole
     batch, all groups together (REINFORCE++'s global advantage normalisation)."""
+    skip_zero_advantage: bool = True
+    """Leave sequences whose advantage is exactly 0 (groups whose rewards are all equal) out of the training
+    pass when `loss.kl_coef` is 0: their loss is 0 whatever the policy, so they add nothing to the gradient.
+    The loss still divides by the whole batch's counts, so the update is the same (up to float summation
+    order); metric means (entropy, clip fraction, mismatch) are then over the sequences trained on."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (they have no advantage) and roll out
     further batches of `num_prompts_per_step` prompts until that many groups remain; the surplus is discarded."""
@@ -230,6 +235,13 @@ class LossConfig(Section):
     ratio_level: Literal["token", "sequence"] = "token"
     """Importance ratio in the clipped objective: each token's own (PPO, GRPO), or the sequence's
     exp(mean_t (logp - logp_old)) on all its tokens, clipped as one (GSPO; use with `aggregation=sequence`)."""
+    old_logprobs: Literal["auto", "recompute"] = "auto"
+    """Where logp_old (the trainer's logprobs before the step's first update) comes from. `auto`: when the
+    rollout is one optimizer step (`training.global_batch_size` >= its sequences) the policy being trained
+    is the old policy, so the training pass's own logprobs, detached, are logp_old (the ratio is 1 in value
+    and its gradient is the policy gradient, as in TRL), and no separate forward pass is spent on them; with
+    several optimizer steps per rollout they are computed in a pass of their own. `recompute`: always that
+    separate pass (the same numbers, one more forward pass)."""
 
 
 class MathEnvConfig(Section):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from reinforge.algorithms.losses import Normalisers
+
 
 @dataclass
 class Trajectory:
@@ -42,7 +44,7 @@ class TrainBatch:
     gen_logprobs: torch.Tensor  # [B, T] float: the generation engine's logprobs (0 off the mask)
     old_logprobs: torch.Tensor | None = None  # [B, T]: the trainer's logprobs before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T]: the frozen reference policy's logprobs
-    is_weights: torch.Tensor | None = None  # [B, T]: importance weights for the train/inference mismatch
+    loss_normalisers: Normalisers | None = None  # the counts the loss divides by, when not this batch's own
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -53,9 +55,9 @@ class TrainBatch:
         return replace(
             self,
             **{
-                f.name: _rows(getattr(self, f.name), start, end, width)
+                f.name: _rows(value, start, end, width)
                 for f in fields(self)
-                if getattr(self, f.name) is not None
+                if isinstance(value := getattr(self, f.name), torch.Tensor)
             },
         )
 
@@ -74,6 +76,11 @@ class TrainBatch:
 
     def num_valid_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    def normalisers(self) -> Normalisers:
+        """The counts the loss of this (global) batch divides by: `loss_normalisers` when the batch is part
+        of a larger one (sequences that add nothing to the loss left out), else its own."""
+        return self.loss_normalisers or Normalisers(num_tokens=self.num_valid_tokens(), num_sequences=len(self))
 
 
 def _rows(tensor: torch.Tensor, start: int, end: int, width: int) -> torch.Tensor:

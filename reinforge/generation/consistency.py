@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from reinforge.algorithms.losses import Normalisers, metric_mean
 from reinforge.data.batch import TrainBatch, collate
 from reinforge.data.prompts import Prompt
 from reinforge.errors import ReinforgeError
@@ -17,18 +18,29 @@ class ConsistencyError(ReinforgeError):
     """The engine's logprobs disagree with the trainer's beyond generation.max_logprob_error."""
 
 
-def mismatch_metrics(batch: TrainBatch) -> dict[str, float]:
-    """Per-token agreement of `gen_logprobs` (engine) with `old_logprobs` (trainer) over the loss mask."""
-    mask = batch.loss_mask > 0
-    log_ratio = (batch.old_logprobs - batch.gen_logprobs)[mask]  # log w_t, w_t = p_train / p_gen
-    ratio = torch.exp(log_ratio)
+def mismatch_contributions(train_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
+                           norm: Normalisers) -> dict[str, torch.Tensor]:
+    """Per-token agreement of the engine's logprobs with the trainer's over `mask_BT`, as contributions
+    that sum over micro-batches like a loss's (means divide by `norm.metric_tokens`; `*_min`/`*_max`
+    reduce by min/max): token_mult_prob_error = mean exp|log w_t|, gen_kl_error = the k3 estimate of
+    KL(gen || train), is_ratio_* of w_t = p_train / p_gen."""
+    valid = mask_BT > 0
+    log_ratio_BT = (train_logprobs_BT.detach() - gen_logprobs_BT) * valid
+    ratio_BT = torch.exp(log_ratio_BT)
     return {
-        "train/token_mult_prob_error": torch.exp(log_ratio.abs()).mean().item(),
-        "train/gen_kl_error": (ratio - log_ratio - 1).mean().item(),  # k3 estimate of KL(gen || train)
-        "train/is_ratio_mean": ratio.mean().item(),
-        "train/is_ratio_min": ratio.min().item(),
-        "train/is_ratio_max": ratio.max().item(),
+        "token_mult_prob_error": metric_mean(torch.exp(log_ratio_BT.abs()), mask_BT, norm),
+        "gen_kl_error": metric_mean(ratio_BT - log_ratio_BT - 1, mask_BT, norm),
+        "is_ratio_mean": metric_mean(ratio_BT, mask_BT, norm),
+        "is_ratio_min": ratio_BT[valid].min() if valid.any() else ratio_BT.new_tensor(1.0),
+        "is_ratio_max": ratio_BT[valid].max() if valid.any() else ratio_BT.new_tensor(1.0),
     }
+
+
+def mismatch_metrics(batch: TrainBatch) -> dict[str, float]:
+    """`mismatch_contributions` of a whole batch with `old_logprobs` as the trainer's, as `train/*` metrics."""
+    norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
+    contributions = mismatch_contributions(batch.old_logprobs, batch.gen_logprobs, batch.loss_mask, norm)
+    return {f"train/{name}": value.item() for name, value in contributions.items()}
 
 
 def probe(prompts: list[Prompt], engine: GenerationBackend, trainer, tokenizer, params: SamplingParams) -> float:

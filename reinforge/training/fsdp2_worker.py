@@ -29,7 +29,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from reinforge.algorithms.losses import Normalisers
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
@@ -59,7 +58,7 @@ def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecis
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch) if getattr(batch, f.name) is not None})
+    return replace(batch, **{f.name: value.to(device) for f in fields(batch) if isinstance(value := getattr(batch, f.name), torch.Tensor)})
 
 
 def reduce_metrics(totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
@@ -175,7 +174,7 @@ class FSDP2Worker:
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """Add the gradient of the global-batch loss to the sharded `.grad`s; return global metrics."""
-        norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
+        norm = batch.normalisers()
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
         extremes: dict[str, torch.Tensor] = {}
         for _, micro, rows in self._micro_batches(batch):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import get_scheduler
 
-from reinforge.algorithms.losses import Normalisers, token_mean
+from reinforge.algorithms.losses import Normalisers, metric_mean
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import enable_activation_checkpointing, load_model
@@ -52,7 +52,7 @@ def backward_micro_batch(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     logprobs_BT, entropy_BT = micro_batch_logprobs(model, hidden, micro, rows, config, temperature)
     loss, metrics = loss_fn(logprobs_BT, micro, norm)
     loss.backward()
-    metrics["entropy"] = token_mean(entropy_BT, micro.loss_mask, norm)
+    metrics["entropy"] = metric_mean(entropy_BT, micro.loss_mask, norm)
     return {name: value.detach() for name, value in metrics.items()}
 
 
@@ -133,7 +133,7 @@ class TorchBackend:
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time."""
-        norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
+        norm = batch.normalisers()
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0))
         extremes: dict[str, torch.Tensor] = {}
         for _, micro, rows in self._micro_batches(batch):

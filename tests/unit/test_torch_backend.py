@@ -1,10 +1,12 @@
+from dataclasses import replace
 from functools import partial
 
 import pytest
 import torch
 
+from reinforge.algorithms.grpo import computed_part, make_loss_fn
 from reinforge.algorithms.losses import grpo_loss, sequence_mean, token_mean
-from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.config.schema import Config, LossConfig, ModelConfig, TrainingConfig
 from reinforge.data.batch import Trajectory, collate
 from reinforge.training.torch_backend import TorchBackend, token_logprobs
 
@@ -80,6 +82,60 @@ def test_ratio_is_one_and_kl_zero_on_the_first_minibatch(tiny_model_dir):
     # the step moved the policy away from the (frozen) reference
     after = backend.logprobs(batch)
     assert (after - batch.ref_logprobs).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("is_correction", ["none", "token_truncate", "sequence_mask"])
+def test_old_logprobs_from_the_training_pass_give_the_step_of_a_separate_pass(tiny_model_dir, is_correction):
+    """loss.old_logprobs=auto with one optimizer step per rollout: logp_old is the training pass's own
+    logprobs, detached. The update, the loss, the importance weights and the mismatch metrics must be
+    those of the separate no-grad pass it replaces."""
+    config = Config(loss=LossConfig(is_correction=is_correction, clip_eps_high=0.28, is_sequence_low=0.9, is_sequence_high=1.1))
+    batch = make_batch()
+    noise = 0.2 * torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(2))
+    batch.gen_logprobs = (make_backend(tiny_model_dir, 4).logprobs(batch) + noise) * batch.loss_mask  # an engine that disagrees
+    runs = []
+    for separate_pass in (True, False):
+        backend = make_backend(tiny_model_dir, micro_batch_size=3)
+        batch.old_logprobs = backend.logprobs(batch) if separate_pass else None
+        metrics = backend.accumulate_gradients(batch, make_loss_fn(config))
+        runs.append((metrics, torch.cat([p.grad.flatten() for p in backend.model.parameters()])))
+    (separate, separate_grad), (shared, shared_grad) = runs
+    assert separate_grad.abs().max() > 1e-3
+    assert (shared_grad - separate_grad).abs().max() <= 1e-6
+    assert separate["token_mult_prob_error"] > 1.05 and separate["is_ratio_min"] < 0.9  # the mismatch is seen
+    for name in ("loss", "pg_loss", "ratio_mean", "token_mult_prob_error", "gen_kl_error", "is_ratio_mean", "is_ratio_min", "is_ratio_max"):
+        assert shared[name] == pytest.approx(separate[name], rel=1e-5, abs=1e-7), name
+
+
+def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_dir):
+    """grpo.skip_zero_advantage: the sequences of groups whose rewards were all equal are not run, the loss
+    still divides by the whole batch's counts, so the step equals the whole batch's; metric means are over
+    the sequences run."""
+    config = Config(loss=LossConfig(clip_eps_high=0.28))
+    batch = make_batch()
+    batch.advantages[[1, 2, 5]] = 0.0
+    part = computed_part(batch, config)
+    assert len(part) == 5 and part.normalisers().num_tokens == batch.num_valid_tokens()
+    assert computed_part(batch, Config(loss=LossConfig(kl_coef=0.1))) is batch  # a KL term: every sequence has a loss
+    nothing = replace(batch, advantages=torch.zeros(len(batch)))  # the step still runs, on the shortest sequence per rank
+    assert len(computed_part(nothing, config)) == 1
+    assert len(computed_part(nothing, Config(training=TrainingConfig(backend="fsdp2", num_workers=2)))) == 2
+    runs = []
+    shift_BT = 0.05 * torch.arange(len(batch)).unsqueeze(1) * batch.loss_mask  # ratios differ by row, some clipped
+    batch.old_logprobs = make_backend(tiny_model_dir, 4).logprobs(batch) + shift_BT
+    part = computed_part(batch, config)
+    for train_on in (batch, part, batch.select([0, 3, 4, 6, 7])):  # the last: the same sequences as a batch of their own
+        backend = make_backend(tiny_model_dir, micro_batch_size=3)
+        metrics = backend.accumulate_gradients(train_on, make_loss_fn(config))
+        runs.append((metrics, torch.cat([p.grad.flatten() for p in backend.model.parameters()])))
+    (whole, whole_grad), (skipped, skipped_grad), (alone, alone_grad) = runs
+    assert whole_grad.abs().max() > 1e-3
+    assert (skipped_grad - whole_grad).abs().max() <= 1e-6
+    assert (alone_grad - whole_grad).abs().max() > 1e-3  # dividing by the part's own counts would differ
+    assert skipped["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    for name in ("ratio_mean", "clip_fraction", "entropy"):  # metric means: over the sequences run
+        assert skipped[name] == pytest.approx(alone[name], rel=1e-5), name
+    assert skipped["ratio_mean"] != pytest.approx(whole["ratio_mean"], rel=1e-3)
 
 
 def test_logprobs_are_zero_outside_the_response_and_match_a_manual_forward(tiny_model_dir):
