@@ -16,7 +16,8 @@ import torch
 from reinforge.algorithms.losses import Normalisers
 from reinforge.data.batch import TrainBatch
 
-# loss_fn(logprobs_BT, micro_batch, normalisers) -> (loss, summable metric contributions)
+# loss_fn(logprobs_BT, micro_batch, normalisers) -> (loss, summable metric contributions). logprobs_BT is
+# [B, T] like micro_batch.loss_mask, and 0 off it: the backends compute logprobs on the trained tokens only.
 LossFn = Callable[[torch.Tensor, TrainBatch, Normalisers], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 

@@ -52,6 +52,8 @@ def test_sft_config_mistakes_are_one_line_errors_with_exit_status_2(tmp_path, ca
     for overrides, message in [
         (["sft.max_step=3"], "unknown config key sft.max_step; did you mean sft.max_steps?"),
         (["training.micro_batch_size=8"], "training.micro_batch_size does not apply to sft"),
+        (["training.micro_batch_tokens=4096"], "training.micro_batch_tokens does not apply to sft; set sft.micro_batch_tokens"),
+        (["training.sequence_packing=false"], "training.sequence_packing does not apply to sft; set sft.packing"),
         (["sft.micro_batch_tokens=100"], "sft.micro_batch_tokens=100 < data.max_seq_len=256"),
         (["data.val_path=data/demo/sft.jsonl"], "data.val_path and data.val_fraction are both set"),
         (["data.train_path=nope.jsonl"], "dataset file nope.jsonl does not exist"),
