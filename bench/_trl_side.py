@@ -77,7 +77,7 @@ def run_trainer(conn, model_dir: Path, num_prompts: int, steps: int, num_generat
         def on_step_end(self, args, state, control, **kwargs):
             seconds = time.perf_counter() - self.start
             tokens = state.num_input_tokens_seen - self.tokens_before  # prompt + completion tokens of the step
-            self.steps.append({"step_s": seconds, "tokens_per_s": tokens / seconds})
+            self.steps.append({"step_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:

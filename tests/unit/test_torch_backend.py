@@ -107,11 +107,12 @@ def test_old_logprobs_from_the_training_pass_give_the_step_of_a_separate_pass(ti
         assert shared[name] == pytest.approx(separate[name], rel=1e-5, abs=1e-7), name
 
 
-def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_dir):
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
+def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_dir, aggregation):
     """grpo.skip_zero_advantage: the sequences of groups whose rewards were all equal are not run, the loss
     still divides by the whole batch's counts, so the step equals the whole batch's; metric means are over
     the sequences run."""
-    config = Config(loss=LossConfig(clip_eps_high=0.28))
+    config = Config(loss=LossConfig(clip_eps_high=0.28, aggregation=aggregation))
     batch = make_batch()
     batch.advantages[[1, 2, 5]] = 0.0
     part = computed_part(batch, config)
