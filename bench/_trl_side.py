@@ -78,6 +78,8 @@ def run_trainer(conn, model_dir: Path, num_prompts: int, steps: int, num_generat
             seconds = time.perf_counter() - self.start
             tokens = state.num_input_tokens_seen - self.tokens_before  # prompt + completion tokens of the step
             self.steps.append({"step_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+            if state.global_step == args.max_steps:
+                conn.send(("finished", state.global_step))  # the last step's turn ends here, before the teardown
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:

@@ -104,33 +104,22 @@ def reinforge_overrides(model_dir: Path, num_prompts: int, steps: int, backend: 
 
 def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int,
                      skip_zero_advantage: bool, extra: tuple[str, ...] = ()) -> None:
-    """`reinforge grpo`, held between steps until the coordinator says go. The hold is in the metric
-    logger (before step 1: `log_config`; after step k: `log`), outside the loop's step timer; the loop
-    itself is untouched."""
+    """`reinforge grpo`, held between steps until the coordinator says go: `grpo.train`'s `on_step_end`
+    hook, called once the run is set up and after each step (logged), outside the loop's step timer."""
     from reinforge.algorithms import grpo
     from reinforge.config import load_config
-    from reinforge.logging.loggers import MetricLogger
 
-    def wait_for_turn(step: int) -> None:
-        conn.send(("ready", step))
-        conn.recv()
+    def wait_for_turn(done_step: int) -> None:
+        if done_step < steps:
+            conn.send(("ready", done_step + 1))
+            conn.recv()
+        else:
+            conn.send(("finished", done_step))  # the last step's turn ends here, before the teardown
 
-    log_config, log = MetricLogger.log_config, MetricLogger.log
-
-    def log_config_then_wait(self, *args, **kwargs):
-        log_config(self, *args, **kwargs)
-        wait_for_turn(1)
-
-    def log_then_wait(self, step, metrics):
-        log(self, step, metrics)
-        if step < steps:
-            wait_for_turn(step + 1)
-
-    MetricLogger.log_config, MetricLogger.log = log_config_then_wait, log_then_wait
     with tempfile.TemporaryDirectory() as tmp:
         overrides = reinforge_overrides(model_dir, num_prompts, steps, backend, threads, Path(tmp) / "run", skip_zero_advantage)
         config = load_config(ROOT / "configs" / "grpo_demo.yaml", [*overrides, *extra])
-        grpo.train(config)
+        grpo.train(config, on_step_end=wait_for_turn)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     steps_out = []
     for row in rows:
@@ -164,9 +153,11 @@ def alternate(workers: dict[str, tuple], steps: int) -> dict[str, list[dict]]:
             for name in names if step % 2 else names[::-1]:
                 start = time.perf_counter()
                 conns[name].send("go")
-                kind, payload = conns[name].recv()  # its next "ready", or "done" after the last step
+                kind, _ = conns[name].recv()  # its next "ready", or "finished" after the last step
                 turns[name].append(time.perf_counter() - start)
-                if kind == "done":
+                if kind == "finished":
+                    kind, payload = conns[name].recv()
+                    assert kind == "done", f"{name} sent {kind} after its last step"
                     results[name] = [{**row, "turn_s": turn} for row, turn in zip(payload, turns[name])]
         for name, process in processes.items():
             process.join(120)

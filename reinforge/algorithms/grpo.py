@@ -76,7 +76,10 @@ class GRPOResult:
     last_val_accuracy: float | None
 
 
-def train(config: Config) -> GRPOResult:
+def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> GRPOResult:
+    """Run GRPO as `config` says. `on_step_end`, for tools that observe or pace the loop (bench/grpo_vs_trl.py),
+    is called once the run is set up, with the step it starts from (0, or the resumed step), then after
+    every step, once it is logged and checkpointed, with that step."""
     g = config.grpo
     torch.manual_seed(config.seed)
     if config.cluster.num_threads:
@@ -128,6 +131,8 @@ def train(config: Config) -> GRPOResult:
             rollouts = rollout_source(produce, sampler, start_step, g.max_steps, g.async_rollouts, g.max_staleness,
                                       state.get("pending_rollouts", []) if state else [])
             cleanup.callback(rollouts.close)
+            if on_step_end:
+                on_step_end(start_step)
             for step in range(start_step + 1, g.max_steps + 1):
                 timers = Timers()
                 with timers.time("step"):
@@ -156,6 +161,8 @@ def train(config: Config) -> GRPOResult:
                 if saving:
                     best = update_best(best, step, metrics, config)
                     save_run_checkpoint(run_dir, step, trainer, resume_state, val_history, best, config)
+                if on_step_end:
+                    on_step_end(step)
 
             if config.checkpoint.save_final:
                 with atomic_directory(run_dir / "final") as tmp:
