@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -117,83 +118,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(args: argparse.Namespace) -> None:
+    """The parsed command, its imports inside its branch so that each command loads only what it needs."""
+    from reinforge.config import load_config
+
+    if args.command in ("grpo", "demo"):
+        from reinforge.algorithms import grpo
+
+        grpo.train(load_config(args.config if args.command == "grpo" else DEMO_CONFIG, args.overrides))
+    elif args.command in ("sft", "dpo", "rm"):
+        from reinforge.algorithms import dpo, rm, sft
+        from reinforge.config.recipe_loader import load_recipe_config
+
+        module, schema = {"sft": (sft, sft.SFTRunConfig), "dpo": (dpo, dpo.DPORunConfig), "rm": (rm, rm.RMRunConfig)}[args.command]
+        module.train(load_recipe_config(schema, args.config, args.overrides))
+    elif args.command == "recipe":
+        from reinforge.recipes.runner import run_recipe_command
+
+        run_recipe_command(args)
+    elif args.command == "env":
+        from reinforge.envs.cli import run_env_command
+
+        run_env_command(args)
+    elif args.command == "eval":
+        from reinforge.evaluation.cli import run_eval_command
+
+        run_eval_command(args)
+    elif args.command == "convert":
+        from reinforge.training.convert import convert
+
+        print(convert(Path(args.checkpoint), Path(args.out)))
+    elif args.command == "curriculum":
+        from reinforge.data.curriculum import prefilter_file
+
+        written, measured = prefilter_file(load_config(args.config, args.overrides), Path(args.out), args.keep_all)
+        print(f"{args.out}: {written} of {measured} records")
+    elif args.command == "report":
+        from reinforge.logging.report import write_report
+
+        for path in write_report(args.run_dir):
+            print(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Imports after parsing so that `--help` is instant.
-    from reinforge.config import load_config
     from reinforge.errors import ReinforgeError
 
     try:
-        if args.command in ("grpo", "demo"):
-            from reinforge.algorithms import grpo
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            config = load_config(args.config if args.command == "grpo" else DEMO_CONFIG, args.overrides)
-            grpo.train(config)
-        elif args.command == "sft":
-            from reinforge.algorithms import sft
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            from reinforge.config.recipe_loader import load_recipe_config
-
-            sft.train(load_recipe_config(sft.SFTRunConfig, args.config, args.overrides))
-        elif args.command in ("dpo", "rm"):
-            from reinforge.algorithms import dpo, rm
-            from reinforge.config.recipe_loader import load_recipe_config
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            if args.command == "dpo":
-                dpo.train(load_recipe_config(dpo.DPORunConfig, args.config, args.overrides))
-            else:
-                rm.train(load_recipe_config(rm.RMRunConfig, args.config, args.overrides))
-        elif args.command == "recipe":
-            from reinforge.recipes.runner import run_recipe_command
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            run_recipe_command(args)
-        elif args.command == "env":
-            from reinforge.envs.cli import run_env_command
-
-            run_env_command(args)
-        elif args.command == "eval":
-            from reinforge.evaluation.cli import run_eval_command
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            run_eval_command(args)
-        elif args.command == "convert":
-            from pathlib import Path
-
-            from reinforge.training.convert import convert
+        if args.command not in ("env", "report"):  # the commands that load models: transformers' errors only, no bars
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-            print(convert(Path(args.checkpoint), Path(args.out)))
-        elif args.command == "curriculum":
-            from pathlib import Path
-
-            from reinforge.data.curriculum import prefilter_file
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            written, measured = prefilter_file(load_config(args.config, args.overrides), Path(args.out), args.keep_all)
-            print(f"{args.out}: {written} of {measured} records")
-        elif args.command == "report":
-            from reinforge.logging.report import write_report
-
-            for path in write_report(args.run_dir):
-                print(path)
+            if args.command != "convert":
+                hf_logging.set_verbosity_error()
+        run_command(args)
     except ReinforgeError as exc:
         print(f"reinforge: error: {exc}", file=sys.stderr)
         return 2
