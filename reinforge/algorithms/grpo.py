@@ -2,8 +2,8 @@
 
 Each step: draw P prompts; sample G answers per prompt with their logprobs; score them with each
 record's environment; group-relative advantages; the reference (and, with several optimizer steps per
-rollout, the old) logprobs from the trainer; one or more clipped policy-gradient optimizer steps over the rollout batch; copy the new
-weights into the generation engine ("refit"); validate; log.
+rollout, the old) logprobs from the trainer; one or more clipped policy-gradient optimizer steps over
+the rollout batch; copy the new weights into the generation engine ("refit"); validate; log.
 
 As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
 1. The loss is aggregated per token over the whole global batch by default (DAPO, arXiv:2503.14476),
@@ -213,7 +213,8 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, trainer: TrainingBack
         batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
     with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
         global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
-        updates = [trainer.train_step(computed_part(b, config), loss_fn) for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
+        updates = [trainer.train_step(computed_part(b, config), loss_fn)
+                   for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
     return {
         **metrics,
         **rollout_metrics(trajectories, rewards_PG),
@@ -225,13 +226,14 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, trainer: TrainingBack
 
 def computed_part(batch: TrainBatch, config: Config) -> TrainBatch:
     """A global batch without the sequences that add nothing to its loss (`grpo.skip_zero_advantage`):
-    with no KL term a zero-advantage sequence's loss is 0 whatever the policy. The part keeps the whole
-    batch's normalisers, so its gradient is the batch's. At least one sequence per training rank stays
-    (the shortest zero-advantage ones, adding 0), so the optimizer step still runs when every advantage
-    is 0: AdamW's moments move the weights even on a zero gradient."""
+    with no KL term a zero-advantage sequence's loss is 0 whatever the policy, and so is that of a
+    sequence with no token to train on (DAPO's overlong filtering). The part keeps the whole batch's
+    normalisers, so its gradient is the batch's. At least one sequence per training rank stays (the
+    shortest of the others, adding 0), so the optimizer step still runs when nothing is left: AdamW's
+    moments move the weights even on a zero gradient."""
     if not config.grpo.skip_zero_advantage or config.loss.kl_coef > 0:
         return batch
-    keep = (batch.advantages != 0).nonzero().flatten().tolist()
+    keep = ((batch.advantages != 0) & (batch.loss_mask.sum(dim=1) > 0)).nonzero().flatten().tolist()
     lengths = batch.attention_mask.sum(dim=1).tolist()
     fillers = sorted(set(range(len(batch))) - set(keep), key=lambda i: (lengths[i], i))
     keep = sorted(keep + fillers[: max(config.training.num_workers - len(keep), 0)])

@@ -165,8 +165,9 @@ class GRPOConfig(Section):
     """After the group baseline, normalise the advantages by the mean and standard deviation of the whole
     batch, all groups together (REINFORCE++'s global advantage normalisation)."""
     skip_zero_advantage: bool = True
-    """Leave sequences whose advantage is exactly 0 (groups whose rewards are all equal) out of the training
-    pass when `loss.kl_coef` is 0: their loss is 0 whatever the policy, so they add nothing to the gradient.
+    """Leave sequences whose advantage is exactly 0 (groups whose rewards are all equal), and those with no
+    token to train on (overlong filtering), out of the training pass when `loss.kl_coef` is 0: their loss
+    is 0 whatever the policy, so they add nothing to the gradient.
     The loss still divides by the whole batch's counts, so the update is the same (up to float summation
     order); metric means (entropy, clip fraction, mismatch) are then over the sequences trained on."""
     dynamic_sampling: bool = False

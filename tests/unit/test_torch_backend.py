@@ -118,6 +118,9 @@ def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_d
     part = computed_part(batch, config)
     assert len(part) == 5 and part.normalisers().num_tokens == batch.num_valid_tokens()
     assert computed_part(batch, Config(loss=LossConfig(kl_coef=0.1))) is batch  # a KL term: every sequence has a loss
+    overlong_filtered = replace(batch, loss_mask=batch.loss_mask.clone())
+    overlong_filtered.loss_mask[7] = 0.0  # nothing to train on: left out too
+    assert len(computed_part(overlong_filtered, config)) == 4
     nothing = replace(batch, advantages=torch.zeros(len(batch)))  # the step still runs, on the shortest sequence per rank
     assert len(computed_part(nothing, config)) == 1
     assert len(computed_part(nothing, Config(training=TrainingConfig(backend="fsdp2", num_workers=2)))) == 2
