@@ -47,7 +47,8 @@ LINE_PLOTS = [
 KEY_METRICS = [
     ("val/accuracy", max, ".4g"), ("train/reward_mean", max, ".4g"), ("val/loss", min, ".4g"),
     ("train/loss", None, ".4g"), ("train/kl", None, ".4g"), ("train/entropy", None, ".4g"),
-    ("rollout/gen_len_mean", None, ".4g"), ("train/token_mult_prob_error", None, ".7f"),
+    ("rollout/gen_len_mean", None, ".4g"), ("train/zero_advantage_fraction", None, ".3g"),
+    ("train/token_mult_prob_error", None, ".7f"),
     ("perf/tokens_per_s", max, ".4g"), ("perf/peak_rss_gb", None, ".3g"), ("perf/gpu_peak_memory_gb", None, ".3g"),
 ]
 
