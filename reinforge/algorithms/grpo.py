@@ -228,15 +228,17 @@ def computed_part(batch: TrainBatch, config: Config) -> TrainBatch:
     """A global batch without the sequences that add nothing to its loss (`grpo.skip_zero_advantage`):
     with no KL term a zero-advantage sequence's loss is 0 whatever the policy, and so is that of a
     sequence with no token to train on (DAPO's overlong filtering). The part keeps the whole batch's
-    normalisers, so its gradient is the batch's. At least one sequence per training rank stays (the
-    shortest of the others, adding 0), so the optimizer step still runs when nothing is left: AdamW's
-    moments move the weights even on a zero gradient."""
+    normalisers, so its gradient is the batch's. The part is topped up with the shortest of the others
+    (adding 0) to a whole number of sequences per training rank, at least one each: FSDP2 ranks take
+    equal shares, and the optimizer step still runs when nothing is left (AdamW's moments move the
+    weights even on a zero gradient)."""
     if not config.grpo.skip_zero_advantage or config.loss.kl_coef > 0:
         return batch
     keep = ((batch.advantages != 0) & (batch.loss_mask.sum(dim=1) > 0)).nonzero().flatten().tolist()
     lengths = batch.attention_mask.sum(dim=1).tolist()
     fillers = sorted(set(range(len(batch))) - set(keep), key=lambda i: (lengths[i], i))
-    keep = sorted(keep + fillers[: max(config.training.num_workers - len(keep), 0)])
+    ranks = config.training.num_workers
+    keep = sorted(keep + fillers[: max(ranks, -(-len(keep) // ranks) * ranks) - len(keep)])
     if len(keep) == len(batch):
         return batch
     part = batch.select(keep)

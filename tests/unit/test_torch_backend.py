@@ -123,7 +123,9 @@ def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_d
     assert len(computed_part(overlong_filtered, config)) == 4
     nothing = replace(batch, advantages=torch.zeros(len(batch)))  # the step still runs, on the shortest sequence per rank
     assert len(computed_part(nothing, config)) == 1
-    assert len(computed_part(nothing, Config(training=TrainingConfig(backend="fsdp2", num_workers=2)))) == 2
+    two_ranks = Config(training=TrainingConfig(backend="fsdp2", num_workers=2))
+    assert len(computed_part(nothing, two_ranks)) == 2
+    assert len(computed_part(batch, two_ranks)) == 6  # 5 sequences to train on, topped up to equal shares
     runs = []
     shift_BT = 0.05 * torch.arange(len(batch)).unsqueeze(1) * batch.loss_mask  # ratios differ by row, some clipped
     batch.old_logprobs = make_backend(tiny_model_dir, 4).logprobs(batch) + shift_BT
