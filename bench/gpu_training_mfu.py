@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,12 +32,6 @@ from _common import QWEN25_1_5B, clipped_token_mean_loss, grpo_like_batch, matmu
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_model(architecture: dict, dtype: torch.dtype, device: str, out_dir: Path) -> Path:
@@ -68,6 +61,7 @@ def main() -> None:
         print("no CUDA GPU here: nothing measured (--tiny runs a tiny model on CPU through the same code)")
         return
 
+    from reinforge.cluster.worker_group import free_port
     from reinforge.config.schema import ModelConfig, TrainingConfig
     from reinforge.training.fsdp2_worker import FSDP2Worker
 
