@@ -10,7 +10,8 @@ from typing import Iterator
 
 import torch
 
-from reinforge.cluster.worker_group import WorkerGroup, free_port
+from reinforge.cluster.network import free_port
+from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.config.schema import Config
 from reinforge.data.batch import TrainBatch
 from reinforge.training.base import LossFn

@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,12 +43,6 @@ def start_ray(config: ClusterConfig, num_cpus_needed: float) -> None:
         num_cpus = config.num_cpus or max(os.cpu_count() or 1, math.ceil(num_cpus_needed))
         # address="local": a new Ray of our own, never a cluster some other job left running on this machine
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class WorkerGroup:

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import uvicorn
 
+from reinforge.cluster.network import free_port
 from reinforge.data.jsonl import read_jsonl
 from reinforge.envs.base import EnvRequest, EnvResponse, Tool
 from reinforge.envs.http_client import EnvServerError, RemoteEnvConfig, RemoteEnvironment
@@ -70,16 +71,10 @@ def remote(url: str, token: str | None = TOKEN, **overrides) -> RemoteEnvironmen
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def math_server(tmp_path: Path, *extra_args: str):
     """`reinforge env serve --env math` in its own process; yields (url, process)."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     log = (tmp_path / f"server_{port}.log").open("w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "reinforge.cli", "env", "serve", "--env", "math", "--port", str(port),

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from pydantic import ValidationError
 
 import pytest
 
+from reinforge.cluster.network import free_port
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.judge import JudgeEnv, JudgeEnvConfig, JudgeError
 from reinforge.errors import ConfigError
@@ -84,12 +84,6 @@ def fake_judge_app():
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server_process(command, health_url, startup_timeout_s, env=None):
     """Run `command` in its own process group until the block ends; yields (process, startup seconds)."""
@@ -122,7 +116,7 @@ def server_process(command, health_url, startup_timeout_s, env=None):
 
 @contextlib.contextmanager
 def fake_judge():
-    port = free_port()
+    port = free_port("127.0.0.1")
     with server_process([sys.executable, __file__, str(port)], f"http://127.0.0.1:{port}/health", 60) as (process, _):
         yield process, f"http://127.0.0.1:{port}"
 
@@ -294,7 +288,7 @@ def reward_model_requests():
 
 
 def test_reward_model_over_http_in_batches_equals_the_model_in_process(reward_model_dir):
-    port = free_port()
+    port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "reinforge.envs.reward_model_server", str(reward_model_dir), "--port", str(port), "--batch-size", "3"]
     requests = reward_model_requests()
     with server_process(command, f"http://127.0.0.1:{port}/health", 120):
@@ -326,7 +320,7 @@ def test_reward_model_over_http_in_batches_equals_the_model_in_process(reward_mo
 
 @pytest.fixture(scope="module")
 def vllm_url():
-    port = free_port()
+    port = free_port("127.0.0.1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(DEMO), "--served-model-name", "demo",
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
