@@ -55,5 +55,17 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_decoder_layers(model: PreTrainedModel) -> None:
+    """`torch.compile` each decoder layer in place (`nn.Module.compile`: module names and state-dict keys
+    stay as they are). Inductor fuses the norms, activation, rotary embedding and residual adds between
+    the matmuls; the layers share one compiled graph, recompiled once when the shapes vary. Call it
+    before FSDP2's `fully_shard`: its unshard/reshard hooks then run outside the compiled code."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ReinforgeError(f"training.compile=true compiles the decoder's `layers`, which {model.config.model_type} does not have; set it to false")
+    for layer in layers:
+        layer.compile()
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

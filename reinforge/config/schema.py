@@ -118,6 +118,11 @@ class TrainingConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     activation memory drops from O(layers) to O(1) layers for about a third more compute."""
+    compile: bool = False
+    """`torch.compile` each decoder layer and the LM head's logprob chunks: Inductor fuses the
+    memory-bound work between the matmuls (norms, SwiGLU, rotary embedding; the upcast, log-sum-exp and
+    entropy over the vocabulary). Worth it on GPUs (docs/benchmarks.md has the measured gain); the
+    first steps pay the compilation, and small models on CPU gain nothing."""
     cpu_offload: bool = False
     """`fsdp2` on GPU: keep the sharded fp32 parameters, gradients and AdamW state in CPU memory and
     run the optimizer step there (FSDP2 CPUOffloadPolicy); frees GPU memory for 70B-class models."""

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
-from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_model
+from reinforge.modeling import DTYPES, compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
 from reinforge.training.micro_batching import HiddenStates, micro_batch_logprobs, plan_micro_batches, select_micro_batch, split_to
 from reinforge.training.torch_backend import accumulate_metrics, backward_micro_batch, build_optimizer
@@ -114,12 +114,16 @@ class FSDP2Worker:
         policy = load_model(fp32_config)
         if training_config.activation_checkpointing:
             enable_activation_checkpointing(policy)  # before sharding: FSDP2 wraps the checkpointed layers
+        if training_config.compile:
+            compile_decoder_layers(policy)
         # with offload FSDP2 moves the shards to CPU itself and unshards onto the GPU for compute
         self.model = shard_model(policy if offload_policy else policy.to(self.device), mesh, mp_policy, offload_policy)
         self.model.train()
         self.reference = None
         if load_reference:
             reference = load_model(fp32_config).requires_grad_(False)
+            if training_config.compile:
+                compile_decoder_layers(reference)
             self.reference = shard_model(reference if offload_policy else reference.to(self.device), mesh, mp_policy, offload_policy).eval()
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)

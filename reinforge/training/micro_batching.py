@@ -17,6 +17,9 @@ recomputed in the backward pass instead of being kept.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -114,16 +117,24 @@ def head_chunk(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: tor
     return logprobs_N, entropy_N
 
 
+@functools.cache
+def compiled_head_chunk() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`head_chunk` through `torch.compile` (training.compile): the upcast, temperature, log-sum-exp,
+    gather and entropy over the [chunk, V] logits fuse into a few passes instead of one kernel each."""
+    return torch.compile(head_chunk)
+
+
 def chunked_head(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
-                 chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk_tokens: int, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`head_chunk` over `chunk_tokens` tokens at a time; with gradients each chunk is checkpointed, so
     only one chunk's [chunk, V] logits exist at once in the forward and in the backward pass."""
+    head = compiled_head_chunk() if compile else head_chunk
     logprobs, entropies = [], []
     # With no tokens one empty chunk still runs: the result stays connected to the model, so every
     # parameter gets a (zero) gradient, as FSDP2's reduce-scatter needs on every rank.
     for start in range(0, max(len(targets_N), 1), chunk_tokens):
         args = (lm_head, hidden_NH[start : start + chunk_tokens], targets_N[start : start + chunk_tokens], temperature)
-        logprobs_N, entropy_N = checkpoint(head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else head_chunk(*args)
+        logprobs_N, entropy_N = checkpoint(head, *args, use_reentrant=False) if torch.is_grad_enabled() else head(*args)
         logprobs.append(logprobs_N)
         entropies.append(entropy_N)
     return torch.cat(logprobs), torch.cat(entropies)
@@ -147,7 +158,7 @@ def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     hidden_NH = hidden_RWH.flatten(0, 1)[flat - 1]
     lm_head = model.get_output_embeddings()
     logprobs_N, entropy_N = chunked_head(lm_head, hidden_NH, layout.input_ids.flatten()[flat], temperature,
-                                         config.logprob_chunk_tokens)
+                                         config.logprob_chunk_tokens, config.compile)
     shape = micro.loss_mask.shape
     logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put((b_index, t_index), logprobs_N)
     entropy_BT = torch.zeros(shape, device=micro.loss_mask.device).index_put((b_index, t_index), entropy_N)

@@ -20,7 +20,7 @@ from transformers import get_scheduler
 from reinforge.algorithms.losses import Normalisers, metric_mean
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
-from reinforge.modeling import enable_activation_checkpointing, load_model
+from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
 from reinforge.training.micro_batching import HiddenStates, micro_batch_logprobs, plan_micro_batches, select_micro_batch
 
@@ -101,6 +101,10 @@ class TorchBackend:
             enable_activation_checkpointing(self.model)
         self.model.train()
         self.reference = load_model(model_config).eval().requires_grad_(False) if load_reference else None
+        if training_config.compile:
+            for model in (self.model, self.reference):
+                if model is not None:
+                    compile_decoder_layers(model)
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
 
