@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--no-packing", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="training.compile: torch.compile each decoder layer")
+    parser.add_argument("--profile", action="store_true", help="print the step's 25 costliest kernels (torch.profiler)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H200: 989)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "gpu_training_mfu.json")
     args = parser.parse_args()
@@ -61,7 +63,7 @@ def main() -> None:
         print("no CUDA GPU here: nothing measured (--tiny runs a tiny model on CPU through the same code)")
         return
 
-    from reinforge.cluster.worker_group import free_port
+    from reinforge.cluster.network import free_port
     from reinforge.config.schema import ModelConfig, TrainingConfig
     from reinforge.training.fsdp2_worker import FSDP2Worker
 
@@ -72,7 +74,8 @@ def main() -> None:
     sequences, prompt, response = (8, (4, 12), (8, 24)) if args.tiny else (args.sequences, (128, 384), (256, 1024))
     training = TrainingConfig(backend="fsdp2", global_batch_size=sequences, micro_batch_size=sequences, lr=1e-6,
                               micro_batch_tokens=64 if args.tiny else args.micro_batch_tokens,
-                              sequence_packing=not args.no_packing, activation_checkpointing=args.activation_checkpointing)
+                              sequence_packing=not args.no_packing, activation_checkpointing=args.activation_checkpointing,
+                              compile=args.compile)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(architecture, dtype, device, Path(tmp) / "model")
         model_config = ModelConfig(name_or_path=str(model_dir), dtype="bfloat16" if on_gpu else "float32")
@@ -94,6 +97,13 @@ def main() -> None:
         synchronize(device)
         steps.append(time.perf_counter() - start)
     peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities) as profiler:
+            worker.train_step(batch, clipped_token_mean_loss)
+            synchronize(device)
+        sort_by = "cuda_time_total" if on_gpu else "cpu_time_total"
+        print(profiler.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=60))
     matmul_peak = matmul_peak_flops(dtype, device, 512 if args.tiny else 8192)
     worker.shutdown()
     step_s = statistics.median(steps)
@@ -102,7 +112,7 @@ def main() -> None:
         "dtype": str(dtype), "parameters": sum(p.numel() for p in worker.model.parameters()),
         "sequences": sequences, "real_tokens": int(batch.attention_mask.sum()), "trained_tokens": int(batch.loss_mask.sum()),
         "sequence_packing": training.sequence_packing, "micro_batch_tokens": training.micro_batch_tokens,
-        "activation_checkpointing": training.activation_checkpointing,
+        "activation_checkpointing": training.activation_checkpointing, "compile": training.compile,
         "median_step_s": step_s, "steps_s": steps, "tokens_per_s": int(batch.attention_mask.sum()) / step_s,
         "train_step_flops": flops, "achieved_tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / (args.peak_tflops * 1e12), "peak_tflops": args.peak_tflops,

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything reinforge checks on a lent GPU, in one call of a few minutes (the device time is short):
+#   1. tests/unit/test_fsdp2_cuda.py and test_memory.py: FSDP2 over NCCL on the GPU against the CPU
+#      backend (fp32 to 1e-5, eager and compiled; bf16 within its rounding; packed = padded) and the GPU
+#      peak-memory metric;
+#   2. bench/gpu_training_mfu.py on the 1.5B Qwen2.5-architecture model: compiled layers (with a kernel
+#      profile), eager (with a kernel profile), with activation checkpointing, and unpacked.
+# Results go to $OUT (default /tmp/gpu_checks). The GPU image has torch and transformers but not all of
+# reinforge's light dependencies: put their wheels in .whl/ (docs/benchmarks.md says which) and they
+# are installed to /tmp/site first.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+timeout 180 python3 -m pytest -q -p no:cacheprovider -rA -s tests/unit/test_fsdp2_cuda.py tests/unit/test_memory.py \
+  >"$OUT/pytest.log" 2>&1
+echo "pytest exit $?"; grep -E "logprobs|passed|failed|PASSED|FAILED|Error" "$OUT/pytest.log" | tail -15
+timeout 240 python3 bench/gpu_training_mfu.py --compile --profile --json "$OUT/mfu_compiled.json" 2>&1 | grep -v Loading >"$OUT/mfu_compiled.log"
+tail -20 "$OUT/mfu_compiled.log"
+timeout 120 python3 bench/gpu_training_mfu.py --profile --json "$OUT/mfu_packed.json" 2>&1 | grep -v Loading >"$OUT/mfu_packed.log"
+tail -20 "$OUT/mfu_packed.log"
+[ "${1:-all}" = quick ] && exit 0  # `gpu_checks.sh quick`: without the two variants below
+timeout 120 python3 bench/gpu_training_mfu.py --activation-checkpointing --json "$OUT/mfu_ac.json" 2>&1 | grep -v Loading | tail -25
+timeout 120 python3 bench/gpu_training_mfu.py --no-packing --json "$OUT/mfu_unpacked.json" 2>&1 | grep -v Loading | tail -25
