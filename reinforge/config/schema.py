@@ -132,6 +132,12 @@ class TrainingConfig(Section):
     sequence per row, so no compute is spent on padding. Same logprobs, loss and gradients as unpacked
     (tests/unit/test_packing_rl.py); needs an `sdpa` or `eager` attention implementation. (SFT packs
     with its own `sft.packing`.)"""
+    share_prompts: bool = True
+    """With `sequence_packing`: lay the samples of one prompt in a row as the prompt once, then each
+    response attending to it and to itself (an explicit attention mask), so the prompt's other copies
+    are not computed; same logprobs, loss and gradients (tests/unit/test_packing_rl.py). How many samples
+    share one copy follows a FLOP estimate: all of them on short sequences, fewer or none where the
+    dense mask's attention would cost more than the saved tokens. Needs `sdpa` or `eager` attention."""
     micro_batch_tokens: int | None = None
     """GRPO logprob and training passes: build micro-batches to this many computed positions (rows x
     row width, padding included) instead of `micro_batch_size` sequences, longest rows first; a sequence

@@ -45,6 +45,7 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # [B, T]: the trainer's logprobs before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T]: the frozen reference policy's logprobs
     loss_normalisers: Normalisers | None = None  # the counts the loss divides by, when not this batch's own
+    prompt_lengths: torch.Tensor | None = None  # [B] long: tokens of each sequence's prompt (training.share_prompts)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -109,4 +110,5 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
         loss_mask=loss_mask,
         advantages=torch.tensor(advantages, dtype=torch.float32),
         gen_logprobs=gen_logprobs,
+        prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
     )

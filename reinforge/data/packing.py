@@ -121,9 +121,9 @@ def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 # --- Row layouts for the RL training backends --------------------------------------------------
 # The backends' batches are right-padded [B, T] TrainBatches (data/batch.py). A `RowLayout` is where a
 # forward pass puts those sequences: packed end to end in rows (first-fit decreasing, positions
-# restarting per sequence, as above), or one per row as they come (with their attention mask).
-# Either way `flat_starts[b]` says where sequence b begins in the flattened [R * W] layout, so token t
-# of sequence b is at flat position flat_starts[b] + t, whichever layout it is.
+# restarting per sequence, as above), one per row as they come (with their attention mask), or packed
+# with shared prompts (the samples of one prompt attending to one copy of it, below). Whichever layout
+# it is, `token_index[b, t]` says where token t of sequence b sits in the flattened [R * W] layout.
 
 
 @dataclass
@@ -132,8 +132,10 @@ class RowLayout:
 
     input_ids: torch.Tensor  # [R, W] long
     position_ids: torch.Tensor  # [R, W] long: 0, 1, ... from each sequence's start (and the row's padding)
-    attention_mask: torch.Tensor | None  # [R, W]: one sequence per row; None when packed (positions mark the boundaries)
-    flat_starts: torch.Tensor  # [B] long: row * W + column of each sequence's first token
+    # [R, W]: one sequence per row; None when packed (positions mark the boundaries); [R, 1, W, W] bool
+    # (True: may attend) with shared prompts
+    attention_mask: torch.Tensor | None
+    token_index: torch.Tensor  # [B, T] long: row * W + column of each real token of each sequence
     num_real_tokens: int  # tokens that are not padding
 
     @property
@@ -143,7 +145,7 @@ class RowLayout:
 
     def to(self, device: torch.device) -> "RowLayout":
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return RowLayout(self.input_ids.to(device), self.position_ids.to(device), mask, self.flat_starts.to(device),
+        return RowLayout(self.input_ids.to(device), self.position_ids.to(device), mask, self.token_index.to(device),
                          self.num_real_tokens)
 
 
@@ -154,7 +156,7 @@ def padded_layout(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -
         input_ids=input_ids_BT,
         position_ids=torch.arange(width).expand(num_rows, width),
         attention_mask=attention_mask_BT,
-        flat_starts=torch.arange(num_rows) * width,
+        token_index=torch.arange(num_rows * width, device=input_ids_BT.device).view(num_rows, width),
         num_real_tokens=int(attention_mask_BT.sum()),
     )
 
@@ -165,17 +167,108 @@ def packed_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], rows: list[l
     width = max(sum(lengths_B[b] for b in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    flat_starts = torch.zeros(len(lengths_B), dtype=torch.long)
+    token_index = torch.zeros(input_ids_BT.shape, dtype=torch.long)
     for r, row in enumerate(rows):
         start = 0
         for b in row:
             end = start + lengths_B[b]
             input_ids[r, start:end] = input_ids_BT[b, : lengths_B[b]]
             position_ids[r, start:end] = torch.arange(lengths_B[b])
-            flat_starts[b] = r * width + start
+            token_index[b, : lengths_B[b]] = torch.arange(r * width + start, r * width + end)
             start = end
         position_ids[r, start:] = torch.arange(width - start)  # the row's padding: a "sequence" of its own
-    return RowLayout(input_ids=input_ids, position_ids=position_ids, attention_mask=None, flat_starts=flat_starts,
+    return RowLayout(input_ids=input_ids, position_ids=position_ids, attention_mask=None, token_index=token_index,
+                     num_real_tokens=sum(lengths_B))
+
+
+# --- Shared prompts ---------------------------------------------------------------------------
+# The G samples of a GRPO prompt repeat its tokens G times. In a shared-prompt row the prompt is laid
+# out once, then each sample's response, at positions P, P+1, ... and attending to the prompt and to
+# itself only (an explicit [W, W] mask). Every hidden state is the same function of the same inputs as
+# in the unshared layout, and the prompt's gradient is the sum over the samples, as it was: same
+# logprobs, loss and gradients, with the prompt's G-1 copies not computed. The dense mask makes the
+# attention cost grow with the square of the row, so `shared_prompt_rows` shares a prompt among as many
+# samples as a FLOP estimate says pays (all G on short prompts and responses, fewer or none on long ones).
+
+
+def prompt_keys(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]) -> list[int]:
+    """One id per distinct prompt (its tokens): sequences with the same id have the same prompt."""
+    ids: dict[bytes, int] = {}
+    return [ids.setdefault(input_ids_BT[b, :n].numpy().tobytes(), len(ids)) for b, n in enumerate(prompt_lengths_B)]
+
+
+def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list[int], pair_cost: float) -> tuple[list[list[int]], list[int]]:
+    """(rows of sequence indices, each row's width). The samples of each prompt are split into runs of k
+    consecutive sequences (a run: its prompt once, then the k responses); k minimises the estimated cost,
+    `width + pair_cost * width**2` per run (the tokens' matmuls, plus attention over the dense mask, in
+    units of one token's matmuls), against packing the sequences unshared (k = 1). The runs are then
+    packed first-fit decreasing into rows as wide as the widest run."""
+    widest = max(lengths)
+    groups: dict[int, list[int]] = {}
+    for b, key in enumerate(keys):
+        groups.setdefault(key, []).append(b)
+    runs: list[list[int]] = []
+    for members in groups.values():
+        def cost(k: int) -> float:
+            if k == 1:
+                return sum(lengths[b] + pair_cost * lengths[b] * widest for b in members)
+            total = 0.0
+            for start in range(0, len(members), k):
+                run = members[start : start + k]
+                width = prompt_lengths[run[0]] + sum(lengths[b] - prompt_lengths[b] for b in run)
+                total += width + pair_cost * width * width
+            return total
+        k = min(range(1, len(members) + 1), key=lambda k: (cost(k), k))
+        runs.extend(members[start : start + k] for start in range(0, len(members), k))
+    widths = [lengths[run[0]] + sum(lengths[b] - prompt_lengths[b] for b in run[1:]) for run in runs]
+    rows = first_fit_decreasing(widths, max(widths))
+    return [[b for r in row for b in runs[r]] for row in rows], [sum(widths[r] for r in row) for row in rows]
+
+
+def shared_prompt_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], prompt_lengths_B: list[int], rows: list[list[int]],
+                         pad_token_id: int) -> RowLayout:
+    """The rows' sequences end to end, where consecutive sequences of a row with the same prompt share one
+    copy of it; the attention mask [R, 1, W, W] keeps each token to its own sequence's tokens."""
+    segments: list[list[tuple[int, int, int, int]]] = []  # per row: (sequence, first token, run, sample) pieces
+    for row in rows:
+        pieces, run, sample, previous = [], -1, 0, None
+        for b in row:
+            prompt = prompt_lengths_B[b]
+            if (previous is not None and prompt == prompt_lengths_B[previous] and 0 < prompt < lengths_B[b]
+                    and torch.equal(input_ids_BT[b, :prompt], input_ids_BT[previous, :prompt])):
+                sample += 1
+                pieces.append((b, prompt, run, sample))
+            else:
+                run, sample = run + 1, 0
+                pieces.append((b, 0, run, 0))
+            previous = b
+        segments.append(pieces)
+    width = max(sum(lengths_B[b] - first for b, first, _, _ in pieces) for pieces in segments)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    run_ids = torch.full((len(rows), width), -1, dtype=torch.long)  # the padding is a run of its own
+    sample_ids = torch.full((len(rows), width), -1, dtype=torch.long)  # -1: the prompt, seen by all samples
+    token_index = torch.zeros(input_ids_BT.shape, dtype=torch.long)
+    for r, pieces in enumerate(segments):
+        start, run_first = 0, {}
+        for b, first, run, sample in pieces:
+            end = start + lengths_B[b] - first
+            input_ids[r, start:end] = input_ids_BT[b, first : lengths_B[b]]
+            position_ids[r, start:end] = torch.arange(first, lengths_B[b])
+            run_ids[r, start:end] = run
+            sample_ids[r, start + (prompt_lengths_B[b] if first == 0 else 0) : end] = sample
+            if first == 0:
+                run_first[run] = b
+            else:  # the shared prompt's tokens are the first sample's
+                token_index[b, :first] = token_index[run_first[run], :first]
+            token_index[b, first : lengths_B[b]] = torch.arange(r * width + start, r * width + end)
+            start = end
+        position_ids[r, start:] = torch.arange(width - start)
+    same_run = run_ids[:, :, None] == run_ids[:, None, :]
+    causal = position_ids[:, None, :] <= position_ids[:, :, None]
+    visible = (sample_ids[:, None, :] == -1) | (sample_ids[:, None, :] == sample_ids[:, :, None])
+    mask = (same_run & causal & visible).unsqueeze(1)
+    return RowLayout(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, token_index=token_index,
                      num_real_tokens=sum(lengths_B))
 
 
@@ -185,8 +278,8 @@ def sequence_rows(lengths: list[int], pack: bool) -> list[list[int]]:
     return first_fit_decreasing(lengths, max(lengths)) if pack else [[i] for i in range(len(lengths))]
 
 
-def rows_by_token_budget(rows: list[list[int]], lengths: list[int], max_batch_tokens: int) -> list[list[list[int]]]:
-    """The rows grouped into micro-batches whose forward computes at most `max_batch_tokens` positions
-    (rows x the longest row); a row longer than the budget is a micro-batch of its own."""
-    widths = [min(sum(lengths[i] for i in row), max_batch_tokens) for row in rows]
+def rows_by_token_budget(rows: list[list[int]], widths: list[int], max_batch_tokens: int) -> list[list[list[int]]]:
+    """The rows (of the given widths) grouped into micro-batches whose forward computes at most
+    `max_batch_tokens` positions (rows x the widest row); a row wider than the budget is a micro-batch of its own."""
+    widths = [min(width, max_batch_tokens) for width in widths]
     return [[rows[r] for r in group] for group in group_rows(widths, max_batch_tokens)]

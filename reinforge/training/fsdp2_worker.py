@@ -34,7 +34,7 @@ from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
 from reinforge.modeling import DTYPES, compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
-from reinforge.training.micro_batching import HiddenStates, micro_batch_logprobs, plan_micro_batches, select_micro_batch, split_to
+from reinforge.training.micro_batching import HiddenStates, Prompts, micro_batch_logprobs, plan_micro_batches, select_micro_batch, split_to
 from reinforge.training.torch_backend import accumulate_metrics, backward_micro_batch, build_optimizer
 
 
@@ -140,7 +140,9 @@ class FSDP2Worker:
         collectives need the same number of forward (and backward) passes on every rank."""
         lengths = batch.attention_mask.sum(dim=1).tolist()
         size = len(batch) // self.world_size
-        plans = [plan_micro_batches(lengths[r * size : (r + 1) * size], self.config) for r in range(self.world_size)]
+        prompts = Prompts.of(batch, self.model, self.config)
+        plans = [plan_micro_batches(lengths[r * size : (r + 1) * size], self.config, prompts and prompts.slice(r * size, (r + 1) * size))
+                 for r in range(self.world_size)]
         share = self._share(batch)
         share_batch = batch.slice(*share)
         for rows in split_to(plans[self.rank], max(len(plan) for plan in plans)):

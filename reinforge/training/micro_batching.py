@@ -18,6 +18,7 @@ recomputed in the backward pass instead of being kept.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from reinforge.config.schema import TrainingConfig
 from reinforge.data.batch import TrainBatch
-from reinforge.data.packing import PACKED_ATTENTION, RowLayout, packed_layout, padded_layout, rows_by_token_budget, sequence_rows
+from reinforge.data.packing import (PACKED_ATTENTION, RowLayout, packed_layout, padded_layout, prompt_keys, rows_by_token_budget,
+                                    sequence_rows, shared_prompt_layout, shared_prompt_rows)
 from reinforge.errors import ConfigError
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
@@ -33,15 +35,54 @@ MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 
 
-def plan_micro_batches(lengths: list[int], config: TrainingConfig) -> MicroBatchPlan:
-    """Each micro-batch as rows of sequence indices (one index per row when unpacked)."""
+@dataclass
+class Prompts:
+    """What the planner needs to share prompts (training.share_prompts): each sequence's prompt length
+    and prompt id (equal ids: equal prompts), and the cost of attending over one (query, key) pair in
+    units of one token's matmuls (`attention_pair_cost`)."""
+
+    lengths: list[int]
+    keys: list[int]
+    pair_cost: float
+
+    @classmethod
+    def of(cls, batch: TrainBatch, model: torch.nn.Module, config: TrainingConfig) -> "Prompts | None":
+        """None where prompts are not shared: off, unpacked, or a batch without prompt lengths."""
+        if not (config.share_prompts and config.sequence_packing) or batch.prompt_lengths is None:
+            return None
+        lengths = batch.prompt_lengths.tolist()
+        return cls(lengths, prompt_keys(batch.input_ids.cpu(), lengths), attention_pair_cost(model.config))
+
+    def slice(self, start: int, end: int) -> "Prompts":
+        return Prompts(self.lengths[start:end], self.keys[start:end], self.pair_cost)
+
+
+def attention_pair_cost(model_config) -> float:
+    """FLOPs of attending over one (query, key) pair (QK^T and AV over all heads) over the FLOPs of one
+    token through the layer's weights: 4 * hidden / (2 * weights per layer)."""
+    config = model_config.get_text_config()
+    hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    weights = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size
+    return 4 * q / (2 * weights)
+
+
+def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prompts | None = None) -> MicroBatchPlan:
+    """Each micro-batch as rows of sequence indices (one index per row when unpacked; the samples of a
+    prompt consecutive in a row where they share it)."""
+
+    def rows_of(start: int, end: int) -> tuple[list[list[int]], list[int]]:
+        part = lengths[start:end]
+        if prompts is not None:
+            rows, widths = shared_prompt_rows(part, prompts.lengths[start:end], prompts.keys[start:end], prompts.pair_cost)
+        else:
+            rows = sequence_rows(part, config.sequence_packing)
+            widths = [sum(part[i] for i in row) for row in rows]
+        return [[start + i for i in row] for row in rows], widths
+
     if config.micro_batch_tokens is not None:
-        return rows_by_token_budget(sequence_rows(lengths, config.sequence_packing), lengths, config.micro_batch_tokens)
-    plan = []
-    for start in range(0, len(lengths), config.micro_batch_size):
-        rows = sequence_rows(lengths[start : start + config.micro_batch_size], config.sequence_packing)
-        plan.append([[start + i for i in row] for row in rows])
-    return plan
+        return rows_by_token_budget(*rows_of(0, len(lengths)), config.micro_batch_tokens)
+    return [rows_of(start, start + config.micro_batch_size)[0] for start in range(0, len(lengths), config.micro_batch_size)]
 
 
 def split_to(plan: MicroBatchPlan, count: int) -> MicroBatchPlan:
@@ -99,8 +140,14 @@ def run_layout(model: torch.nn.Module, hidden: HiddenStates, layout: RowLayout) 
     if layout.attention_mask is None and model.config._attn_implementation not in PACKED_ATTENTION:
         raise ConfigError(f"training.sequence_packing=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
                           f"not {model.config._attn_implementation}; set training.sequence_packing=false")
-    model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
-          use_cache=False, logits_to_keep=1)
+    mask = layout.attention_mask
+    if mask is not None and mask.dim() == 4:  # shared prompts: a custom mask, which transformers passes on as it is
+        if model.config._attn_implementation not in PACKED_ATTENTION:
+            raise ConfigError(f"training.share_prompts=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
+                              f"not {model.config._attn_implementation}; set training.share_prompts=false")
+        if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
     return hidden.take()
 
 
@@ -145,7 +192,9 @@ def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     """(logprobs_BT, entropy_BT) of a micro-batch, each [B, T] like `micro.loss_mask` and 0 off it;
     `rows` index the micro-batch's sequences. Differentiable when gradients are enabled."""
     lengths = micro.attention_mask.sum(dim=1).tolist()
-    if config.sequence_packing:  # the padding token is never attended to nor read
+    if config.sequence_packing and config.share_prompts and micro.prompt_lengths is not None:
+        layout = shared_prompt_layout(micro.input_ids.cpu(), lengths, micro.prompt_lengths.tolist(), rows, pad_token_id=0)
+    elif config.sequence_packing:  # the padding token is never attended to nor read
         layout = packed_layout(micro.input_ids.cpu(), lengths, rows, pad_token_id=0)
     else:
         layout = padded_layout(micro.input_ids, micro.attention_mask)
@@ -153,9 +202,9 @@ def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     hidden_RWH = run_layout(model, hidden, layout)
     b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
     assert bool((t_index > 0).all()), "column 0 is in the loss mask"
-    flat = layout.flat_starts[b_index] + t_index  # where each trained token sits in the layout
-    # token t is predicted from the hidden state at t - 1, which is in the same sequence (t > 0)
-    hidden_NH = hidden_RWH.flatten(0, 1)[flat - 1]
+    flat = layout.token_index[b_index, t_index]  # where each trained token sits in the layout
+    # token t is predicted from the hidden state of token t - 1 of the same sequence (t > 0)
+    hidden_NH = hidden_RWH.flatten(0, 1)[layout.token_index[b_index, t_index - 1]]
     lm_head = model.get_output_embeddings()
     logprobs_N, entropy_N = chunked_head(lm_head, hidden_NH, layout.input_ids.flatten()[flat], temperature,
                                          config.logprob_chunk_tokens, config.compile)

@@ -22,7 +22,7 @@ from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
-from reinforge.training.micro_batching import HiddenStates, micro_batch_logprobs, plan_micro_batches, select_micro_batch
+from reinforge.training.micro_batching import HiddenStates, Prompts, micro_batch_logprobs, plan_micro_batches, select_micro_batch
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -110,7 +110,8 @@ class TorchBackend:
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch, list[list[int]]]]:
         """(batch indices, micro-batch, its rows) for every micro-batch of the batch."""
-        for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), self.config):
+        prompts = Prompts.of(batch, self.model, self.config)
+        for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), self.config, prompts):
             micro, local_rows, indices = select_micro_batch(batch, rows)
             yield indices, micro, local_rows
 

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM
 from reinforge.algorithms.losses import Normalisers, grpo_loss, token_mean
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import Trajectory, collate
-from reinforge.data.packing import packed_layout, sequence_rows
+from reinforge.data.packing import packed_layout, sequence_rows, shared_prompt_layout, shared_prompt_rows
 from reinforge.paths import PROJECT_ROOT
-from reinforge.training.micro_batching import chunked_head, plan_micro_batches, split_to
+from reinforge.training.micro_batching import Prompts, chunked_head, plan_micro_batches, select_micro_batch, split_to
 from reinforge.training.torch_backend import TorchBackend, token_entropy, token_logprobs
 
 TEMPERATURE = 0.7
@@ -77,13 +77,27 @@ def backend_gradient(backend, batch):
     return metrics, torch.cat([p.grad.flatten() for p in backend.model.parameters()])
 
 
+def with_reference(model_dir, batch, noise):
+    """The batch with old logprobs away from the policy's (so the clip is exercised), and the reference."""
+    batch.old_logprobs = torch.zeros_like(batch.loss_mask)
+    logprobs, _, _, _ = reference(model_dir, batch)
+    batch.old_logprobs = logprobs + noise * batch.loss_mask
+    return batch, reference(model_dir, batch)
+
+
+def assert_matches_reference(backend, batch, expected):
+    ref_logprobs, ref_loss, ref_entropy, ref_gradient = expected
+    torch.testing.assert_close(backend.logprobs(batch), ref_logprobs, atol=1e-5, rtol=0)
+    metrics, gradient = backend_gradient(backend, batch)
+    assert metrics["clip_fraction"] > 0 and gradient.abs().max() > 0
+    assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    assert metrics["entropy"] == pytest.approx(ref_entropy, abs=1e-5)
+    torch.testing.assert_close(gradient, ref_gradient, atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir):
-    batch, noise = ragged_batch()
-    batch.old_logprobs = torch.zeros_like(batch.loss_mask)
-    logprobs, _, _, _ = reference(tiny_model_dir, batch)
-    batch.old_logprobs = logprobs + noise * batch.loss_mask  # ratios away from 1: the clip is exercised
-    return batch, reference(tiny_model_dir, batch)
+    return with_reference(tiny_model_dir, *ragged_batch())
 
 
 def test_a_packed_layout_holds_several_sequences_per_row_with_restarting_positions():
@@ -95,22 +109,18 @@ def test_a_packed_layout_holds_several_sequences_per_row_with_restarting_positio
     layout = packed_layout(input_ids, lengths, rows, pad_token_id=0)
     assert layout.input_ids.tolist() == [[6, 7, 8, 9, 10], [16, 17, 18, 19, 0], [1, 2, 3, 11, 12]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
-    assert layout.flat_starts.tolist() == [10, 0, 13, 5]
+    assert layout.token_index[:, 0].tolist() == [10, 0, 13, 5]
+    assert layout.token_index[1, :5].tolist() == [0, 1, 2, 3, 4]
     assert (layout.num_real_tokens, layout.num_slots) == (14, 15)
 
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_packed_and_unpacked_micro_batches_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, expected, packing):
-    batch, (ref_logprobs, ref_loss, ref_entropy, ref_gradient) = expected
+    batch, reference_results = expected
     backend = make_backend(tiny_model_dir, sequence_packing=packing, micro_batch_size=4)
     if packing:  # the test must see rows that hold more than one sequence
         assert any(len(rows) < 4 for rows in plan_micro_batches(batch.attention_mask.sum(1).tolist(), backend.config))
-    torch.testing.assert_close(backend.logprobs(batch), ref_logprobs, atol=1e-5, rtol=0)
-    metrics, gradient = backend_gradient(backend, batch)
-    assert metrics["clip_fraction"] > 0 and gradient.abs().max() > 0
-    assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-5)
-    assert metrics["entropy"] == pytest.approx(ref_entropy, abs=1e-5)
-    torch.testing.assert_close(gradient, ref_gradient, atol=1e-5, rtol=0)
+    assert_matches_reference(backend, batch, reference_results)
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [1, 20, 45, 10_000])
@@ -243,3 +253,67 @@ def test_the_gpu_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     """bench/gpu_training_mfu.py is meant for a GPU; --tiny runs the same FSDP2 path on CPU (~7 s)."""
     result = run_bench("gpu_training_mfu.py", "--tiny", "--steps", "1", "--json", str(tmp_path / "out.json"), timeout_s=120)
     assert result["median_step_s"] > 0 and result["train_step_flops"] > 0 and result["sequence_packing"]
+
+
+def grouped_batch(seed=1):
+    """GRPO-shaped: 3 prompts (6, 3 and 9 tokens) x 4 samples with answers of 1-12 tokens; one answer
+    repeats another of its group, one is multi-turn (tokens 2-3 masked out), advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    trajectories = []
+    for group, num_prompt in enumerate((6, 3, 9)):
+        prompt = torch.randint(2, 64, (num_prompt,), generator=gen).tolist()
+        for sample in range(4):
+            response = torch.randint(2, 64, (int(torch.randint(1, 13, (1,), generator=gen)),), generator=gen).tolist()
+            if group == 0 and sample == 3:
+                response = list(trajectories[-1].response_ids)
+            mask = [1, 1, 0, 0] + [1] * (len(response) - 4) if group == 2 and sample == 1 and len(response) >= 5 else None
+            trajectories.append(Trajectory(prompt, response, [0.0] * len(response), False, 0.0, group, "math", response_mask=mask))
+    batch = collate(trajectories, torch.randn(len(trajectories), generator=gen).tolist(), pad_token_id=0)
+    return batch, 0.3 * torch.randn(batch.loss_mask.shape, generator=gen)
+
+
+def test_a_shared_prompt_row_holds_the_prompt_once_and_keeps_each_answer_to_itself():
+    """Prompt [5, 6] with answers [7, 8] and [9]: one row [5, 6, 7, 8, 9], positions 0 1 2 3 2; token 9
+    sees the prompt and itself, not the other answer."""
+    input_ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0]])
+    layout = shared_prompt_layout(input_ids, [4, 3], [2, 2], [[0, 1]], pad_token_id=0)
+    assert layout.input_ids.tolist() == [[5, 6, 7, 8, 9]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2]]
+    assert layout.token_index[0].tolist() == [0, 1, 2, 3] and layout.token_index[1, :3].tolist() == [0, 1, 4]
+    expected = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
+    assert layout.attention_mask[0, 0].int().tolist() == expected
+    # different prompts are not shared: the block-diagonal mask of plain packing
+    layout = shared_prompt_layout(torch.tensor([[5, 6, 7], [5, 4, 9]]), [3, 3], [2, 2], [[0, 1]], pad_token_id=0)
+    assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()
+    assert torch.equal(layout.attention_mask[0, 0], torch.block_diag(causal, causal))
+
+
+def test_the_planner_shares_a_prompt_as_far_as_its_flop_estimate_says_it_pays():
+    """4 samples of one prompt, cost per run W + c * W^2 against unshared L + c * L * L_max (by hand):
+    prompt 10 + answers of 5, c = 0.05: k=1 105, k=2 80, k=4 75 -> all four share; c = 1: k=1 960,
+    k=2 840, k=4 930 -> pairs. Prompt 1 + answers of 100, c = 1: k=1 40804 < k=2 81202 -> no sharing."""
+    rows, widths = shared_prompt_rows([15] * 4, [10] * 4, [0] * 4, pair_cost=0.05)
+    assert rows == [[0, 1, 2, 3]] and widths == [30]
+    rows, widths = shared_prompt_rows([15] * 4, [10] * 4, [0] * 4, pair_cost=1.0)
+    assert sorted(rows) == [[0, 1], [2, 3]] and widths == [20, 20]
+    rows, widths = shared_prompt_rows([101] * 4, [1] * 4, [0] * 4, pair_cost=1.0)
+    assert sorted(rows) == [[0], [1], [2], [3]] and widths == [101] * 4
+
+
+@pytest.mark.parametrize("training", [{}, {"micro_batch_tokens": 40}, {"micro_batch_size": 5}])
+def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, training):
+    """Budgets that split a prompt's samples over rows and micro-batches too."""
+    batch, reference_results = with_reference(tiny_model_dir, *grouped_batch())
+    backend = make_backend(tiny_model_dir, **{"micro_batch_size": 12, **training})
+    lengths = batch.attention_mask.sum(1).tolist()
+    prompts = Prompts.of(batch, backend.model, backend.config)
+    plan = plan_micro_batches(lengths, backend.config, prompts)
+    assert sorted(i for rows in plan for row in rows for i in row) == list(range(len(batch)))
+    slots = 0
+    for rows in plan:
+        micro, local_rows, indices = select_micro_batch(batch, rows)
+        layout = shared_prompt_layout(micro.input_ids, [lengths[i] for i in indices], micro.prompt_lengths.tolist(), local_rows, 0)
+        slots += layout.num_slots
+    assert slots < sum(lengths)  # fewer positions computed than the sequences' tokens: prompts were shared
+    assert_matches_reference(backend, batch, reference_results)
