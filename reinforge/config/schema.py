@@ -79,6 +79,10 @@ class GenerationConfig(Section):
     """vLLM's context length; null: data.max_prompt_tokens + generation.max_new_tokens."""
     vllm_enforce_eager: bool | None = None
     """Disable vLLM's torch.compile/CUDA graphs; null: eager on CPU (compiling costs ~35 s there), compiled on GPU."""
+    vllm_block_size: int | None = None
+    """Tokens per vLLM KV-cache block; null: vLLM's default (128 on CPU, 16 on GPU). On CPU (a multiple of 32
+    there) 32 suits short sequences: the CPU attention kernel computes whole blocks, and the demo model
+    generates 1.4x faster with 32 than with 128 (docs/benchmarks.md)."""
     vllm_cpu_kv_cache_gb: int = 1
     """vLLM KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = 0.5

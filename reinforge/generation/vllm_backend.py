@@ -43,6 +43,7 @@ def engine_kwargs(config) -> dict:
         seed=config.seed,
         max_model_len=gen.vllm_max_model_len or max_sequence_tokens(config),
         enforce_eager=gen.vllm_enforce_eager,
+        block_size=gen.vllm_block_size,
         cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
         gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
         sleep_mode=gen.vllm_sleep_mode,
@@ -65,6 +66,7 @@ class VLLMGenerationBackend:
         seed: int,
         max_model_len: int,
         enforce_eager: bool | None = None,
+        block_size: int | None = None,
         cpu_kv_cache_gb: int = 1,
         gpu_memory_utilization: float = 0.5,
         sleep_mode: bool | None = None,
@@ -75,6 +77,10 @@ class VLLMGenerationBackend:
             from reinforge.errors import ConfigError
 
             raise ConfigError("generation.vllm_sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null")
+        if block_size is not None and (block_size < 1 or (not on_gpu and block_size % 32)):
+            from reinforge.errors import ConfigError
+
+            raise ConfigError(f"generation.vllm_block_size={block_size}: vLLM's CPU attention needs a multiple of 32; set 32, 64 or 128, or null")
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
         # Before importing vllm: it reads these when its engine starts.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -96,6 +102,7 @@ class VLLMGenerationBackend:
             # which CPU generators cannot do; whole-prompt prefills never need the rewind.
             enable_chunked_prefill=on_gpu,
             enable_sleep_mode=self.sleep_mode,
+            **({} if block_size is None else {"block_size": block_size}),
         )
 
     def sleep(self) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import collate
+from reinforge.errors import ConfigError
 from reinforge.data.prompts import render_prompt
 from reinforge.data.jsonl import read_jsonl
 from reinforge.generation import consistency
@@ -37,9 +38,16 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def engine():
-    backend = VLLMGenerationBackend(MODEL.name_or_path, dtype="float32", seed=0, max_model_len=256)
+    # blocks of 32 tokens (generation.vllm_block_size), not vLLM's CPU default of 128: every test below runs on them
+    backend = VLLMGenerationBackend(MODEL.name_or_path, dtype="float32", seed=0, max_model_len=256, block_size=32)
+    assert backend.llm.llm_engine.vllm_config.cache_config.block_size == 32
     yield backend
     backend.shutdown()
+
+
+def test_a_block_size_the_cpu_kernel_cannot_take_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"):
+        VLLMGenerationBackend(MODEL.name_or_path, dtype="float32", seed=0, max_model_len=256, block_size=48)
 
 
 def make_trainer(lr=3e-3):
