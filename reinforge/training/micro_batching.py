@@ -4,7 +4,9 @@ Shared by both training backends. A global batch is cut into micro-batches (`pla
 `training.micro_batch_size` consecutive sequences, or, with `training.micro_batch_tokens`, rows of the
 whole batch grouped to that many computed positions. With `training.sequence_packing` a micro-batch's
 sequences lie end to end in rows (data/packing.py: `packed_layout`, block-diagonal attention from the
-position ids), else one right-padded sequence per row.
+position ids), else one right-padded sequence per row. With `training.share_prompts` too, the samples
+of a prompt in a row share one copy of it (`shared_prompt_layout`, with an explicit attention mask), as
+many of them as `shared_prompt_rows`'s FLOP estimate says pays.
 
 The LM head is not applied by the model: `micro_batch_logprobs` calls it with `logits_to_keep=1`,
 takes the decoder's last hidden states (`HiddenStates`), and applies the head itself, in chunks of
