@@ -128,23 +128,22 @@ class FSDP2Worker:
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
 
-    def _share(self, batch: TrainBatch) -> tuple[int, int]:
-        """This rank's contiguous rows; equal shares keep the ranks' collectives in step."""
+    def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
+        """The contiguous rows of `rank` (this one's by default); equal shares keep the ranks' collectives in step."""
         assert len(batch) % self.world_size == 0, f"batch of {len(batch)} rows does not split over {self.world_size} ranks"
         size = len(batch) // self.world_size
-        return self.rank * size, (self.rank + 1) * size
+        rank = self.rank if rank is None else rank
+        return rank * size, (rank + 1) * size
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch, list[list[int]]]]:
         """(indices within the share, micro-batch on this device, its rows) over this rank's share. Every
         rank plans every share and splits its own micro-batches up to the largest count: FSDP2's
         collectives need the same number of forward (and backward) passes on every rank."""
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        size = len(batch) // self.world_size
         prompts = Prompts.of(batch, self.model, self.config)
-        plans = [plan_micro_batches(lengths[r * size : (r + 1) * size], self.config, prompts and prompts.slice(r * size, (r + 1) * size))
-                 for r in range(self.world_size)]
-        share = self._share(batch)
-        share_batch = batch.slice(*share)
+        shares = [self._share(batch, rank) for rank in range(self.world_size)]
+        plans = [plan_micro_batches(lengths[start:end], self.config, prompts and prompts.slice(start, end)) for start, end in shares]
+        share_batch = batch.slice(*shares[self.rank])
         for rows in split_to(plans[self.rank], max(len(plan) for plan in plans)):
             micro, local_rows, indices = select_micro_batch(share_batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
