@@ -6,8 +6,11 @@
 #   2. bench/gpu_training_mfu.py on the 1.5B Qwen2.5-architecture model: compiled layers (with a kernel
 #      profile), eager (with a kernel profile), with activation checkpointing, and unpacked.
 # Results go to $OUT (default /tmp/gpu_checks). The GPU image has torch and transformers but not all of
-# reinforge's light dependencies: put their wheels in .whl/ (docs/benchmarks.md says which) and they
-# are installed to /tmp/site first.
+# reinforge's light dependencies: put their wheels in .whl/ and they are installed to /tmp/site first.
+# For a Python 3.12 image, on a machine with PyPI:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic-core annotated-types typing-inspection
+#   pip wheel --no-deps -w .whl langdetect==1.0.9
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
