@@ -9,7 +9,7 @@
 # reinforge's light dependencies: put their wheels in .whl/ and they are installed to /tmp/site first.
 # For a Python 3.12 image, on a machine with PyPI:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic-core annotated-types typing-inspection
+#     --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
 #   pip wheel --no-deps -w .whl langdetect==1.0.9
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checks}
