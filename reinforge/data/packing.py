@@ -207,20 +207,19 @@ def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list
     groups: dict[int, list[int]] = {}
     for b, key in enumerate(keys):
         groups.setdefault(key, []).append(b)
+
+    def width(run: list[int]) -> int:  # the prompt once, then every answer
+        return prompt_lengths[run[0]] + sum(lengths[b] - prompt_lengths[b] for b in run)
+
     runs: list[list[int]] = []
     for members in groups.values():
         def cost(k: int) -> float:
             if k == 1:
                 return sum(lengths[b] + pair_cost * lengths[b] * widest for b in members)
-            total = 0.0
-            for start in range(0, len(members), k):
-                run = members[start : start + k]
-                width = prompt_lengths[run[0]] + sum(lengths[b] - prompt_lengths[b] for b in run)
-                total += width + pair_cost * width * width
-            return total
+            return sum(width(run) + pair_cost * width(run) ** 2 for run in (members[i : i + k] for i in range(0, len(members), k)))
         k = min(range(1, len(members) + 1), key=lambda k: (cost(k), k))
         runs.extend(members[start : start + k] for start in range(0, len(members), k))
-    widths = [lengths[run[0]] + sum(lengths[b] - prompt_lengths[b] for b in run[1:]) for run in runs]
+    widths = [width(run) for run in runs]
     rows = first_fit_decreasing(widths, max(widths))
     return [[b for r in row for b in runs[r]] for row in rows], [sum(widths[r] for r in row) for row in rows]
 

@@ -47,10 +47,15 @@ class Prompts:
     keys: list[int]
     pair_cost: float
 
+    @staticmethod
+    def shared(batch: TrainBatch, config: TrainingConfig) -> bool:
+        """Whether the batch's prompts are shared: on, packed, and the batch knows its prompt lengths."""
+        return config.share_prompts and config.sequence_packing and batch.prompt_lengths is not None
+
     @classmethod
     def of(cls, batch: TrainBatch, model: torch.nn.Module, config: TrainingConfig) -> "Prompts | None":
-        """None where prompts are not shared: off, unpacked, or a batch without prompt lengths."""
-        if not (config.share_prompts and config.sequence_packing) or batch.prompt_lengths is None:
+        """None where prompts are not shared (`Prompts.shared`)."""
+        if not cls.shared(batch, config):
             return None
         lengths = batch.prompt_lengths.tolist()
         return cls(lengths, prompt_keys(batch.input_ids.cpu(), lengths), attention_pair_cost(model.config))
@@ -139,16 +144,14 @@ class HiddenStates:
 
 def run_layout(model: torch.nn.Module, hidden: HiddenStates, layout: RowLayout) -> torch.Tensor:
     """The decoder's last hidden states [R, W, H] for a layout (the LM head runs on one position per row)."""
-    if layout.attention_mask is None and model.config._attn_implementation not in PACKED_ATTENTION:
-        raise ConfigError(f"training.sequence_packing=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
-                          f"not {model.config._attn_implementation}; set training.sequence_packing=false")
-    mask = layout.attention_mask
-    if mask is not None and mask.dim() == 4:  # shared prompts: a custom mask, which transformers passes on as it is
-        if model.config._attn_implementation not in PACKED_ATTENTION:
-            raise ConfigError(f"training.share_prompts=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
-                              f"not {model.config._attn_implementation}; set training.share_prompts=false")
-        if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
-            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    mask, attention = layout.attention_mask, model.config._attn_implementation
+    custom = mask is not None and mask.dim() == 4  # shared prompts: a custom mask, which transformers passes on as it is
+    if (mask is None or custom) and attention not in PACKED_ATTENTION:
+        option = "share_prompts" if custom else "sequence_packing"
+        raise ConfigError(f"training.{option}=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
+                          f"not {attention}; set training.{option}=false")
+    if custom and attention == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
     model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
     return hidden.take()
 
@@ -194,7 +197,7 @@ def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     """(logprobs_BT, entropy_BT) of a micro-batch, each [B, T] like `micro.loss_mask` and 0 off it;
     `rows` index the micro-batch's sequences. Differentiable when gradients are enabled."""
     lengths = micro.attention_mask.sum(dim=1).tolist()
-    if config.sequence_packing and config.share_prompts and micro.prompt_lengths is not None:
+    if Prompts.shared(micro, config):
         layout = shared_prompt_layout(micro.input_ids.cpu(), lengths, micro.prompt_lengths.tolist(), rows, pad_token_id=0)
     elif config.sequence_packing:  # the padding token is never attended to nor read
         layout = packed_layout(micro.input_ids.cpu(), lengths, rows, pad_token_id=0)
