@@ -301,11 +301,15 @@ def test_the_planner_shares_a_prompt_as_far_as_its_flop_estimate_says_it_pays():
     assert sorted(rows) == [[0], [1], [2], [3]] and widths == [101] * 4
 
 
-@pytest.mark.parametrize("training", [{}, {"micro_batch_tokens": 40}, {"micro_batch_size": 5}])
-def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, training):
-    """Budgets that split a prompt's samples over rows and micro-batches too."""
+@pytest.mark.parametrize("training, attention", [({}, "sdpa"), ({}, "eager"), ({"micro_batch_tokens": 40}, "sdpa"),
+                                                 ({"micro_batch_size": 5}, "sdpa")])
+def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, training, attention):
+    """Budgets that split a prompt's samples over rows and micro-batches too; eager attention takes the
+    mask as additive scores."""
     batch, reference_results = with_reference(tiny_model_dir, *grouped_batch())
     backend = make_backend(tiny_model_dir, **{"micro_batch_size": 12, **training})
+    backend.model.set_attn_implementation(attention)
+    assert backend.model.config._attn_implementation == attention
     lengths = batch.attention_mask.sum(1).tolist()
     prompts = Prompts.of(batch, backend.model, backend.config)
     plan = plan_micro_batches(lengths, backend.config, prompts)
