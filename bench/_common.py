@@ -52,13 +52,14 @@ def training_flops(config, batch) -> float:
     decoder matmuls on every real token (2 FLOPs per weight), causal attention (QK^T and AV over the
     L(L+1)/2 causal pairs of each sequence, per layer), and the LM head on the trained tokens only (the
     chunked head's recompute in the backward pass is not counted: it is not model work)."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
-    weights_per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * config.intermediate_size
+    from reinforge.training.micro_batching import layer_dims
+
+    weights_per_layer, width = layer_dims(config)
+    layers = config.num_hidden_layers
     lengths = batch.attention_mask.sum(dim=1).double()
     forward = (2 * weights_per_layer * layers * lengths.sum()
-               + 2 * hidden * layers * (lengths * (lengths + 1)).sum()
-               + 2 * hidden * config.vocab_size * batch.loss_mask.sum())
+               + 2 * width * layers * (lengths * (lengths + 1)).sum()
+               + 2 * config.hidden_size * config.vocab_size * batch.loss_mask.sum())
     return 3 * float(forward)
 
 

@@ -64,14 +64,20 @@ class Prompts:
         return Prompts(self.lengths[start:end], self.keys[start:end], self.pair_cost)
 
 
-def attention_pair_cost(model_config) -> float:
-    """FLOPs of attending over one (query, key) pair (QK^T and AV over all heads) over the FLOPs of one
-    token through the layer's weights: 4 * hidden / (2 * weights per layer)."""
+def layer_dims(model_config) -> tuple[int, int]:
+    """(weights of one decoder layer's matmuls: attention projections and the gated MLP, the width of
+    its attention: heads x head dim) of a Llama/Qwen-style model."""
     config = model_config.get_text_config()
     hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    weights = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size
-    return 4 * q / (2 * weights)
+    return hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size, q
+
+
+def attention_pair_cost(model_config) -> float:
+    """FLOPs of attending over one (query, key) pair (QK^T and AV over all heads) over the FLOPs of one
+    token through the layer's weights: 4 * attention width / (2 * weights per layer)."""
+    weights, width = layer_dims(model_config)
+    return 4 * width / (2 * weights)
 
 
 def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prompts | None = None) -> MicroBatchPlan:
