@@ -23,11 +23,11 @@ def make_batch(num_rows=8, seed=0):
     return collate(trajectories, advantages, pad_token_id=0)
 
 
-def make_backend(model_dir, micro_batch_size, load_reference=False, activation_checkpointing=False):
+def make_backend(model_dir, micro_batch_size, load_reference=False, **training):
     torch.manual_seed(0)
     return TorchBackend(
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(micro_batch_size=micro_batch_size, global_batch_size=8, lr=1e-3, activation_checkpointing=activation_checkpointing),
+        TrainingConfig(micro_batch_size=micro_batch_size, global_batch_size=8, lr=1e-3, **training),
         temperature=0.7,
         num_optimizer_steps=10,
         load_reference=load_reference,
@@ -170,11 +170,9 @@ def test_compiled_decoder_layers_give_the_same_logprobs_and_gradient(tiny_model_
     """training.compile=true: Inductor's fused layers compute what the eager layers compute."""
     batch = make_batch()
     results = []
+    torch._dynamo.utils.counters.clear()  # the graph count below is this test's, not an earlier one's
     for compile_layers in (False, True):
-        torch.manual_seed(0)
-        backend = TorchBackend(ModelConfig(name_or_path=str(tiny_model_dir)),
-                               TrainingConfig(micro_batch_size=4, global_batch_size=8, lr=1e-3, compile=compile_layers),
-                               temperature=0.7, num_optimizer_steps=10, load_reference=False)
+        backend = make_backend(tiny_model_dir, 4, compile=compile_layers)
         logprobs = backend.logprobs(batch)
         batch.old_logprobs = logprobs + 0.1 * batch.loss_mask
         backend.optimizer.zero_grad()
