@@ -3,6 +3,7 @@ stages (max_new_tokens 16 -> 32 -> 48), shortened to 2 small steps each; a run k
 rerun; a rerun under a changed recipe refused. (The DeepScaleR recipe's offline --validate is a unit test.)"""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -87,7 +88,7 @@ def test_a_recipe_killed_in_stage_2_resumes_there_with_the_metrics_of_a_run_neve
         if checkpoints.is_dir() and any((p / "COMPLETE").is_file() for p in checkpoints.iterdir()):
             process.send_signal(signal.SIGKILL)
             break
-        time.sleep(0.01)
+        time.sleep(0.002)
     assert process.wait(timeout=60) == -signal.SIGKILL, process.stderr.read().decode()[-3000:]
     assert (run_dir / "stages" / "01-short" / "stage_complete.json").is_file()
     assert not (run_dir / "stages" / "02-medium" / "stage_complete.json").exists()
@@ -97,7 +98,9 @@ def test_a_recipe_killed_in_stage_2_resumes_there_with_the_metrics_of_a_run_neve
     rerun = subprocess.run(command(run_dir), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "stage 1 of 3 (short, grpo): finished earlier, skipped" in rerun.stdout
-    assert "resumed from step_00000001" in rerun.stdout
+    # killed after stage 2's step-1 checkpoint; on a loaded machine the kill can land after step 2's (keep_last 1
+    # then removed step 1's): either way stage 2 resumes from its own checkpoint instead of starting over
+    assert re.search(r"resumed from step_0000000[12]\b", rerun.stdout), rerun.stdout[-2000:]
     assert files_state(run_dir / "stages" / "01-short") == stage_1, "stage 1 was run again"
     stage_2_start = yaml.safe_load((run_dir / "stages" / "02-medium" / "config.yaml").read_text())["model"]["name_or_path"]
     assert_same_tensors(weights(PROJECT_ROOT / stage_2_start), stage_1_final)
