@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("recipe", metavar="FILE", help="recipe YAML file (run_dir, base, overrides, stages)")
     recipe.add_argument("--validate", "--dry-run", dest="validate", action="store_true",
                         help="build and check every stage's config and print the plan; load no model, run nothing")
-    recipe.add_argument("--run-dir", help="RUN_DIR instead of the recipe's run_dir (options go before FILE when overrides follow it)")
+    recipe.add_argument("--run-dir", help="RUN_DIR instead of the recipe's run_dir")
     recipe.add_argument("overrides", nargs="*", help="key=value overrides applied to every stage, after the recipe's own")
 
     from reinforge.envs.cli import add_env_commands
@@ -160,8 +160,21 @@ def run_command(args: argparse.Namespace) -> None:
             print(path)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """argparse's, except that key=value overrides may also come after an option that follows the
+    positionals (`reinforge recipe FILE --run-dir DIR k=v`): argparse stops the positionals' list at the
+    option and would call the rest unrecognized. They are appended in order; anything else is still refused."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Imports after parsing so that `--help` is instant.
     from reinforge.errors import ReinforgeError

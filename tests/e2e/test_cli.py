@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from reinforge.cli import parse_args
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "grpo_demo.yaml"
 SMALL = [
@@ -63,3 +65,24 @@ def test_saved_config_reproduces_the_run(tmp_path):
 
     assert deterministic("run") == deterministic("run-1")
     assert len(deterministic("run")) == 3  # step 0 validation, steps 1 and 2
+
+
+@pytest.mark.parametrize("argv, overrides", [
+    (["recipe", "r.yaml", "--run-dir", "d", "a.b=1", "c=2"], ["a.b=1", "c=2"]),
+    (["recipe", "r.yaml", "a.b=1", "--run-dir", "d", "c=2"], ["a.b=1", "c=2"]),
+    (["recipe", "--run-dir", "d", "r.yaml", "a.b=1", "c=2"], ["a.b=1", "c=2"]),
+    (["grpo", "a.b=1", "--config", "x.yaml", "c=2"], ["a.b=1", "c=2"]),
+])
+def test_overrides_may_follow_an_option_after_the_positionals_and_keep_their_order(argv, overrides):
+    args = parse_args(argv)
+    assert args.overrides == overrides
+    assert getattr(args, "run_dir", "d") == "d"
+
+
+def test_an_unknown_option_or_a_stray_word_is_still_refused(capsys):
+    for argv in (["recipe", "r.yaml", "--run-dir", "d", "--bogus"], ["recipe", "r.yaml", "--run-dir", "d", "stray"],
+                 ["report", "run", "a=1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err.strip().splitlines()[-1]
