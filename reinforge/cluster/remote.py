@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import ray
 import torch
 
+from reinforge.cluster.worker_group import raised_in_worker
 from reinforge.generation.base import GenerationResult, SamplingParams
 
 
@@ -19,17 +20,27 @@ class RemoteGenerationBackend:
         self.actor = actor_cls.remote(*args, **kwargs)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
-        return ray.get(self.actor.generate.remote(prompt_token_ids, params))
+        return _get(self.actor.generate.remote(prompt_token_ids, params))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = ray.put([(name, tensor.detach().cpu()) for name, tensor in named_tensors])
-        ray.get(self.actor.update_weights.remote(weights))
+        _get(self.actor.update_weights.remote(weights))
 
     def sleep(self) -> None:
-        ray.get(self.actor.sleep.remote())
+        _get(self.actor.sleep.remote())
 
     def shutdown(self) -> None:
         try:
             ray.get(self.actor.shutdown.remote(), timeout=30)
         finally:
             ray.kill(self.actor)
+
+
+def _get(ref: ray.ObjectRef) -> Any:
+    """ray.get, with a user-facing error the actor raised (in `__init__` too) re-raised as itself."""
+    try:
+        return ray.get(ref)
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+        if (error := raised_in_worker(exc)) is not None:
+            raise error from None
+        raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from reinforge.config.schema import ClusterConfig
+from reinforge import errors
 from reinforge.errors import ReinforgeError
 
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default session log directory
@@ -89,7 +91,11 @@ class WorkerGroup:
             for rank in range(num_workers)
         ]
         self.names = [f"{name}[{rank}]" for rank in range(num_workers)]
-        self.pids = ray.get([worker.__ray_call__.remote(lambda _: os.getpid()) for worker in self.workers])
+        try:
+            self.pids = ray.get([worker.__ray_call__.remote(lambda _: os.getpid()) for worker in self.workers])
+        except ray.exceptions.RayActorError as exc:  # a worker's __init__ raised, or its process died starting
+            self.shutdown()
+            raise raised_in_worker(exc) or WorkerFailed(f"{name}: a worker failed to start: {_first_line(exc)}") from None
 
     def node_ids(self) -> list[str]:
         """The Ray node of each worker's bundle, in rank order."""
@@ -121,6 +127,8 @@ class WorkerGroup:
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 rank = self.names.index(names[done[0]])
                 self.shutdown()
+                if (error := raised_in_worker(exc)) is not None:
+                    raise error from None
                 raise WorkerFailed(f"{self.names[rank]} failed in {method}: {_first_line(exc)}{self._log_tail(rank)}") from None
         return ray.get(refs)
 
@@ -141,9 +149,23 @@ class WorkerGroup:
         self.placement_group = None
 
 
+def raised_in_worker(exc: BaseException) -> ReinforgeError | None:
+    """A user-facing error that a worker raised (a setting only the worker can check, such as one that
+    needs a GPU), as itself, so that the command line prints its one line. A method's exception comes
+    back as its `cause`; one from `__init__` only as the text of Ray's error, whose last
+    `reinforge.errors.X: message` line is rebuilt."""
+    if isinstance(getattr(exc, "cause", None), ReinforgeError):
+        return exc.cause
+    if isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed:
+        raised = re.findall(r"^reinforge\.errors\.(\w+): (.+)$", str(exc), flags=re.MULTILINE)
+        if raised and isinstance(error_type := getattr(errors, raised[-1][0], None), type) and issubclass(error_type, ReinforgeError):
+            return error_type(raised[-1][1])
+    return None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    if isinstance(exc, ray.exceptions.RayActorError):
+    if isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed:
         return "the worker process died (killed, out of memory or crashed)"
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else type(exc).__name__

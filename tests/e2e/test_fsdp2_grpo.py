@@ -86,6 +86,19 @@ def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftove
     assert [pid for pid in ours if alive(pid)] == []
 
 
+def test_a_setting_only_a_worker_can_check_is_its_one_line_error(tmp_path):
+    """FSDP2's CPU offload needs a GPU, which only the rank's own process can see: the ConfigError its
+    __init__ raises reaches the user as that one line, not as Ray's ActorDiedError traceback."""
+    run = subprocess.run(COMMAND + ["training.cpu_offload=true", f"logging.run_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = run.stderr.strip().splitlines()
+    assert "Traceback" not in run.stderr and len(lines) == 1, run.stderr[-3000:]
+    assert lines[0] == ("reinforge: error: training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, "
+                        "so set it to false")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_nodes_and_learns(tmp_path):
     from ray.cluster_utils import Cluster
 

@@ -8,6 +8,7 @@ import pytest
 from reinforge.cluster.remote import RemoteGenerationBackend
 from reinforge.config.schema import ModelConfig
 from reinforge.data.jsonl import read_jsonl
+from reinforge.errors import ConfigError
 from reinforge.data.prompts import render_prompt
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.vllm_backend import VLLMGenerationBackend
@@ -37,5 +38,11 @@ def test_engine_in_a_ray_actor_takes_new_weights_and_matches_the_trainer():
             expected = model.generate(torch.tensor([prompt.token_ids]), max_new_tokens=30, do_sample=False)[0, len(prompt.token_ids):]
             assert completions[0].token_ids == expected.tolist()[: len(completions[0].token_ids)]
         engine.shutdown()
+        # a bad setting the actor's __init__ refuses reaches the caller as that ConfigError, not Ray's ActorDiedError
+        refused = RemoteGenerationBackend(VLLMGenerationBackend, MODEL.name_or_path, dtype="float32", seed=0, max_model_len=256,
+                                          block_size=48)
+        with pytest.raises(ConfigError, match=r"^generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"):
+            refused.generate([prompts[0].token_ids], SamplingParams(max_new_tokens=4))
+        ray.kill(refused.actor)
     finally:
         ray.shutdown()
