@@ -138,10 +138,10 @@ class TrainingConfig(Section):
     with its own `sft.packing`.)"""
     share_prompts: bool = True
     """With `sequence_packing`: lay the samples of one prompt in a row as the prompt once, then each
-    response attending to it and to itself (an explicit attention mask), so the prompt's other copies
-    are not computed; same logprobs, loss and gradients (tests/unit/test_packing_rl.py). How many samples
-    share one copy follows a FLOP estimate: all of them on short sequences, fewer or none where the
-    dense mask's attention would cost more than the saved tokens. Needs `sdpa` or `eager` attention."""
+    response attending to it and to itself (training/segment_attention.py: each answer attends over its
+    prompt and itself only, whatever the model's attention implementation), so the prompt's other
+    copies are not computed; same logprobs, loss and gradients (tests/unit/test_packing_rl.py). All the
+    samples of a prompt share one copy, or as many as fit in `micro_batch_tokens`."""
     micro_batch_tokens: int | None = None
     """GRPO logprob and training passes: build micro-batches to this many computed positions (rows x
     row width, padding included) instead of `micro_batch_size` sequences, longest rows first; a sequence

@@ -122,8 +122,67 @@ def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 # The backends' batches are right-padded [B, T] TrainBatches (data/batch.py). A `RowLayout` is where a
 # forward pass puts those sequences: packed end to end in rows (first-fit decreasing, positions
 # restarting per sequence, as above), one per row as they come (with their attention mask), or packed
-# with shared prompts (the samples of one prompt attending to one copy of it, below). Whichever layout
-# it is, `token_index[b, t]` says where token t of sequence b sits in the flattened [R * W] layout.
+# with shared prompts (the samples of one prompt attending to one copy of it, below; who attends to
+# whom is then a list of `SegmentBucket`s). Whichever layout it is, `token_index[b, t]` says where
+# token t of sequence b sits in the flattened [R * W] layout.
+
+
+# segments whose key length is within this ratio of the longest in their bucket share one padded call
+BUCKET_RATIO = 0.75
+
+
+@dataclass
+class SegmentBucket:
+    """N segments padded to Q queries and K keys; indices are flat positions in the [R * W] layout."""
+
+    query_index: torch.Tensor  # [N, Q] long (0 on padding)
+    key_index: torch.Tensor  # [N, K] long (0 on padding)
+    mask: torch.Tensor  # [N, 1, Q, K] bool: True where the query may attend to the key
+    query_valid: torch.Tensor  # [N, Q] bool
+
+    def to(self, device: torch.device) -> "SegmentBucket":
+        return SegmentBucket(*(t.to(device) for t in (self.query_index, self.key_index, self.mask, self.query_valid)))
+
+
+def segment_buckets(segments: list[tuple[int, int, int, int]], position_ids_flat: torch.Tensor) -> list[SegmentBucket]:
+    """Buckets of segments (query start, query end, prefix start, prefix end): the queries [start, end)
+    attend to the prefix [prefix start, prefix end) (empty: none) and causally, by position id, to the
+    queries' own range. Padded query rows see one real key, so that no row is all masked (some kernels
+    give NaN there, and NaN times a zero gradient is NaN); their output is dropped."""
+    keys = [(end - start) + (prefix_end - prefix_start) for start, end, prefix_start, prefix_end in segments]
+    order = sorted(range(len(segments)), key=lambda i: keys[i], reverse=True)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and keys[i] >= BUCKET_RATIO * keys[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    buckets = []
+    for group in groups:
+        start, end, prefix_start, prefix_end = torch.tensor([segments[i] for i in group]).unbind(1)
+        length, prefix = end - start, prefix_end - prefix_start
+        q = torch.arange(int(length.max()))
+        k = torch.arange(int((length + prefix).max()))
+        query_valid = q[None, :] < length[:, None]
+        key_valid = k[None, :] < (length + prefix)[:, None]
+        query_index = torch.where(query_valid, start[:, None] + q[None, :], 0)
+        in_prefix = k[None, :] < prefix[:, None]
+        key_index = torch.where(in_prefix, prefix_start[:, None] + k[None, :], start[:, None] + k[None, :] - prefix[:, None])
+        key_index = torch.where(key_valid, key_index, 0)
+        causal = position_ids_flat[key_index][:, None, :] <= position_ids_flat[query_index][:, :, None]
+        mask = causal & key_valid[:, None, :] & query_valid[:, :, None]
+        mask[:, :, 0] |= ~query_valid
+        buckets.append(SegmentBucket(query_index, key_index, mask.unsqueeze(1), query_valid))
+    return buckets
+
+
+def dense_mask(buckets: list[SegmentBucket], num_slots: int) -> torch.Tensor:
+    """The [R * W, R * W] mask the buckets amount to (for tests): entry [i, j] is whether position i attends to j."""
+    mask = torch.zeros(num_slots, num_slots, dtype=torch.bool)
+    for bucket in buckets:
+        for n, q in bucket.query_valid.nonzero().tolist():
+            mask[bucket.query_index[n, q], bucket.key_index[n][bucket.mask[n, 0, q]]] = True
+    return mask
 
 
 @dataclass
@@ -132,11 +191,12 @@ class RowLayout:
 
     input_ids: torch.Tensor  # [R, W] long
     position_ids: torch.Tensor  # [R, W] long: 0, 1, ... from each sequence's start (and the row's padding)
-    # [R, W]: one sequence per row; None when packed (positions mark the boundaries); [R, 1, W, W] bool
-    # (True: may attend) with shared prompts
+    # [R, W]: one sequence per row; None when packed (positions mark the boundaries) or segmented
     attention_mask: torch.Tensor | None
     token_index: torch.Tensor  # [B, T] long: row * W + column of each real token of each sequence
     num_real_tokens: int  # tokens that are not padding
+    # shared prompts: who attends to whom, for training/segment_attention.py (None: the model's own attention)
+    segments: list[SegmentBucket] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -145,8 +205,9 @@ class RowLayout:
 
     def to(self, device: torch.device) -> "RowLayout":
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        segments = None if self.segments is None else [bucket.to(device) for bucket in self.segments]
         return RowLayout(self.input_ids.to(device), self.position_ids.to(device), mask, self.token_index.to(device),
-                         self.num_real_tokens)
+                         self.num_real_tokens, segments)
 
 
 def padded_layout(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> RowLayout:
@@ -184,11 +245,11 @@ def packed_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], rows: list[l
 # --- Shared prompts ---------------------------------------------------------------------------
 # The G samples of a GRPO prompt repeat its tokens G times. In a shared-prompt row the prompt is laid
 # out once, then each sample's response, at positions P, P+1, ... and attending to the prompt and to
-# itself only (an explicit [W, W] mask). Every hidden state is the same function of the same inputs as
-# in the unshared layout, and the prompt's gradient is the sum over the samples, as it was: same
-# logprobs, loss and gradients, with the prompt's G-1 copies not computed. The dense mask makes the
-# attention cost grow with the square of the row, so `shared_prompt_rows` shares a prompt among as many
-# samples as a FLOP estimate says pays (all G on short prompts and responses, fewer or none on long ones).
+# itself only. Every hidden state is the same function of the same inputs as in the unshared layout,
+# and the prompt's gradient is the sum over the samples, as it was: same logprobs, loss and gradients,
+# with the prompt's G-1 copies not computed. Who attends to whom is given as segments (a prompt; an
+# answer with its prompt as prefix) for training/segment_attention.py, which computes each segment on
+# its own, so sharing never costs attention beyond what the unshared sequences would.
 
 
 def prompt_keys(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]) -> list[int]:
@@ -197,29 +258,26 @@ def prompt_keys(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]) -> list
     return [ids.setdefault(input_ids_BT[b, :n].numpy().tobytes(), len(ids)) for b, n in enumerate(prompt_lengths_B)]
 
 
-def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list[int], pair_cost: float) -> tuple[list[list[int]], list[int]]:
-    """(rows of sequence indices, each row's width). The samples of each prompt are split into runs of k
-    consecutive sequences (a run: its prompt once, then the k responses); k minimises the estimated cost,
-    `width + pair_cost * width**2` per run (the tokens' matmuls, plus attention over the dense mask, in
-    units of one token's matmuls), against packing the sequences unshared (k = 1). The runs are then
-    packed first-fit decreasing into rows as wide as the widest run."""
-    widest = max(lengths)
+def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list[int], max_run_tokens: int | None
+                       ) -> tuple[list[list[int]], list[int]]:
+    """(rows of sequence indices, each row's width). The samples of each prompt form runs of consecutive
+    sequences (a run: its prompt once, then the answers), as long as `max_run_tokens` allows (None: one
+    run per prompt; a sample longer than the limit is a run of its own). The runs are then packed
+    first-fit decreasing into rows as wide as the widest run."""
     groups: dict[int, list[int]] = {}
     for b, key in enumerate(keys):
         groups.setdefault(key, []).append(b)
-
-    def width(run: list[int]) -> int:  # the prompt once, then every answer
-        return prompt_lengths[run[0]] + sum(lengths[b] - prompt_lengths[b] for b in run)
-
     runs: list[list[int]] = []
+    widths: list[int] = []
     for members in groups.values():
-        def cost(k: int) -> float:
-            if k == 1:
-                return sum(lengths[b] + pair_cost * lengths[b] * widest for b in members)
-            return sum(width(run) + pair_cost * width(run) ** 2 for run in (members[i : i + k] for i in range(0, len(members), k)))
-        k = min(range(1, len(members) + 1), key=lambda k: (cost(k), k))
-        runs.extend(members[start : start + k] for start in range(0, len(members), k))
-    widths = [width(run) for run in runs]
+        for b in members:
+            grown = widths[-1] + lengths[b] - prompt_lengths[b] if runs and runs[-1][0] in members else None
+            if grown is not None and (max_run_tokens is None or grown <= max_run_tokens):
+                runs[-1].append(b)
+                widths[-1] = grown
+            else:
+                runs.append([b])
+                widths.append(lengths[b])
     rows = first_fit_decreasing(widths, max(widths))
     return [[b for r in row for b in runs[r]] for row in rows], [sum(widths[r] for r in row) for row in rows]
 
@@ -227,48 +285,45 @@ def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list
 def shared_prompt_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], prompt_lengths_B: list[int], rows: list[list[int]],
                          pad_token_id: int) -> RowLayout:
     """The rows' sequences end to end, where consecutive sequences of a row with the same prompt share one
-    copy of it; the attention mask [R, 1, W, W] keeps each token to its own sequence's tokens."""
-    segments: list[list[tuple[int, int, int, int]]] = []  # per row: (sequence, first token, run, sample) pieces
+    copy of it; the segments keep each token to its own sequence's tokens."""
+    width = 0
+    pieces_per_row: list[list[tuple[int, int]]] = []  # per row: (sequence, first token laid out) pieces
     for row in rows:
-        pieces, run, sample, previous = [], -1, 0, None
+        pieces, previous = [], None
         for b in row:
             prompt = prompt_lengths_B[b]
-            if (previous is not None and prompt == prompt_lengths_B[previous] and 0 < prompt < lengths_B[b]
-                    and torch.equal(input_ids_BT[b, :prompt], input_ids_BT[previous, :prompt])):
-                sample += 1
-                pieces.append((b, prompt, run, sample))
-            else:
-                run, sample = run + 1, 0
-                pieces.append((b, 0, run, 0))
+            shares = (previous is not None and prompt == prompt_lengths_B[previous] and 0 < prompt < lengths_B[b]
+                      and torch.equal(input_ids_BT[b, :prompt], input_ids_BT[previous, :prompt]))
+            pieces.append((b, prompt if shares else 0))
             previous = b
-        segments.append(pieces)
-    width = max(sum(lengths_B[b] - first for b, first, _, _ in pieces) for pieces in segments)
+        pieces_per_row.append(pieces)
+        width = max(width, sum(lengths_B[b] - first for b, first in pieces))
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    run_ids = torch.full((len(rows), width), -1, dtype=torch.long)  # the padding is a run of its own
-    sample_ids = torch.full((len(rows), width), -1, dtype=torch.long)  # -1: the prompt, seen by all samples
     token_index = torch.zeros(input_ids_BT.shape, dtype=torch.long)
-    for r, pieces in enumerate(segments):
-        start, run_first = 0, {}
-        for b, first, run, sample in pieces:
+    segments: list[tuple[int, int, int, int]] = []  # (query start, end, prefix start, prefix end), flat positions
+    for r, pieces in enumerate(pieces_per_row):
+        start, owner = 0, -1  # owner: the sequence whose copy of the prompt the run's samples read
+        for b, first in pieces:
             end = start + lengths_B[b] - first
             input_ids[r, start:end] = input_ids_BT[b, first : lengths_B[b]]
             position_ids[r, start:end] = torch.arange(first, lengths_B[b])
-            run_ids[r, start:end] = run
-            sample_ids[r, start + (prompt_lengths_B[b] if first == 0 else 0) : end] = sample
-            if first == 0:
-                run_first[run] = b
-            else:  # the shared prompt's tokens are the first sample's
-                token_index[b, :first] = token_index[run_first[run], :first]
             token_index[b, first : lengths_B[b]] = torch.arange(r * width + start, r * width + end)
+            flat, prompt = r * width + start, prompt_lengths_B[b]
+            if first:  # an answer reading the run's prompt, laid out at the start of its owner
+                token_index[b, :first] = token_index[owner, :first]
+                prefix = int(token_index[owner, 0])
+                segments.append((flat, flat + end - start, prefix, prefix + first))
+            elif 0 < prompt < lengths_B[b]:  # the prompt, then the answer reading it
+                owner = b
+                segments += [(flat, flat + prompt, flat, flat), (flat + prompt, flat + end - start, flat, flat + prompt)]
+            else:
+                owner = b
+                segments.append((flat, flat + end - start, flat, flat))
             start = end
         position_ids[r, start:] = torch.arange(width - start)
-    same_run = run_ids[:, :, None] == run_ids[:, None, :]
-    causal = position_ids[:, None, :] <= position_ids[:, :, None]
-    visible = (sample_ids[:, None, :] == -1) | (sample_ids[:, None, :] == sample_ids[:, :, None])
-    mask = (same_run & causal & visible).unsqueeze(1)
-    return RowLayout(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, token_index=token_index,
-                     num_real_tokens=sum(lengths_B))
+    return RowLayout(input_ids=input_ids, position_ids=position_ids, attention_mask=None, token_index=token_index,
+                     num_real_tokens=sum(lengths_B), segments=segment_buckets(segments, position_ids.flatten()))
 
 
 def sequence_rows(lengths: list[int], pack: bool) -> list[list[int]]:

@@ -140,7 +140,7 @@ class FSDP2Worker:
         rank plans every share and splits its own micro-batches up to the largest count: FSDP2's
         collectives need the same number of forward (and backward) passes on every rank."""
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        prompts = Prompts.of(batch, self.model, self.config)
+        prompts = Prompts.of(batch, self.config)
         shares = [self._share(batch, rank) for rank in range(self.world_size)]
         plans = [plan_micro_batches(lengths[start:end], self.config, prompts and prompts.slice(start, end)) for start, end in shares]
         share_batch = batch.slice(*shares[self.rank])

@@ -5,8 +5,8 @@ Shared by both training backends. A global batch is cut into micro-batches (`pla
 whole batch grouped to that many computed positions. With `training.sequence_packing` a micro-batch's
 sequences lie end to end in rows (data/packing.py: `packed_layout`, block-diagonal attention from the
 position ids), else one right-padded sequence per row. With `training.share_prompts` too, the samples
-of a prompt in a row share one copy of it (`shared_prompt_layout`, with an explicit attention mask), as
-many of them as `shared_prompt_rows`'s FLOP estimate says pays.
+of a prompt in a row share one copy of it (`shared_prompt_layout`; each answer attends to the prompt and
+itself through training/segment_attention.py), as many of them as `training.micro_batch_tokens` allows.
 
 The LM head is not applied by the model: `micro_batch_logprobs` calls it with `logits_to_keep=1`,
 takes the decoder's last hidden states (`HiddenStates`), and applies the head itself, in chunks of
@@ -31,6 +31,7 @@ from reinforge.data.batch import TrainBatch
 from reinforge.data.packing import (PACKED_ATTENTION, RowLayout, packed_layout, padded_layout, prompt_keys, rows_by_token_budget,
                                     sequence_rows, shared_prompt_layout, shared_prompt_rows)
 from reinforge.errors import ConfigError
+from reinforge.training.segment_attention import using_segment_attention
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
 # Config attributes of models that scale or soft-cap the logits after the LM head (Gemma, Cohere, Granite, ...)
@@ -40,12 +41,10 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 @dataclass
 class Prompts:
     """What the planner needs to share prompts (training.share_prompts): each sequence's prompt length
-    and prompt id (equal ids: equal prompts), and the cost of attending over one (query, key) pair in
-    units of one token's matmuls (`attention_pair_cost`)."""
+    and prompt id (equal ids: equal prompts)."""
 
     lengths: list[int]
     keys: list[int]
-    pair_cost: float
 
     @staticmethod
     def shared(batch: TrainBatch, config: TrainingConfig) -> bool:
@@ -53,15 +52,15 @@ class Prompts:
         return config.share_prompts and config.sequence_packing and batch.prompt_lengths is not None
 
     @classmethod
-    def of(cls, batch: TrainBatch, model: torch.nn.Module, config: TrainingConfig) -> "Prompts | None":
+    def of(cls, batch: TrainBatch, config: TrainingConfig) -> "Prompts | None":
         """None where prompts are not shared (`Prompts.shared`)."""
         if not cls.shared(batch, config):
             return None
         lengths = batch.prompt_lengths.tolist()
-        return cls(lengths, prompt_keys(batch.input_ids.cpu(), lengths), attention_pair_cost(model.config))
+        return cls(lengths, prompt_keys(batch.input_ids.cpu(), lengths))
 
     def slice(self, start: int, end: int) -> "Prompts":
-        return Prompts(self.lengths[start:end], self.keys[start:end], self.pair_cost)
+        return Prompts(self.lengths[start:end], self.keys[start:end])
 
 
 def layer_dims(model_config) -> tuple[int, int]:
@@ -73,13 +72,6 @@ def layer_dims(model_config) -> tuple[int, int]:
     return hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size, q
 
 
-def attention_pair_cost(model_config) -> float:
-    """FLOPs of attending over one (query, key) pair (QK^T and AV over all heads) over the FLOPs of one
-    token through the layer's weights: 4 * attention width / (2 * weights per layer)."""
-    weights, width = layer_dims(model_config)
-    return 4 * width / (2 * weights)
-
-
 def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prompts | None = None) -> MicroBatchPlan:
     """Each micro-batch as rows of sequence indices (one index per row when unpacked; the samples of a
     prompt consecutive in a row where they share it)."""
@@ -87,7 +79,7 @@ def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prom
     def rows_of(start: int, end: int) -> tuple[list[list[int]], list[int]]:
         part = lengths[start:end]
         if prompts is not None:
-            rows, widths = shared_prompt_rows(part, prompts.lengths[start:end], prompts.keys[start:end], prompts.pair_cost)
+            rows, widths = shared_prompt_rows(part, prompts.lengths[start:end], prompts.keys[start:end], config.micro_batch_tokens)
         else:
             rows = sequence_rows(part, config.sequence_packing)
             widths = [sum(part[i] for i in row) for row in rows]
@@ -150,15 +142,17 @@ class HiddenStates:
 
 def run_layout(model: torch.nn.Module, hidden: HiddenStates, layout: RowLayout) -> torch.Tensor:
     """The decoder's last hidden states [R, W, H] for a layout (the LM head runs on one position per row)."""
-    mask, attention = layout.attention_mask, model.config._attn_implementation
-    custom = mask is not None and mask.dim() == 4  # shared prompts: a custom mask, which transformers passes on as it is
-    if (mask is None or custom) and attention not in PACKED_ATTENTION:
-        option = "share_prompts" if custom else "sequence_packing"
-        raise ConfigError(f"training.{option}=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
-                          f"not {attention}; set training.{option}=false")
-    if custom and attention == "eager":  # eager adds the mask to the scores
-        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+    if layout.segments is not None:  # shared prompts: whatever the model's attention implementation, segments
+        with using_segment_attention(model):
+            model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=None, use_cache=False,
+                  logits_to_keep=1, attention_segments=layout.segments)
+        return hidden.take()
+    attention = model.config._attn_implementation
+    if layout.attention_mask is None and attention not in PACKED_ATTENTION:
+        raise ConfigError(f"training.sequence_packing=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
+                          f"not {attention}; set training.sequence_packing=false")
+    model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask, use_cache=False,
+          logits_to_keep=1)
     return hidden.take()
 
 

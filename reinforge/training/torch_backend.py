@@ -23,6 +23,7 @@ from reinforge.data.batch import TrainBatch
 from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
 from reinforge.training.micro_batching import HiddenStates, Prompts, micro_batch_logprobs, plan_micro_batches, select_micro_batch
+from reinforge.training.segment_attention import using_segment_attention
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -49,9 +50,11 @@ def backward_micro_batch(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     """Forward, loss and backward of one micro-batch (`rows` index its sequences); returns its detached
     metric contributions (summable over micro-batches, like the loss), the policy's entropy included.
     The loss function sees logprobs on `micro.loss_mask` and 0 elsewhere."""
-    logprobs_BT, entropy_BT = micro_batch_logprobs(model, hidden, micro, rows, config, temperature)
-    loss, metrics = loss_fn(logprobs_BT, micro, norm)
-    loss.backward()
+    # shared prompts: activation checkpointing recomputes the layers in the backward pass, with segment attention too
+    with using_segment_attention(model, Prompts.shared(micro, config)):
+        logprobs_BT, entropy_BT = micro_batch_logprobs(model, hidden, micro, rows, config, temperature)
+        loss, metrics = loss_fn(logprobs_BT, micro, norm)
+        loss.backward()
     metrics["entropy"] = metric_mean(entropy_BT, micro.loss_mask, norm)
     return {name: value.detach() for name, value in metrics.items()}
 
@@ -110,7 +113,7 @@ class TorchBackend:
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch, list[list[int]]]]:
         """(batch indices, micro-batch, its rows) for every micro-batch of the batch."""
-        prompts = Prompts.of(batch, self.model, self.config)
+        prompts = Prompts.of(batch, self.config)
         for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), self.config, prompts):
             micro, local_rows, indices = select_micro_batch(batch, rows)
             yield indices, micro, local_rows

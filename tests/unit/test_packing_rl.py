@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from reinforge.algorithms.losses import Normalisers, grpo_loss, token_mean
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import Trajectory, collate
-from reinforge.data.packing import packed_layout, sequence_rows, shared_prompt_layout, shared_prompt_rows
+from reinforge.data.packing import dense_mask, packed_layout, sequence_rows, shared_prompt_layout, shared_prompt_rows
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.micro_batching import Prompts, chunked_head, plan_micro_batches, select_micro_batch, split_to
 from reinforge.training.torch_backend import TorchBackend, token_entropy, token_logprobs
@@ -281,24 +281,30 @@ def test_a_shared_prompt_row_holds_the_prompt_once_and_keeps_each_answer_to_itse
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2]]
     assert layout.token_index[0].tolist() == [0, 1, 2, 3] and layout.token_index[1, :3].tolist() == [0, 1, 4]
     expected = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
-    assert layout.attention_mask[0, 0].int().tolist() == expected
-    # different prompts are not shared: the block-diagonal mask of plain packing
-    layout = shared_prompt_layout(torch.tensor([[5, 6, 7], [5, 4, 9]]), [3, 3], [2, 2], [[0, 1]], pad_token_id=0)
-    assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert dense_mask(layout.segments, layout.num_slots).int().tolist() == expected
+    # as segments: the prompt (2 queries, 2 keys); answer [7, 8] (2 queries, prompt + itself); answer [9]
+    shapes = sorted((int(valid.sum()), int(b.mask[n, 0].any(0).sum())) for b in layout.segments for n, valid in enumerate(b.query_valid))
+    assert shapes == [(1, 3), (2, 2), (2, 4)]
+    # different prompts are not shared: causal within each sequence, nothing across (a padded second row too)
+    layout = shared_prompt_layout(torch.tensor([[5, 6, 7], [5, 4, 9], [3, 3, 0]]), [3, 3, 2], [2, 2, 1], [[0, 1], [2]], pad_token_id=0)
+    assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]
     causal = torch.ones(3, 3, dtype=torch.bool).tril()
-    assert torch.equal(layout.attention_mask[0, 0], torch.block_diag(causal, causal))
+    expected = torch.block_diag(causal, causal, torch.ones(2, 2, dtype=torch.bool).tril(), torch.zeros(4, 4, dtype=torch.bool))
+    assert torch.equal(dense_mask(layout.segments, layout.num_slots), expected)
 
 
-def test_the_planner_shares_a_prompt_as_far_as_its_flop_estimate_says_it_pays():
-    """4 samples of one prompt, cost per run W + c * W^2 against unshared L + c * L * L_max (by hand):
-    prompt 10 + answers of 5, c = 0.05: k=1 105, k=2 80, k=4 75 -> all four share; c = 1: k=1 960,
-    k=2 840, k=4 930 -> pairs. Prompt 1 + answers of 100, c = 1: k=1 40804 < k=2 81202 -> no sharing."""
-    rows, widths = shared_prompt_rows([15] * 4, [10] * 4, [0] * 4, pair_cost=0.05)
+def test_the_planner_shares_a_prompt_among_as_many_samples_as_the_token_budget_allows():
+    """4 samples of one prompt (10 tokens + answers of 5): one run of 30 tokens without a limit; at 20
+    tokens, runs of two (10 + 5 + 5); at 12, less than one sample, each sample alone. Two prompts
+    interleaved in the batch: each one's samples together."""
+    rows, widths = shared_prompt_rows([15] * 4, [10] * 4, [0] * 4, max_run_tokens=None)
     assert rows == [[0, 1, 2, 3]] and widths == [30]
-    rows, widths = shared_prompt_rows([15] * 4, [10] * 4, [0] * 4, pair_cost=1.0)
+    rows, widths = shared_prompt_rows([15] * 4, [10] * 4, [0] * 4, max_run_tokens=20)
     assert sorted(rows) == [[0, 1], [2, 3]] and widths == [20, 20]
-    rows, widths = shared_prompt_rows([101] * 4, [1] * 4, [0] * 4, pair_cost=1.0)
-    assert sorted(rows) == [[0], [1], [2], [3]] and widths == [101] * 4
+    rows, widths = shared_prompt_rows([15] * 4, [10] * 4, [0] * 4, max_run_tokens=12)
+    assert sorted(rows) == [[0], [1], [2], [3]] and widths == [15] * 4
+    rows, widths = shared_prompt_rows([15, 7, 15, 7], [10, 3, 10, 3], [0, 1, 0, 1], max_run_tokens=None)
+    assert rows == [[0, 2], [1, 3]] and widths == [20, 11]
 
 
 @pytest.mark.parametrize("training, attention", [({}, "sdpa"), ({}, "eager"), ({"micro_batch_tokens": 40}, "sdpa"),
@@ -311,7 +317,7 @@ def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model
     backend.model.set_attn_implementation(attention)
     assert backend.model.config._attn_implementation == attention
     lengths = batch.attention_mask.sum(1).tolist()
-    prompts = Prompts.of(batch, backend.model, backend.config)
+    prompts = Prompts.of(batch, backend.config)
     plan = plan_micro_batches(lengths, backend.config, prompts)
     assert sorted(i for rows in plan for row in rows for i in row) == list(range(len(batch)))
     slots = 0
