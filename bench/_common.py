@@ -47,13 +47,20 @@ def grpo_like_batch(num_sequences: int, prompt_tokens: tuple[int, int], response
     return collate(trajectories, [rng.gauss(0.0, 1.0) for _ in trajectories], pad_token_id=0)
 
 
+def layer_dims(model_config) -> tuple[int, int]:
+    """(weights of one decoder layer's matmuls: attention projections and the gated MLP, the width of
+    its attention: heads x head dim) of a Llama/Qwen-style model."""
+    config = model_config.get_text_config()
+    hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size, q
+
+
 def training_flops(config, batch) -> float:
     """Model FLOPs of one forward + backward (3x the forward) on `batch`, as reinforge computes it:
     decoder matmuls on every real token (2 FLOPs per weight), causal attention (QK^T and AV over the
     L(L+1)/2 causal pairs of each sequence, per layer), and the LM head on the trained tokens only (the
     chunked head's recompute in the backward pass is not counted: it is not model work)."""
-    from reinforge.training.micro_batching import layer_dims
-
     weights_per_layer, width = layer_dims(config)
     layers = config.num_hidden_layers
     lengths = batch.attention_mask.sum(dim=1).double()

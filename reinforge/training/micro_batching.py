@@ -63,15 +63,6 @@ class Prompts:
         return Prompts(self.lengths[start:end], self.keys[start:end])
 
 
-def layer_dims(model_config) -> tuple[int, int]:
-    """(weights of one decoder layer's matmuls: attention projections and the gated MLP, the width of
-    its attention: heads x head dim) of a Llama/Qwen-style model."""
-    config = model_config.get_text_config()
-    hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    return hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size, q
-
-
 def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prompts | None = None) -> MicroBatchPlan:
     """Each micro-batch as rows of sequence indices (one index per row when unpacked; the samples of a
     prompt consecutive in a row where they share it)."""
