@@ -9,21 +9,20 @@ import pytest
 
 from reinforge.algorithms.rollout_source import AsyncRollouts, SyncRollouts
 from reinforge.data.batch import Trajectory
+from reinforge.data.prompts import Prompt, PromptSampler
 from reinforge.logging.metrics import Timers
 
 
-class Counter:
-    """A stand-in prompt sampler: its state is how many batches were drawn."""
-
-    def __init__(self):
-        self.drawn = 0
-
-    def state_dict(self):
-        return {"drawn": self.drawn}
+def make_sampler(state=None):
+    """The real prompt sampler, one prompt per batch in file order: batch s draws prompt s - 1."""
+    sampler = PromptSampler([Prompt({"index": i}, [], [100 + i]) for i in range(40)], batch_size=1, seed=0, shuffle=False)
+    if state is not None:
+        sampler.load_state_dict(state)
+    return sampler
 
 
 def make_produce(sampler, engine_state, jitter):
-    """A produce(step) that records the engine's policy at generation time and sleeps at random."""
+    """A produce(step) that draws its prompt, records the engine's policy at generation time and sleeps at random."""
     rng = random.Random(0)
     lock = threading.Lock()
 
@@ -31,8 +30,9 @@ def make_produce(sampler, engine_state, jitter):
         with lock:
             delay = rng.uniform(0, jitter)
         time.sleep(delay)
-        sampler.drawn += 1
-        trajectory = Trajectory(prompt_ids=[1], response_ids=[2], gen_logprobs=[0.0], truncated=False, reward=0.0, group=0, task="t")
+        (prompt,) = sampler.next_batch()
+        trajectory = Trajectory(prompt_ids=prompt.token_ids, response_ids=[2], gen_logprobs=[0.0], truncated=False, reward=0.0,
+                                group=0, task="t")
         return [trajectory], {"seen_version": engine_state["version"]}
 
     return produce
@@ -45,6 +45,7 @@ def drive(rollouts, engine_state, start, last, jitter):
     for step in range(start + 1, last + 1):
         batch = rollouts.get(step)
         seen[step] = (batch.policy_version, batch.metrics["seen_version"], batch.trajectories[0].policy_version)
+        assert batch.trajectories[0].prompt_ids == [100 + step - 1], step  # the sampler's draws in step order
         time.sleep(rng.uniform(0, jitter))
         with rollouts.engine_turn(step, Timers()):
             engine_state["version"] = step  # the refit
@@ -53,7 +54,7 @@ def drive(rollouts, engine_state, start, last, jitter):
 
 @pytest.mark.parametrize("staleness", [0, 1, 2, 3])
 def test_each_batch_comes_from_exactly_the_policy_the_staleness_bound_names(staleness):
-    sampler, engine_state = Counter(), {"version": 0}
+    sampler, engine_state = make_sampler(), {"version": 0}
     rollouts = AsyncRollouts(make_produce(sampler, engine_state, 0.01), sampler, 0, 12, staleness)
     seen = drive(rollouts, engine_state, 0, 12, 0.01)
     rollouts.close()
@@ -63,13 +64,13 @@ def test_each_batch_comes_from_exactly_the_policy_the_staleness_bound_names(stal
 
 
 def test_sync_rollouts_are_on_policy():
-    sampler, engine_state = Counter(), {"version": 0}
+    sampler, engine_state = make_sampler(), {"version": 0}
     seen = drive(SyncRollouts(make_produce(sampler, engine_state, 0.0), sampler, 0), engine_state, 0, 5, 0.0)
     assert all(tagged == actual == step - 1 for step, (tagged, actual, _) in seen.items())
 
 
 def test_a_snapshot_holds_the_unconsumed_batches_and_resumes_the_same_schedule():
-    sampler, engine_state = Counter(), {"version": 0}
+    sampler, engine_state = make_sampler(), {"version": 0}
     rollouts = AsyncRollouts(make_produce(sampler, engine_state, 0.005), sampler, 0, 10, 2)
     for step in (1, 2, 3):
         rollouts.get(step)
@@ -79,18 +80,17 @@ def test_a_snapshot_holds_the_unconsumed_batches_and_resumes_the_same_schedule()
     rollouts.close()
     # after step 3's refit, batches 4 and 5 (made by policies 1 and 2) are owed and nothing else
     assert [(b.step, b.policy_version) for b in snapshot["pending"]] == [(4, 1), (5, 2)]
-    assert snapshot["sampler"] == {"drawn": 5}
-    resumed_sampler = Counter()
-    resumed_sampler.drawn = snapshot["sampler"]["drawn"]
+    assert snapshot["sampler"] == {"epoch": 0, "position": 5}  # batches 1-5 drawn
+    resumed_sampler = make_sampler(snapshot["sampler"])
     resumed = AsyncRollouts(make_produce(resumed_sampler, engine_state, 0.005), resumed_sampler, 3, 10, 2, snapshot["pending"])
     seen = drive(resumed, engine_state, 3, 10, 0.005)
     resumed.close()
     assert {step: v[0] for step, v in seen.items()} == {step: max(step - 3, 0) for step in range(4, 11)}
-    assert resumed_sampler.drawn == 10
+    assert resumed_sampler.state_dict() == {"epoch": 0, "position": 10}
 
 
 def test_a_producer_error_reaches_the_trainer():
-    sampler = Counter()
+    sampler = make_sampler()
 
     def produce(step):
         if step == 2:
