@@ -4,7 +4,8 @@
 overlap with each other carry an xdist group, and a group runs on one worker, test after test:
 - "ray": every test that starts Ray or vLLM (they watch for leftover Ray processes, and each takes
   the machine's CPUs);
-- "sandbox": every test that starts sandboxes (some count the live sandbox processes).
+- "sandbox": every test that starts sandboxes (some count the live sandbox processes);
+- "fsdp2_worker": tests/unit/test_fsdp2_worker.py, so that its costly module fixture runs once.
 Each worker keeps torch to one thread, and so do the processes it starts (OMP_NUM_THREADS), so that
 the two workers share the cores instead of fighting over them.
 """

@@ -19,6 +19,8 @@ from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.training.fsdp2_worker import FSDP2Worker
 
 NUM_STEPS = 2
+# every test here on one xdist worker: the module fixture (three process worlds, ~35 s) then runs once, not on both
+pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
 
 def perturb(batch, logprobs, ref_logprobs):
