@@ -269,10 +269,12 @@ def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list
         groups.setdefault(key, []).append(b)
     runs: list[list[int]] = []
     widths: list[int] = []
-    for members in groups.values():
-        for b in members:
-            grown = widths[-1] + lengths[b] - prompt_lengths[b] if runs and runs[-1][0] in members else None
-            if grown is not None and (max_run_tokens is None or grown <= max_run_tokens):
+    for first, *others in groups.values():
+        runs.append([first])
+        widths.append(lengths[first])
+        for b in others:  # the run grows by the answer only; a new run starts with its own prompt
+            grown = widths[-1] + lengths[b] - prompt_lengths[b]
+            if max_run_tokens is None or grown <= max_run_tokens:
                 runs[-1].append(b)
                 widths[-1] = grown
             else:
