@@ -32,9 +32,11 @@ def build_30m_model(out_dir: Path) -> Path:
 
 
 def grpo_like_batch(num_sequences: int, prompt_tokens: tuple[int, int], response_tokens: tuple[int, int], vocab_size: int,
-                    num_generations: int = 8, seed: int = 0):
+                    num_generations: int = 8, seed: int = 0, shared_prompts: bool = False):
     """A TrainBatch shaped like a GRPO rollout: prompt and response lengths uniform in the given ranges,
-    random tokens, the loss on the responses, advantages of both signs, old logprobs still to fill in."""
+    random tokens, the loss on the responses, advantages of both signs, old logprobs still to fill in.
+    With `shared_prompts` the `num_generations` samples of a group have the same prompt (the group's
+    first); without, every sequence has its own."""
     from reinforge.data.batch import Trajectory, collate
 
     rng = random.Random(seed)
@@ -42,8 +44,8 @@ def grpo_like_batch(num_sequences: int, prompt_tokens: tuple[int, int], response
     for index in range(num_sequences):
         num_prompt, num_response = rng.randint(*prompt_tokens), rng.randint(*response_tokens)
         ids = [rng.randrange(3, vocab_size) for _ in range(num_prompt + num_response)]
-        trajectories.append(Trajectory(ids[:num_prompt], ids[num_prompt:], [0.0] * num_response, False, 0.0,
-                                       index // num_generations, "math"))
+        prompt = trajectories[-1].prompt_ids if shared_prompts and index % num_generations else ids[:num_prompt]
+        trajectories.append(Trajectory(prompt, ids[num_prompt:], [0.0] * num_response, False, 0.0, index // num_generations, "math"))
     return collate(trajectories, [rng.gauss(0.0, 1.0) for _ in trajectories], pad_token_id=0)
 
 

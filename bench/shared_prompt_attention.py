@@ -4,8 +4,8 @@
 
 The batch is one GRPO step of bench/grpo_vs_trl.py's shape: for the demo model 32 prompts x 8 samples
 (30-41 prompt tokens, 30-token answers), for the 30M model 8 x 8 with 48-token answers; random tokens.
-It is laid out as the training backends lay it out (`shared_prompt_rows` with micro-batches of 4096
-tokens, `shared_prompt_layout`), then each micro-batch runs forward and backward (the model's output at
+It is planned and laid out by the training backends' own code (`Prompts`, `plan_micro_batches` with
+micro-batches of 4096 tokens, `select_micro_batch`, `shared_prompt_layout`), then each micro-batch runs forward and backward (the model's output at
 one position per row, summed) two ways on the same weights: through `training/segment_attention.py`
 (what the backends do), and with the same attention written as a boolean [R, 1, W, W] mask handed to
 the model's sdpa attention (what they did before). One torch thread; the two alternate, the first
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -28,35 +27,26 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import build_30m_model  # noqa: E402
+from _common import build_30m_model, grpo_like_batch  # noqa: E402
 
 SHAPES = {"demo": (32, 30), "30m": (8, 48)}  # prompts per step, answer tokens
 GENERATIONS, MICRO_BATCH_TOKENS = 8, 4096
 
 
 def layouts(num_prompts: int, answer_tokens: int, vocab_size: int):
-    from reinforge.data.packing import rows_by_token_budget, shared_prompt_layout, shared_prompt_rows
+    """The step's shared-prompt layouts, planned and selected as the training backends do it."""
+    from reinforge.config.schema import TrainingConfig
+    from reinforge.data.packing import shared_prompt_layout
+    from reinforge.training.micro_batching import Prompts, plan_micro_batches, select_micro_batch
 
-    rng = random.Random(0)
-    sequences, prompt_lengths = [], []
-    for _ in range(num_prompts):
-        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(30, 41))]
-        for _ in range(GENERATIONS):
-            sequences.append(prompt + [rng.randrange(3, vocab_size) for _ in range(answer_tokens)])
-            prompt_lengths.append(len(prompt))
-    lengths = [len(s) for s in sequences]
-    input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
-    for i, sequence in enumerate(sequences):
-        input_ids[i, : len(sequence)] = torch.tensor(sequence)
-    rows, widths = shared_prompt_rows(lengths, prompt_lengths, [i // GENERATIONS for i in range(len(sequences))], MICRO_BATCH_TOKENS)
+    batch = grpo_like_batch(num_prompts * GENERATIONS, (30, 41), (answer_tokens, answer_tokens), vocab_size, GENERATIONS,
+                            shared_prompts=True)
+    config = TrainingConfig(global_batch_size=len(batch), micro_batch_size=len(batch), micro_batch_tokens=MICRO_BATCH_TOKENS)
     result = []
-    for micro in rows_by_token_budget(rows, widths, MICRO_BATCH_TOKENS):
-        indices = [b for row in micro for b in row]
-        local, start = [], 0
-        for row in micro:
-            local.append(list(range(start, start + len(row))))
-            start += len(row)
-        result.append(shared_prompt_layout(input_ids[indices], [lengths[b] for b in indices], [prompt_lengths[b] for b in indices], local, 0))
+    for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), config, Prompts.of(batch, config)):
+        micro, local_rows, _ = select_micro_batch(batch, rows)
+        result.append(shared_prompt_layout(micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), micro.prompt_lengths.tolist(),
+                                           local_rows, pad_token_id=0))
     return result
 
 
