@@ -16,10 +16,12 @@ from reinforge.config.section import Section
 from reinforge.envs.http_client import RemoteEnvConfig
 from reinforge.envs.code_env import CodeEnvConfig
 from reinforge.envs.format_env import FormatEnvConfig
+from reinforge.envs.gym_config import GymResourcesConfig
 from reinforge.envs.ifeval import IfEvalConfig
 from reinforge.envs.judge import JudgeEnvConfig
 from reinforge.envs.tool_use import ToolUseEnvConfig
 from reinforge.logging.loggers import LoggersConfig
+from reinforge.rollout.agent_config import AgentConfig
 
 
 class ModelConfig(Section):
@@ -164,6 +166,11 @@ class TrainingConfig(Section):
 
 
 class GRPOConfig(Section):
+    rollout: Literal["reinforge", "agent"] = "reinforge"
+    """Who drives an episode: `reinforge` samples the turns itself and asks the environments (env.*);
+    `agent` hands each episode to an agent (agent.*: a NeMo Gym agent server, or your own Python
+    function) that calls the policy through the run's OpenAI-compatible endpoint; the trajectory is
+    rebuilt from what the endpoint recorded (docs/agents.md)."""
     num_prompts_per_step: int = 16
     """Distinct prompts per step."""
     num_generations_per_prompt: int = 8
@@ -296,6 +303,11 @@ class EnvConfig(Section):
     remote: dict[str, RemoteEnvConfig] = {}
     """Tasks scored by environment servers (`reinforge env serve`): task name -> server, e.g.
     `env.remote.code.url=http://10.0.0.5:8000`. A remote task may have any name, built in or not."""
+    gym: dict[str, GymResourcesConfig] = {}
+    """Tasks scored by NeMo Gym resources servers while reinforge drives the model: task name -> server,
+    e.g. `env.gym.weather.url=http://127.0.0.1:18001`. The server's tools are called for the policy's
+    `<tool_call>`s (its session cookie kept per trajectory), and its /verify scores the episode
+    (docs/agents.md). Needs grpo.max_turns > 1 for tools."""
 
 
 class CurriculumConfig(Section):
@@ -413,6 +425,7 @@ class Config(Section):
     loss: LossConfig = LossConfig()
     env: EnvConfig = EnvConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
+    agent: AgentConfig = AgentConfig()
     cluster: ClusterConfig = ClusterConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -494,6 +507,9 @@ class Config(Section):
             (not (self.grpo.async_rollouts and self.generation.vllm_sleep_mode),
              "grpo.async_rollouts=true keeps the engine generating while the trainer works, so it never sleeps; "
              "set generation.vllm_sleep_mode to false or null"),
+            (self.grpo.rollout != "agent" or bool(self.agent.names()),
+             "grpo.rollout=agent needs an agent: agent.python.NAME=module:function (your own) or agent.gym.NAME.url=URL "
+             "(a NeMo Gym agent server)"),
             (self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
              "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)"),
         ]

@@ -31,6 +31,7 @@ class Trajectory:
     num_turns: int = 1  # policy turns in a multi-turn rollout
     components: dict[str, float] = field(default_factory=dict)  # named parts of the reward
     policy_version: int = 0  # the policy that generated it: trained through this many steps
+    masked: bool = False  # not trained on (an env's mask_sample, a broken agent episode); its reward still counts
 
 
 @dataclass
@@ -90,7 +91,8 @@ def _rows(tensor: torch.Tensor, start: int, end: int, width: int) -> torch.Tenso
 
 def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_id: int) -> TrainBatch:
     """Pack trajectories into right-padded tensors with the loss on the policy's own tokens only
-    (environment observations inside a multi-turn response are masked out)."""
+    (environment observations inside a multi-turn response are masked out, and so is all of a masked
+    trajectory)."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     num_rows = len(trajectories)
     input_ids = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
@@ -102,7 +104,8 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
         end = num_prompt + num_response
         input_ids[row, :end] = torch.tensor(trajectory.prompt_ids + trajectory.response_ids)
         attention_mask[row, :end] = 1
-        loss_mask[row, num_prompt:end] = 1.0 if trajectory.response_mask is None else torch.tensor(trajectory.response_mask, dtype=torch.float32)
+        if not trajectory.masked:
+            loss_mask[row, num_prompt:end] = 1.0 if trajectory.response_mask is None else torch.tensor(trajectory.response_mask, dtype=torch.float32)
         gen_logprobs[row, num_prompt:end] = torch.tensor(trajectory.gen_logprobs, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,

@@ -18,6 +18,8 @@ class EnvRequest:
 
     messages: list[dict[str, str]]  # chat messages; the last one is the assistant's response
     record: dict[str, Any]  # the dataset record: "answer", "tests", ... whatever the env needs
+    episode_id: str = ""  # the trajectory's id, the same on each of its turns (for envs that keep a session)
+    last_turn: bool = False  # the rollout stops after this turn whatever the answer: score what there is
 
 
 @dataclass
@@ -29,6 +31,7 @@ class EnvResponse:
     done: bool = True  # False: `observation` is appended and the policy takes another turn
     observation: list[dict[str, str]] | None = None  # messages to append when not done
     info: dict[str, Any] = field(default_factory=dict)  # per-sample facts, e.g. {"extracted": "42"}
+    mask_sample: bool = False  # True: not trained on (its reward still counts in its group's baseline)
 
 
 @dataclass

@@ -94,7 +94,8 @@ class RemoteEnvironment:
         responses = []
         for start in range(0, len(requests), self.batch_size):
             batch = requests[start : start + self.batch_size]
-            body = {"requests": [{"messages": r.messages, "record": r.record} for r in batch]}
+            body = {"requests": [{"messages": r.messages, "record": r.record, "episode_id": r.episode_id, "last_turn": r.last_turn}
+                                 for r in batch]}
             results = self._call("POST", "/verify", body)["responses"]
             if len(results) != len(batch):
                 raise EnvServerError(f"environment server {self.url} answered {len(results)} responses to {len(batch)} requests")

@@ -4,7 +4,8 @@ The verifier runs in its own process (or on another machine) and the trainer rea
 `RemoteEnvironment` (http_client.py). JSON only, in and out; nothing is ever unpickled.
 
     POST /verify         {"requests": [{"messages": [...], "record": {...}}, ...]}
-                         -> {"responses": [{"reward", "components", "done", "observation", "info"}, ...]}
+                         (each may also carry "episode_id" and "last_turn")
+                         -> {"responses": [{"reward", "components", "done", "observation", "info", "mask_sample"}, ...]}
     GET  /health         -> {"status": "ok"}   (the only route open without the token)
     GET  /metrics        -> {"metrics": env.metrics()}   (counters since the last call, then reset)
     GET  /tools          -> {"tools": [{"name", "description", "parameters"}, ...]}
@@ -51,6 +52,10 @@ class VerifyItem(_Body):
     """The conversation; the last message is the policy's answer."""
     record: dict[str, Any]
     """The dataset record: whatever fields the environment needs."""
+    episode_id: str = ""
+    """The trajectory's id, the same on each of its turns."""
+    last_turn: bool = False
+    """The rollout stops after this turn whatever the answer."""
 
 
 class VerifyRequest(_Body):
@@ -63,6 +68,7 @@ class VerifyResult(_Body):
     done: bool
     observation: list[dict[str, str]] | None
     info: dict[str, Any]
+    mask_sample: bool = False
 
 
 class VerifyResponse(_Body):
@@ -110,7 +116,8 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
 
     @app.post("/verify")
     async def verify(body: VerifyRequest) -> VerifyResponse:
-        requests = [EnvRequest(messages=item.messages, record=item.record) for item in body.requests]
+        requests = [EnvRequest(messages=item.messages, record=item.record, episode_id=item.episode_id, last_turn=item.last_turn)
+                    for item in body.requests]
         try:
             responses = await run_in_threadpool(env.step, requests)
         except ReinforgeError as exc:
@@ -120,7 +127,8 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
             raise HTTPException(500, f"environment {type(env).__name__} failed: {_one_line(exc)}")
         results = [
             VerifyResult(
-                reward=r.reward, components=r.components, done=r.done, observation=r.observation, info=r.info
+                reward=r.reward, components=r.components, done=r.done, observation=r.observation, info=r.info,
+                mask_sample=r.mask_sample,
             )
             for r in responses
         ]

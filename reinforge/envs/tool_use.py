@@ -22,16 +22,14 @@ costs nothing in reward; `tool_use.call_penalty` can charge for calls.
 from __future__ import annotations
 
 import ast
-import json
 import operator
-import re
 from typing import Any, Callable
 
 from reinforge.config.section import Section
+from reinforge.data.tool_calls import ToolCall, parse_tool_calls
 from reinforge.envs.base import EnvRequest, EnvResponse, Environment, Tool
 from reinforge.envs.sandbox import SandboxLimits, run_python
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_OBSERVATION_CHARS = 2000
 
 
@@ -81,20 +79,15 @@ def calculate(expression: str) -> str:
     return str(result)
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
-    """Each `<tool_call>` block as {"name", "arguments"}, or an error string when it is malformed."""
-    calls: list[dict[str, Any] | str] = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as exc:
-            calls.append(f"error: the tool call is not valid JSON ({exc.msg})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
-            calls.append('error: a tool call is {"name": "...", "arguments": {...}}')
-            continue
-        calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-    return calls
+def tool_use_components(request: EnvRequest) -> dict[str, float]:
+    """How the conversation used tools: `num_tool_calls` (tool results it got), and, when the record has
+    an `answer`, `tool_result_correct` (1 when some tool result is exactly that answer: the tool was
+    asked the right question)."""
+    results = [str(m.get("content", "")).strip() for m in request.messages if m.get("role") == "tool"]
+    components = {"num_tool_calls": float(len(results))}
+    if "answer" in request.record:
+        components["tool_result_correct"] = float(str(request.record["answer"]).strip() in results)
+    return components
 
 
 class ToolUseEnv:
@@ -129,18 +122,18 @@ class ToolUseEnv:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         return f"error ({result.status}): {lines[-1] if lines else 'no output'}"
 
-    def run_call(self, call: dict[str, Any] | str) -> str:
+    def run_call(self, call: ToolCall | str) -> str:
         """The observation for one parsed call."""
         self.counts["tool_calls"] += 1
         if isinstance(call, str):
             self.counts["tool_errors"] += 1
             return call
-        tool = self.tools.get(call["name"])
+        tool = self.tools.get(call.name)
         if tool is None:
             self.counts["tool_errors"] += 1
-            return f"error: unknown tool {call['name']!r}; tools: {', '.join(self.tools)}"
+            return f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}"
         try:
-            return tool.run(call["arguments"])[:MAX_OBSERVATION_CHARS]
+            return tool.run(call.arguments)[:MAX_OBSERVATION_CHARS]
         except (ValueError, KeyError, TypeError) as exc:
             self.counts["tool_errors"] += 1
             return f"error: {exc}"
@@ -159,6 +152,7 @@ class ToolUseEnv:
         if final:
             self.counts["final_answers"] += len(final)
             for index, response in zip(final, self.answer_env.step([requests[i] for i in final])):
+                response.components.update(tool_use_components(requests[index]))
                 responses[index] = response
         return responses  # type: ignore[return-value]
 

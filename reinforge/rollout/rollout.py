@@ -14,6 +14,7 @@ single-turn GRPO.
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -21,12 +22,12 @@ from transformers import PreTrainedTokenizerBase
 
 from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt
+from reinforge.data.tool_calls import TOOL_CALL_END  # a turn that calls a tool ends there: the observation comes next
 from reinforge.envs.base import EnvRequest, EnvResponse, Environment
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
 from reinforge.rollout.single_turn import generate_trajectories
 
-TOOL_CALL_END = "</tool_call>"  # a turn that calls a tool ends there: the observation comes next
 _MARK = "\u2063reinforge\u2063"  # an unlikely string, to find where the template closes a message
 
 
@@ -52,15 +53,18 @@ def rollout(prompts: list[Prompt], engine: GenerationBackend, params: SamplingPa
         trajectory.task = prompts[trajectory.group].record.get("task", options.default_task)
         trajectory.response_mask = [1] * len(trajectory.response_ids)
     conversations = [prompts[t.group].messages + [_assistant(t.response_text)] for t in trajectories]
+    episode_ids = [f"{uuid.uuid4().hex[:12]}-{index}" for index in range(len(trajectories))]
     turn_rewards: list[list[float]] = [[] for _ in trajectories]
     active = list(range(len(trajectories)))
     for turn in range(1, options.max_turns + 1):
         with timers.time("reward"):
-            responses = _step_by_task(active, trajectories, conversations, prompts, envs)
+            responses = _step_by_task(active, trajectories, conversations, prompts, envs, episode_ids,
+                                      last_turn=turn == options.max_turns)
         continuing = []
         for index, response in zip(active, responses):
             turn_rewards[index].append(response.reward)
             trajectories[index].components.update(response.components)
+            trajectories[index].masked |= response.mask_sample
             if response.done or not response.observation or turn == options.max_turns or trajectories[index].truncated:
                 continue
             trajectory = trajectories[index]
@@ -100,14 +104,17 @@ def _assistant(text: str) -> dict[str, str]:
 
 
 def _step_by_task(indices: list[int], trajectories: list[Trajectory], conversations: list[list[dict[str, str]]],
-                  prompts: list[Prompt], envs: dict[str, Environment]) -> list[EnvResponse]:
-    """One `step` call per task environment; responses in the order of `indices`."""
+                  prompts: list[Prompt], envs: dict[str, Environment], episode_ids: list[str], last_turn: bool) -> list[EnvResponse]:
+    """One `step` call per task environment; responses in the order of `indices`. A truncated answer is
+    the trajectory's last turn too: the rollout does not continue it."""
     by_task: dict[str, list[int]] = defaultdict(list)
     for position, index in enumerate(indices):
         by_task[trajectories[index].task].append(position)
     responses: list[EnvResponse | None] = [None] * len(indices)
     for task, positions in by_task.items():
-        requests = [EnvRequest(messages=conversations[indices[p]], record=prompts[trajectories[indices[p]].group].record) for p in positions]
+        requests = [EnvRequest(messages=conversations[i], record=prompts[trajectories[i].group].record, episode_id=episode_ids[i],
+                               last_turn=last_turn or trajectories[i].truncated)
+                    for i in (indices[p] for p in positions)]
         for position, response in zip(positions, envs[task].step(requests)):
             responses[position] = response
     return responses  # type: ignore[return-value]

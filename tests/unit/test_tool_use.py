@@ -4,7 +4,8 @@ import pytest
 
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.math_env import MathEnv
-from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig, calculate, parse_tool_calls
+from reinforge.data.tool_calls import parse_tool_calls
+from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig, calculate
 from reinforge.errors import ConfigError
 
 # One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).

@@ -1,0 +1,44 @@
+"""The endpoint's settings: `reinforge serve`'s options, and `agent.endpoint` in a GRPO run."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from reinforge.config.section import Section
+
+
+class ServingConfig(Section):
+    host: str = "127.0.0.1"
+    """Address to bind; anything but loopback needs `allow_remote` (and should have a token)."""
+    port: int = 0
+    """TCP port; 0 picks a free one when the endpoint starts (its URL is printed and written to RUN_DIR/endpoint.json)."""
+    allow_remote: bool = False
+    """Allow a `host` other than loopback: the endpoint then serves other machines."""
+    token_env: str = ""
+    """Name of the environment variable holding the bearer token clients must send; empty: no token."""
+    model_name: str = "policy"
+    """The model id the endpoint reports (`GET /v1/models`) and accepts in requests' `model` (any value is accepted)."""
+    max_request_bytes: int = 16 << 20
+    """Largest request body accepted; larger ones get HTTP 413."""
+    max_batch_size: int = 256
+    """Most requests the endpoint hands the engine in one call; more wait for the next call."""
+    batch_wait_s: float = 0.01
+    """How long the endpoint waits after a request for more to join its batch (none when every agent of
+    the rollout is already waiting on the policy)."""
+    max_tokens: int = 256
+    """`reinforge serve`: completion length when a request gives no `max_tokens` (in a run:
+    `generation.max_new_tokens`, which also caps what a request may ask for)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServingConfig":
+        checks = [
+            (0 <= self.port <= 65535, f"port={self.port} must be in [0, 65535] (0: a free port)"),
+            (self.max_request_bytes >= 1, "max_request_bytes must be >= 1"),
+            (self.max_batch_size >= 1, "max_batch_size must be >= 1"),
+            (self.batch_wait_s >= 0, "batch_wait_s must be >= 0"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"endpoint {message}")
+        return self
