@@ -48,11 +48,9 @@ from reinforge.config import Config, save_config
 from reinforge.config.schema import LossConfig
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.curriculum import batch_metrics, build_prompt_sampler
-from reinforge.data.jsonl import read_jsonl
-from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
+from reinforge.data.prompts import Prompt, PromptSampler, load_prompts
 from reinforge.envs.base import Environment
 from reinforge.envs.registry import check_tasks
-from reinforge.errors import DataError
 from reinforge.evaluation.evaluate import ValidationBenchmark, benchmark_metrics, prepare_validation_benchmarks
 from reinforge.generation import consistency
 from reinforge.generation.base import GenerationBackend, SamplingParams
@@ -62,7 +60,6 @@ from reinforge.logging.loggers import MetricLogger, check_backends
 from reinforge.logging.memory import memory_metrics
 from reinforge.logging.metrics import Timers
 from reinforge.modeling import load_tokenizer
-from reinforge.paths import resolve_path
 from reinforge.rollout.rollout import RolloutOptions, rollout
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
@@ -85,8 +82,8 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
     if config.cluster.num_threads:
         torch.set_num_threads(config.cluster.num_threads)
     tokenizer = load_tokenizer(config.model)
-    train_prompts = load_prompts(config.data.train_path, config, tokenizer)
-    val_prompts = load_prompts(config.data.val_path, config, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
+    train_prompts = load_prompts(config.data.train_path, config.data, tokenizer)
+    val_prompts = load_prompts(config.data.val_path, config.data, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
 
     benchmarks = prepare_validation_benchmarks(g.val_benchmarks, g.val_benchmark_limit, tokenizer)
     tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
@@ -313,22 +310,6 @@ def check_consistency(prompts: list[Prompt], engine: GenerationBackend, trainer:
     params = sampling_params(config, 0)
     error = consistency.probe(prompts, engine, trainer, tokenizer, params)
     consistency.check(error, config.generation.max_logprob_error, when, params)
-
-
-def load_prompts(path: str, config: Config, tokenizer) -> list[Prompt]:
-    """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`."""
-    records = read_jsonl(resolve_path(path), required_keys=(config.data.prompt_key,))
-    prompts = [
-        render_prompt(r, tokenizer, config.data.prompt_key, config.data.system_prompt, config.data.use_chat_template,
-                      config.data.system_key)
-        for r in records
-    ]
-    kept = [p for p in prompts if len(p.token_ids) <= config.data.max_prompt_tokens]
-    if not kept:
-        raise DataError(f"{path}: every prompt is longer than data.max_prompt_tokens={config.data.max_prompt_tokens}; raise it")
-    if len(kept) < len(prompts):
-        print(f"{path}: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than data.max_prompt_tokens")
-    return kept
 
 
 def sampling_params(config: Config, step: int) -> SamplingParams:

@@ -282,7 +282,7 @@ def prefilter_file(config: Config, out: Path, keep_all: bool) -> tuple[int, int]
     import torch
 
     from reinforge.algorithms.builders import build_engine, build_environments, start_ray_if_needed
-    from reinforge.algorithms.grpo import load_prompts
+    from reinforge.data.prompts import load_prompts
     from reinforge.envs.registry import check_tasks
     from reinforge.modeling import load_tokenizer
 
@@ -290,7 +290,7 @@ def prefilter_file(config: Config, out: Path, keep_all: bool) -> tuple[int, int]
         torch.set_num_threads(config.cluster.num_threads)
     one_process = config.model_copy(update={"training": config.training.model_copy(update={"backend": "torch", "num_workers": 1})})
     tokenizer = load_tokenizer(config.model)
-    prompts = load_prompts(config.data.train_path, config, tokenizer)
+    prompts = load_prompts(config.data.train_path, config.data, tokenizer)
     tasks = {p.record.get("task", config.env.default_task) for p in prompts} | set(config.env.extra_rewards)
     check_tasks(tasks, config.env)
     with ExitStack() as cleanup:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
+from reinforge.data.jsonl import read_jsonl
 from reinforge.errors import DataError
+from reinforge.paths import resolve_path
+
+if TYPE_CHECKING:
+    from reinforge.config.schema import DataConfig
 
 
 @dataclass
@@ -52,6 +57,21 @@ def render_prompt(
         text = "".join(m["content"] + "\n" for m in messages)
         token_ids = tokenizer(text)["input_ids"]
     return Prompt(record=record, messages=messages, token_ids=list(token_ids))
+
+
+def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
+    """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`."""
+    records = read_jsonl(resolve_path(path), required_keys=(data.prompt_key,))
+    prompts = [
+        render_prompt(r, tokenizer, data.prompt_key, data.system_prompt, data.use_chat_template, data.system_key)
+        for r in records
+    ]
+    kept = [p for p in prompts if len(p.token_ids) <= data.max_prompt_tokens]
+    if not kept:
+        raise DataError(f"{path}: every prompt is longer than data.max_prompt_tokens={data.max_prompt_tokens}; raise it")
+    if len(kept) < len(prompts):
+        print(f"{path}: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than data.max_prompt_tokens")
+    return kept
 
 
 class PromptSampler:

@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 
-from reinforge.algorithms.grpo import load_prompts
+from reinforge.data.prompts import load_prompts
 from reinforge.config import load_config
 from reinforge.config.schema import DataConfig, ModelConfig
 from reinforge.data.prompts import render_prompt
@@ -72,7 +72,7 @@ def test_render_prompts_default_field_is_the_configs():
 def test_the_reasoning_demo_prompts_carry_their_mode_in_the_system_message(tokenizer):
     """data/demo/reasoning_val.jsonl through the GRPO config: each prompt's system message is its record's."""
     config = load_config(PROJECT_ROOT / "configs" / "reasoning_grpo_demo.yaml", ["model.name_or_path=models/demo"])
-    prompts = load_prompts(config.data.val_path, config, tokenizer)
+    prompts = load_prompts(config.data.val_path, config.data, tokenizer)
     assert len(prompts) == 400
     for prompt in prompts:
         mode = prompt.record["thinking"]
