@@ -1,16 +1,28 @@
-"""Turning dataset records into tokenized prompts, and drawing them batch by batch."""
+"""Turning dataset records into tokenized prompts, and drawing them batch by batch.
+
+A record is an ordinary one (its prompt text in `data.prompt_key`) or a NeMo Gym row: a record with
+`responses_create_params` (an OpenAI Responses request: `input`, `tools`, `instructions`), whose
+conversation and tools are rendered with `templates.render_ids`, as the OpenAI-compatible endpoint
+renders what Gym sends it. The row's other fields (e.g. `expected_call`) ride along in `record`
+for its resources server's /verify (envs/gym.py).
+"""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
 from reinforge.data.jsonl import read_jsonl
+from reinforge.data.responses_format import create_params_to_chat
+from reinforge.data.templates import render_ids
 from reinforge.errors import DataError
 from reinforge.paths import resolve_path
+
+GYM_ROW_KEY = "responses_create_params"  # what makes a record a NeMo Gym row
 
 if TYPE_CHECKING:
     from reinforge.config.schema import DataConfig
@@ -23,6 +35,7 @@ class Prompt:
     record: dict[str, Any]  # the dataset record (answer, task, ...)
     messages: list[dict[str, str]]  # the chat so far (system?, user)
     token_ids: list[int]  # the rendered prompt, ending where the assistant's reply starts
+    tools: list[dict[str, Any]] | None = None  # tools offered to the policy, chat form (NeMo Gym rows)
 
 
 def render_prompt(
@@ -39,14 +52,12 @@ def render_prompt(
     `system_prompt`: the record wins, so one file can mix system prompts (e.g. "detailed thinking
     on" and "off" per record) while the global one fills in for records without. An empty string
     in the record means no system message for that record. The default `system_key` is
-    `data.system_key`'s (config/schema.py).
+    `data.system_key`'s (config/schema.py). A NeMo Gym row whose input starts with its own system
+    (or developer) message keeps that one and gets no other.
     """
-    system = record.get(system_key)
-    if system is None:
-        system = system_prompt
-    elif not isinstance(system, str):
-        raise DataError(f"the record field {system_key!r} must be its system message as a string (or null for none), "
-                        f"got {type(system).__name__} in the record with prompt {str(record.get(prompt_key))[:60]!r}")
+    if GYM_ROW_KEY in record:
+        return _render_gym_row(record, tokenizer, system_prompt, use_chat_template, system_key)
+    system = _system_message(record, system_prompt, system_key, str(record.get(prompt_key))[:60])
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": str(record[prompt_key])}
     ]
@@ -59,19 +70,58 @@ def render_prompt(
     return Prompt(record=record, messages=messages, token_ids=list(token_ids))
 
 
+def _system_message(record: dict[str, Any], system_prompt: str | None, system_key: str, shown: str) -> str | None:
+    """The record's own system message, else the global one (see render_prompt)."""
+    system = record.get(system_key)
+    if system is None:
+        system = system_prompt
+    elif not isinstance(system, str):
+        raise DataError(f"the record field {system_key!r} must be its system message as a string (or null for none), "
+                        f"got {type(system).__name__} in the record with prompt {shown!r}")
+    return system
+
+
+def _render_gym_row(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,
+                    use_chat_template: bool, system_key: str) -> Prompt:
+    messages, tools = create_params_to_chat(record[GYM_ROW_KEY])
+    if not messages:
+        raise DataError(f"a NeMo Gym row's {GYM_ROW_KEY}.input holds no messages")
+    if not use_chat_template:
+        raise DataError("NeMo Gym rows (records with responses_create_params) need the chat template: set data.use_chat_template=true")
+    if messages[0]["role"] not in ("system", "developer"):
+        system = _system_message(record, system_prompt, system_key, str(messages[0]["content"])[:60])
+        messages = ([{"role": "system", "content": system}] if system else []) + messages
+    return Prompt(record=record, messages=messages, token_ids=render_ids(tokenizer, messages, tools), tools=tools)
+
+
 def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
-    """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`."""
-    records = read_jsonl(resolve_path(path), required_keys=(data.prompt_key,))
-    prompts = [
-        render_prompt(r, tokenizer, data.prompt_key, data.system_prompt, data.use_chat_template, data.system_key)
-        for r in records
-    ]
+    """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`. Each record
+    needs `data.prompt_key`, or `responses_create_params` (a NeMo Gym row)."""
+    file = resolve_path(path)
+    prompts = []
+    for index, record in enumerate(read_jsonl(file)):
+        if GYM_ROW_KEY not in record and data.prompt_key not in record:
+            raise DataError(f"{file}:{_line_number(file, index)}: record has no {data.prompt_key} field; "
+                            f"every record needs {data.prompt_key} (or {GYM_ROW_KEY}, as a NeMo Gym row has)")
+        try:
+            prompts.append(render_prompt(record, tokenizer, data.prompt_key, data.system_prompt, data.use_chat_template, data.system_key))
+        except DataError as exc:
+            if GYM_ROW_KEY not in record:
+                raise
+            raise DataError(f"{file}:{_line_number(file, index)}: {exc}") from None
     kept = [p for p in prompts if len(p.token_ids) <= data.max_prompt_tokens]
     if not kept:
         raise DataError(f"{path}: every prompt is longer than data.max_prompt_tokens={data.max_prompt_tokens}; raise it")
     if len(kept) < len(prompts):
         print(f"{path}: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than data.max_prompt_tokens")
     return kept
+
+
+def _line_number(path: Path, index: int) -> int:
+    """The line of the `index`-th record (read_jsonl skips blank lines)."""
+    with path.open(encoding="utf-8") as handle:
+        lines = [number for number, line in enumerate(handle, start=1) if line.strip()]
+    return lines[index]
 
 
 class PromptSampler:
