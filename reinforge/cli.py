@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_command(commands)
 
+    from reinforge.serving.cli import add_serve_command
+
+    add_serve_command(commands)
+
     curriculum = commands.add_parser("curriculum", help="offline pass-rate pre-filtering of a prompt file (Llama-Nemotron's curriculum)")
     prefilter = curriculum.add_subparsers(dest="curriculum_command", required=True, metavar="COMMAND").add_parser(
         "prefilter", help="write data.train_path's records with a measured `pass_rate` field",
@@ -144,6 +148,10 @@ def run_command(args: argparse.Namespace) -> None:
         from reinforge.evaluation.cli import run_eval_command
 
         run_eval_command(args)
+    elif args.command == "serve":
+        from reinforge.serving.cli import run_serve_command
+
+        run_serve_command(args)
     elif args.command == "convert":
         from reinforge.training.convert import convert
 

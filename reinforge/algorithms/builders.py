@@ -16,6 +16,7 @@ from reinforge.config import Config
 from reinforge.envs.base import Environment
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend
+from reinforge.rollout.rollout import Episodes, ReinforgeRollout, RolloutOptions
 from reinforge.training.base import TrainingBackend
 
 
@@ -116,3 +117,61 @@ def write_placement(run_dir: Path, trainer, engine, envs: dict[str, Environment]
             placement[name] = getattr(group, "group", group).node_ids()
     if placement:
         (run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
+
+
+def rollout_options(config: Config) -> RolloutOptions:
+    g = config.grpo
+    return RolloutOptions(default_task=config.env.default_task, max_turns=g.max_turns, turn_reward=g.turn_reward,
+                          max_observation_tokens=g.max_observation_tokens, extra_rewards=config.env.extra_rewards)
+
+
+def build_episodes(config: Config, engine: GenerationBackend, tokenizer, envs: dict[str, Environment], prompts: list,
+                   run_dir: Path, cleanup: ExitStack) -> Episodes:
+    """Who drives each episode (`grpo.rollout`): reinforge itself with the environments, or agents calling
+    the policy's endpoint, which then starts on loopback (with the environments `agent.serve_envs` serves
+    the NeMo Gym way beside it); RUN_DIR/endpoint.json says where."""
+    if config.grpo.rollout == "reinforge":
+        return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config))
+    from reinforge.rollout.agent import AgentRollout, agent_of
+    from reinforge.serving.server import PolicyServer
+    from reinforge.generation.vllm_backend import max_sequence_tokens
+
+    agent = config.agent
+    for prompt in prompts:  # every record must name an agent that exists, before anything starts
+        agent_of(prompt.record, agent)
+    server = PolicyServer(engine, tokenizer, agent.endpoint, max_model_len=config.generation.vllm_max_model_len or max_sequence_tokens(config),
+                          default_max_tokens=config.generation.max_new_tokens, managed=True, token=endpoint_token(agent.endpoint))
+    server.start()
+    cleanup.callback(server.stop)
+    servers = {**agent.servers, **serve_gym_envs(agent.serve_envs, config.env, cleanup)}
+    episodes = AgentRollout(server, tokenizer, agent, servers)
+    (run_dir / "endpoint.json").write_text(json.dumps({"base_url": server.base_url, "model": server.model_name, "servers": servers}, indent=2))
+    print(f"policy endpoint: {server.base_url}" + "".join(f"; {name}: {url}" for name, url in servers.items()))
+    return episodes
+
+
+def serve_gym_envs(served: dict[str, str], env_config, cleanup: ExitStack) -> dict[str, str]:
+    """Each of `agent.serve_envs` as a NeMo Gym resources server on a loopback thread: name -> its URL."""
+    from reinforge.envs.gym_server import build_gym_app
+    from reinforge.envs.registry import build_env
+    from reinforge.serving.threaded import ThreadedServer
+
+    urls = {}
+    for name, env_name in served.items():
+        env = build_env(env_name, env_config)
+        cleanup.callback(env.close)
+        server = ThreadedServer(build_gym_app(env, token=None, max_request_bytes=64 << 20), "127.0.0.1", 0, f"{name} resources server")
+        cleanup.callback(server.start().stop)
+        urls[name] = server.url
+    return urls
+
+
+def endpoint_token(endpoint) -> str | None:
+    import os
+
+    if not endpoint.token_env:
+        return None
+    token = os.environ.get(endpoint.token_env)
+    if not token:
+        raise ReinforgeError(f"agent.endpoint.token_env names {endpoint.token_env}, which is unset or empty; export the token in it")
+    return token

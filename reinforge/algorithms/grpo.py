@@ -34,7 +34,8 @@ import torch
 from reinforge.algorithms.advantages import BASELINES, batch_whiten, group_advantages, informative_groups, overlong_penalty
 from reinforge.algorithms.checkpointing import open_run_dir, restore_rng, resume_run, save_run_checkpoint, update_best
 from reinforge.algorithms.rollout_source import RolloutBatch, rollout_source
-from reinforge.algorithms.builders import build_engine, build_environments, build_trainer, start_ray_if_needed, write_placement
+from reinforge.algorithms.builders import (build_engine, build_environments, build_episodes, build_trainer, start_ray_if_needed,
+                                           write_placement)
 from reinforge.algorithms.losses import (
     AGGREGATIONS,
     LOG_RATIOS,
@@ -60,7 +61,7 @@ from reinforge.logging.loggers import MetricLogger, check_backends
 from reinforge.logging.memory import memory_metrics
 from reinforge.logging.metrics import Timers
 from reinforge.modeling import load_tokenizer
-from reinforge.rollout.rollout import RolloutOptions, rollout
+from reinforge.rollout.rollout import Episodes
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
 from reinforge.training.checkpoint import rng_state
@@ -86,8 +87,9 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
     val_prompts = load_prompts(config.data.val_path, config.data, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
 
     benchmarks = prepare_validation_benchmarks(g.val_benchmarks, g.val_benchmark_limit, tokenizer)
-    tasks = {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
-    tasks |= {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
+    tasks = {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
+    if g.rollout == "reinforge":  # agents score their own episodes
+        tasks |= {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
     check_tasks(tasks, config.env)
 
     check_backends(config.logging.loggers)
@@ -101,6 +103,7 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
         envs = build_environments(config, tasks, cleanup)
         trainer = build_trainer(config, cleanup)
         engine = build_engine(config, tokenizer, trainer, cleanup)
+        episodes = build_episodes(config, engine, tokenizer, envs, train_prompts + val_prompts, run_dir, cleanup)  # reinforge or agents
         sampler, curriculum_metrics = build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)  # may sample: pass rates
         write_placement(run_dir, trainer, engine, envs)
         state = resume_run(resume_from, run_dir, trainer, engine, sampler) if resume_from else None
@@ -118,13 +121,13 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
             if val_prompts and not state:
                 timers = Timers()
                 with timers.time("val"):
-                    val_metrics = validate(val_prompts, engine, tokenizer, envs, config, benchmarks)
+                    val_metrics = validate(val_prompts, episodes, engine, tokenizer, envs, config, benchmarks)
                 val_metrics.update(timers.metrics())
                 val_history.append(val_metrics["val/accuracy"])
                 metrics_log.log(0, val_metrics)
                 console.step(0, val_metrics, show_line=True)
 
-            produce = partial(generate_batch, sampler=sampler, engine=engine, tokenizer=tokenizer, envs=envs, config=config)
+            produce = partial(generate_batch, sampler=sampler, episodes=episodes, engine=engine, envs=envs, config=config)
             rollouts = rollout_source(produce, sampler, start_step, g.max_steps, g.async_rollouts, g.max_staleness,
                                       state.get("pending_rollouts", []) if state else [])
             cleanup.callback(rollouts.close)
@@ -144,7 +147,7 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
                         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
                     if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
                         with timers.time("val"):
-                            metrics.update(validate(val_prompts, engine, tokenizer, envs, config, benchmarks))
+                            metrics.update(validate(val_prompts, episodes, engine, tokenizer, envs, config, benchmarks))
                         val_history.append(metrics["val/accuracy"])
                     resume_state = {**rollouts.snapshot(), "rng": rng_state()} if saving else None
                 metrics.update(timers.metrics())
@@ -174,15 +177,15 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
     return GRPOResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
 
 
-def generate_batch(step: int, sampler: PromptSampler, engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
+def generate_batch(step: int, sampler: PromptSampler, episodes: Episodes, engine: GenerationBackend, envs: dict[str, Environment],
                    config: Config) -> tuple[list[Trajectory], dict[str, float]]:
-    """Step `step`'s scored groups and their metrics (generation and scoring times, environment counters).
-    Runs on the rollout producer's thread under async generation."""
+    """Step `step`'s scored groups and their metrics (generation and scoring times, environment and agent
+    counters). Runs on the rollout producer's thread under async generation."""
     timers = Timers()
-    trajectories, metrics = sample_groups(step, sampler, engine, tokenizer, envs, config, timers)
+    trajectories, metrics = sample_groups(step, sampler, episodes, config, timers)
     if not config.grpo.async_rollouts:
         engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
-    return trajectories, {**metrics, **batch_metrics(sampler), **env_metrics(envs), **timers.metrics()}
+    return trajectories, {**metrics, **episodes.metrics(), **batch_metrics(sampler), **env_metrics(envs), **timers.metrics()}
 
 
 def train_on_batch(step: int, rollout_batch: RolloutBatch, trainer: TrainingBackend, tokenizer, loss_fn, config: Config,
@@ -249,8 +252,8 @@ def staleness_metrics(step: int, batch: RolloutBatch) -> dict[str, float]:
     return {"rollout/policy_version": batch.policy_version, "rollout/policy_lag": step - 1 - batch.policy_version}
 
 
-def sample_groups(step: int, sampler: PromptSampler, engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
-                  config: Config, timers: Timers) -> tuple[list[Trajectory], dict[str, float]]:
+def sample_groups(step: int, sampler: PromptSampler, episodes: Episodes, config: Config,
+                  timers: Timers) -> tuple[list[Trajectory], dict[str, float]]:
     """The step's scored groups: one rollout of the next `num_prompts_per_step` prompts, or, with dynamic
     sampling, as many rollouts of further prompts as `fill_with_informative_groups` needs."""
     g = config.grpo
@@ -258,7 +261,7 @@ def sample_groups(step: int, sampler: PromptSampler, engine: GenerationBackend, 
     def rollout_round(round_index: int) -> list[Trajectory]:
         params = sampling_params(config, step)
         params = replace(params, seed=params.seed + 500_009 * round_index)  # a fresh stream per extra round
-        return rollout(sampler.next_batch(), engine, params, tokenizer, envs, rollout_options(config), timers)
+        return episodes(sampler.next_batch(), params, timers)
 
     if not g.dynamic_sampling:
         return rollout_round(0), {}
@@ -370,28 +373,23 @@ def make_loss_fn(config: Config):
     return loss_fn
 
 
-def validate(prompts: list[Prompt], engine: GenerationBackend, tokenizer, envs: dict[str, Environment], config: Config,
-             benchmarks: list[ValidationBenchmark] = ()) -> dict[str, float]:
+def validate(prompts: list[Prompt], episodes: Episodes, engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
+             config: Config, benchmarks: list[ValidationBenchmark] = ()) -> dict[str, float]:
     """Greedy accuracy on the held-out prompts (the mean reward of one greedy answer per prompt), and the
     `grpo.val_benchmarks` scores."""
     benchmark_scores = benchmark_metrics(list(benchmarks), engine, tokenizer, envs, config.grpo.val_benchmark_k,
                                          config.generation.max_new_tokens, config.seed) if benchmarks else {}
     params = SamplingParams(max_new_tokens=config.generation.max_new_tokens, temperature=0.0, num_samples=1,
                             stop_strings=tuple(config.generation.stop_strings))
-    trajectories = rollout(prompts, engine, params, tokenizer, envs, rollout_options(config))
+    trajectories = episodes(prompts, params)
     return {
         **{f"val/{name}": value for name, value in env_metrics(envs).items()},  # the validation's own env counters
+        **{f"val/{name.split('/', 1)[1]}": value for name, value in episodes.metrics().items() if name.startswith("rollout/agent_")},
         "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
         "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
         **per_task_means(trajectories, "val", "accuracy"),
         **benchmark_scores,
     }
-
-
-def rollout_options(config: Config) -> RolloutOptions:
-    g = config.grpo
-    return RolloutOptions(default_task=config.env.default_task, max_turns=g.max_turns, turn_reward=g.turn_reward,
-                          max_observation_tokens=g.max_observation_tokens, extra_rewards=config.env.extra_rewards)
 
 
 def per_task_means(trajectories: list[Trajectory], prefix: str, name: str) -> dict[str, float]:

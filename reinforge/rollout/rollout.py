@@ -17,6 +17,7 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -38,6 +39,32 @@ class RolloutOptions:
     turn_reward: str = "last"  # "last" or "sum"
     max_observation_tokens: int = 256
     extra_rewards: dict[str, float] | None = None  # env name -> weight, on every final answer
+
+
+class Episodes(Protocol):
+    """Who drives the episodes of a rollout: reinforge (`ReinforgeRollout`) or agents (rollout/agent.py)."""
+
+    def __call__(self, prompts: list[Prompt], params: SamplingParams, timers: Timers | None = None) -> list[Trajectory]:
+        """`params.num_samples` scored trajectories per prompt, grouped by prompt, in prompt order."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The drivers' own counters of the last rollout (rollout/agent_*), then reset."""
+        ...
+
+
+class ReinforgeRollout:
+    """`rollout` with its engine, tokenizer, environments and options bound: the episodes reinforge
+    drives itself, behind the same call as agent rollouts (rollout/agent.py)."""
+
+    def __init__(self, engine: GenerationBackend, tokenizer: PreTrainedTokenizerBase, envs: dict[str, Environment], options: RolloutOptions):
+        self.engine, self.tokenizer, self.envs, self.options = engine, tokenizer, envs, options
+
+    def __call__(self, prompts: list[Prompt], params: SamplingParams, timers: Timers | None = None) -> list[Trajectory]:
+        return rollout(prompts, self.engine, params, self.tokenizer, self.envs, self.options, timers)
+
+    def metrics(self) -> dict[str, float]:
+        return {}  # the environments report their own (env/<task>/...)
 
 
 def rollout(prompts: list[Prompt], engine: GenerationBackend, params: SamplingParams, tokenizer: PreTrainedTokenizerBase,

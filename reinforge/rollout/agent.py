@@ -1,0 +1,223 @@
+"""Agent rollouts (`grpo.rollout=agent`): each episode is driven by an agent that calls the policy
+through the run's OpenAI-compatible endpoint; the trajectory is rebuilt from what the endpoint itself
+recorded for that episode, never from re-tokenised text.
+
+Per rollout: the endpoint opens a session with the rollout's sampling settings; G episodes per prompt
+run concurrently (rollout/agent_runners.py: a NeMo Gym agent server, or your Python function); when
+they have ended, each episode's model calls are looked up in the endpoint's record (serving/recorder.py:
+by the episode's own URL for a Python agent, by the exact token ids a Gym agent reports for each call)
+and joined into one trajectory:
+
+    prompt = call 1's prompt; response = gen 1, [call 2's prompt after prompt 1 + gen 1], gen 2, ...
+
+with the loss on the generated tokens only (the tokens between calls, the tool results and chat
+framing the agent added, are untrained) and the engine's logprobs of each. Each call's prompt must
+extend everything before it token for token (the endpoint's prefix splice makes it so for an agent
+that sends back the assistant messages it got). An episode that breaks this, makes a call the endpoint
+did not record, makes no call, fails or times out is masked (never trained on; its reward, 0 when it
+has none, still counts in its group's baseline) and counted in `rollout/agent_*`. `reward_components`
+are the trajectory's components (per-component metrics); `mask_sample` masks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+from transformers import PreTrainedTokenizerBase
+
+from reinforge.data.batch import Trajectory
+from reinforge.data.prompts import Prompt
+from reinforge.errors import DataError, ReinforgeError
+from reinforge.generation.base import SamplingParams
+from reinforge.logging.metrics import Timers
+from reinforge.rollout.agent_config import AgentConfig
+from reinforge.rollout.agent_runners import EpisodeResult, GymAgentRunner, PythonAgentRunner, stamped_row
+from reinforge.serving.recorder import RecordedCall
+from reinforge.serving.server import PolicyServer, RolloutSession
+
+
+class AgentRolloutError(ReinforgeError):
+    """Every episode of a rollout failed: nothing to learn from, and most likely a broken agent or server."""
+
+
+@dataclass
+class EpisodeTokens:
+    """An episode's calls joined into one sequence."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]  # 1 on generated tokens
+    gen_logprobs: list[float]  # 0 off the mask
+    truncated: bool  # its last call hit the length limit
+    contiguous: bool  # every call's prompt extended all that came before it
+
+
+def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
+    """The episode's calls (in order, at least one) as one sequence; when a call's prompt does not start
+    with everything before it, the sequence stops before that call and `contiguous` is False."""
+    first = calls[0]
+    response_ids, mask, logprobs = list(first.generation_ids), [1] * len(first.generation_ids), list(first.logprobs)
+    seen = first.prompt_ids + first.generation_ids
+    contiguous, last = True, first
+    for call in calls[1:]:
+        if call.prompt_ids[: len(seen)] != seen:
+            contiguous = False
+            break
+        between = call.prompt_ids[len(seen):]
+        response_ids += between + call.generation_ids
+        mask += [0] * len(between) + [1] * len(call.generation_ids)
+        logprobs += [0.0] * len(between) + list(call.logprobs)
+        seen, last = call.prompt_ids + call.generation_ids, call
+    return EpisodeTokens(list(first.prompt_ids), response_ids, mask, logprobs, last.truncated, contiguous)
+
+
+def agent_of(record: dict[str, Any], config: AgentConfig) -> str:
+    """The agent that drives `record`'s episodes: its `agent_ref.name` (Gym's field) or `agent`, else `agent.default`,
+    else the only agent configured."""
+    ref = record.get("agent_ref")
+    name = ref.get("name") if isinstance(ref, dict) else record.get("agent")
+    name = name or config.default or (config.names()[0] if len(config.names()) == 1 else "")
+    if name not in config.names():
+        raise DataError(f"a record names agent {name!r}, which is not configured (agent.python / agent.gym: "
+                        f"{', '.join(config.names())}); set agent.default or give each record an agent_ref")
+    return name
+
+
+@dataclass
+class Episode:
+    """One episode as it ended."""
+
+    result: EpisodeResult
+    calls: list[RecordedCall] | None  # what the endpoint recorded for it (None: a Gym call it did not make)
+    duration_s: float
+
+
+def episode_status(episode: Episode, tokens: EpisodeTokens | None) -> str:
+    """ok, or why the episode is not trained on: failed, timeout, unrecorded, no_calls, noncontiguous."""
+    if episode.result.status != "ok":
+        return episode.result.status
+    if episode.calls is None:
+        return "unrecorded"
+    if tokens is None:
+        return "no_calls"
+    return "ok" if tokens.contiguous else "noncontiguous"
+
+
+class AgentRollout:
+    """Prompts in, scored trajectories out, like rollout/rollout.py's `rollout`, with agents driving."""
+
+    STATUSES = ("ok", "failed", "timeout", "unrecorded", "no_calls", "noncontiguous")
+
+    def __init__(self, server: PolicyServer, tokenizer: PreTrainedTokenizerBase, config: AgentConfig, servers: dict[str, str]):
+        self.server, self.tokenizer, self.config, self.servers = server, tokenizer, config, servers
+        self.runners: dict[str, GymAgentRunner | PythonAgentRunner] = {
+            **{name: PythonAgentRunner(name, path, config.timeout_s) for name, path in config.python.items()},
+            **{name: GymAgentRunner(name, gym.url, config.timeout_s, config.max_retries, config.backoff_s) for name, gym in config.gym.items()},
+        }
+        self._metrics: dict[str, float] = {}
+
+    def __call__(self, prompts: list[Prompt], params: SamplingParams, timers: Timers | None = None) -> list[Trajectory]:
+        """`params.num_samples` episodes per prompt, grouped by prompt, in prompt order."""
+        timers = timers or Timers()
+        groups = [group for group in range(len(prompts)) for _ in range(params.num_samples)]
+        with timers.time("generate"), self.server.rollout_session(replace(params, num_samples=1)) as session:
+            started = time.monotonic()
+            episodes = asyncio.run(self._run_all(session, [prompts[group].record for group in groups]))
+            for episode in episodes:
+                if episode.result.gym_output is not None:
+                    episode.calls = claim_gym_calls(session, episode.result.gym_output)
+            elapsed = time.monotonic() - started
+            unclaimed = session.recorder.clear()
+        trajectories, statuses, contiguous = [], [], []
+        for group, episode in zip(groups, episodes):
+            trajectory, status, joined = self._trajectory(group, prompts[group], episode)
+            trajectories.append(trajectory)
+            statuses.append(status)
+            contiguous += [joined.contiguous] if joined else []
+        self._metrics = {**self._rollout_metrics(trajectories, episodes, statuses, elapsed),
+                         "rollout/agent_contiguous_fraction": sum(contiguous) / len(contiguous) if contiguous else 0.0,
+                         "rollout/agent_unclaimed_calls": float(unclaimed)}
+        if "ok" not in statuses:
+            first = next((e.result.error for e in episodes if e.result.error), statuses[0])
+            raise AgentRolloutError(f"none of the rollout's {len(episodes)} agent episodes can be trained on ({statuses[0]}); the first: {first}")
+        return trajectories
+
+    def metrics(self) -> dict[str, float]:
+        """The last rollout's `rollout/agent_*` and `endpoint/*` metrics."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    async def _run_all(self, session: RolloutSession, records: list[dict[str, Any]]) -> list[Episode]:
+        limit = asyncio.Semaphore(self.config.max_concurrency)
+        async with httpx.AsyncClient(timeout=self.config.timeout_s) as client:
+            return await asyncio.gather(*(self._run_one(session, record, limit, client) for record in records))
+
+    async def _run_one(self, session: RolloutSession, record: dict[str, Any], limit: asyncio.Semaphore,
+                       client: httpx.AsyncClient) -> Episode:
+        runner = self.runners[agent_of(record, self.config)]
+        sampling = session.sampling
+        async with limit:
+            started = time.monotonic()
+            with self.server.episode(session, keyed=isinstance(runner, PythonAgentRunner)) as episode_id:
+                if isinstance(runner, GymAgentRunner):
+                    row = stamped_row(record, sampling.temperature, sampling.top_p, sampling.max_new_tokens)
+                    try:
+                        result = await asyncio.wait_for(runner.run(client, row), self.config.timeout_s)
+                    except asyncio.TimeoutError:
+                        result = EpisodeResult("timeout", error=f"Gym agent {runner.name} did not answer within agent.timeout_s")
+                else:
+                    context = {"model": self.server.model_name, "api_key": self.server.token or "none", "servers": dict(self.servers),
+                               "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                            "max_tokens": sampling.max_new_tokens}}
+                    result = await runner.run(self.server.episode_base_url(episode_id), record, context)
+            calls = session.recorder.take_episode(episode_id) if episode_id else []
+            return Episode(result, calls, time.monotonic() - started)
+
+    def _trajectory(self, group: int, prompt: Prompt, episode: Episode) -> tuple[Trajectory, str, EpisodeTokens | None]:
+        result = episode.result
+        tokens = join_calls(episode.calls) if episode.calls else None
+        status = episode_status(episode, tokens)
+        trajectory = Trajectory(prompt_ids=list(prompt.token_ids), response_ids=[], gen_logprobs=[], truncated=False,
+                                reward=result.reward, group=group, task=prompt.record.get("task") or agent_of(prompt.record, self.config),
+                                response_mask=[], num_turns=0, components=dict(result.components),
+                                masked=status != "ok" or result.mask_sample)
+        if tokens is not None:
+            trajectory.prompt_ids, trajectory.response_ids, trajectory.response_mask = tokens.prompt_ids, tokens.response_ids, tokens.response_mask
+            trajectory.gen_logprobs, trajectory.truncated, trajectory.num_turns = tokens.gen_logprobs, tokens.truncated, len(episode.calls)
+            trajectory.response_text = self.tokenizer.decode(episode.calls[-1].generation_ids, skip_special_tokens=True)
+        return trajectory, status, tokens
+
+    def _rollout_metrics(self, trajectories: list[Trajectory], episodes: list[Episode], statuses: list[str],
+                         elapsed: float) -> dict[str, float]:
+        num = len(trajectories)
+        durations = [episode.duration_s for episode in episodes]
+        metrics = {
+            "rollout/agent_episodes": float(num),
+            "rollout/agent_episodes_per_s": num / elapsed if elapsed > 0 else 0.0,
+            "rollout/agent_episode_s_mean": sum(durations) / num,
+            "rollout/agent_episode_s_max": max(durations),
+            "rollout/agent_model_calls_mean": sum(t.num_turns for t in trajectories) / num,
+            "rollout/agent_masked_fraction": sum(t.masked for t in trajectories) / num,
+            "rollout/agent_mask_sample_fraction": sum(e.result.mask_sample for e in episodes) / num,
+        }
+        metrics.update({f"rollout/agent_{status}_fraction": statuses.count(status) / num for status in self.STATUSES})
+        metrics.update({f"endpoint/{name}": value for name, value in self.server.metrics().items()})
+        return metrics
+
+
+def claim_gym_calls(session: RolloutSession, output: list[dict[str, Any]]) -> list[RecordedCall] | None:
+    """The endpoint's records of the model calls a Gym agent reports: the output items that carry
+    `generation_token_ids` (Gym puts each call's ids on its last output item), in order; None when one
+    of them is not a call this endpoint made (then nothing of the episode is trusted)."""
+    calls = []
+    for item in output:
+        if isinstance(item, dict) and item.get("generation_token_ids"):
+            call = session.recorder.claim(list(item.get("prompt_token_ids") or []), list(item["generation_token_ids"]))
+            if call is None:
+                return None
+            calls.append(call)
+    return calls

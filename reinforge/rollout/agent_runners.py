@@ -1,0 +1,167 @@
+"""Running one agent episode: a NeMo Gym agent server over HTTP, or your own Python function.
+
+Both run on one asyncio loop (rollout/agent.py), at most `agent.max_concurrency` at a time, each
+bounded by `agent.timeout_s`:
+- a Gym agent gets `POST {url}/run` with the row, its `responses_create_params` stamped with the
+  rollout's `temperature`, `top_p` and `max_output_tokens` (as NeMo-RL stamps every row); the answer
+  is Gym's verify result (`reward`, `reward_components`, `mask_sample`, and `response.output`, whose
+  items carry the token ids of each model call). A server that cannot be reached is retried
+  (`agent.max_retries`, exponential `agent.backoff_s`), then the run stops with one line naming it;
+  an HTTP error answer fails that episode only.
+- a Python agent, `module:function`, is called with `base_url` (the endpoint, under this episode's
+  own path, so that its calls are recorded as its own) and `record`, plus whichever of `model`,
+  `api_key`, `sampling` and `servers` its signature names. A plain function runs on a thread of its
+  own (a hung one is abandoned at the timeout, never waited for); an `async def` runs on the loop and
+  is cancelled at the timeout. It returns the reward, or a dict with `reward` and optionally
+  `reward_components` and `mask_sample`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import inspect
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from reinforge.errors import ConfigError, ReinforgeError
+
+OPTIONAL_ARGUMENTS = ("model", "api_key", "sampling", "servers")
+
+
+class AgentServerError(ReinforgeError):
+    """A NeMo Gym agent server that cannot be reached."""
+
+
+@dataclass
+class EpisodeResult:
+    """What an agent said of one episode."""
+
+    status: str  # "ok", "failed" (it raised, or answered an error) or "timeout"
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    mask_sample: bool = False
+    error: str = ""
+    gym_output: list[dict[str, Any]] | None = None  # a Gym agent's response.output items
+
+
+def import_agent(path: str) -> Callable[..., Any]:
+    module_name, _, function_name = path.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"agent {path!r}: cannot import it ({exc}); give it as module:function with the module on PYTHONPATH") from None
+    if not callable(function):
+        raise ConfigError(f"agent {path!r} is not a function")
+    return function
+
+
+def parse_result(value: Any, where: str) -> EpisodeResult:
+    """A Python agent's return value, or a Gym verify result, as an EpisodeResult."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = {"reward": value}
+    if not isinstance(value, dict) or not isinstance(value.get("reward"), (int, float)) or isinstance(value.get("reward"), bool):
+        return EpisodeResult("failed", error=f"{where} returned {str(value)[:80]!r}; return the reward, or a dict with a numeric `reward`")
+    components = value.get("reward_components") or {}
+    if not isinstance(components, dict) or not all(isinstance(v, (int, float)) for v in components.values()):
+        return EpisodeResult("failed", error=f"{where}: reward_components must map names to numbers, got {str(components)[:80]!r}")
+    if not math.isfinite(float(value["reward"])):
+        return EpisodeResult("failed", error=f"{where} returned a reward of {value['reward']}")
+    return EpisodeResult("ok", reward=float(value["reward"]), components={k: float(v) for k, v in components.items()},
+                         mask_sample=bool(value.get("mask_sample", False)))
+
+
+def stamped_row(record: dict[str, Any], temperature: float, top_p: float, max_tokens: int) -> dict[str, Any]:
+    """The row a Gym agent gets: the record, its responses_create_params carrying the rollout's sampling."""
+    row = copy.deepcopy(record)
+    params = row.setdefault("responses_create_params", {})
+    params.update(temperature=temperature, top_p=top_p, max_output_tokens=max_tokens)
+    return row
+
+
+class GymAgentRunner:
+    def __init__(self, name: str, url: str, timeout_s: float, max_retries: int, backoff_s: float):
+        self.name, self.url, self.timeout_s = name, url.rstrip("/"), timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+
+    async def run(self, client: httpx.AsyncClient, row: dict[str, Any]) -> EpisodeResult:
+        cause = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await client.post(f"{self.url}/run", json=row, timeout=self.timeout_s)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                cause = f"{type(exc).__name__}: {_one_line(exc)}"
+                continue
+            if response.status_code >= 400:
+                return EpisodeResult("failed", error=f"Gym agent {self.name} answered HTTP {response.status_code}: {response.text[:200]}")
+            try:
+                body = response.json()
+            except ValueError:
+                return EpisodeResult("failed", error=f"Gym agent {self.name} answered something other than JSON")
+            result = parse_result(body, f"Gym agent {self.name}")
+            output = (body.get("response") or {}).get("output") if isinstance(body.get("response"), dict) else None
+            result.gym_output = output if isinstance(output, list) else []
+            return result
+        tries = f"{self.max_retries + 1} attempt{'s' if self.max_retries else ''}"
+        raise AgentServerError(f"NeMo Gym agent {self.name} at {self.url} cannot be reached after {tries}: {cause}; is it running? "
+                               f"(agent.gym.{self.name}.url)")
+
+
+class PythonAgentRunner:
+    def __init__(self, name: str, path: str, timeout_s: float):
+        self.name, self.path, self.timeout_s = name, path, timeout_s
+        self.function = import_agent(path)
+        parameters = inspect.signature(self.function).parameters
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        self.optional = [name for name in OPTIONAL_ARGUMENTS if takes_all or name in parameters]
+        self.is_async = inspect.iscoroutinefunction(self.function)
+
+    async def run(self, base_url: str, record: dict[str, Any], context: dict[str, Any]) -> EpisodeResult:
+        kwargs = {"base_url": base_url, "record": copy.deepcopy(record), **{k: context[k] for k in self.optional}}
+        where = f"agent {self.name} ({self.path})"
+        try:
+            if self.is_async:
+                value = await asyncio.wait_for(self.function(**kwargs), self.timeout_s)
+            else:
+                value = await asyncio.wait_for(_on_own_thread(self.function, kwargs), self.timeout_s)
+        except asyncio.TimeoutError:
+            return EpisodeResult("timeout", error=f"{where} did not finish within agent.timeout_s={self.timeout_s:g}")
+        except Exception as exc:  # the agent's own failure: this episode fails, the run goes on
+            return EpisodeResult("failed", error=f"{where} raised {type(exc).__name__}: {_one_line(exc)}")
+        return parse_result(value, where)
+
+
+def _on_own_thread(function: Callable[..., Any], kwargs: dict[str, Any]) -> asyncio.Future:
+    """`function(**kwargs)` on a daemon thread of its own, as a future of this loop: a thread that hangs
+    is left behind (it holds no slot anyone waits for) and dies with the process."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def target() -> None:
+        try:
+            value = function(**kwargs)
+            outcome = lambda: future.set_result(value)  # noqa: E731
+        except BaseException as exc:
+            outcome = lambda: future.set_exception(exc)  # noqa: E731
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the rollout gave up on it and its loop is closed
+            pass
+
+    threading.Thread(target=target, name="reinforge-agent", daemon=True).start()
+    return future
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,0 +1,139 @@
+"""Concurrent requests batched into the generation engine.
+
+Agents call the endpoint one conversation at a time; the engine is fast only on batches. A single
+thread owns the engine: it takes every waiting request that shares the first one's sampling settings
+(up to `max_batch_size` sequences) and makes one `generate` call of them. It starts a call once no
+request has arrived for `batch_wait_s` (or the oldest has waited 5 x that), at once when every agent
+known to be running is already waiting (`num_waiting_hint`): waiting longer could only add latency.
+A request with a seed of its own is generated alone, so that the seed alone decides its sample.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from reinforge.generation.base import GenerationBackend, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    alone: bool  # its own seed: generated in a call of its own
+    future: Future  # -> list[Completion]: `params.num_samples` of them
+
+    def key(self) -> tuple:
+        return (id(self),) if self.alone else (replace(self.params, seed=0),)
+
+
+class Batcher:
+    def __init__(self, engine: GenerationBackend, max_batch_size: int, batch_wait_s: float,
+                 num_waiting_hint: Callable[[], int] | None = None):
+        self.engine, self.max_batch_size, self.batch_wait_s = engine, max_batch_size, batch_wait_s
+        self.num_waiting_hint = num_waiting_hint or (lambda: 0)
+        self._cond = threading.Condition()
+        self._pending: list[_Request] = []
+        self._first_arrival = self._last_arrival = 0.0
+        self._running = False
+        self._stopping = False
+        self._num_calls = 0
+        self.counts = {"engine_calls": 0, "sequences": 0, "max_batch_sequences": 0}
+        self._thread = threading.Thread(target=self._run, name="reinforge-endpoint-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, alone: bool = False) -> Future:
+        """A future of the request's `params.num_samples` completions."""
+        request = _Request(prompt_ids, params, alone, Future())
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the endpoint is shutting down")
+            if not self._pending:
+                self._first_arrival = time.monotonic()
+            self._pending.append(request)
+            self._last_arrival = time.monotonic()
+            self._cond.notify_all()
+        return request.future
+
+    def drain(self) -> None:
+        """Wait until every submitted request is answered."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending and not self._running)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def _ready(self) -> bool:
+        waiting, running_agents = len(self._pending), self.num_waiting_hint()
+        if waiting >= self.max_batch_size or (running_agents and waiting >= running_agents):
+            return True
+        now = time.monotonic()
+        return now - self._last_arrival >= self.batch_wait_s or now - self._first_arrival >= 5 * self.batch_wait_s
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._stopping)
+                while not self._stopping and not self._ready():
+                    self._cond.wait(timeout=max(min(self._last_arrival + self.batch_wait_s,
+                                                    self._first_arrival + 5 * self.batch_wait_s) - time.monotonic(), 1e-4))
+                if self._stopping:
+                    for request in self._pending:
+                        request.future.set_exception(RuntimeError("the endpoint shut down before answering"))
+                    self._pending.clear()
+                    self._cond.notify_all()
+                    return
+                batch = self._take_batch()
+                self._running = True
+            try:
+                self._generate(batch)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def _take_batch(self) -> list[_Request]:
+        """The oldest request and those waiting with the same settings, up to `max_batch_size` sequences."""
+        key = self._pending[0].key()
+        batch, rest, num_sequences = [], [], 0
+        for request in self._pending:
+            fits = num_sequences + request.params.num_samples <= self.max_batch_size or not batch
+            if request.key() == key and fits:
+                batch.append(request)
+                num_sequences += request.params.num_samples
+            else:
+                rest.append(request)
+        self._pending = rest
+        self._first_arrival = time.monotonic() if rest else 0.0
+        return batch
+
+    def _generate(self, batch: list[_Request]) -> None:
+        params = batch[0].params
+        if not batch[0].alone:  # a fresh, reproducible stream per engine call
+            params = replace(params, seed=params.seed + 7_919 * self._num_calls)
+        self._num_calls += 1
+        try:
+            result = self.engine.generate([request.prompt_ids for request in batch], params)
+        except BaseException as exc:  # every waiting request learns why; the endpoint stays up
+            for request in batch:
+                request.future.set_exception(exc)
+            return
+        num_sequences = sum(len(completions) for completions in result.completions)
+        self.counts["engine_calls"] += 1
+        self.counts["sequences"] += num_sequences
+        self.counts["max_batch_sequences"] = max(self.counts["max_batch_sequences"], num_sequences)
+        for request, completions in zip(batch, result.completions):
+            request.future.set_result(list(completions))
+
+    def metrics(self) -> dict[str, float]:
+        """Counts since the last call, then reset."""
+        with self._cond:
+            counts, self.counts = dict(self.counts), dict.fromkeys(self.counts, 0)
+        calls = counts["engine_calls"]
+        return {**{k: float(v) for k, v in counts.items()}, "mean_batch_sequences": counts["sequences"] / calls if calls else 0.0}

@@ -1,0 +1,94 @@
+"""`reinforge serve --model PATH`: the policy behind an OpenAI-compatible endpoint, standalone (for
+evaluation, and for developing an agent against the model it will train).
+
+Only argparse is imported at module level, so that `reinforge --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible endpoint (POST /v1/chat/completions, with token ids)",
+        description="Serve a Hugging Face model directory (or hub id) until Ctrl-C: OpenAI's chat completions with "
+        "tool calls, plus each message's prompt_token_ids, generation_token_ids and generation_log_probs (NeMo Gym's "
+        "vllm_model reads them). Concurrent requests are batched into the engine. See docs/agents.md.",
+    )
+    serve.add_argument("--model", required=True, help="Hugging Face model directory or hub id, e.g. models/tool_demo")
+    serve.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights' dtype (default: float32)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--allow-remote", action="store_true", help="allow a --host other than loopback")
+    serve.add_argument("--token-env", metavar="VAR", help="environment variable holding the bearer token clients must send")
+    serve.add_argument("--model-name", default="policy", help="the model id it reports (default: policy)")
+    serve.add_argument("--max-tokens", type=int, default=256, help="completion length when a request gives none (default: 256)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="context length: prompt plus completion (default: the model's max_position_embeddings)")
+    serve.add_argument("--max-batch-size", type=int, default=256, help="most sequences per engine call (default: 256)")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the engine (vLLM)")
+
+
+def run_serve_command(args: argparse.Namespace) -> None:
+    from reinforge.config.schema import ModelConfig
+    from reinforge.errors import ConfigError
+    from reinforge.http_guard import check_bind_address
+    from reinforge.modeling import load_tokenizer
+    from reinforge.serving.config import ServingConfig
+    from reinforge.serving.server import PolicyServer
+
+    check_bind_address(args.host, args.allow_remote)
+    token = None
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise ConfigError(f"--token-env {args.token_env}: that environment variable is unset or empty; export the token in it")
+    try:
+        config = ServingConfig(host=args.host, port=args.port, allow_remote=args.allow_remote, model_name=args.model_name,
+                               max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc).splitlines()[-1]) from None
+    model_config = ModelConfig(name_or_path=args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(model_config)
+    engine, max_model_len = _engine(args, model_config, tokenizer)
+    server = PolicyServer(engine, tokenizer, config, max_model_len=max_model_len, default_max_tokens=args.max_tokens,
+                          managed=False, token=token)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        server.start()
+        access = "token required" if token else "no token"
+        print(f"serving {args.model} as {args.model_name!r} at {server.base_url} (OpenAI-compatible; {access}); Ctrl-C stops", flush=True)
+        stop.wait()
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def _engine(args: argparse.Namespace, model_config, tokenizer):
+    """The generation engine and the context length it serves."""
+    from reinforge.errors import ConfigError
+    from reinforge.modeling import load_model, model_location
+
+    if args.backend == "hf":
+        from reinforge.generation.hf import HFGenerationBackend
+
+        model = load_model(model_config)
+        max_model_len = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))
+        return HFGenerationBackend(model, tokenizer, args.max_batch_size), max_model_len
+    try:
+        from reinforge.generation.vllm_backend import VLLMGenerationBackend
+    except ImportError:
+        raise ConfigError("--backend vllm needs vLLM; run `make install`") from None
+    from transformers import AutoConfig
+
+    location = model_location(model_config)
+    max_model_len = args.max_model_len or int(getattr(AutoConfig.from_pretrained(location), "max_position_embeddings", 4096))
+    engine = VLLMGenerationBackend(model_path=location, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len)
+    return engine, max_model_len

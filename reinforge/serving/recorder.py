@@ -1,0 +1,70 @@
+"""What the endpoint generated during a rollout, so that trajectories are rebuilt from its own record.
+
+An agent's episode is rebuilt from the calls this endpoint answered, never from text the agent sends
+back. A call made under an episode's URL (`/episodes/<id>/v1/...`, the `base_url` a Python agent is
+handed) is filed under that episode, in order. A call without one (a NeMo Gym agent: Gym's model
+server has one fixed base URL) is filed under its tokens: the episode's result lists the token ids of
+each of its calls, and each must be a call recorded here (`claim`), whose logprobs are then the ones
+the engine sampled with. Identical calls (same prompt, same tokens) are interchangeable: same
+policy, same distribution, same logprobs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass
+class RecordedCall:
+    """One completion as the engine sampled it."""
+
+    prompt_ids: list[int]
+    generation_ids: list[int]  # including the stop token when there was one
+    logprobs: list[float]  # of each generated token, under the distribution sampled from
+    truncated: bool  # stopped by the length limit
+
+
+class CallRecorder:
+    """Thread-safe: the endpoint records from its event loop, the rollout takes from its own thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_episode: dict[str, list[RecordedCall]] = defaultdict(list)
+        self._by_tokens: dict[tuple[int, ...], list[RecordedCall]] = defaultdict(list)
+
+    def record(self, call: RecordedCall, episode_id: str | None) -> None:
+        with self._lock:
+            if episode_id is not None:
+                self._by_episode[episode_id].append(call)
+            else:
+                self._by_tokens[_key(call.prompt_ids, call.generation_ids)].append(call)
+
+    def take_episode(self, episode_id: str) -> list[RecordedCall]:
+        """The episode's calls in the order they were answered, forgotten here."""
+        with self._lock:
+            return self._by_episode.pop(episode_id, [])
+
+    def claim(self, prompt_ids: list[int], generation_ids: list[int]) -> RecordedCall | None:
+        """The recorded call with exactly these tokens (forgotten here), or None if this endpoint never made it."""
+        with self._lock:
+            calls = self._by_tokens.get(_key(prompt_ids, generation_ids))
+            if not calls:
+                return None
+            call = calls.pop()
+            if not calls:
+                del self._by_tokens[_key(prompt_ids, generation_ids)]
+            return call
+
+    def clear(self) -> int:
+        """Forget everything (the end of a rollout); returns how many calls nobody took."""
+        with self._lock:
+            left = sum(map(len, self._by_episode.values())) + sum(map(len, self._by_tokens.values()))
+            self._by_episode.clear()
+            self._by_tokens.clear()
+            return left
+
+
+def _key(prompt_ids: list[int], generation_ids: list[int]) -> tuple[int, ...]:
+    return (len(prompt_ids), *prompt_ids, *generation_ids)
