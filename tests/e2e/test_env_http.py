@@ -23,6 +23,7 @@ import httpx
 import pytest
 import uvicorn
 
+from _servers import cli_server
 from reinforge.cluster.network import free_port
 from reinforge.data.jsonl import read_jsonl
 from reinforge.envs.base import EnvRequest, EnvResponse, Tool
@@ -74,32 +75,12 @@ def remote(url: str, token: str | None = TOKEN, **overrides) -> RemoteEnvironmen
 @contextlib.contextmanager
 def math_server(tmp_path: Path, *extra_args: str):
     """`reinforge env serve --env math` in its own process; yields (url, process)."""
-    port = free_port("127.0.0.1")
-    log = (tmp_path / f"server_{port}.log").open("w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "reinforge.cli", "env", "serve", "--env", "math", "--port", str(port),
-         "--token-env", "REINFORGE_TEST_SERVER_TOKEN", "--max-request-bytes", str(MAX_REQUEST_BYTES), *extra_args],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "REINFORGE_TEST_SERVER_TOKEN": TOKEN},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited: {log.read()}")
-            assert time.monotonic() < deadline, "server did not answer /health within 60 s"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
+    arguments = ["env", "serve", "--env", "math", "--token-env", "REINFORGE_TEST_SERVER_TOKEN",
+                 "--max-request-bytes", str(MAX_REQUEST_BYTES), *extra_args]
+    with cli_server(arguments, tmp_path / "server.log", env={**os.environ, "REINFORGE_TEST_SERVER_TOKEN": TOKEN}) as (url, process, log):
         yield url, process
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
         log.seek(0)
         assert TOKEN not in log.read(), "the server must never log its token"
-        log.close()
 
 
 @pytest.fixture(scope="module")
