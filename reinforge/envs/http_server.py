@@ -11,9 +11,9 @@ The verifier runs in its own process (or on another machine) and the trainer rea
     GET  /tools          -> {"tools": [{"name", "description", "parameters"}, ...]}
     POST /tools/{name}   {"arguments": {...}} -> {"observation": "..."}
 
-Guards, checked before a route runs: a bearer token when one is set (401), a body size limit
-(413, also for bodies sent without a Content-Length) and `Content-Type: application/json` on every
-POST (415). A malformed body is 422, a `ReinforgeError` from the environment (a record without the
+Guards (reinforge/http_guard.py), checked before a route runs: a bearer token when one is set (401),
+a body size limit (413, also for bodies sent without a Content-Length) and `Content-Type:
+application/json` on every POST (415). A malformed body is 422, a `ReinforgeError` from the environment (a record without the
 field it needs) is 422, a tool's `ValueError` (bad arguments) is 400, an unknown tool is 404, any other
 exception from the environment is 500; every error body is `{"detail": "<one line>"}`.
 
@@ -24,11 +24,9 @@ its math-verify calls behind one lock.
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import logging
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
@@ -37,7 +35,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from reinforge.envs.base import Environment, EnvRequest
-from reinforge.errors import ConfigError, ReinforgeError
+from reinforge.errors import ReinforgeError
+from reinforge.http_guard import Guard, check_bind_address, describe_validation_error, error_response, is_loopback, one_line
 
 _log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB: a batch of thousands of long trajectories
@@ -108,7 +107,7 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, _describe_validation_error(exc))
+        return error_response(422, describe_validation_error(exc))
 
     @app.get("/health")
     def health() -> HealthResponse:
@@ -124,7 +123,7 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
             raise HTTPException(422, str(exc))
         except Exception as exc:  # the server stays up; the client sees the cause and may retry
             _log.exception("environment %s failed on a batch of %d", type(env).__name__, len(requests))
-            raise HTTPException(500, f"environment {type(env).__name__} failed: {_one_line(exc)}")
+            raise HTTPException(500, f"environment {type(env).__name__} failed: {one_line(exc)}")
         results = [
             VerifyResult(
                 reward=r.reward, components=r.components, done=r.done, observation=r.observation, info=r.info,
@@ -150,13 +149,13 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
         try:
             observation = await run_in_threadpool(tools[name].run, body.arguments)
         except ValueError as exc:
-            raise HTTPException(400, f"tool {name!r} rejected its arguments: {_one_line(exc)}")
+            raise HTTPException(400, f"tool {name!r} rejected its arguments: {one_line(exc)}")
         except Exception as exc:
             _log.exception("tool %r failed", name)
-            raise HTTPException(500, f"tool {name!r} failed: {_one_line(exc)}")
+            raise HTTPException(500, f"tool {name!r} failed: {one_line(exc)}")
         return ToolResult(observation=observation)
 
-    app.add_middleware(_Guard, token=token, max_request_bytes=max_request_bytes)
+    app.add_middleware(Guard, token=token, max_request_bytes=max_request_bytes, open_paths=("/health",))
     return app
 
 
@@ -168,8 +167,10 @@ def serve(
     token: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allow_remote: bool = False,
+    build: Callable[[Environment, str | None, int], FastAPI] = build_app,
 ) -> None:
-    """Serve `env` until interrupted (Ctrl-C or SIGTERM), then close it.
+    """Serve `env` until interrupted (Ctrl-C or SIGTERM), then close it; `build` makes the app (this
+    module's protocol, or gym_server.build_gym_app for NeMo Gym's).
 
     A host other than loopback needs `allow_remote=True`: the server runs whatever verifier code
     the environment holds, so exposing it to a network is a choice to make on purpose.
@@ -178,110 +179,12 @@ def serve(
 
     try:
         check_bind_address(host, allow_remote)
-        if not _is_loopback(host):
+        if not is_loopback(host):
             exposure = "with a bearer token" if token else "WITHOUT a token: anyone who can reach it can call it"
             print(f"reinforge: warning: serving on {host}:{port}, reachable from other machines, {exposure}", file=sys.stderr)
-        app = build_app(env, token, max_request_bytes)
+        app = build(env, token, max_request_bytes)
         access = "token required" if token else "no token"
         print(f"serving {type(env).__name__} at http://{host}:{port} ({access}); Ctrl-C stops", file=sys.stderr, flush=True)
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         env.close()
-
-
-def check_bind_address(host: str, allow_remote: bool) -> None:
-    """Refuse a non-loopback `host` unless `allow_remote`."""
-    if not allow_remote and not _is_loopback(host):
-        raise ConfigError(
-            f"--host {host} is not a loopback address; pass --allow-remote to serve other machines "
-            "(and set a token with --token-env)"
-        )
-
-
-class _Guard:
-    """ASGI middleware: token, body size and content type, checked before any route sees a request."""
-
-    def __init__(self, app: Any, token: str | None, max_request_bytes: int) -> None:
-        self.app = app
-        self._expected = f"Bearer {token}".encode() if token else None
-        self.max_request_bytes = max_request_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        if self._expected is not None and scope["path"] != "/health":
-            # A constant-time comparison, so response timing does not leak the token.
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected):
-                await _send_error(scope, send, 401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-                return
-        if scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if content_type != b"application/json":
-            shown = content_type.decode("latin-1") or "none"
-            await _send_error(scope, send, 415, f"request body must be JSON (Content-Type: application/json), got {shown}")
-            return
-        too_large = f"request body exceeds the server's limit of {self.max_request_bytes} bytes; send smaller batches"
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            await _send_error(scope, send, 413, too_large)
-            return
-        # Read the whole body here (bounded), so that a chunked upload cannot pass the limit either.
-        body = bytearray()
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_request_bytes:
-                await _send_error(scope, send, 413, too_large)
-                return
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-async def _send_error(scope: dict, send: Any, status: int, detail: str) -> None:
-    response = _error(status, detail)
-    if status == 401:
-        response.headers["WWW-Authenticate"] = "Bearer"
-    await response(scope, None, send)
-
-
-def _error(status: int, detail: str) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _describe_validation_error(exc: RequestValidationError) -> str:
-    first = exc.errors()[0]
-    if first["type"] == "json_invalid":
-        reason = first.get("ctx", {}).get("error", "invalid JSON")
-        return f"bad request: the body is not valid JSON ({reason} at character {first['loc'][-1]})"
-    where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
-    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-    return f"bad request: {where}: {first['msg']}{more}"
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
