@@ -31,9 +31,15 @@ def add_env_commands(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve an environment over HTTP (POST /verify, GET /health, /metrics, /tools)",
         description="Serve a built-in environment over HTTP until Ctrl-C. Trainers reach it with "
-        "env.<task>.url; see reinforge/envs/http_server.py for the endpoints.",
+        "env.<task>.url; see reinforge/envs/http_server.py for the endpoints. With --protocol gym it is a "
+        "NeMo Gym resources server instead (reinforge/envs/gym_server.py).",
     )
     serve.add_argument("--env", required=True, help="built-in environment name, e.g. math")
+    serve.add_argument(
+        "--protocol", choices=("reinforge", "gym"), default="reinforge",
+        help="reinforge (default): reinforge's own protocol, for env.remote; gym: a NeMo Gym resources server "
+        "(/seed_session, /verify, one route per tool), for Gym agents and trainers",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     serve.add_argument(
@@ -87,9 +93,13 @@ def _serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     max_request_bytes = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
     env = _build_env(args.env, args.overrides)
+    if args.protocol == "gym":
+        from reinforge.envs.gym_server import build_gym_app as build
+    else:
+        from reinforge.envs.http_server import build_app as build
     serve(
         env, host=args.host, port=args.port, token=token, max_request_bytes=max_request_bytes,
-        allow_remote=args.allow_remote,
+        allow_remote=args.allow_remote, build=build,
     )
 
 
