@@ -11,9 +11,14 @@ from reinforge.errors import ConfigError, DataError
 
 def build_env(name: str, config: EnvConfig) -> Environment:
     """The environment for task `name`: your class when `env.custom.<name>` is set (or `name` is itself
-    `module:Class`), a server's when `env.remote.<name>` is, else the built-in one configured by `config.<name>`."""
+    `module:Class`), a server's when `env.remote.<name>` (a reinforge env server) or `env.gym.<name>` (a
+    NeMo Gym resources server) is, else the built-in one configured by `config.<name>`."""
     if name in config.custom or ":" in name:
         return _import_env(config.custom.get(name, name))
+    if name in config.gym:
+        from reinforge.envs.gym import GymResourcesEnv
+
+        return GymResourcesEnv(config.gym[name])
     if name in config.remote:
         from reinforge.envs.http_client import RemoteEnvironment
 
@@ -60,11 +65,12 @@ ENV_NAMES = ("math", "code", "ifeval", "format", "judge", "tool_use")
 
 def check_tasks(tasks: set[str], config: EnvConfig) -> None:
     """Fail before any process starts when a record names a task no environment serves."""
-    unknown = sorted(tasks - set(ENV_NAMES) - set(config.remote) - set(config.custom))
+    unknown = sorted(tasks - set(ENV_NAMES) - set(config.remote) - set(config.custom) - set(config.gym))
     if unknown:
         raise DataError(
             f"records name task {unknown[0]!r}, which no environment serves; built-in environments: {', '.join(ENV_NAMES)}; "
-            f"your own environment class needs env.custom.{unknown[0]}=module:Class, one served over HTTP env.remote.{unknown[0]}.url "
+            f"your own environment class needs env.custom.{unknown[0]}=module:Class, one served over HTTP env.remote.{unknown[0]}.url, "
+            f"a NeMo Gym resources server env.gym.{unknown[0]}.url "
             f"(records without a `task` use env.default_task={config.default_task!r})"
         )
 

@@ -1,0 +1,176 @@
+"""A NeMo Gym resources server as an `Environment`, while reinforge drives the model (`env.gym.<task>`).
+
+The records are Gym rows (`responses_create_params` + the verifier's fields, data/prompts.py renders
+them); the server holds the task's tools and its verifier. Per trajectory (`EnvRequest.episode_id`):
+
+1. The first time an episode is seen, the row is POSTed to `/seed_session`, and the cookies the
+   server sets (Gym keys its per-session state by a session cookie) are kept for that episode only.
+2. While the policy's last message holds `<tool_call>` blocks and it is not the last turn, each
+   call is POSTed to `/<tool name>` with its arguments as the JSON body (and the episode's cookies,
+   updated from each answer), and the raw answer body becomes a `tool` message (done=False). As in
+   Gym's simple_agent, an HTTP 4xx/5xx answer from a tool is still the tool's output. A malformed
+   call gets `parse_tool_calls`' error string, a tool the row does not list (or a name that is no
+   plain route name) an error naming the tools; neither is sent.
+3. Otherwise `{**row, "response": R}` goes to `/verify`, where R is the Responses object of the
+   conversation after the row's input (data/responses_format.py: function_call, function_call_output
+   and message items); its `reward`, `reward_components` and `mask_sample` are the verdict, and the
+   episode's session is forgotten. A record without an episode id is seeded and verified at once.
+
+Fields reinforge adds to a record (e.g. `task`) are sent as they are: Gym's request models allow
+extra fields. Connection errors, timeouts and 5xx answers to seed and verify (and connection errors
+and timeouts of tool calls) are retried `max_retries` times, waiting `backoff_s`, then twice as long
+before each further retry; then `GymServerError` names the server, the route and the cause. A 4xx
+answer to seed or verify fails at once. So a call ends within about
+`(max_retries + 1) * timeout_s + backoff_s * (2**max_retries - 1)`. The trajectories of one `step`
+run concurrently, at most `max_concurrency` calls at a time.
+"""
+
+from __future__ import annotations
+
+import http.cookiejar
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from reinforge.data.responses_format import chat_to_response, create_params_to_chat
+from reinforge.data.tool_calls import ToolCall, parse_tool_calls
+from reinforge.envs.base import EnvRequest, EnvResponse
+from reinforge.envs.gym_config import GymResourcesConfig
+from reinforge.errors import DataError, ReinforgeError
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
+GYM_ROUTES = ("seed_session", "close_session", "verify", "aggregate_metrics", "reverify_mode", "health")
+COUNTERS = ("seed_calls", "tool_calls", "tool_errors", "verify_calls", "masked")
+
+
+class GymServerError(ReinforgeError):
+    """A NeMo Gym resources server that cannot be reached, keeps failing, or rejects a request."""
+
+
+class GymResourcesEnv:
+    """The resources server at `config.url`; see the module doc."""
+
+    def __init__(self, config: GymResourcesConfig):
+        self.url = config.url.rstrip("/")
+        self.config = config
+        # The client keeps no cookies: each episode's go in its own requests (Gym servers set one per session).
+        no_cookies = http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+        limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+        self._client = httpx.Client(base_url=self.url, timeout=config.timeout_s, limits=limits, cookies=no_cookies)
+        self._pool = ThreadPoolExecutor(max_workers=config.max_concurrency, thread_name_prefix="gym-env")
+        self._sessions: dict[str, dict[str, str]] = {}  # episode id -> the server's cookies for it
+        self._lock = threading.Lock()
+        self.counts = dict.fromkeys(COUNTERS, 0)
+
+    def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
+        return list(self._pool.map(self._step_one, requests))
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            counts, self.counts = self.counts, dict.fromkeys(COUNTERS, 0)
+        return {name: float(value) for name, value in counts.items()}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._client.close()
+
+    def _step_one(self, request: EnvRequest) -> EnvResponse:
+        params = request.record.get("responses_create_params")
+        if not isinstance(params, dict):
+            raise DataError(f"NeMo Gym task at {self.url}: its records must be Gym rows with responses_create_params, "
+                            f"got a record with fields {', '.join(request.record) or 'none'}")
+        with self._lock:
+            cookies = self._sessions.get(request.episode_id) if request.episode_id else None
+        if cookies is None:
+            cookies = dict(self._post("seed_session", request.record, {}).cookies)
+            self._count("seed_calls")
+        last = request.messages[-1]
+        calls = parse_tool_calls(last["content"]) if last.get("role") == "assistant" else []
+        if calls and not request.last_turn:
+            observation = [{"role": "tool", "content": self._run_call(call, params, cookies)} for call in calls]
+            if request.episode_id:
+                with self._lock:
+                    self._sessions[request.episode_id] = cookies
+            return EnvResponse(reward=0.0, done=False, observation=observation)
+        with self._lock:
+            self._sessions.pop(request.episode_id, None)
+        response = chat_to_response(
+            _after_input(request.messages, params), tools=params.get("tools"), model=params.get("model") or "policy",
+            response_id=f"resp_{request.episode_id or uuid.uuid4().hex[:12]}",
+            parallel_tool_calls=params.get("parallel_tool_calls", True), tool_choice=params.get("tool_choice", "auto"),
+        )
+        verdict = _json_object(self._post("verify", {**request.record, "response": response}, cookies))
+        self._count("verify_calls")
+        if verdict.get("mask_sample"):
+            self._count("masked")
+        info = {key: verdict[key] for key in ("failure_kind", "failure_reason") if verdict.get(key) is not None}
+        return EnvResponse(reward=float(verdict["reward"]), components=dict(verdict.get("reward_components") or {}),
+                           mask_sample=bool(verdict.get("mask_sample", False)), info=info)
+
+    def _run_call(self, call: ToolCall | str, params: dict[str, Any], cookies: dict[str, str]) -> str:
+        """The observation for one call; `cookies` is updated from the tool's answer."""
+        self._count("tool_calls")
+        if isinstance(call, str):
+            self._count("tool_errors")
+            return call
+        listed = [tool.get("name") for tool in params.get("tools") or [] if isinstance(tool, dict)]
+        if not TOOL_NAME.fullmatch(call.name) or call.name in GYM_ROUTES or (listed and call.name not in listed):
+            self._count("tool_errors")
+            return f"error: unknown tool {call.name!r}; tools: {', '.join(map(str, listed)) or 'none'}"
+        answer = self._post(call.name, call.arguments, cookies, tool=True)
+        if answer.status_code >= 400:
+            self._count("tool_errors")
+        cookies.update(answer.cookies)
+        return answer.text
+
+    def _post(self, route: str, body: dict[str, Any], cookies: dict[str, str], tool: bool = False) -> httpx.Response:
+        """POST `body` to /`route`, retried per the module doc; a tool's HTTP error answers are returned, not raised."""
+        headers = {"cookie": "; ".join(f"{name}={value}" for name, value in cookies.items())} if cookies else {}
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                time.sleep(self.config.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._client.post(f"/{route}", json=body, headers=headers)
+            except httpx.TransportError as exc:  # refused, reset, timed out, disconnected
+                cause = f"{type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}"
+                continue
+            if tool or response.status_code < 400:
+                return response
+            cause = f"HTTP {response.status_code}: {_one_line(response.text[:300]) or response.reason_phrase}"
+            if response.status_code < 500:
+                raise GymServerError(f"NeMo Gym resources server {self.url} rejected POST /{route}: {cause}")
+        tries = f"{self.config.max_retries + 1} attempt{'s' if self.config.max_retries else ''}"
+        raise GymServerError(f"NeMo Gym resources server {self.url} failed POST /{route} after {tries}: {cause}")
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counts[name] += 1
+
+
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    try:
+        value = response.json()
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise GymServerError(f"{response.url} answered with something other than a JSON object: {_one_line(response.text[:120])!r}")
+    return value
+
+
+def _after_input(messages: list[dict[str, Any]], params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages after the row's input (and the system message the prompt may have put before it)."""
+    prompt, _ = create_params_to_chat(params)
+    for start in (0, 1):
+        if messages[start:start + len(prompt)] == prompt and (start == 0 or messages[0]["role"] == "system"):
+            return messages[start + len(prompt):]
+    raise DataError("the conversation does not start with its Gym row's input messages; NeMo Gym tasks need prompts "
+                    "rendered from the row (data/prompts.py)")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
