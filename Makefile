@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench build-demo-model clean
+.PHONY: install gym-venv demo test bench build-demo-model clean
 
 install: $(STAMP)
 
@@ -21,11 +21,21 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
+# NeMo Gym's servers, for the Gym tests and for users (reinforge/envs/gym_launcher.py): nemo-gym in a Python 3.13
+# virtualenv of its own, never a dependency of .venv. Re-runs only when the script (it pins the version) changes.
+GYM_VENV  := .gym-venv
+GYM_STAMP := $(GYM_VENV)/.installed
+
+gym-venv: $(GYM_STAMP)
+
+$(GYM_STAMP): scripts/setup_gym_venv.sh
+	bash scripts/setup_gym_venv.sh $(GYM_VENV)
+
 demo: install
 	$(BIN)/reinforge demo
 
 # Two xdist workers; tests that must not overlap share an xdist group (tests/conftest.py).
-test: install
+test: install gym-venv
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # Every benchmark with its default arguments, each writing bench/results/NAME.json (docs/benchmarks.md
@@ -41,4 +51,4 @@ build-demo-model: install
 	$(BIN)/python scripts/build_demo_model.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(GYM_VENV) runs .pytest_cache
