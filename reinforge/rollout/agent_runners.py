@@ -144,18 +144,22 @@ def _on_own_thread(function: Callable[..., Any], kwargs: dict[str, Any]) -> asyn
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():
-            outcome()
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
 
     def target() -> None:
+        value, error = None, None
         try:
             value = function(**kwargs)
-            outcome = lambda: future.set_result(value)  # noqa: E731
         except BaseException as exc:
-            outcome = lambda: future.set_exception(exc)  # noqa: E731
+            error = exc
         try:
-            loop.call_soon_threadsafe(settle, outcome)
+            loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the rollout gave up on it and its loop is closed
             pass
 

@@ -41,7 +41,7 @@ class Batcher:
         self._running = False
         self._stopping = False
         self._num_calls = 0
-        self.counts = {"engine_calls": 0, "sequences": 0, "max_batch_sequences": 0}
+        self.counts = {"engine_calls": 0, "sequences": 0, "max_batch_sequences": 0, "engine_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="reinforge-endpoint-batcher", daemon=True)
         self._thread.start()
 
@@ -118,6 +118,7 @@ class Batcher:
         if not batch[0].alone:  # a fresh, reproducible stream per engine call
             params = replace(params, seed=params.seed + 7_919 * self._num_calls)
         self._num_calls += 1
+        started = time.perf_counter()
         try:
             result = self.engine.generate([request.prompt_ids for request in batch], params)
         except BaseException as exc:  # every waiting request learns why; the endpoint stays up
@@ -125,6 +126,7 @@ class Batcher:
                 request.future.set_exception(exc)
             return
         num_sequences = sum(len(completions) for completions in result.completions)
+        self.counts["engine_s"] += time.perf_counter() - started
         self.counts["engine_calls"] += 1
         self.counts["sequences"] += num_sequences
         self.counts["max_batch_sequences"] = max(self.counts["max_batch_sequences"], num_sequences)
@@ -132,7 +134,7 @@ class Batcher:
             request.future.set_result(list(completions))
 
     def metrics(self) -> dict[str, float]:
-        """Counts since the last call, then reset."""
+        """Counts since the last call (engine_s: seconds in the engine), then reset."""
         with self._cond:
             counts, self.counts = dict(self.counts), dict.fromkeys(self.counts, 0)
         calls = counts["engine_calls"]
