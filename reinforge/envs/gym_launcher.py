@@ -62,11 +62,18 @@ def gym_python() -> Path:
 
 
 @contextlib.contextmanager
-def gym_servers(config: dict[str, Any], log_dir: Path, python: Path | None = None, timeout_s: float = 120) -> Iterator[dict[str, str]]:
-    """Start every server of `config`, wait until all answer /health, yield {instance name: URL}; see the module doc."""
+def gym_servers(config: dict[str, Any], log_dir: Path, python: Path | None = None, timeout_s: float = 120,
+                external: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
+    """Start every server of `config` but the `external` ones (already running, e.g. `reinforge env serve
+    --protocol gym`: the config only tells the others their `host` and `port`), wait until all answer
+    /health, yield {instance name: URL}; see the module doc."""
     python = python or gym_python()
     site = _site_packages(python)
     merged, servers = _resolve(config)
+    for name in external:
+        if name not in servers or not {"host", "port"} <= set(config[name][servers[name][0]][servers[name][1]]):
+            raise GymLaunchError(f"external NeMo Gym server {name} must be an instance of the config with its host and port")
+        servers.pop(name)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = yaml.safe_dump(merged, sort_keys=False)
     (log_dir / "gym_config.yaml").write_text(config_yaml)

@@ -3,7 +3,7 @@
 Agents call the endpoint one conversation at a time; the engine is fast only on batches. A single
 thread owns the engine: it takes every waiting request that shares the first one's sampling settings
 (up to `max_batch_size` sequences) and makes one `generate` call of them. It starts a call once no
-request has arrived for `batch_wait_s` (or the oldest has waited 5 x that), at once when every agent
+request has arrived for `batch_wait_s` (or the oldest has waited MAX_WAITS x that), at once when every agent
 known to be running is already waiting (`num_waiting_hint`): waiting longer could only add latency.
 A request with a seed of its own is generated alone, so that the seed alone decides its sample.
 """
@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from reinforge.generation.base import GenerationBackend, SamplingParams
+
+MAX_WAITS = 20  # the oldest waiting request is generated after at most MAX_WAITS x batch_wait_s
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Batcher:
         if waiting >= self.max_batch_size or (running_agents and waiting >= running_agents):
             return True
         now = time.monotonic()
-        return now - self._last_arrival >= self.batch_wait_s or now - self._first_arrival >= 5 * self.batch_wait_s
+        return now - self._last_arrival >= self.batch_wait_s or now - self._first_arrival >= MAX_WAITS * self.batch_wait_s
 
     def _run(self) -> None:
         while True:
@@ -82,7 +84,7 @@ class Batcher:
                 self._cond.wait_for(lambda: self._pending or self._stopping)
                 while not self._stopping and not self._ready():
                     self._cond.wait(timeout=max(min(self._last_arrival + self.batch_wait_s,
-                                                    self._first_arrival + 5 * self.batch_wait_s) - time.monotonic(), 1e-4))
+                                                    self._first_arrival + MAX_WAITS * self.batch_wait_s) - time.monotonic(), 1e-4))
                 if self._stopping:
                     for request in self._pending:
                         request.future.set_exception(RuntimeError("the endpoint shut down before answering"))

@@ -24,7 +24,7 @@ class ServingConfig(Section):
     """Most requests the endpoint hands the engine in one call; more wait for the next call."""
     batch_wait_s: float = 0.05
     """How long the endpoint waits, after the last request arrived, for more to join the engine call
-    (at most 5 x this after the first; not at all when every agent of the rollout is already waiting)."""
+    (at most 20 x this after the first; not at all when every agent of the rollout is already waiting)."""
     max_tokens: int = 256
     """`reinforge serve`: completion length when a request gives no `max_tokens` (in a run:
     `generation.max_new_tokens`, which also caps what a request may ask for)."""
