@@ -510,6 +510,12 @@ class Config(Section):
             (self.grpo.rollout != "agent" or bool(self.agent.names()),
              "grpo.rollout=agent needs an agent: agent.python.NAME=module:function (your own) or agent.gym.NAME.url=URL "
              "(a NeMo Gym agent server)"),
+            (self.grpo.rollout != "agent" or not self.env.extra_rewards,
+             "env.extra_rewards score with in-process environments, which grpo.rollout=agent does not use; score in the "
+             "agent's verifier (reward_components) instead, or set env.extra_rewards={}"),
+            (self.grpo.rollout != "agent" or not self.curriculum.prefilter,
+             "curriculum.prefilter samples with in-process environments, which grpo.rollout=agent does not use; pre-filter "
+             "offline (reinforge curriculum prefilter) or set curriculum.prefilter=false"),
             (self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
              "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)"),
         ]
