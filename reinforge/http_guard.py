@@ -8,19 +8,17 @@ endpoint (serving/):
 `Guard` answers 401 without the bearer token (when one is set; `open_paths` need none), 413 for a
 body over `max_request_bytes` (also one sent without a Content-Length) and 415 for a POST whose
 Content-Type is not `application/json`. Every error body is `{"detail": "<one line>"}`.
-`check_bind_address` refuses to serve beyond loopback unless asked to.
+`check_bind_address` (reinforge/exposure.py) refuses to serve beyond loopback unless asked to.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from reinforge.errors import ConfigError
 
 
 class Guard:
@@ -103,21 +101,3 @@ def describe_validation_error(exc: RequestValidationError) -> str:
     where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     return f"bad request: {where}: {first['msg']}{more}"
-
-
-def check_bind_address(host: str, allow_remote: bool) -> None:
-    """Refuse a non-loopback `host` unless `allow_remote`."""
-    if not allow_remote and not is_loopback(host):
-        raise ConfigError(
-            f"--host {host} is not a loopback address; pass --allow-remote to serve other machines "
-            "(and set a token with --token-env)"
-        )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -133,14 +133,16 @@ def build_episodes(config: Config, engine: GenerationBackend, tokenizer, envs: d
     if config.grpo.rollout == "reinforge":
         return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config))
     from reinforge.rollout.agent import AgentRollout, agent_of
+    from reinforge.exposure import check_bind_address, token_from_env
     from reinforge.serving.server import PolicyServer
     from reinforge.generation.vllm_backend import max_sequence_tokens
 
     agent = config.agent
+    check_bind_address(agent.endpoint.host, agent.endpoint.allow_remote)
     for prompt in prompts:  # every record must name an agent that exists, before anything starts
         agent_of(prompt.record, agent)
     server = PolicyServer(engine, tokenizer, agent.endpoint, max_model_len=config.generation.vllm_max_model_len or max_sequence_tokens(config),
-                          default_max_tokens=config.generation.max_new_tokens, managed=True, token=endpoint_token(agent.endpoint))
+                          default_max_tokens=config.generation.max_new_tokens, managed=True, token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"))
     server.start()
     cleanup.callback(server.stop)
     servers = {**agent.servers, **serve_gym_envs(agent.serve_envs, config.env, cleanup)}
@@ -164,14 +166,3 @@ def serve_gym_envs(served: dict[str, str], env_config, cleanup: ExitStack) -> di
         cleanup.callback(server.start().stop)
         urls[name] = server.url
     return urls
-
-
-def endpoint_token(endpoint) -> str | None:
-    import os
-
-    if not endpoint.token_env:
-        return None
-    token = os.environ.get(endpoint.token_env)
-    if not token:
-        raise ReinforgeError(f"agent.endpoint.token_env names {endpoint.token_env}, which is unset or empty; export the token in it")
-    return token

@@ -1,14 +1,16 @@
 """`reinforge env serve` and `reinforge env score`: an environment over HTTP, or on a file of answers.
 
-Only argparse is imported at module level, so that `reinforge --help` stays instant.
+Only argparse (and reinforge/exposure.py, which needs nothing more) is imported at module level, so
+that `reinforge --help` stays instant.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
+
+from reinforge.exposure import add_bind_arguments, token_from_env
 
 ENV_OVERRIDES_HELP = (
     "key=value overrides of the environment config, e.g. math.timeout_s=3 (the env section of the "
@@ -40,14 +42,7 @@ def add_env_commands(subparsers: argparse._SubParsersAction) -> None:
         help="reinforge (default): reinforge's own protocol, for env.remote; gym: a NeMo Gym resources server "
         "(/seed_session, /verify, one route per tool), for Gym agents and trainers",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, required=True, help="TCP port to listen on")
-    serve.add_argument(
-        "--token-env", metavar="VAR",
-        help="name of the environment variable holding the bearer token clients must send (the token itself "
-        "never goes on the command line, where `ps` would show it)",
-    )
-    serve.add_argument("--allow-remote", action="store_true", help="allow a --host other than loopback")
+    add_bind_arguments(serve, default_port=None)
     serve.add_argument(
         "--max-request-bytes", type=int, default=None,
         help="largest request body accepted; larger ones get HTTP 413 (default: 64 MiB)",
@@ -84,11 +79,7 @@ def _serve(args: argparse.Namespace) -> None:
     from reinforge.errors import ConfigError
 
     check_bind_address(args.host, args.allow_remote)  # before the environment starts its processes
-    token = None
-    if args.token_env:
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise ConfigError(f"--token-env {args.token_env}: that environment variable is unset or empty; export the token in it")
+    token = token_from_env(args.token_env, "--token-env")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     max_request_bytes = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES

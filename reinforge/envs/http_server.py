@@ -36,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reinforge.envs.base import Environment, EnvRequest
 from reinforge.errors import ReinforgeError
-from reinforge.http_guard import Guard, check_bind_address, describe_validation_error, error_response, is_loopback, one_line
+from reinforge.exposure import check_bind_address, is_loopback
+from reinforge.http_guard import Guard, describe_validation_error, error_response, one_line
 
 _log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB: a batch of thousands of long trajectories

@@ -1,15 +1,16 @@
 """`reinforge serve --model PATH`: the policy behind an OpenAI-compatible endpoint, standalone (for
 evaluation, and for developing an agent against the model it will train).
 
-Only argparse is imported at module level, so that `reinforge --help` stays instant.
+Only argparse and reinforge/exposure.py are imported at module level, so that `reinforge --help` stays instant.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import threading
+
+from reinforge.exposure import add_bind_arguments, check_bind_address, token_from_env
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -23,10 +24,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--model", required=True, help="Hugging Face model directory or hub id, e.g. models/tool_demo")
     serve.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights' dtype (default: float32)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
-    serve.add_argument("--allow-remote", action="store_true", help="allow a --host other than loopback")
-    serve.add_argument("--token-env", metavar="VAR", help="environment variable holding the bearer token clients must send")
+    add_bind_arguments(serve, default_port=8000)
     serve.add_argument("--model-name", default="policy", help="the model id it reports (default: policy)")
     serve.add_argument("--max-tokens", type=int, default=256, help="completion length when a request gives none (default: 256)")
     serve.add_argument("--max-model-len", type=int, default=None,
@@ -38,17 +36,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 def run_serve_command(args: argparse.Namespace) -> None:
     from reinforge.config.schema import ModelConfig
     from reinforge.errors import ConfigError
-    from reinforge.http_guard import check_bind_address
     from reinforge.modeling import load_tokenizer
     from reinforge.serving.config import ServingConfig
     from reinforge.serving.server import PolicyServer
 
     check_bind_address(args.host, args.allow_remote)
-    token = None
-    if args.token_env:
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise ConfigError(f"--token-env {args.token_env}: that environment variable is unset or empty; export the token in it")
+    token = token_from_env(args.token_env, "--token-env")
     try:
         config = ServingConfig(host=args.host, port=args.port, allow_remote=args.allow_remote, model_name=args.model_name,
                                max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
