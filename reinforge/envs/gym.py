@@ -106,6 +106,9 @@ class GymResourcesEnv:
         )
         verdict = _json_object(self._post("verify", {**request.record, "response": response}, cookies))
         self._count("verify_calls")
+        if not isinstance(verdict.get("reward"), (int, float)):
+            raise GymServerError(f"NeMo Gym resources server {self.url} answered POST /verify without a numeric reward: "
+                                 f"{_one_line(str(verdict))[:200]}")
         if verdict.get("mask_sample"):
             self._count("masked")
         info = {key: verdict[key] for key in ("failure_kind", "failure_reason") if verdict.get(key) is not None}

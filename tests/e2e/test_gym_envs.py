@@ -184,6 +184,17 @@ def test_each_episode_keeps_its_own_session_cookie_when_episodes_interleave(gym_
     env.close()
 
 
+def test_a_row_the_server_rejects_fails_at_once_with_its_answer(gym_urls):
+    env = gym_env(gym_urls["counter"], max_retries=3, backoff_s=10.0)  # a retry would take 10 s
+    row = {"responses_create_params": {"input": "add 1", "tools": COUNTER_TOOLS}, "expected_count": 1}  # no initial_count
+    began = time.monotonic()
+    with pytest.raises(GymServerError, match=rf"^NeMo Gym resources server {gym_urls['counter']} rejected POST /seed_session: "
+                                             r"HTTP 422: .*initial_count"):
+        env.step([Episode(row, "e-rejected").turn("1")])
+    assert time.monotonic() - began < 5
+    env.close()
+
+
 def test_the_registry_builds_gym_tasks_and_records_must_be_gym_rows(gym_urls):
     config = load_config(None, [f"env.gym.weather.url={gym_urls['weather']}"]).env
     check_tasks({"weather"}, config)
