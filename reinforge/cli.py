@@ -14,7 +14,7 @@ DEMO_CONFIG = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
 OVERRIDES_HELP = (
     "key=value overrides, type-checked against the config schema, e.g. grpo.max_steps=10 "
     "training.lr=1e-5 model.name_or_path=Qwen/Qwen2.5-1.5B. Sections: model, data, generation, training, "
-    "grpo, loss, env, curriculum, cluster, checkpoint, logging, plus seed."
+    "grpo, loss, env, curriculum, agent, cluster, checkpoint, logging, plus seed."
 )
 
 

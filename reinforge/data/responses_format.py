@@ -165,3 +165,18 @@ def _function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
 
 def _num_calls(output: list[dict[str, Any]]) -> int:
     return sum(item["type"] == "function_call" for item in output)
+
+
+def verdict_components(verdict: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
+    """A Gym verify result's components: its `reward_components`, and every other finite number it adds to
+    the `row` it verified (Gym's multi-reward servers give each component as a field of its own too, and
+    counters such as tool_use's `num_tool_calls` come only that way; NeMo-RL averages the same fields
+    into its per-agent metrics). Flags (`mask_sample`) and the row's own numbers are not components."""
+    added = {key: float(value) for key, value in verdict.items()
+             if key not in row and key != "reward" and _is_finite_number(value)}
+    listed = verdict.get("reward_components") or {}
+    return {**added, **{key: float(value) for key, value in listed.items() if _is_finite_number(value)}}
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from reinforge.data.responses_format import chat_to_response, create_params_to_chat
+from reinforge.data.responses_format import chat_to_response, create_params_to_chat, verdict_components
 from reinforge.data.tool_calls import ToolCall, parse_tool_calls
 from reinforge.envs.base import EnvRequest, EnvResponse
 from reinforge.envs.gym_config import GymResourcesConfig
@@ -112,7 +112,7 @@ class GymResourcesEnv:
         if verdict.get("mask_sample"):
             self._count("masked")
         info = {key: verdict[key] for key in ("failure_kind", "failure_reason") if verdict.get(key) is not None}
-        return EnvResponse(reward=float(verdict["reward"]), components=dict(verdict.get("reward_components") or {}),
+        return EnvResponse(reward=float(verdict["reward"]), components=verdict_components(verdict, request.record),
                            mask_sample=bool(verdict.get("mask_sample", False)), info=info)
 
     def _run_call(self, call: ToolCall | str, params: dict[str, Any], cookies: dict[str, str]) -> str:

@@ -8,8 +8,9 @@ ifeval, tool_use or your own `module:Class` environment as they use Gym's own se
     POST /close_session      any JSON object -> {} (or {"resources_session_id"} echoed)
     POST /verify             a Gym verify request: the row (`responses_create_params` + its own fields,
                              e.g. `answer`) and `response` (a Responses object)
-                             -> {**request, "reward", "reward_components", "mask_sample",
-                                 "failure_kind": null, "failure_reason": null}
+                             -> {**request, "reward", "mask_sample", "failure_kind": null,
+                                 "failure_reason": null, each component as a field of its own,
+                                 "reward_components" (when the components sum to the reward)}
     POST /aggregate_metrics  {"verify_responses": [...]} -> key_metrics {"mean/reward"}, as Gym's
     POST /<tool name>        one per tool of the environment (tool_use: /calculator, /python): the
                              tool's JSON arguments -> its text as a JSON value when the text parses
@@ -20,9 +21,11 @@ What /verify scores: the row's input messages, then `response.output` converted 
 messages (data/responses_format.py: function calls as `<tool_call>` blocks in the assistant's text,
 their outputs as `tool` messages), as one EnvRequest whose record is the request without
 `response`, marked `last_turn`. An output without an assistant message counts as an empty answer.
-`reward_components` are the environment's components, present when it reports any; they are named
-parts and counters (tool_use: `num_tool_calls`, `tool_result_correct`), not necessarily summing to
-`reward` as Gym's multi-reward servers' do (NeMo-RL's GDPO check expects a sum).
+The environment's components are each a top-level field of the answer, as Gym's multi-reward servers
+give theirs (NeMo-RL averages every numeric field into per-agent metrics; reinforge's agent rollouts
+take the numeric fields the verifier added as components). They are also `reward_components` only
+when they sum to `reward`: that is what the field means in Gym, and NeMo-RL checks it; tool_use's
+counters (`num_tool_calls`, `tool_result_correct`) are not parts of its reward.
 
 Errors and guards are those of the reinforge protocol (http_server.py, reinforge/http_guard.py):
 bearer token (401), body size (413), JSON content type (415); a malformed body is a 422 naming the
@@ -112,8 +115,9 @@ def build_gym_app(env: Environment, token: str | None, max_request_bytes: int) -
         except Exception as exc:  # the server stays up; the caller sees the cause
             _log.exception("environment %s failed on /verify", type(env).__name__)
             raise HTTPException(500, f"environment {type(env).__name__} failed: {one_line(exc)}")
-        answer = {**row, "reward": response.reward, "mask_sample": response.mask_sample, "failure_kind": None, "failure_reason": None}
-        if response.components:
+        answer = {**row, **response.components, "reward": response.reward, "mask_sample": response.mask_sample,
+                  "failure_kind": None, "failure_reason": None}
+        if response.components and abs(sum(response.components.values()) - response.reward) <= 1e-5 * max(1.0, abs(response.reward)):
             answer["reward_components"] = response.components
         return answer
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import httpx
 
+from reinforge.data.responses_format import verdict_components
 from reinforge.errors import ConfigError, ReinforgeError
 
 OPTIONAL_ARGUMENTS = ("model", "api_key", "sampling", "servers")
@@ -61,8 +62,10 @@ def import_agent(path: str) -> Callable[..., Any]:
     return function
 
 
-def parse_result(value: Any, where: str) -> EpisodeResult:
-    """A Python agent's return value, or a Gym verify result, as an EpisodeResult."""
+def parse_result(value: Any, where: str, sent: dict[str, Any] | None = None) -> EpisodeResult:
+    """A Python agent's return value, or a Gym verify result, as an EpisodeResult. Its components are
+    `verdict_components` of it and the row it was `sent` (Gym's verifiers give
+    their counters as top-level fields; NeMo-RL averages them the same way)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = {"reward": value}
     if not isinstance(value, dict) or not isinstance(value.get("reward"), (int, float)) or isinstance(value.get("reward"), bool):
@@ -70,9 +73,10 @@ def parse_result(value: Any, where: str) -> EpisodeResult:
     components = value.get("reward_components") or {}
     if not isinstance(components, dict) or not all(isinstance(v, (int, float)) for v in components.values()):
         return EpisodeResult("failed", error=f"{where}: reward_components must map names to numbers, got {str(components)[:80]!r}")
+    components = verdict_components(value, sent or {})
     if not math.isfinite(float(value["reward"])):
         return EpisodeResult("failed", error=f"{where} returned a reward of {value['reward']}")
-    return EpisodeResult("ok", reward=float(value["reward"]), components={k: float(v) for k, v in components.items()},
+    return EpisodeResult("ok", reward=float(value["reward"]), components=components,
                          mask_sample=bool(value.get("mask_sample", False)))
 
 
@@ -105,7 +109,7 @@ class GymAgentRunner:
                 body = response.json()
             except ValueError:
                 return EpisodeResult("failed", error=f"Gym agent {self.name} answered something other than JSON")
-            result = parse_result(body, f"Gym agent {self.name}")
+            result = parse_result(body, f"Gym agent {self.name}", sent=row)
             output = (body.get("response") or {}).get("output") if isinstance(body.get("response"), dict) else None
             result.gym_output = output if isinstance(output, list) else []
             return result
@@ -135,7 +139,7 @@ class PythonAgentRunner:
             return EpisodeResult("timeout", error=f"{where} did not finish within agent.timeout_s={self.timeout_s:g}")
         except Exception as exc:  # the agent's own failure: this episode fails, the run goes on
             return EpisodeResult("failed", error=f"{where} raised {type(exc).__name__}: {_one_line(exc)}")
-        return parse_result(value, where)
+        return parse_result(value, where, sent=record)
 
 
 def _on_own_thread(function: Callable[..., Any], kwargs: dict[str, Any]) -> asyncio.Future:

@@ -21,7 +21,7 @@ from reinforge.algorithms import grpo
 from reinforge.cluster.network import free_port
 from reinforge.config import load_config
 from reinforge.data.jsonl import read_jsonl
-from reinforge.data.responses_format import create_params_to_chat, hermes_messages, items_to_chat
+from reinforge.data.responses_format import create_params_to_chat, hermes_messages, items_to_chat, verdict_components
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.gym_launcher import gym_python, gym_servers
 from reinforge.envs.math_env import MathEnv
@@ -80,7 +80,7 @@ def test_gyms_simple_agent_scores_with_reinforges_tool_env_as_the_in_process_env
         output = result["response"]["output"]
         conversation = create_params_to_chat(row["responses_create_params"])[0] + items_to_chat(output)
         (expected,) = local.step([EnvRequest(messages=hermes_messages(conversation), record=row)])
-        assert result["reward"] == expected.reward and result["reward_components"] == expected.components
+        assert result["reward"] == expected.reward and verdict_components(result, row) == expected.components
         called += any(item["type"] == "function_call" for item in output)
         carrying = [item for item in output if item.get("generation_token_ids")]
         assert carrying and all(len(i["generation_token_ids"]) == len(i["generation_log_probs"]) for i in carrying)

@@ -343,10 +343,12 @@ def test_the_gym_protocol_server_seeds_calls_tools_and_verifies(tool_use_gym_url
     bad = post(url, "/calculator", {"expression": "__import__('os')"})
     assert bad.status_code == 400 and bad.json()["detail"].startswith("tool 'calculator' rejected its arguments: ")
     right = post(url, "/verify", gym_verify_body("So it is \\boxed{42}.")).json()
+    # tool_use's counters are fields of their own, not reward_components: they do not sum to the reward
     assert right == {**gym_verify_body("So it is \\boxed{42}."), "reward": 1.0, "mask_sample": False, "failure_kind": None,
-                     "failure_reason": None, "reward_components": {"num_tool_calls": 1.0, "tool_result_correct": 1.0}}
+                     "failure_reason": None, "num_tool_calls": 1.0, "tool_result_correct": 1.0}
     wrong = post(url, "/verify", gym_verify_body("So it is \\boxed{41}.")).json()
-    assert (wrong["reward"], wrong["reward_components"]) == (0.0, {"num_tool_calls": 1.0, "tool_result_correct": 1.0})
+    assert (wrong["reward"], wrong["num_tool_calls"], wrong["tool_result_correct"]) == (0.0, 1.0, 1.0)
+    assert "reward_components" not in wrong
     metrics = post(url, "/aggregate_metrics", {"verify_responses": [{**right, "_ng_task_index": 0, "_ng_rollout_index": 0},
                                                                     {**wrong, "_ng_task_index": 0, "_ng_rollout_index": 1}]}).json()
     assert metrics["key_metrics"] == {"mean/reward": 0.5}

@@ -76,6 +76,15 @@ def test_an_agents_return_value_is_a_reward_or_a_dict_with_one():
     assert "agent x returned" in parse_result(None, "agent x").error
 
 
+def test_the_numbers_a_verifier_adds_to_the_row_are_components_and_the_rows_own_are_not():
+    """Gym's multi-reward servers give each component as a field too; a row field (e.g. a count the
+    verifier compares against) is not a component; flags and texts are not either."""
+    row = {"responses_create_params": {"input": "hi"}, "expected_count": 3, "answer": "42"}
+    verdict = {**row, "reward": 1.0, "num_tool_calls": 1, "tool_result_correct": 1.0, "mask_sample": False,
+               "failure_kind": None, "reward_components": {"correct": 1.0}}
+    assert parse_result(verdict, "gym", sent=row).components == {"num_tool_calls": 1.0, "tool_result_correct": 1.0, "correct": 1.0}
+
+
 def test_a_gym_row_is_stamped_with_the_rollouts_sampling_and_left_unchanged():
     row = {"responses_create_params": {"input": "hi", "temperature": 0.3}, "answer": "1"}
     stamped = stamped_row(row, temperature=1.0, top_p=1.0, max_tokens=48)

@@ -55,7 +55,8 @@ def test_saved_config_loads_back_equal(tmp_path):
 
 def test_fixed_top_level_sections_exist():
     assert set(Config.model_fields) == {
-        "seed", "model", "data", "generation", "training", "grpo", "loss", "env", "curriculum", "cluster", "checkpoint", "logging",
+        "seed", "model", "data", "generation", "training", "grpo", "loss", "env", "curriculum", "agent", "cluster", "checkpoint",
+        "logging",
     }
 
 
