@@ -146,7 +146,7 @@ def build_episodes(config: Config, engine: GenerationBackend, tokenizer, envs: d
     server.start()
     cleanup.callback(server.stop)
     servers = {**agent.servers, **serve_gym_envs(agent.serve_envs, config.env, cleanup)}
-    episodes = AgentRollout(server, tokenizer, agent, servers)
+    episodes = AgentRollout(server, tokenizer, agent, servers, errors_path=run_dir / "agent_errors.jsonl")
     (run_dir / "endpoint.json").write_text(json.dumps({"base_url": server.base_url, "model": server.model_name, "servers": servers}, indent=2))
     print(f"policy endpoint: {server.base_url}" + "".join(f"; {name}: {url}" for name, url in servers.items()))
     return episodes

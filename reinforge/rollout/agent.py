@@ -22,8 +22,10 @@ are the trajectory's components (per-component metrics); `mask_sample` masks it.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -112,8 +114,12 @@ class AgentRollout:
 
     STATUSES = ("ok", "failed", "timeout", "unrecorded", "no_calls", "noncontiguous")
 
-    def __init__(self, server: PolicyServer, tokenizer: PreTrainedTokenizerBase, config: AgentConfig, servers: dict[str, str]):
-        self.server, self.tokenizer, self.config, self.servers = server, tokenizer, config, servers
+    MAX_ERRORS_LOGGED = 20  # per rollout
+
+    def __init__(self, server: PolicyServer, tokenizer: PreTrainedTokenizerBase, config: AgentConfig, servers: dict[str, str],
+                 errors_path: Path | None = None):
+        """`errors_path`: a JSONL file that gets the first MAX_ERRORS_LOGGED errors of each rollout (why an episode failed)."""
+        self.server, self.tokenizer, self.config, self.servers, self.errors_path = server, tokenizer, config, servers, errors_path
         self.runners: dict[str, GymAgentRunner | PythonAgentRunner] = {
             **{name: PythonAgentRunner(name, path, config.timeout_s) for name, path in config.python.items()},
             **{name: GymAgentRunner(name, gym.url, config.timeout_s, config.max_retries, config.backoff_s) for name, gym in config.gym.items()},
@@ -141,10 +147,20 @@ class AgentRollout:
         self._metrics = {**self._rollout_metrics(trajectories, episodes, statuses, elapsed),
                          "rollout/agent_contiguous_fraction": sum(contiguous) / len(contiguous) if contiguous else 0.0,
                          "rollout/agent_unclaimed_calls": float(unclaimed)}
+        self._log_errors(episodes, statuses)
         if "ok" not in statuses:
             first = next((e.result.error for e in episodes if e.result.error), statuses[0])
             raise AgentRolloutError(f"none of the rollout's {len(episodes)} agent episodes can be trained on ({statuses[0]}); the first: {first}")
         return trajectories
+
+    def _log_errors(self, episodes: list[Episode], statuses: list[str]) -> None:
+        failed = [(episode, status) for episode, status in zip(episodes, statuses) if status != "ok"][: self.MAX_ERRORS_LOGGED]
+        if self.errors_path is None or not failed:
+            return
+        with self.errors_path.open("a", encoding="utf-8") as handle:
+            for episode, status in failed:
+                handle.write(json.dumps({"time": time.time(), "status": status, "error": episode.result.error,
+                                         "duration_s": round(episode.duration_s, 3)}) + "\n")
 
     def metrics(self) -> dict[str, float]:
         """The last rollout's `rollout/agent_*` and `endpoint/*` metrics."""

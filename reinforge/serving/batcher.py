@@ -18,7 +18,7 @@ from typing import Callable
 
 from reinforge.generation.base import GenerationBackend, SamplingParams
 
-MAX_WAITS = 20  # the oldest waiting request is generated after at most MAX_WAITS x batch_wait_s
+MAX_WAITS = 10  # the oldest waiting request is generated after at most MAX_WAITS x batch_wait_s
 
 
 @dataclass

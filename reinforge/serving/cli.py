@@ -30,6 +30,9 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="context length: prompt plus completion (default: the model's max_position_embeddings)")
     serve.add_argument("--max-batch-size", type=int, default=256, help="most sequences per engine call (default: 256)")
+    serve.add_argument("--batch-wait-s", type=float, default=0.02,
+                       help="how long a request waits for others to share its engine call (default: 0.02; a training run's "
+                       "endpoint waits longer, agent.endpoint.batch_wait_s)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the engine (vLLM)")
 
 
@@ -44,7 +47,7 @@ def run_serve_command(args: argparse.Namespace) -> None:
     token = token_from_env(args.token_env, "--token-env")
     try:
         config = ServingConfig(host=args.host, port=args.port, allow_remote=args.allow_remote, model_name=args.model_name,
-                               max_tokens=args.max_tokens, max_batch_size=args.max_batch_size)
+                               max_tokens=args.max_tokens, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_s)
     except ValueError as exc:
         raise ConfigError(str(exc).splitlines()[-1]) from None
     model_config = ModelConfig(name_or_path=args.model, dtype=args.dtype)

@@ -22,9 +22,11 @@ class ServingConfig(Section):
     """Largest request body accepted; larger ones get HTTP 413."""
     max_batch_size: int = 256
     """Most requests the endpoint hands the engine in one call; more wait for the next call."""
-    batch_wait_s: float = 0.05
+    batch_wait_s: float = 0.2
     """How long the endpoint waits, after the last request arrived, for more to join the engine call
-    (at most 20 x this after the first; not at all when every agent of the rollout is already waiting)."""
+    (at most 10 x this after the first; not at all when every agent of the rollout is already waiting).
+    Training wants full batches more than low latency: 64 agents starting at once arrive over some
+    100 ms on a 2-core machine (docs/benchmarks.md). `reinforge serve` defaults to 0.02."""
     max_tokens: int = 256
     """`reinforge serve`: completion length when a request gives no `max_tokens` (in a run:
     `generation.max_new_tokens`, which also caps what a request may ask for)."""

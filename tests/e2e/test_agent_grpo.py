@@ -47,6 +47,9 @@ def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_g
         assert row["rollout/agent_episode_s_max"] < 10  # the hung agents were abandoned at agent.timeout_s=3
     val = rows(result.run_dir)[0]
     assert val["val/agent_episodes"] == 16 and "val/accuracy" in val
+    errors = [json.loads(line) for line in (result.run_dir / "agent_errors.jsonl").read_text().splitlines()]
+    assert {"failed", "timeout", "noncontiguous", "no_calls"} <= {e["status"] for e in errors}
+    assert any("ValueError: this agent fails on purpose" in e["error"] for e in errors)
 
 
 def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
