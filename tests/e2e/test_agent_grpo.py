@@ -28,6 +28,26 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_the_agent_demo_learns_to_call_its_calculator(tmp_path):
+    """configs/grpo_agent_demo.yaml, shortened: reinforge's simple agent drives every episode through the
+    endpoint, the calculator is the tool_use environment served the NeMo Gym way; greedy, the tool demo
+    model never calls its tool at first."""
+    config = load_config(ROOT / "configs" / "grpo_agent_demo.yaml", [
+        "grpo.max_steps=6", "grpo.val_every=0", "data.max_val_prompts=32", "checkpoint.save_final=false",
+        f"logging.run_dir={tmp_path / 'run'}"])
+    result = grpo.train(config)
+    first, *steps = rows(result.run_dir)
+    last = steps[-1]
+    assert result.last_val_accuracy >= result.first_val_accuracy + 0.15, (result.first_val_accuracy, result.last_val_accuracy)
+    assert first["val/tool_use/tool_result_correct_mean"] == 0 and last["val/tool_use/tool_result_correct_mean"] >= 0.5
+    early = sum(r["train/tool_use/tool_result_correct_mean"] for r in steps[:2]) / 2
+    late = sum(r["train/tool_use/tool_result_correct_mean"] for r in steps[-2:]) / 2
+    assert late > early, (early, late)
+    for row in steps:
+        assert row["rollout/agent_ok_fraction"] == 1 and row["rollout/agent_contiguous_fraction"] == 1
+        assert row["train/token_mult_prob_error"] <= 1.05 and row["rollout/agent_model_calls_mean"] > 1
+
+
 def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
     config = load_config(ROOT / "configs" / "grpo_demo.yaml", [
