@@ -3,7 +3,9 @@
 Each step: draw P prompts; sample G answers per prompt with their logprobs; score them with each
 record's environment; group-relative advantages; the reference (and, with several optimizer steps per
 rollout, the old) logprobs from the trainer; one or more clipped policy-gradient optimizer steps over
-the rollout batch; copy the new weights into the generation engine ("refit"); validate; log.
+the rollout batch; copy the new weights into the generation engine ("refit"); validate; log. With
+`grpo.rollout=agent` agents drive the episodes through the policy's OpenAI-compatible endpoint instead
+(rollout/agent.py); the rest of the loop is the same.
 
 As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
 1. The loss is aggregated per token over the whole global batch by default (DAPO, arXiv:2503.14476),
