@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -36,15 +38,42 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(config: ModelConfig) -> PreTrainedModel:
+def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:
+    """The model of `config` (with `model.adapter` merged in); `kwargs` go to `from_pretrained` (a quantization config)."""
     location = model_location(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
+            location, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code, **kwargs
         )
     except OSError as exc:
         raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load the model ({_first_line(exc)})") from None
+    if config.adapter:  # a LoRA run's adapter, merged once into the weights it was trained on
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_base(config)).merge_and_unload()
     return model
+
+
+def adapter_base(model_config: ModelConfig) -> str:
+    """The adapter directory of `model.adapter`, checked to be a PEFT adapter trained on `model.name_or_path`."""
+    path = resolve_path(model_config.adapter)
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ReinforgeError(f"model.adapter={model_config.adapter}: {config_file} does not exist; point it at a PEFT adapter "
+                             "directory (a LoRA run's final/)")
+    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    expected = model_location(model_config)
+    if base and not _same_model(base, expected):
+        raise ReinforgeError(f"model.adapter={model_config.adapter} was trained on {base}, not on model.name_or_path="
+                             f"{model_config.name_or_path}; load it onto its own base model")
+    return str(path)
+
+
+def _same_model(a: str, b: str) -> bool:
+    left, right = resolve_path(a), resolve_path(b)
+    if left.exists() and right.exists():
+        return left.resolve() == right.resolve()
+    return a.rstrip("/") == b.rstrip("/")
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

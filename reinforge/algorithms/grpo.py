@@ -67,6 +67,7 @@ from reinforge.rollout.rollout import Episodes
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
 from reinforge.training.checkpoint import rng_state
+from reinforge.training.lora import check_lora
 
 
 @dataclass
@@ -95,6 +96,7 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
     check_tasks(tasks, config.env)
 
     check_backends(config.logging.loggers)
+    check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
 
     with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
         # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.

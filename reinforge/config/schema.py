@@ -22,6 +22,7 @@ from reinforge.envs.judge import JudgeEnvConfig
 from reinforge.envs.tool_use import ToolUseEnvConfig
 from reinforge.logging.loggers import LoggersConfig
 from reinforge.rollout.agent_config import AgentConfig
+from reinforge.training.lora_config import LoraConfig
 
 
 class ModelConfig(Section):
@@ -31,6 +32,12 @@ class ModelConfig(Section):
     """Parameter dtype for training and generation. float32 on CPU; bfloat16 on GPU."""
     trust_remote_code: bool = False
     """Allow model code from the model's repository (only for architectures transformers lacks)."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (training/lora.py); null: full fine-tuning."""
+    adapter: str | None = None
+    """A trained PEFT adapter directory (a LoRA run's final/) merged into the weights of `name_or_path` when
+    they load: to evaluate or serve a LoRA run, or to continue from a LoRA stage; it must have been trained
+    on `name_or_path`."""
 
 
 class DataConfig(Section):

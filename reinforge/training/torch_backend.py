@@ -22,6 +22,7 @@ from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
+from reinforge.training.lora import adapter_disabled, adapter_state_dict, load_adapter_state_dict, load_policy, merge_lora_weights, scaling
 from reinforge.training.micro_batching import HiddenStates, Prompts, micro_batch_logprobs, plan_micro_batches, select_micro_batch
 from reinforge.training.segment_attention import using_segment_attention
 
@@ -87,7 +88,9 @@ def token_entropy(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class TorchBackend:
-    """Policy (+ optional frozen reference), AdamW and its schedule, in this process."""
+    """Policy (+ optional frozen reference), AdamW and its schedule, in this process. With `model.lora`
+    the policy is the base model with PEFT's adapters, the only parameters trained, and the reference
+    is the same model with the adapters disabled (training/lora.py)."""
 
     def __init__(
         self,
@@ -97,19 +100,22 @@ class TorchBackend:
         num_optimizer_steps: int,
         load_reference: bool,
     ):
-        self.config = training_config
+        self.config, self.lora = training_config, model_config.lora
         self.temperature = temperature
-        self.model = load_model(model_config)
+        self.model, self.peft = load_policy(model_config)
         if training_config.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self.model.train()
-        self.reference = load_model(model_config).eval().requires_grad_(False) if load_reference else None
+        self.reference = None
+        if load_reference and self.peft is None:
+            self.reference = load_model(model_config).eval().requires_grad_(False)
         if training_config.compile:
             for model in (self.model, self.reference):
                 if model is not None:
                     compile_decoder_layers(model)
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(self.trainable, training_config, num_optimizer_steps)
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch, list[list[int]]]]:
         """(batch indices, micro-batch, its rows) for every micro-batch of the batch."""
@@ -120,12 +126,13 @@ class TorchBackend:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        model = self.reference if reference else self.model
+        model = self.reference if reference and self.peft is None else self.model
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
         out = torch.zeros_like(batch.loss_mask)
-        for indices, micro, rows in self._micro_batches(batch):
-            logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
-            out[indices, : logprobs_BT.shape[1]] = logprobs_BT
+        with adapter_disabled(self.peft if reference else None):
+            for indices, micro, rows in self._micro_batches(batch):
+                logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
+                out[indices, : logprobs_BT.shape[1]] = logprobs_BT
         return out * batch.loss_mask
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -133,7 +140,7 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(batch, loss_fn)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
@@ -151,19 +158,30 @@ class TorchBackend:
         return {name: float(value) for name, value in (totals | extremes).items()}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.model.state_dict().items()
+        """The policy's Hugging Face weights (with LoRA: merged, W + (alpha / r) B A, the base left as it is)."""
+        state = self.model.state_dict()
+        yield from (merge_lora_weights(state, scaling(self.lora)) if self.peft is not None else state).items()
+
+    def save_adapter(self, path: Path) -> None:
+        """The LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)."""
+        self.peft.save_pretrained(path)
 
     def save_pretrained(self, path: Path) -> None:
-        self.model.save_pretrained(path)
+        """The policy as a Hugging Face directory; with LoRA, its adapter in PEFT's format."""
+        (self.peft or self.model).save_pretrained(path)
 
     def save_state(self, path: Path) -> None:
-        """Policy weights, AdamW state and the LR schedule's position, for an exact resume."""
+        """Policy weights (with LoRA, the adapter's only), AdamW state and the LR schedule's position, for an exact resume."""
         path.mkdir(parents=True, exist_ok=True)
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        weights = adapter_state_dict(self.model) if self.peft is not None else self.model.state_dict()
+        state = {"model": weights, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         torch.save(state, path / "state.pt")
 
     def load_state(self, path: Path) -> None:
         state = torch.load(path / "state.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
+        if self.peft is not None:
+            load_adapter_state_dict(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
