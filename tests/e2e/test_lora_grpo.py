@@ -1,0 +1,73 @@
+"""GRPO with LoRA end to end: the demo learns with adapters only, and a LoRA run killed after step 2
+resumes to the metrics of a run never killed."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import peft
+import torch
+from transformers import AutoModelForCausalLM
+
+from reinforge.algorithms import grpo
+from reinforge.config import load_config
+from reinforge.paths import PROJECT_ROOT
+
+CONFIG = PROJECT_ROOT / "configs" / "grpo_lora_demo.yaml"
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_with_lora_raises_reward_and_accuracy_and_leaves_an_adapter(tmp_path):
+    config = load_config(CONFIG, ["grpo.max_steps=12", "grpo.val_every=0", f"logging.run_dir={tmp_path / 'run'}"])
+    result = grpo.train(config)
+    steps = rows(result.run_dir)[1:]
+    early = sum(r["train/reward_mean"] for r in steps[:4]) / 4
+    late = sum(r["train/reward_mean"] for r in steps[-4:]) / 4
+    assert late > early, (early, late)
+    assert result.last_val_accuracy >= result.first_val_accuracy + 0.05, (result.first_val_accuracy, result.last_val_accuracy)
+    assert all(r["train/token_mult_prob_error"] < 1.001 and r["train/kl"] >= 0 for r in steps)
+    assert steps[-1]["train/kl"] > 0  # the reference (adapters off) differs from the policy
+    # final/ is a PEFT adapter on the demo model; loaded the ordinary way, it is the trained policy, not the base
+    final = result.run_dir / "final"
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo")
+    trained = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo"), final)
+    ids = torch.tensor([[1, 30, 31, 32, 33, 34]])
+    assert not torch.allclose(trained(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
+RESUME = ["grpo.max_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.resume=auto", "grpo.num_prompts_per_step=4",
+          "training.global_batch_size=32", "training.micro_batch_size=32", "generation.max_new_tokens=40", "data.max_val_prompts=8",
+          "grpo.val_every=2", "checkpoint.save_final=false", "cluster.num_threads=1"]
+
+
+def command(run_dir):
+    return [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(CONFIG), *RESUME, f"logging.run_dir={run_dir}"]
+
+
+def comparable(run_dir):
+    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows(run_dir)]
+
+
+def test_a_lora_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_never_killed(tmp_path):
+    reference = tmp_path / "uninterrupted"
+    assert subprocess.run(command(reference), capture_output=True, timeout=600).returncode == 0
+    run = tmp_path / "killed"
+    process = subprocess.Popen(command(run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = run / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.time() + 300
+    while process.poll() is None and not marker.exists() and time.time() < deadline:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=60) == -9, "the run ended before it could be killed after step 2"
+    resumed = subprocess.run(command(run), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step_0000000" in resumed.stdout
+    checkpoint = torch.load(run / "checkpoints" / "step_00000004" / "trainer" / "state.pt", weights_only=False)
+    assert all("lora_" in name for name in checkpoint["model"])  # the adapter only: small
+    assert comparable(run) == comparable(reference)
