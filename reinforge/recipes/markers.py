@@ -96,8 +96,8 @@ def check_run_dir(run_dir: Path, stages: list[Stage]) -> dict[int, dict[str, Any
         _check_unchanged(stage, marker)
     for stage in stages:
         source = stage.model_from
-        if stage.number not in markers and source is not None and source.number in markers and not (source.run_dir / "final").is_dir():
-            raise ConfigError(f"{source.label} is finished but its weights {source.run_dir / 'final'} are gone, and "
+        if stage.number not in markers and source is not None and source.number in markers and not source.weights.is_dir():
+            raise ConfigError(f"{source.label} is finished but its weights {source.weights} are gone, and "
                               f"{stage.label} starts from them; use a new run_dir (--run-dir)")
     return markers
 

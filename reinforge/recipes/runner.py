@@ -9,7 +9,8 @@ under finished stages, is a one-line error before hours of training. Then, stage
   `checkpoint.save_every=0` it has none and starts over);
 - an unfinished sft, dpo or rm stage starts over in a clean directory: those loops write no
   checkpoints, so there is nothing to resume from;
-- after training, the stage's marker is written and RUN_DIR/recipe.jsonl is rewritten.
+- after training, a LoRA stage's adapter (final/) is merged into its base in merged/, the weights the
+  next stage starts from; the stage's marker is written and RUN_DIR/recipe.jsonl is rewritten.
 
 `--validate` stops after the checks and prints the plan: no model is loaded, the hub is not contacted.
 """
@@ -26,7 +27,8 @@ from reinforge.errors import ReinforgeError
 from reinforge.recipes.markers import check_run_dir, write_marker, write_summary
 from reinforge.run_dir import atomic_write_text
 from reinforge.recipes.spec import load_recipe
-from reinforge.recipes.stages import RESUMABLE_ALGORITHMS, Stage, build_stages
+from reinforge.recipes.stages import POLICY_ALGORITHMS, RESUMABLE_ALGORITHMS, Stage, build_stages
+from reinforge.training.lora import save_merged
 
 
 def run_recipe(path: str | Path, overrides: list[str] = (), run_dir: str | None = None,
@@ -75,6 +77,9 @@ def run_stage(stage: Stage) -> dict[str, Any]:
     # The markers and the next stage look for this stage's files in stage.run_dir: a suffixed directory
     # (which a non-resumable loop makes when the directory is taken) would break the chain.
     assert Path(result.run_dir).resolve() == stage.run_dir.resolve(), (result.run_dir, stage.run_dir)
+    if stage.algorithm in POLICY_ALGORITHMS and stage.config.model.lora is not None and stage.weights is not None:
+        # a LoRA stage's final/ is its adapter; the next stage starts from a whole model
+        save_merged(stage.config.model, stage.run_dir / "final", stage.weights)
     marker = write_marker(stage, started_at)
     _release_memory()
     return marker

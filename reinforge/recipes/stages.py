@@ -6,9 +6,10 @@ command line's `key=value`s, all through `config/loader.py` (same key checks, sa
 against the algorithm's own root schema. Then the recipe sets what chains the stages:
 
 - `logging.run_dir` = RUN_DIR/stages/<kk>-<name>;
-- `model.name_or_path` = the final weights (`<stage run dir>/final`) of the nearest earlier stage that
-  trains a policy (every algorithm but `rm`, whose reward model is not a policy); stage 1, and a
-  stage with no policy stage before it, keep the config's model;
+- `model.name_or_path` = the final weights (`<stage run dir>/final`, or `merged` for a LoRA stage, whose
+  final/ is an adapter: the runner merges it into its base) of the nearest earlier stage that trains a
+  policy (every algorithm but `rm`, whose reward model is not a policy); stage 1, and a stage with no
+  policy stage before it, keep the config's model;
 - `checkpoint.save_final` = true for every stage but the last, whose setting is kept;
 - `checkpoint.resume` = auto for GRPO stages, so a rerun continues from the newest checkpoint.
 
@@ -65,8 +66,11 @@ class Stage:
 
     @property
     def weights(self) -> Path | None:
-        """Where the stage's final weights go (None when it saves none)."""
-        return self.run_dir / "final" if self.config.checkpoint.save_final else None
+        """Where the stage's final policy goes as a whole model (None when it saves none): final/, or for a
+        LoRA stage merged/ (final/ then holds its adapter)."""
+        if not self.config.checkpoint.save_final:
+            return None
+        return self.run_dir / ("merged" if getattr(self.config.model, "lora", None) else "final")
 
     @property
     def max_steps(self) -> int:
@@ -100,7 +104,7 @@ def build_stages(recipe: RecipeSpec, recipe_path: Path, run_dir: Path, cli_overr
             stage_run_dir = run_dir / "stages" / stage_dir_name(number, spec.name)
             set_dotted(tree, "logging.run_dir", str(stage_run_dir))
             if previous is not None:
-                set_dotted(tree, "model.name_or_path", str(previous.run_dir / "final"))
+                set_dotted(tree, "model.name_or_path", str(previous.run_dir / ("merged" if previous.config.model.lora else "final")))
             if number < len(recipe.stages):
                 set_dotted(tree, "checkpoint.save_final", True)
             if spec.algorithm in RESUMABLE_ALGORITHMS:

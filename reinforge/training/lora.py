@@ -65,12 +65,13 @@ def linear_module_names(model_config) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear) and module is not head}
 
 
-def add_lora(model: torch.nn.Module, lora: LoraConfig, base_name: str):
+def add_lora(model: torch.nn.Module, lora: LoraConfig, base_name: str, task_type: str = "CAUSAL_LM"):
     """`model` wrapped by PEFT with fresh adapters (B = 0: the policy starts as the base model); returns the
-    PeftModel. Only the adapters require grad."""
+    PeftModel. Only the adapters require grad; with task_type `SEQ_CLS` (a reward model) PEFT also trains and
+    saves the classification head, whole (its `modules_to_save`), and never adapts it."""
     import peft
 
-    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type=task_type,
                              target_modules=lora.target_modules)
     try:
         wrapped = peft.get_peft_model(model, config)
@@ -163,3 +164,21 @@ def absolute_location(model_config) -> str:
     location = model_location(model_config)
     path = Path(location)
     return str(path.resolve()) if path.exists() else location
+
+
+def save_merged(model_config, adapter_dir: Path, out: Path) -> Path:
+    """A whole Hugging Face model in `out` (written atomically): the base of `model_config` with the PEFT
+    adapter in `adapter_dir` merged into it, in the config's dtype, with the tokenizer."""
+    from reinforge.modeling import load_model, load_tokenizer
+    from reinforge.run_dir import atomic_directory
+
+    config = model_config.model_copy(update={"lora": None, "adapter": str(adapter_dir)})
+    model = load_model(config)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)  # a merge cut short earlier: made again from the adapter
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+        load_tokenizer(config).save_pretrained(tmp)
+    return out

@@ -71,3 +71,21 @@ def test_a_lora_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_never_ki
     checkpoint = torch.load(run / "checkpoints" / "step_00000004" / "trainer" / "state.pt", weights_only=False)
     assert all("lora_" in name for name in checkpoint["model"])  # the adapter only: small
     assert comparable(run) == comparable(reference)
+
+
+def test_a_recipe_of_lora_stages_chains_them_through_the_merged_models(tmp_path):
+    """Each LoRA stage's final/ is an adapter; the next stage starts from merged/ (its base with the adapter
+    merged in), and so does the recipe's last model."""
+    from reinforge.recipes.runner import run_recipe
+
+    markers = run_recipe(PROJECT_ROOT / "configs" / "recipes" / "demo_progressive.yaml", ["model.lora.rank=8", "training.lr=1e-3",
+                         "grpo.max_steps=1"], run_dir=str(tmp_path / "recipe"))
+    stages = sorted((tmp_path / "recipe" / "stages").iterdir())
+    assert [m["weights"] for m in markers] == [str(stage / "merged") for stage in stages]
+    second = json.loads((stages[1] / "stage_complete.json").read_text())
+    assert second["config"]["model"]["name_or_path"] == str(stages[0] / "merged")
+    # merged/ is stage 1's base with its adapter: the same outputs as PEFT's model of the two
+    ids = torch.tensor([[1, 30, 31, 32, 33, 34]])
+    with_adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo"), stages[0] / "final")
+    merged = AutoModelForCausalLM.from_pretrained(stages[0] / "merged")
+    assert (with_adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() <= 1e-5
