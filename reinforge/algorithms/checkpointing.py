@@ -3,7 +3,7 @@
 A resumed run continues as if it had never stopped: the trainer's weights, AdamW state and LR
 schedule, the prompt sampler's position, the RNG states and the validation history come back from
 the newest complete checkpoint, and so do the rollout batches that async generation had made ahead
-of training; the engine is refitted with the restored weights; metrics.jsonl is
+of training; the engine is refitted with the restored weights (algorithms/refit.py); metrics.jsonl is
 cut back to the checkpoint's step (the rows after it are recomputed, identically). The storage
 format and its atomicity are `training/checkpoint.py`'s.
 """
@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from reinforge.algorithms.refit import refit
 from reinforge.config import Config
 from reinforge.data.prompts import PromptSampler
 from reinforge.run_dir import make_run_dir
@@ -64,12 +65,12 @@ def update_best(best: dict[str, Any], step: int, metrics: dict[str, float], conf
     return best
 
 
-def resume_run(checkpoint: Path, run_dir: Path, trainer, engine, sampler: PromptSampler) -> dict[str, Any]:
+def resume_run(checkpoint: Path, run_dir: Path, trainer, engine, sampler: PromptSampler, config: Config) -> dict[str, Any]:
     """Restore the trainer and the sampler, refit the engine, cut metrics.jsonl back; return the driver state
     (its RNG states are applied by `restore_rng` right before the loop, after the start-up probes)."""
     state = load_driver_state(checkpoint)
     trainer.load_state(checkpoint / "trainer")
-    engine.update_weights(trainer.named_weights())
+    refit(engine, trainer, config, run_dir)
     sampler.load_state_dict(state["sampler"])
     truncate_metrics(run_dir / "metrics.jsonl", state["step"])
     return state

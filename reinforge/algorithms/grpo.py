@@ -35,6 +35,7 @@ import torch
 
 from reinforge.algorithms.advantages import BASELINES, batch_whiten, group_advantages, informative_groups, overlong_penalty
 from reinforge.algorithms.checkpointing import open_run_dir, restore_rng, resume_run, save_run_checkpoint, update_best
+from reinforge.algorithms.refit import refit
 from reinforge.algorithms.rollout_source import RolloutBatch, rollout_source
 from reinforge.algorithms.builders import (build_engine, build_environments, build_episodes, build_trainer, start_ray_if_needed,
                                            write_placement)
@@ -110,7 +111,7 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
         episodes = build_episodes(config, engine, tokenizer, envs, train_prompts + val_prompts, run_dir, cleanup)  # reinforge or agents
         sampler, curriculum_metrics = build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)  # may sample: pass rates
         write_placement(run_dir, trainer, engine, envs)
-        state = resume_run(resume_from, run_dir, trainer, engine, sampler) if resume_from else None
+        state = resume_run(resume_from, run_dir, trainer, engine, sampler, config) if resume_from else None
         start_step, val_history, best = (state["step"], state["val_history"], state["best"]) if state else (0, [], {})
         probe_prompts = train_prompts[: config.generation.num_probe_prompts]
         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
@@ -146,7 +147,7 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
                 with rollouts.engine_turn(step, timers):  # the engine is ours: refit, then probe, validate, snapshot
                     if trained:
                         with timers.time("step"), timers.time("refit"):
-                            engine.update_weights(trainer.named_weights())
+                            refit(engine, trainer, config, run_dir)  # merged weights, or the LoRA adapter (algorithms/refit.py)
                     if step == 1:  # the first refit must really have moved the engine to the trainer's weights
                         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
                     if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):

@@ -2,7 +2,9 @@
 
 Each engine gets a contiguous slice of the prompts (engine 0 with the step's seed, so one engine
 samples exactly what an in-process engine would; the others with seed streams of their own) and the results are
-merged in prompt order. A refit puts the weights in the object store once and every engine loads them.
+merged in prompt order. A refit puts the weights in the object store once and every engine loads them;
+a LoRA adapter sync hands every engine the adapter's path instead (in the run directory: on several nodes
+it must be on a shared filesystem).
 With `cluster.colocate=true` engine i shares training rank i's placement bundle (they take turns on
 the same resources); otherwise the engines get bundles of their own.
 """
@@ -52,6 +54,9 @@ class GenerationGroup:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.group.call("update_weights", [(name, tensor.detach().cpu()) for name, tensor in named_tensors])
+
+    def load_adapter(self, path: str) -> None:
+        self.group.call("load_adapter", path)
 
     def sleep(self) -> None:
         self.group.call("sleep")

@@ -22,7 +22,7 @@ from reinforge.envs.judge import JudgeEnvConfig
 from reinforge.envs.tool_use import ToolUseEnvConfig
 from reinforge.logging.loggers import LoggersConfig
 from reinforge.rollout.agent_config import AgentConfig
-from reinforge.training.lora_config import LoraConfig
+from reinforge.training.lora_config import VLLM_LORA_RANKS, LoraConfig, adapter_sync
 
 
 class ModelConfig(Section):
@@ -483,6 +483,22 @@ class Config(Section):
                 f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="
                 f"{t.global_batch_size}; set it to a divisor of {t.global_batch_size}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> "Config":
+        lora = self.model.lora
+        if lora is None:
+            return self
+        if lora.sync == "adapter" and self.generation.backend != "vllm":
+            raise ValueError(f"model.lora.sync=adapter needs generation.backend=vllm (the {self.generation.backend} engine has no "
+                             "LoRA support); set model.lora.sync=merged, or generation.backend=vllm")
+        if adapter_sync(self) and lora.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"model.lora.rank={lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]}) for "
+                             "adapter sync; set model.lora.sync=merged or a lower rank")
+        if lora.quantize_base != "none" and self.training.backend == "fsdp2":
+            raise ValueError(f"model.lora.quantize_base={lora.quantize_base} (QLoRA) needs training.backend=torch: FSDP2 does "
+                             "not shard bitsandbytes' 4-bit weights; set training.backend=torch or quantize_base=none")
         return self
 
     @model_validator(mode="after")

@@ -2,7 +2,7 @@
 
 A generation backend turns prompt token ids into sampled completions with the per-token logprobs of
 the distribution it sampled from. It exchanges token ids, never text. Implementations: `hf.py`
-(Hugging Face transformers, the reference) and, later, `vllm.py`.
+(Hugging Face transformers, the reference) and `vllm_backend.py` (vLLM).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class GenerationResult:
 
 
 class GenerationBackend(Protocol):
-    """A few methods, nothing else: generate, take new weights, sleep, shut down."""
+    """A few methods, nothing else: generate, take new weights, sleep, shut down. An engine with LoRA
+    support (vLLM) also has `load_adapter(path)`: generate with the PEFT adapter in `path` from now on."""
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
         """Sample `params.num_samples` completions for every prompt."""

@@ -11,6 +11,15 @@ weights to CPU memory and frees the KV cache (vLLM level 1), so a colocated trai
 memory for its logprob and training passes. The refit wakes the weights first and loads the new ones
 into them; the next `generate` wakes the KV cache. Untested on CPU, where vLLM has no sleep mode.
 
+LoRA adapter sync (`model.lora.sync`, `lora_rank` set): the engine starts with vLLM's LoRA support
+(`enable_lora`, one adapter slot, `max_lora_rank` the run's rank rounded up to a size vLLM takes), and
+`load_adapter(path)` loads the PEFT adapter the trainer wrote there; every later `generate` runs with it.
+The base weights are never rewritten, so they cannot drift the way merging into bf16 weights does. Each
+load gets a new adapter id: vLLM then evicts the previous adapter, and its prefix cache (keyed by the
+adapter's name) cannot reuse KV blocks computed with it. (vLLM's `load_inplace=True` on the requests
+would reload the adapter from disk at every scheduler step.) Before the first load, e.g. the start-up
+probe, the engine samples from the base model, which a fresh adapter (B = 0) leaves unchanged.
+
 Logprobs are vLLM's `processed_logprobs`: after temperature and top-k/top-p, i.e. of the
 distribution it sampled from, like the HF backend's. Prefix caching is on: the G samples of a prompt
 share its KV blocks.
@@ -24,6 +33,7 @@ from typing import Iterable
 import torch
 
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.training.lora_config import adapter_sync, vllm_max_lora_rank
 
 
 def max_sequence_tokens(config) -> int:
@@ -47,6 +57,7 @@ def engine_kwargs(config) -> dict:
         cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
         gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
         sleep_mode=gen.vllm_sleep_mode,
+        lora_rank=config.model.lora.rank if adapter_sync(config) else None,
     )
 
 
@@ -70,6 +81,7 @@ class VLLMGenerationBackend:
         cpu_kv_cache_gb: int = 1,
         gpu_memory_utilization: float = 0.5,
         sleep_mode: bool | None = None,
+        lora_rank: int | None = None,
     ):
         on_gpu = torch.cuda.is_available()
         self.sleep_mode = on_gpu if sleep_mode is None else sleep_mode
@@ -82,6 +94,9 @@ class VLLMGenerationBackend:
 
             raise ConfigError(f"generation.vllm_block_size={block_size}: vLLM's CPU attention needs a multiple of 32; set 32, 64 or 128, or null")
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
+        self.lora_enabled = lora_rank is not None
+        self.adapter = None  # the LoRARequest of the adapter `load_adapter` loaded last, used by every generate
+        lora = dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1) if self.lora_enabled else {}
         # Before importing vllm: it reads these when its engine starts.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
@@ -103,6 +118,7 @@ class VLLMGenerationBackend:
             enable_chunked_prefill=on_gpu,
             enable_sleep_mode=self.sleep_mode,
             **({} if block_size is None else {"block_size": block_size}),
+            **lora,
         )
 
     def sleep(self) -> None:
@@ -141,7 +157,7 @@ class VLLMGenerationBackend:
             for index in range(len(prompt_token_ids))
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], per_prompt, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], per_prompt, use_tqdm=False, lora_request=self.adapter
         )
         completions = []
         for index, output in enumerate(outputs):
@@ -162,6 +178,19 @@ class VLLMGenerationBackend:
         weights = [(name, tensor.detach()) for name, tensor in named_tensors]
         self._wake("weights")  # the KV cache stays free until the next rollout
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def load_adapter(self, path: str) -> None:
+        """Generate with the PEFT adapter in directory `path` from now on (loaded now, under a new id; the
+        previous adapter is evicted). The engine must have been built with `lora_rank`."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.lora_enabled, "load_adapter needs an engine built with lora_rank (model.lora.sync=adapter)"
+        self._wake("weights")
+        number = self.adapter.lora_int_id + 1 if self.adapter else 1
+        request = LoRARequest(f"policy-{number}", number, path)
+        assert self.llm.llm_engine.add_lora(request), f"vLLM did not load the adapter in {path}"
+        self.adapter = request
         self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:

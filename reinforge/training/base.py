@@ -34,6 +34,10 @@ class TrainingBackend(Protocol):
         """Full (unsharded) policy weights with Hugging Face names, for refit and export."""
         ...
 
+    def save_adapter(self, path: Path) -> None:
+        """With `model.lora`: write the adapter in PEFT's format (for the engine's adapter sync and for export)."""
+        ...
+
     def save_pretrained(self, path: Path) -> None:
         """Write the policy and tokenizer as a Hugging Face directory."""
         ...

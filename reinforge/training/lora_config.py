@@ -10,6 +10,9 @@ from pydantic import Field
 from reinforge.config.section import Section
 
 LINEAR_TARGETS = "all-linear"
+# the ranks vLLM's engine accepts as max_lora_rank (vllm/config/lora.py, MaxLoRARanks); an adapter of a smaller
+# rank is padded to it
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class LoraConfig(Section):
@@ -27,3 +30,15 @@ class LoraConfig(Section):
     full model's), `auto`: adapter with vLLM, merged with the HF engine."""
     quantize_base: Literal["none", "nf4"] = "none"
     """QLoRA: `nf4` loads the frozen base in 4 bits (bitsandbytes, CUDA GPUs only)."""
+
+
+def adapter_sync(config) -> bool:
+    """Whether a run's engine takes the adapter itself (vLLM's LoRA) rather than the merged weights: `model.lora.sync`
+    with `auto` resolved (adapter with vLLM, merged with the HF engine). `config` is the run's `Config`."""
+    lora = config.model.lora
+    return lora is not None and (lora.sync == "adapter" or (lora.sync == "auto" and config.generation.backend == "vllm"))
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` that holds an adapter of `rank`."""
+    return next(size for size in VLLM_LORA_RANKS if size >= rank)
