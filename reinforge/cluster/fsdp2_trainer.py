@@ -54,6 +54,9 @@ class FSDP2Trainer:
     def save_pretrained(self, path: Path) -> None:
         self.group.call("save_pretrained", str(path))
 
+    def save_adapter(self, path: Path) -> None:
+        self.group.call("save_adapter", str(path))
+
     def save_state(self, path: Path) -> None:
         self.group.call("save_state", str(path))
 

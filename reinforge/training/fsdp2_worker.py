@@ -7,6 +7,13 @@ gradient reduction is a plain sum (FSDP2's default average over ranks is switche
 gradient is exactly the gradient of the global-batch loss, as in `TorchBackend`. Metrics are reduced
 over ranks the same way (sums, and max/min for `*_max`/`*_min`); grad_norm is the global norm.
 
+With `model.lora` PEFT injects its adapters into the Hugging Face model before sharding, so the
+per-layer `fully_shard` shards them with their layer; only they get gradients, AdamW state and
+clipping, the reference is the same sharded model with the adapters disabled, refit weights are
+gathered then merged (W + (alpha / r) B A, training/lora.py), and checkpoints hold the adapter and
+its AdamW state only, under the same names as the torch backend's (`model.layers.0.self_attn.q_proj.
+lora_A.default.weight`), so `reinforge convert` reads either.
+
 Master weights and optimizer state are always fp32; forward/backward run in `model.dtype` (float32
 on CPU, bfloat16 on GPU) through FSDP2's MixedPrecisionPolicy, and gradients are reduced in fp32.
 Ray is not imported here: the cluster layer wraps this class in actors.
@@ -23,7 +30,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -34,6 +41,7 @@ from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
 from reinforge.modeling import DTYPES, compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
+from reinforge.training.lora import adapter_disabled, adapter_state_dict, is_adapter_key, load_policy, merge_lora_weights, scaling
 from reinforge.training.micro_batching import HiddenStates, Prompts, micro_batch_logprobs, plan_micro_batches, select_micro_batch, split_to
 from reinforge.training.torch_backend import accumulate_metrics, backward_micro_batch, build_optimizer
 
@@ -75,8 +83,20 @@ def reduce_metrics(totals: dict[str, torch.Tensor], extremes: dict[str, torch.Te
     return result
 
 
+def gather(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor of a (sharded) state dict whole, on the CPU (a collective: every rank calls it with the
+    same names); names bound to one tensor object stay bound to one."""
+    gathered: dict[int, torch.Tensor] = {}
+    for tensor in state_dict.values():
+        if id(tensor) not in gathered:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            gathered[id(tensor)] = full.detach().cpu()
+    return {name: gathered[id(tensor)] for name, tensor in state_dict.items()}
+
+
 class FSDP2Worker:
-    """One rank: sharded policy (+ optional frozen sharded reference), AdamW and its schedule."""
+    """One rank: sharded policy (+ optional frozen sharded reference; with LoRA the policy with its
+    adapters disabled), AdamW over the trainable parameters and its schedule."""
 
     def __init__(
         self,
@@ -91,7 +111,7 @@ class FSDP2Worker:
         load_reference: bool,
     ):
         self.rank, self.world_size = rank, world_size
-        self.config = training_config
+        self.config, self.lora = training_config, model_config.lora
         self.temperature = temperature
         on_gpu = torch.cuda.is_available()
         if on_gpu:
@@ -111,7 +131,7 @@ class FSDP2Worker:
         # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
         offload_policy = CPUOffloadPolicy() if training_config.cpu_offload else None
         fp32_config = model_config.model_copy(update={"dtype": "float32"})
-        policy = load_model(fp32_config)
+        policy, self.peft = load_policy(fp32_config)  # with LoRA: PEFT's adapters injected, the rest frozen
         if training_config.activation_checkpointing:
             enable_activation_checkpointing(policy)  # before sharding: FSDP2 wraps the checkpointed layers
         if training_config.compile:
@@ -120,13 +140,16 @@ class FSDP2Worker:
         self.model = shard_model(policy if offload_policy else policy.to(self.device), mesh, mp_policy, offload_policy)
         self.model.train()
         self.reference = None
-        if load_reference:
+        if load_reference and self.peft is None:
             reference = load_model(fp32_config).requires_grad_(False)
             if training_config.compile:
                 compile_decoder_layers(reference)
             self.reference = shard_model(reference if offload_policy else reference.to(self.device), mesh, mp_policy, offload_policy).eval()
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), training_config, num_optimizer_steps)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(self.trainable, training_config, num_optimizer_steps)
+        # checkpoints skip the frozen base (the model's files hold it); load_state then fills only the adapter
+        self.state_options = StateDictOptions(ignore_frozen_params=self.peft is not None, strict=self.peft is None)
 
     def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
         """The contiguous rows of `rank` (this one's by default); equal shares keep the ranks' collectives in step."""
@@ -151,13 +174,14 @@ class FSDP2Worker:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs [B, T] of the whole batch, on every rank (each computes its share)."""
-        model = self.reference if reference else self.model
+        model = self.reference if reference and self.peft is None else self.model
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
         start, end = self._share(batch)
         share_BT = torch.zeros((end - start, batch.loss_mask.shape[1]), device=self.device)
-        for indices, micro, rows in self._micro_batches(batch):
-            logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
-            share_BT[indices, : logprobs_BT.shape[1]] = logprobs_BT
+        with adapter_disabled(self.peft if reference else None):
+            for indices, micro, rows in self._micro_batches(batch):
+                logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
+                share_BT[indices, : logprobs_BT.shape[1]] = logprobs_BT
         shares = [torch.empty_like(share_BT) for _ in range(self.world_size)]
         dist.all_gather(shares, share_BT)
         return torch.cat(shares).cpu() * batch.loss_mask
@@ -167,7 +191,7 @@ class FSDP2Worker:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(batch, loss_fn)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        parameters = [p for p in self.trainable if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
         if isinstance(grad_norm, DTensor):  # each rank's norm of its shard, pending a reduction
             grad_norm = grad_norm.full_tensor()
@@ -190,16 +214,13 @@ class FSDP2Worker:
 
     @torch.no_grad()
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full fp32 weights with HF names on every rank (a collective: all ranks must iterate).
+        """Full fp32 weights with HF names on every rank (a collective: all ranks must iterate); with LoRA
+        the merged weights, computed from the gathered base and adapters (the sharded base is left as it is).
 
         Tied parameters (lm_head and embed_tokens) appear under both names as the same tensor object,
         so `save_pretrained` recognises the tie and writes it once."""
-        gathered: dict[int, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict(keep_vars=True).items():  # keep_vars: tied names share one object
-            if id(tensor) not in gathered:
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                gathered[id(tensor)] = full.detach().cpu()
-            yield name, gathered[id(tensor)]
+        weights = gather(self.model.state_dict(keep_vars=True))  # keep_vars: tied names share one object
+        yield from (merge_lora_weights(weights, scaling(self.lora)) if self.peft is not None else weights).items()
 
     def full_state(self) -> list[tuple[str, torch.Tensor]]:
         """`named_weights` as a list on rank 0 (empty elsewhere): what a remote caller fetches for refit."""
@@ -207,10 +228,20 @@ class FSDP2Worker:
         return weights if self.rank == 0 else []
 
     def save_pretrained(self, path: Path) -> None:
-        """Every rank gathers; rank 0 writes the Hugging Face directory."""
+        """Every rank gathers; rank 0 writes the Hugging Face directory (with LoRA, the adapter in PEFT's format)."""
+        if self.peft is not None:
+            return self.save_adapter(path)
         state_dict = dict(self.named_weights())
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state_dict)
+        dist.barrier()
+
+    @torch.no_grad()
+    def save_adapter(self, path: Path) -> None:
+        """The LoRA adapter in PEFT's format: every rank gathers the adapter's tensors, rank 0 writes them."""
+        adapter = gather(adapter_state_dict(self.model))
+        if self.rank == 0:  # PEFT's names are the PeftModel's: the Hugging Face model's under base_model.model
+            self.peft.save_pretrained(path, state_dict={f"base_model.model.{name}": tensor for name, tensor in adapter.items()})
         dist.barrier()
 
     def memory(self) -> dict[str, float]:
@@ -219,20 +250,27 @@ class FSDP2Worker:
 
         return memory_metrics(prefix="")
 
+    def _state(self) -> dict:
+        """The sharded policy and AdamW state for torch.distributed.checkpoint; with LoRA the adapter's only
+        (`ignore_frozen_params` alone would keep the frozen embedding under its tied second name, lm_head)."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self.state_options)
+        if self.peft is not None:
+            model_state = {name: tensor for name, tensor in model_state.items() if is_adapter_key(name)}
+        return {"model": model_state, "optimizer": optimizer_state}
+
     def save_state(self, path: str) -> None:
         """Sharded policy and AdamW state (torch.distributed.checkpoint: each rank writes its own shards;
         on several nodes `path` must be on a shared filesystem) and the LR schedule's position."""
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        dcp.save(self._state(), checkpoint_id=path)
         if self.rank == 0:
             torch.save(self.scheduler.state_dict(), Path(path) / "scheduler.pt")
         dist.barrier()
 
     def load_state(self, path: str) -> None:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = self._state()
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=self.state_options)
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=False))
 
     def shutdown(self) -> None:

@@ -54,13 +54,14 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
     worker.shutdown()
 
 
-def launch(world_size, model_dir, out_dir, activation_checkpointing=False, timeout_s=120):
-    """Run `run_rank` in `world_size` fresh processes on a free port; fail (not hang) if one fails."""
+def launch(world_size, model_dir, out_dir, *args, target=run_rank, timeout_s=120):
+    """Run `target(rank, world_size, port, model_dir, out_dir, *args)` in `world_size` fresh processes on a
+    free port; fail (not hang) if one fails."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
-    processes = [context.Process(target=run_rank, args=(rank, world_size, port, model_dir, out_dir, activation_checkpointing)) for rank in range(world_size)]
+    processes = [context.Process(target=target, args=(rank, world_size, port, model_dir, out_dir, *args)) for rank in range(world_size)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout_s
