@@ -1,3 +1,5 @@
+import typing
+
 import pytest
 import yaml
 
@@ -37,6 +39,23 @@ def test_batch_sizes_that_do_not_divide_say_field_reason_and_fix():
         load_config(None, ["training.global_batch_size=100"])
     with pytest.raises(ConfigError, match=r"training.micro_batch_size=48 does not divide training.global_batch_size=128"):
         load_config(None, ["training.micro_batch_size=48"])
+
+
+def test_lora_sync_settings_the_engine_cannot_take_are_one_line_errors():
+    from reinforge.generation.vllm_backend import engine_kwargs
+    from reinforge.training.lora_config import VLLM_LORA_RANKS, vllm_max_lora_rank
+
+    with pytest.raises(ConfigError, match=r"^model.lora.sync=adapter needs generation.backend=vllm \(the hf engine has no LoRA support\); set model.lora.sync=merged"):
+        load_config(None, ["model.lora.rank=8", "model.lora.sync=adapter"])
+    with pytest.raises(ConfigError, match=r"model.lora.rank=600 is above vLLM's largest LoRA rank \(512\)"):
+        load_config(None, ["model.lora.rank=600", "generation.backend=vllm"])
+    # auto: vLLM takes the adapter, rounded up to a rank it accepts; the HF engine takes merged weights
+    assert engine_kwargs(load_config(None, ["model.lora.rank=12", "generation.backend=vllm"]))["lora_rank"] == 12
+    assert engine_kwargs(load_config(None, ["model.lora.rank=12", "generation.backend=vllm", "model.lora.sync=merged"]))["lora_rank"] is None
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 12, 16, 300, 512)] == [1, 8, 16, 16, 320, 512]
+    from vllm.config.lora import MaxLoRARanks
+
+    assert VLLM_LORA_RANKS == typing.get_args(MaxLoRARanks)  # the sizes of the vLLM installed
 
 
 def test_defaults_key_inherits_and_the_child_wins_key_by_key(tmp_path):
