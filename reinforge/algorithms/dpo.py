@@ -17,6 +17,10 @@ As implemented, relative to DPO (Rafailov et al. 2023, arXiv:2305.18290):
    over the global batch, as in RPO (Pang et al. 2024, arXiv:2404.19733); off by default.
 3. A sequence's logprob is the sum over its reply tokens, end-of-turn token included; prompt tokens
    are never trained on. The loss is averaged over the pairs of the global batch.
+
+With `model.lora` only PEFT's LoRA adapters are trained, and the reference is the same model with its
+adapters disabled (with either `dpo.reference`: no second model); `final/` holds the adapter in PEFT's
+format (training/lora.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.modeling import enable_activation_checkpointing, load_model, load_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.training.lora import adapter_disabled, check_lora, load_policy
 from reinforge.training.torch_backend import build_optimizer, token_logprobs
 
 
@@ -49,7 +54,8 @@ class DPOConfig(Section):
     reference: Literal["per_batch", "precompute"] = "per_batch"
     """`per_batch`: a frozen copy of the starting model computes each batch's reference logprobs;
     `precompute`: the starting policy computes them for every training pair once, before the first
-    update, so no second model is kept in memory (worth it from about one epoch of training on)."""
+    update, so no second model is kept in memory (worth it from about one epoch of training on). With
+    `model.lora` neither keeps a copy: the reference is the policy with its adapters disabled."""
     max_steps: int = 100
     """Optimizer steps; each takes training.global_batch_size / 2 pairs, the data recycled epoch after epoch."""
     val_every: int = 10
@@ -79,6 +85,7 @@ def train(config: DPORunConfig) -> PairRunResult:
     torch.manual_seed(config.seed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     tokenizer = load_tokenizer(config.model)
     pad_id = tokenizer.pad_token_id
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_policy, config.data)
@@ -86,15 +93,23 @@ def train(config: DPORunConfig) -> PairRunResult:
     run_dir = make_run_dir(config.logging.run_dir)
     save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
 
-    policy = load_model(config.model).train()
+    policy, peft_model = load_policy(config.model)
+    policy.train()
     if t.activation_checkpointing:
         enable_activation_checkpointing(policy)
-    reference = load_model(config.model).eval().requires_grad_(False) if d.reference == "per_batch" else None
+    # per_batch's frozen copy; with LoRA the policy with its adapters disabled is the reference
+    reference = load_model(config.model).eval().requires_grad_(False) if d.reference == "per_batch" and peft_model is None else None
+
+    def reference_logprobs(pairs: list[TokenizedPair]) -> torch.Tensor:
+        with adapter_disabled(peft_model):  # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
+            return reply_logprobs(reference or policy, pairs, t.micro_batch_size, pad_id)
+
     timers = Timers()
-    with timers.time("reference"):  # before the first update the policy is the reference
-        val_ref_N2 = reply_logprobs(reference or policy, val_pairs, t.micro_batch_size, pad_id)
-        train_ref_N2 = reply_logprobs(policy, train_pairs, t.micro_batch_size, pad_id) if reference is None else None
-    optimizer, scheduler = build_optimizer(policy.parameters(), t, d.max_steps)
+    with timers.time("reference"):
+        val_ref_N2 = reference_logprobs(val_pairs)
+        train_ref_N2 = reference_logprobs(train_pairs) if d.reference == "precompute" else None
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    optimizer, scheduler = build_optimizer(trainable, t, d.max_steps)
     pairs_per_step = t.global_batch_size // 2
     sampler = PromptSampler(list(range(len(train_pairs))), pairs_per_step, config.seed, config.data.shuffle)  # draws pair indices
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
@@ -116,7 +131,7 @@ def train(config: DPORunConfig) -> PairRunResult:
                 indices = sampler.next_batch()
                 pairs = [train_pairs[i] for i in indices]
                 with timers.time("reference"):
-                    ref_B2 = train_ref_N2[indices] if reference is None else reply_logprobs(reference, pairs, t.micro_batch_size, pad_id)
+                    ref_B2 = train_ref_N2[indices] if train_ref_N2 is not None else reference_logprobs(pairs)
                 with timers.time("train"):
                     updates = optimizer_step(policy, optimizer, scheduler, pairs, make_micro_loss(policy, pairs, ref_B2, d), t, pad_id)
             metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
@@ -133,7 +148,7 @@ def train(config: DPORunConfig) -> PairRunResult:
 
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
-                policy.save_pretrained(tmp)
+                (peft_model or policy).save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
                 tokenizer.save_pretrained(tmp)
 
     if first_val:

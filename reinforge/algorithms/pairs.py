@@ -58,6 +58,9 @@ class PairRunConfig(Section):
             )
         if t.lr <= 0:
             raise ValueError("training.lr must be > 0")
+        if self.model.lora and self.model.lora.quantize_base != "none":
+            raise ValueError("model.lora.quantize_base (QLoRA) is not supported by preference training, which runs in one CPU "
+                             "process; set it to none")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0 (0: torch's default)")
         if self.data.max_length < 2:

@@ -13,6 +13,11 @@ As implemented, relative to the reward model of InstructGPT (Ouyang et al. 2022,
 one pair per prompt rather than all K-choose-2 comparisons of K ranked answers, and no reward
 normalisation after training (GRPO's group-normalised advantages do not need it; the judge's
 `reward_model_transform: sigmoid` maps scores into (0, 1) where a bounded reward is wanted).
+
+With `model.lora` the body gets PEFT's LoRA adapters and the new scalar head is trained whole (PEFT's
+`modules_to_save` for a sequence classifier): those are the only parameters in AdamW. `final/` then holds
+the adapter and the head in PEFT's format, which `RewardModelScorer` (the judge's local mode and the
+reward-model server) merges onto the base when it loads it.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from reinforge.data.prompts import PromptSampler
 from reinforge.errors import ReinforgeError
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_tokenizer, model_location
+from reinforge.modeling import DTYPES, adapter_base, enable_activation_checkpointing, load_tokenizer, model_location
 from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.training.lora import absolute_location, add_lora, check_lora, inner_model
 from reinforge.training.torch_backend import build_optimizer
 
 
@@ -62,6 +68,7 @@ def train(config: RMRunConfig) -> PairRunResult:
     torch.manual_seed(config.seed)  # also seeds the new scalar head
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     tokenizer = load_tokenizer(config.model)
     pad_id = tokenizer.pad_token_id
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_reward_model, config.data)
@@ -69,10 +76,13 @@ def train(config: RMRunConfig) -> PairRunResult:
     run_dir = make_run_dir(config.logging.run_dir)
     save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
 
-    model = load_reward_model(config.model, pad_id).train()
+    model = load_reward_model(config.model, pad_id)
+    peft_model = add_lora(model, config.model.lora, absolute_location(config.model), task_type="SEQ_CLS") if config.model.lora else None
+    model = inner_model(peft_model or model).train()
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
-    optimizer, scheduler = build_optimizer(model.parameters(), t, r.max_steps)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the scalar head
+    optimizer, scheduler = build_optimizer(trainable, t, r.max_steps)
     pairs_per_step = t.global_batch_size // 2
     sampler = PromptSampler(train_pairs, pairs_per_step, config.seed, config.data.shuffle)  # draws pairs
     micro_loss = make_micro_loss(model)
@@ -105,7 +115,7 @@ def train(config: RMRunConfig) -> PairRunResult:
 
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
-                model.save_pretrained(tmp)
+                (peft_model or model).save_pretrained(tmp)  # with LoRA, the adapter and the head in PEFT's format
                 tokenizer.save_pretrained(tmp)
 
     if first_val:
@@ -116,7 +126,8 @@ def train(config: RMRunConfig) -> PairRunResult:
 
 
 def load_reward_model(config: ModelConfig, pad_token_id: int) -> PreTrainedModel:
-    """The causal LM's body under a new one-output head; the pad id tells the pooling where each sequence ends."""
+    """The causal LM's body (with `model.adapter` merged in) under a new one-output head; the pad id tells the
+    pooling where each sequence ends."""
     location = model_location(config)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -125,6 +136,13 @@ def load_reward_model(config: ModelConfig, pad_token_id: int) -> PreTrainedModel
     except (OSError, ValueError) as exc:  # ValueError: an architecture without a sequence-classification head
         raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load it as a reward model ({str(exc).strip().splitlines()[0]})") from None
     model.config.pad_token_id = pad_token_id
+    if config.adapter:  # a LoRA policy's adapter: its keys name the body's modules, which the classifier shares
+        from peft import PeftConfig, PeftModel
+
+        path = adapter_base(config)
+        adapter_config = PeftConfig.from_pretrained(path)
+        adapter_config.task_type = None  # PEFT's causal-LM wrapper needs an LM head; the plain one merges the body's layers
+        model = PeftModel.from_pretrained(model, path, config=adapter_config).merge_and_unload()
     return model
 
 

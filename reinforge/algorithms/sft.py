@@ -15,7 +15,9 @@ Every micro-batch divides by the same global N, so the accumulated gradient is t
 batch, however the conversations are packed or split (token-level averaging: long replies weigh more
 than short ones, as in TRL and torchtune; a per-conversation mean would need a different N).
 
-Single process; FSDP2 sharding for SFT is not implemented yet (`training.backend` must be `torch`).
+With `model.lora` only PEFT's LoRA adapters are trained (their AdamW state only) and `final/` holds the
+adapter in PEFT's format (training/lora.py). Single process; FSDP2 sharding for SFT is not implemented yet
+(`training.backend` must be `torch`).
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from reinforge.data.packing import PACKED_ATTENTION, PackedBatch, micro_batches,
 from reinforge.errors import ConfigError, DataError
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_model, load_tokenizer, model_location
+from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.training import lora
 from reinforge.training.torch_backend import build_optimizer, token_logprobs
 
 # --- Config ------------------------------------------------------------------------------------
@@ -131,6 +134,11 @@ class SFTRunConfig(Section):
             (0 <= d.val_fraction < 1, "data.val_fraction must be in [0, 1)"),
             (not (d.val_path and d.val_fraction > 0), "data.val_path and data.val_fraction are both set; validate on a file or on a held-out share: set data.val_fraction=0 or data.val_path=null"),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
+            (not (s.random_init and (self.model.lora or self.model.adapter)),
+             "sft.random_init does not go with model.lora or model.adapter: an adapter belongs to trained base weights, which "
+             "random_init replaces; set sft.random_init=false"),
+            (not (self.model.lora and self.model.lora.quantize_base != "none"),
+             "model.lora.quantize_base (QLoRA) is not supported by sft, which runs in one CPU process; set it to none"),
         ]
         for ok, message in checks:
             if not ok:
@@ -153,10 +161,12 @@ def train(config: SFTRunConfig) -> SFTResult:
     torch.manual_seed(config.seed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    lora.check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     tokenizer = load_tokenizer(config.model)
     train_examples, val_examples = load_datasets(config, tokenizer)
-    model = load_policy(config)
-    optimizer, scheduler = build_optimizer(model.parameters(), config.training, s.max_steps)
+    model, peft_model = load_policy(config)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    optimizer, scheduler = build_optimizer(trainable, config.training, s.max_steps)
     # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
     run_dir = make_run_dir(config.logging.run_dir)
     save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
@@ -169,7 +179,7 @@ def train(config: SFTRunConfig) -> SFTResult:
     with ConsoleLog(s.max_steps, "SFT") as console:
         console.print(f"run directory: {run_dir}")
         console.print(f"{len(train_examples)} training / {len(val_examples)} validation conversations; "
-                      f"{sum(p.numel() for p in model.parameters()):,} parameters")
+                      f"{sum(p.numel() for p in model.parameters()):,} parameters, {sum(p.numel() for p in trainable):,} trained")
         if val_batches:
             metrics = validate(model, val_batches, console, step=0)
             val_history.append(metrics["val/loss"])
@@ -186,7 +196,7 @@ def train(config: SFTRunConfig) -> SFTResult:
 
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
-                model.save_pretrained(tmp)
+                (peft_model or model).save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
                 tokenizer.save_pretrained(tmp)
 
     first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
@@ -296,18 +306,20 @@ def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenize
     return examples
 
 
-def load_policy(config: SFTRunConfig) -> PreTrainedModel:
-    """The model to train: its trained weights, or random ones from its config (sft.random_init)."""
+def load_policy(config: SFTRunConfig) -> tuple[PreTrainedModel, torch.nn.Module | None]:
+    """The model to train, as (the Hugging Face model to call, its PeftModel with `model.lora` or None): its
+    trained weights (with fresh LoRA adapters), or random ones from its config (sft.random_init)."""
+    peft_model = None
     if config.sft.random_init:
         model_config = AutoConfig.from_pretrained(model_location(config.model), trust_remote_code=config.model.trust_remote_code)
         model = AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
     else:
-        model = load_model(config.model)
+        model, peft_model = lora.load_policy(config.model)
     if model.config._attn_implementation not in PACKED_ATTENTION:
         raise ConfigError(f"the model uses attn_implementation={model.config._attn_implementation}; sft's packed batches need one of {', '.join(PACKED_ATTENTION)}")
     if config.training.activation_checkpointing:
         enable_activation_checkpointing(model)
-    return model.train()
+    return model.train(), peft_model
 
 
 def global_batches(examples: list[ChatExample], batch_size: int, seed: int, shuffle: bool) -> Iterator[list[ChatExample]]:

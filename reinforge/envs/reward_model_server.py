@@ -26,7 +26,9 @@ Run it with `python -m reinforge.envs.reward_model_server MODEL_DIR --port 8001`
 from __future__ import annotations
 
 import argparse
+import json
 import threading
+from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -38,7 +40,7 @@ class RewardModelScorer:
     """A sequence-classification model with one label that scores chat conversations."""
 
     def __init__(self, model_path: str, device: str, dtype: str, max_length: int, batch_size: int) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from reinforge.modeling import DTYPES
 
@@ -48,7 +50,7 @@ class RewardModelScorer:
         self.batch_size = batch_size
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-            self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=DTYPES[dtype])
+            self.model = self._load_model(model_path, DTYPES[dtype])
         except OSError as exc:
             raise ReinforgeError(f"reward model {model_path}: could not load it ({str(exc).strip().splitlines()[0]})") from None
         if self.tokenizer.chat_template is None:
@@ -62,6 +64,21 @@ class RewardModelScorer:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # the pooling finds the last non-pad token by it
         self.model.to(device).eval()
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _load_model(model_path: str, dtype: torch.dtype):
+        """The classifier in `model_path`; a LoRA reward model's directory (`reinforge rm` with `model.lora`:
+        a PEFT adapter and the trained head) is merged onto the base model it names."""
+        from transformers import AutoModelForSequenceClassification
+
+        adapter_config = Path(model_path) / "adapter_config.json"
+        if not adapter_config.is_file():
+            return AutoModelForSequenceClassification.from_pretrained(model_path, dtype=dtype)
+        from peft import PeftModel
+
+        base = json.loads(adapter_config.read_text())["base_model_name_or_path"]
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype=dtype)
+        return PeftModel.from_pretrained(model, model_path).merge_and_unload()
 
     @torch.no_grad()
     def score(self, conversations: list[list[dict[str, str]]]) -> list[float]:
