@@ -113,12 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser(
         "convert",
-        help="a training checkpoint as a Hugging Face directory",
+        help="a training checkpoint as a Hugging Face directory; a LoRA adapter merged into its base (--merge)",
         description="Write the policy of a checkpoint (RUN_DIR/checkpoints/step_N, or a run directory: its newest "
-        "complete checkpoint), single-process or FSDP2-sharded, as a Hugging Face directory that transformers and vLLM load.",
+        "complete checkpoint), single-process or FSDP2-sharded, as a Hugging Face directory that transformers and vLLM load. "
+        "A LoRA run's checkpoint becomes a PEFT adapter directory, or with --merge the base model with the adapter merged "
+        "in; --merge also takes a PEFT adapter directory (a LoRA run's final/).",
     )
-    convert.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="RUN_DIR/checkpoints/step_N or RUN_DIR")
-    convert.add_argument("--out", required=True, help="new Hugging Face directory to write")
+    convert.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                         help="RUN_DIR/checkpoints/step_N, RUN_DIR, or with --merge a PEFT adapter directory (RUN_DIR/final)")
+    convert.add_argument("--out", required=True, help="new directory to write")
+    convert.add_argument("--merge", action="store_true",
+                         help="merge a LoRA adapter into its base weights: write a whole Hugging Face model")
     return parser
 
 
@@ -155,7 +160,7 @@ def run_command(args: argparse.Namespace) -> None:
     elif args.command == "convert":
         from reinforge.training.convert import convert
 
-        print(convert(Path(args.checkpoint), Path(args.out)))
+        print(convert(Path(args.checkpoint), Path(args.out), merge=args.merge))
     elif args.command == "curriculum":
         from reinforge.data.curriculum import prefilter_file
 
