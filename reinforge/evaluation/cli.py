@@ -23,6 +23,8 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", required=True,
                         help="Hugging Face model directory, reinforge run directory (its final/ is used) or hub id")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="a PEFT LoRA adapter trained on --model (a LoRA run's final/), merged into its weights when they load")
     parser.add_argument("--benchmark", required=True, metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
     parser.add_argument("--k", type=int, required=True, help="k of pass@k and maj@k")
     parser.add_argument("--n", type=int, help="samples per prompt, n >= k (default: k)")
@@ -52,7 +54,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
         "temperature": args.temperature, "batch_size": args.batch_size, "seed": args.seed,
     }
     result = evaluate(
-        ModelConfig(name_or_path=args.model), args.benchmark, args.k,
+        ModelConfig(name_or_path=args.model, adapter=args.adapter), args.benchmark, args.k,
         output_dir=args.output or Path("runs") / "eval" / args.benchmark,
         **{name: value for name, value in options.items() if value is not None},
     )

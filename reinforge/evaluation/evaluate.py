@@ -18,7 +18,9 @@ seed, backend and batch size.
 
 The model is a Hugging Face directory, a reinforge run directory (its `final/` is used: what `grpo`
 and `sft` save at the end of a run), or a hub id. A training checkpoint (`checkpoints/step_N`)
-holds trainer state, not a Hugging Face model, and is refused with a pointer to `final/`.
+holds trainer state, not a Hugging Face model, and is refused with a pointer to `final/`. A LoRA run's
+adapter (`model.adapter`, `--adapter`) is merged into its base model when the model loads: by
+`load_model` for the HF engine, into a temporary model directory for vLLM (deleted after the run).
 
 Outputs, in `output_dir` (made only once the run succeeded; an existing non-empty directory is
 never overwritten: `<dir>-1`, `<dir>-2`, ... are used instead):
@@ -29,6 +31,7 @@ never overwritten: `<dir>-1`, `<dir>-2`, ... are used instead):
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
@@ -45,7 +48,7 @@ from reinforge.evaluation.benchmarks import BenchmarkItem, get_benchmark, load_b
 from reinforge.evaluation.metrics import maj_at_k, mean_accuracy, mean_pass_at_k
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
-from reinforge.modeling import load_model, load_tokenizer, model_location
+from reinforge.modeling import adapter_base, load_model, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.rollout.rollout import RolloutOptions, rollout
 from reinforge.run_dir import make_run_dir
@@ -87,6 +90,10 @@ def resolve_model(model: ModelConfig) -> ModelConfig:
     for candidate in (path, path / "final"):
         if (candidate / "config.json").is_file():
             return model.model_copy(update={"name_or_path": str(candidate)})
+        if (candidate / "adapter_config.json").is_file():
+            base = json.loads((candidate / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            raise ReinforgeError(f"model {candidate} is a LoRA adapter, not a whole model; give its base model and the adapter: "
+                                 f"--model {base or 'BASE'} --adapter {candidate}")
     if (path / "COMPLETE").is_file() or (path / "checkpoints").is_dir():
         raise ReinforgeError(f"model {path}: a training checkpoint holds trainer state, not a Hugging Face model; evaluate the run's final/ directory (written with checkpoint.save_final=true)")
     raise ReinforgeError(f"model {path}: neither it nor {path / 'final'} holds a config.json; give a Hugging Face model directory or a run directory holding final/")
@@ -123,6 +130,8 @@ def evaluate(
         temperature = 0.0 if num_samples == 1 else SAMPLING_TEMPERATURE
     spec = get_benchmark(benchmark)
     model = resolve_model(model)
+    if model.adapter:
+        adapter_base(model)  # an adapter of another base model is a one-line error before anything loads
     start = time.perf_counter()
     timers = Timers()
     with timers.time("load"):
@@ -137,13 +146,19 @@ def evaluate(
             for env in envs.values():
                 cleanup.callback(env.close)
             longest_prompt = max(len(p.token_ids) for p in prompts)
-            engine = build_engine(model, tokenizer, backend, longest_prompt, max_new_tokens, batch_size * num_samples, seed)
+            engine_model = model
+            if backend == "vllm" and model.adapter:  # vLLM loads a directory: the adapter merged into a temporary one
+                from reinforge.training.convert import merged_copy
+
+                engine_model = merged_copy(model, Path(cleanup.enter_context(tempfile.TemporaryDirectory())))
+            engine = build_engine(engine_model, tokenizer, backend, longest_prompt, max_new_tokens, batch_size * num_samples, seed)
             cleanup.callback(engine.shutdown)
         samples = sample_and_score(items, prompts, engine, tokenizer, envs, params, batch_size, spec.task, timers)
         env_counters = {name: value for env in envs.values() for name, value in env.metrics().items()}
     summary = {
         "benchmark": benchmark,
         "model": model.name_or_path,
+        "adapter": model.adapter,
         "backend": backend,
         "num_prompts": len(items),
         "num_samples_per_prompt": num_samples,

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import signal
+import tempfile
 import threading
+from contextlib import ExitStack
+from pathlib import Path
 
 from reinforge.exposure import add_bind_arguments, check_bind_address, token_from_env
 
@@ -22,6 +25,9 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         "vllm_model reads them). Concurrent requests are batched into the engine. See docs/agents.md.",
     )
     serve.add_argument("--model", required=True, help="Hugging Face model directory or hub id, e.g. models/tool_demo")
+    serve.add_argument("--adapter", metavar="DIR",
+                       help="a PEFT LoRA adapter trained on --model (a LoRA run's final/), merged into its weights when they load "
+                       "(for vLLM, into a temporary model directory)")
     serve.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights' dtype (default: float32)")
     add_bind_arguments(serve, default_port=8000)
@@ -39,7 +45,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 def run_serve_command(args: argparse.Namespace) -> None:
     from reinforge.config.schema import ModelConfig
     from reinforge.errors import ConfigError
-    from reinforge.modeling import load_tokenizer
+    from reinforge.modeling import adapter_base, load_tokenizer
     from reinforge.serving.config import ServingConfig
     from reinforge.serving.server import PolicyServer
 
@@ -50,25 +56,28 @@ def run_serve_command(args: argparse.Namespace) -> None:
                                max_tokens=args.max_tokens, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_s)
     except ValueError as exc:
         raise ConfigError(str(exc).splitlines()[-1]) from None
-    model_config = ModelConfig(name_or_path=args.model, dtype=args.dtype)
+    model_config = ModelConfig(name_or_path=args.model, dtype=args.dtype, adapter=args.adapter)
+    if model_config.adapter:
+        adapter_base(model_config)  # an adapter of another base model is a one-line error before anything loads
     tokenizer = load_tokenizer(model_config)
-    engine, max_model_len = _engine(args, model_config, tokenizer)
-    server = PolicyServer(engine, tokenizer, config, max_model_len=max_model_len, default_max_tokens=args.max_tokens,
-                          managed=False, token=token)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
+    with ExitStack() as cleanup:
+        engine, max_model_len = _engine(args, model_config, tokenizer, cleanup)
+        cleanup.callback(engine.shutdown)
+        server = PolicyServer(engine, tokenizer, config, max_model_len=max_model_len, default_max_tokens=args.max_tokens,
+                              managed=False, token=token)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        cleanup.callback(server.stop)
         server.start()
         access = "token required" if token else "no token"
-        print(f"serving {args.model} as {args.model_name!r} at {server.base_url} (OpenAI-compatible; {access}); Ctrl-C stops", flush=True)
+        served = args.model + (f" + adapter {args.adapter}" if args.adapter else "")
+        print(f"serving {served} as {args.model_name!r} at {server.base_url} (OpenAI-compatible; {access}); Ctrl-C stops", flush=True)
         stop.wait()
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
-def _engine(args: argparse.Namespace, model_config, tokenizer):
-    """The generation engine and the context length it serves."""
+def _engine(args: argparse.Namespace, model_config, tokenizer, cleanup: ExitStack):
+    """The generation engine and the context length it serves. vLLM loads a model directory: a `--adapter` is
+    merged into a temporary one, deleted when the server stops (`cleanup`)."""
     from reinforge.errors import ConfigError
     from reinforge.modeling import load_model, model_location
 
@@ -84,6 +93,10 @@ def _engine(args: argparse.Namespace, model_config, tokenizer):
         raise ConfigError("--backend vllm needs vLLM; run `make install`") from None
     from transformers import AutoConfig
 
+    if model_config.adapter:
+        from reinforge.training.convert import merged_copy
+
+        model_config = merged_copy(model_config, Path(cleanup.enter_context(tempfile.TemporaryDirectory())))
     location = model_location(model_config)
     max_model_len = args.max_model_len or int(getattr(AutoConfig.from_pretrained(location), "max_position_embeddings", 4096))
     engine = VLLMGenerationBackend(model_path=location, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len)
