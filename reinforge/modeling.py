@@ -50,7 +50,8 @@ def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:
     if config.adapter:  # a LoRA run's adapter, merged once into the weights it was trained on
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter_base(config)).merge_and_unload()
+        # PEFT loads an adapter for inference, freezing the base; the merged model trains like any other
+        model = PeftModel.from_pretrained(model, adapter_base(config)).merge_and_unload().requires_grad_(True)
     return model
 
 

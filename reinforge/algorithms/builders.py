@@ -82,6 +82,13 @@ def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
 
 def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: ExitStack) -> GenerationBackend:
     gen = config.generation
+    if gen.backend == "vllm" and config.model.adapter:  # vLLM loads a directory itself: the base with the adapter merged in
+        import tempfile
+
+        from reinforge.training.convert import merged_copy
+
+        directory = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="reinforge-merged-")))
+        config = config.model_copy(update={"model": merged_copy(config.model, directory)})
     if engines_on_ray(config):  # Ray is up: engines are a worker group too
         from reinforge.cluster.generation_group import GenerationGroup
 

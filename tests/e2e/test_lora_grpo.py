@@ -39,6 +39,9 @@ def test_grpo_with_lora_raises_reward_and_accuracy_and_leaves_an_adapter(tmp_pat
     trained = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo"), final)
     ids = torch.tensor([[1, 30, 31, 32, 33, 34]])
     assert not torch.allclose(trained(input_ids=ids).logits, base(input_ids=ids).logits)
+    # a run started from the base plus that adapter (model.adapter, merged at load) begins where this one ended
+    onward = load_config(CONFIG, ["grpo.max_steps=0", "model.lora=null", f"model.adapter={final}", f"logging.run_dir={tmp_path / 'onward'}"])
+    assert grpo.train(onward).first_val_accuracy == result.last_val_accuracy
 
 
 RESUME = ["grpo.max_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.resume=auto", "grpo.num_prompts_per_step=4",
