@@ -92,6 +92,19 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def time_train_steps(backend, batch, num_steps: int, device: str) -> list[float]:
+    """Seconds of each of `num_steps` calls of the backend's train_step on `batch` (GRPO's clipped loss), the
+    device synchronised before and after each."""
+    steps = []
+    for _ in range(num_steps):
+        synchronize(device)
+        start = time.perf_counter()
+        backend.train_step(batch, clipped_token_mean_loss)
+        synchronize(device)
+        steps.append(time.perf_counter() - start)
+    return steps
+
+
 def clipped_token_mean_loss(logprobs_BT, micro, norm):
     """The benchmarks' loss: GRPO's clipped ratio (0.2 / 0.28), token mean over the global batch, no KL."""
     from reinforge.algorithms.losses import grpo_loss, token_mean

@@ -4,12 +4,15 @@
 #      backend (fp32 to 1e-5, eager and compiled; bf16 within its rounding; packed = padded) and the GPU
 #      peak-memory metric;
 #   2. bench/gpu_training_mfu.py on the 1.5B Qwen2.5-architecture model: compiled layers (with a kernel
-#      profile), eager (with a kernel profile), with activation checkpointing, and unpacked.
+#      profile), eager (with a kernel profile), with activation checkpointing, and unpacked;
+#   3. bench/lora_memory.py on the same model: full fine-tuning against LoRA rank 16 (trainable parameters,
+#      optimizer state, peak GPU memory, step time), before the `quick` cut.
 # Results go to $OUT (default /tmp/gpu_checks). The GPU image has torch and transformers but not all of
 # reinforge's light dependencies: put their wheels in .whl/ and they are installed to /tmp/site first.
 # For a Python 3.12 image, on a machine with PyPI:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+#     --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
+#     peft==0.21.2 accelerate psutil   # LoRA (bench/lora_memory.py)
 #   pip wheel --no-deps -w .whl langdetect==1.0.9
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_checks}
@@ -28,6 +31,8 @@ timeout 240 python3 bench/gpu_training_mfu.py --compile --profile --json "$OUT/m
 tail -20 "$OUT/mfu_compiled.log"
 timeout 120 python3 bench/gpu_training_mfu.py --profile --json "$OUT/mfu_packed.json" 2>&1 | grep -v Loading >"$OUT/mfu_packed.log"
 tail -20 "$OUT/mfu_packed.log"
+timeout 240 python3 bench/lora_memory.py --model qwen1.5b --json "$OUT/lora_memory.json" 2>&1 | grep -v Loading >"$OUT/lora_memory.log"
+tail -8 "$OUT/lora_memory.log"
 [ "${1:-all}" = quick ] && exit 0  # `gpu_checks.sh quick`: without the two variants below
 timeout 120 python3 bench/gpu_training_mfu.py --activation-checkpointing --json "$OUT/mfu_ac.json" 2>&1 | grep -v Loading | tail -25
 timeout 120 python3 bench/gpu_training_mfu.py --no-packing --json "$OUT/mfu_unpacked.json" 2>&1 | grep -v Loading | tail -25

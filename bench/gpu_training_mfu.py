@@ -28,7 +28,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import QWEN25_1_5B, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, synchronize, training_flops  # noqa: E402
+from _common import (QWEN25_1_5B, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, synchronize,  # noqa: E402
+                     time_train_steps, training_flops)
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=True)
@@ -89,13 +90,7 @@ def main() -> None:
         worker.train_step(batch, clipped_token_mean_loss)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    steps = []
-    for _ in range(args.steps):
-        synchronize(device)
-        start = time.perf_counter()
-        worker.train_step(batch, clipped_token_mean_loss)
-        synchronize(device)
-        steps.append(time.perf_counter() - start)
+    steps = time_train_steps(worker, batch, args.steps, device)
     peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
     if args.profile:
         activities = [torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU]
