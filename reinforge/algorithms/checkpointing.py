@@ -45,12 +45,13 @@ def config_tree(config: Config, run_dir: Path) -> dict[str, Any]:
 
 
 def save_run_checkpoint(run_dir: Path, step: int, trainer, resume_state: dict[str, Any], val_history: list[float],
-                        best: dict[str, Any], config: Config) -> None:
+                        best: dict[str, Any], config: Config, models: dict[str, Any] | None = None) -> None:
     """`resume_state`: the sampler position, the rollout batches generated but not yet trained on (async
-    generation) and the RNG states, all taken while the engine was idle (`rollout_source.snapshot`)."""
+    generation) and the RNG states, all taken while the engine was idle (`rollout_source.snapshot`);
+    `models`: the backends a recipe trains beside the policy (`Learner.models`)."""
     driver_state = {"step": step, "sampler": resume_state["sampler"], "pending_rollouts": resume_state["pending"],
                     "rng": resume_state["rng"], "val_history": val_history, "best": best}
-    save_checkpoint(run_dir, step, trainer, driver_state, yaml.safe_dump(config_tree(config, run_dir), sort_keys=False))
+    save_checkpoint(run_dir, step, trainer, driver_state, yaml.safe_dump(config_tree(config, run_dir), sort_keys=False), models)
     prune(run_dir, config.checkpoint.keep_last, best.get("step"))
 
 
@@ -65,11 +66,15 @@ def update_best(best: dict[str, Any], step: int, metrics: dict[str, float], conf
     return best
 
 
-def resume_run(checkpoint: Path, run_dir: Path, trainer, engine, sampler: PromptSampler, config: Config) -> dict[str, Any]:
-    """Restore the trainer and the sampler, refit the engine, cut metrics.jsonl back; return the driver state
-    (its RNG states are applied by `restore_rng` right before the loop, after the start-up probes)."""
+def resume_run(checkpoint: Path, run_dir: Path, trainer, engine, sampler: PromptSampler, config: Config,
+               models: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Restore the trainer (and `models`, by name) and the sampler, refit the engine, cut metrics.jsonl back;
+    return the driver state (its RNG states are applied by `restore_rng` right before the loop, after the
+    start-up probes)."""
     state = load_driver_state(checkpoint)
     trainer.load_state(checkpoint / "trainer")
+    for name, model in (models or {}).items():
+        model.load_state(checkpoint / name)
     refit(engine, trainer, config, run_dir)
     sampler.load_state_dict(state["sampler"])
     truncate_metrics(run_dir / "metrics.jsonl", state["step"])

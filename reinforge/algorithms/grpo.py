@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from functools import partial
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -78,10 +78,31 @@ class GRPOResult:
     last_val_accuracy: float | None
 
 
-def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> GRPOResult:
-    """Run GRPO as `config` says. `on_step_end`, for tools that observe or pace the loop (bench/grpo_vs_trl.py),
-    is called once the run is set up, with the step it starts from (0, or the resumed step), then after
-    every step, once it is logged and checkpointed, with that step."""
+@dataclass
+class Learner:
+    """What a recipe of this loop does with each step's rollouts: `train_on_batch(step, rollout_batch, timers)`
+    returns the step's metrics and whether the policy changed (the refit is then due). `models`: the
+    backends it trains beside the policy (PPO's critic), by name, saved in and restored from every
+    checkpoint. GRPO's is `grpo_learner`; PPO and distillation bring their own (algorithms/ppo.py, distill.py)."""
+
+    train_on_batch: Callable[[int, RolloutBatch, Timers], tuple[dict[str, float], bool]]
+    title: str = "GRPO"
+    models: dict[str, object] = field(default_factory=dict)
+
+
+MakeLearner = Callable[[Config, TrainingBackend, object, ExitStack], Learner]
+
+
+def grpo_learner(config: Config, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
+    """Group-relative advantages and the clipped policy-gradient loss (`train_on_batch`)."""
+    return Learner(partial(train_on_batch, trainer=trainer, tokenizer=tokenizer, loss_fn=make_loss_fn(config), config=config))
+
+
+def train(config: Config, on_step_end: Callable[[int], None] | None = None, make_learner: MakeLearner = grpo_learner) -> GRPOResult:
+    """Run GRPO as `config` says (or, with another `make_learner`, a recipe that shares this loop). `on_step_end`,
+    for tools that observe or pace the loop (bench/grpo_vs_trl.py), is called once the run is set up, with
+    the step it starts from (0, or the resumed step), then after every step, once it is logged and
+    checkpointed, with that step."""
     g = config.grpo
     torch.manual_seed(config.seed)
     if config.cluster.num_threads:
@@ -111,17 +132,17 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
         episodes = build_episodes(config, engine, tokenizer, envs, train_prompts + val_prompts, run_dir, cleanup)  # reinforge or agents
         sampler, curriculum_metrics = build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)  # may sample: pass rates
         write_placement(run_dir, trainer, engine, envs)
-        state = resume_run(resume_from, run_dir, trainer, engine, sampler, config) if resume_from else None
+        learner = make_learner(config, trainer, tokenizer, cleanup)
+        state = resume_run(resume_from, run_dir, trainer, engine, sampler, config, learner.models) if resume_from else None
         start_step, val_history, best = (state["step"], state["val_history"], state["best"]) if state else (0, [], {})
         probe_prompts = train_prompts[: config.generation.num_probe_prompts]
         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
-        loss_fn = make_loss_fn(config)
         metrics_log = cleanup.enter_context(MetricLogger(run_dir, config.logging.loggers))
         metrics_log.log_config(config.model_dump(mode="json"))
         if state:
             restore_rng(state)  # after the start-up probe, which samples
 
-        with ConsoleLog(g.max_steps, "GRPO", completed=start_step) as console:
+        with ConsoleLog(g.max_steps, learner.title, completed=start_step) as console:
             console.print(f"run directory: {run_dir}" + (f" (resumed from {resume_from.name})" if resume_from else ""))
             if val_prompts and not state:
                 timers = Timers()
@@ -142,7 +163,7 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
                 timers = Timers()
                 with timers.time("step"):
                     batch = rollouts.get(step, timers)  # async: the wait for what generation ahead did not hide
-                    metrics, trained = train_on_batch(step, batch, trainer, tokenizer, loss_fn, config, timers)
+                    metrics, trained = learner.train_on_batch(step, batch, timers)
                 saving = bool(config.checkpoint.save_every) and (step % config.checkpoint.save_every == 0 or step == g.max_steps)
                 with rollouts.engine_turn(step, timers):  # the engine is ours: refit, then probe, validate, snapshot
                     if trained:
@@ -165,7 +186,7 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None) -> G
                 console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
                 if saving:
                     best = update_best(best, step, metrics, config)
-                    save_run_checkpoint(run_dir, step, trainer, resume_state, val_history, best, config)
+                    save_run_checkpoint(run_dir, step, trainer, resume_state, val_history, best, config, learner.models)
                 if on_step_end:
                     on_step_end(step)
 
@@ -193,8 +214,8 @@ def generate_batch(step: int, sampler: PromptSampler, episodes: Episodes, engine
     return trajectories, {**metrics, **episodes.metrics(), **batch_metrics(sampler), **env_metrics(envs), **timers.metrics()}
 
 
-def train_on_batch(step: int, rollout_batch: RolloutBatch, trainer: TrainingBackend, tokenizer, loss_fn, config: Config,
-                   timers: Timers) -> tuple[dict[str, float], bool]:
+def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend, tokenizer, loss_fn,
+                   config: Config) -> tuple[dict[str, float], bool]:
     """Advantages, logprobs and the optimizer steps on one step's rollout batch. Returns its metrics and
     whether the policy changed (the refit is then due)."""
     g, global_batch = config.grpo, config.training.global_batch_size

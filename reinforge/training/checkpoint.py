@@ -40,12 +40,16 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, trainer, driver_state: dict[str, Any], config_yaml: str) -> Path:
-    """Write checkpoint `step` atomically; returns its directory."""
+def save_checkpoint(run_dir: Path, step: int, trainer, driver_state: dict[str, Any], config_yaml: str,
+                    models: dict[str, Any] | None = None) -> Path:
+    """Write checkpoint `step` atomically; returns its directory. `models`: backends trained beside the
+    policy (PPO's critic), each saved by its `save_state` into a directory of its name."""
     final = checkpoints_dir(run_dir) / f"step_{step:08d}"
     final.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(final) as tmp:
         trainer.save_state(tmp / "trainer")
+        for name, model in (models or {}).items():
+            model.save_state(tmp / name)
         torch.save(driver_state, tmp / "driver.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
