@@ -47,6 +47,11 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, T]: the frozen reference policy's logprobs
     loss_normalisers: Normalisers | None = None  # the counts the loss divides by, when not this batch's own
     prompt_lengths: torch.Tensor | None = None  # [B] long: tokens of each sequence's prompt (training.share_prompts)
+    # On-policy distillation's top-k KL (algorithms/distill.py): the teacher's top-k token ids and their logprobs at
+    # each trained position, and the policy's logprobs at those ids, which the training pass fills in for the loss
+    teacher_topk_ids: torch.Tensor | None = None  # [B, T, K] long
+    teacher_topk_logprobs: torch.Tensor | None = None  # [B, T, K] float
+    topk_logprobs: torch.Tensor | None = None  # [B, T, K] float
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -14,7 +14,9 @@ takes the decoder's last hidden states (`HiddenStates`), and applies the head it
 only logprobs a loss reads). So the [R, W, V] logits never exist, the prompt and padding positions cost
 no head compute, and the result goes back to the [B, T] layout the pure loss functions take
 (algorithms/losses.py), 0 off the mask. In the training pass each chunk is checkpointed: its logits are
-recomputed in the backward pass instead of being kept.
+recomputed in the backward pass instead of being kept. With `ids_BTK` (on-policy distillation's top-k
+KL: the teacher's top-k token ids at each trained position) the same head also gives the policy's logprobs
+at those ids, gathered from the same chunk of logits (one extra gather, no extra head compute).
 """
 
 from __future__ import annotations
@@ -150,10 +152,13 @@ def run_layout(model: torch.nn.Module, hidden: HiddenStates, layout: RowLayout) 
 def head_chunk(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N] of the targets under softmax(lm_head(hidden) / temperature), and the entropies [N]
-    of those distributions (no gradient): the formulas of torch_backend's token_logprobs and token_entropy."""
+    of those distributions (no gradient): the formulas of torch_backend's token_logprobs and token_entropy.
+    Targets [N, K] (several token ids per position) give logprobs [N, K]."""
     logits_NV = lm_head(hidden_NH).float() / temperature
     logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
-    logprobs_N = logits_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - logsumexp_N
+    targets_NK = targets_N if targets_N.dim() == 2 else targets_N.unsqueeze(-1)
+    logprobs_NK = logits_NV.gather(-1, targets_NK) - logsumexp_N.unsqueeze(-1)
+    logprobs_N = logprobs_NK if targets_N.dim() == 2 else logprobs_NK.squeeze(-1)
     with torch.no_grad():
         logp_NV = logits_NV - logsumexp_N.unsqueeze(-1)
         entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
@@ -187,6 +192,15 @@ def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
                          config: TrainingConfig, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BT, entropy_BT) of a micro-batch, each [B, T] like `micro.loss_mask` and 0 off it;
     `rows` index the micro-batch's sequences. Differentiable when gradients are enabled."""
+    logprobs_BT, entropy_BT, _ = micro_batch_logprobs_at(model, hidden, micro, rows, config, temperature, None)
+    return logprobs_BT, entropy_BT
+
+
+def micro_batch_logprobs_at(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
+                            config: TrainingConfig, temperature: float,
+                            ids_BTK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`micro_batch_logprobs`, and with `ids_BTK` [B, T, K] (token ids per position) the logprobs [B, T, K]
+    of those ids at each position on `micro.loss_mask` (0 off it), from the same chunked head."""
     lengths = micro.attention_mask.sum(dim=1).tolist()
     if Prompts.shared(micro, config):
         layout = shared_prompt_layout(micro.input_ids.cpu(), lengths, micro.prompt_lengths.tolist(), rows, pad_token_id=0)
@@ -202,9 +216,14 @@ def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     # token t is predicted from the hidden state of token t - 1 of the same sequence (t > 0)
     hidden_NH = hidden_RWH.flatten(0, 1)[layout.token_index[b_index, t_index - 1]]
     lm_head = model.get_output_embeddings()
-    logprobs_N, entropy_N = chunked_head(lm_head, hidden_NH, layout.input_ids.flatten()[flat], temperature,
-                                         config.logprob_chunk_tokens, config.compile)
+    targets = layout.input_ids.flatten()[flat]
+    if ids_BTK is not None:  # column 0 the sampled token, then the K ids
+        targets = torch.cat([targets.unsqueeze(1), ids_BTK[b_index, t_index]], dim=1)
+    logprobs, entropy_N = chunked_head(lm_head, hidden_NH, targets, temperature, config.logprob_chunk_tokens, config.compile)
     shape = micro.loss_mask.shape
-    logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put((b_index, t_index), logprobs_N)
+    logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put((b_index, t_index), logprobs if ids_BTK is None else logprobs[:, 0])
     entropy_BT = torch.zeros(shape, device=micro.loss_mask.device).index_put((b_index, t_index), entropy_N)
-    return logprobs_BT, entropy_BT
+    if ids_BTK is None:
+        return logprobs_BT, entropy_BT, None
+    at_ids_BTK = hidden_NH.new_zeros(ids_BTK.shape, dtype=torch.float32).index_put((b_index, t_index), logprobs[:, 1:])
+    return logprobs_BT, entropy_BT, at_ids_BTK

@@ -10,6 +10,7 @@ come from a chunked LM head on the trained tokens only (training/micro_batching.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -23,7 +24,8 @@ from reinforge.data.batch import TrainBatch
 from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
 from reinforge.training.lora import adapter_disabled, adapter_state_dict, load_adapter_state_dict, load_policy, merge_lora_weights, scaling
-from reinforge.training.micro_batching import HiddenStates, Prompts, micro_batch_logprobs, plan_micro_batches, select_micro_batch
+from reinforge.training.micro_batching import (HiddenStates, Prompts, micro_batch_logprobs, micro_batch_logprobs_at, plan_micro_batches,
+                                              select_micro_batch)
 from reinforge.training.segment_attention import using_segment_attention
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -53,7 +55,10 @@ def backward_micro_batch(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     The loss function sees logprobs on `micro.loss_mask` and 0 elsewhere."""
     # shared prompts: activation checkpointing recomputes the layers in the backward pass, with segment attention too
     with using_segment_attention(model, Prompts.shared(micro, config)):
-        logprobs_BT, entropy_BT = micro_batch_logprobs(model, hidden, micro, rows, config, temperature)
+        logprobs_BT, entropy_BT, topk_BTK = micro_batch_logprobs_at(model, hidden, micro, rows, config, temperature,
+                                                                    micro.teacher_topk_ids)
+        if topk_BTK is not None:  # on-policy distillation's top-k KL reads the policy's logprobs at the teacher's ids
+            micro = replace(micro, topk_logprobs=topk_BTK)
         loss, metrics = loss_fn(logprobs_BT, micro, norm)
         loss.backward()
     metrics["entropy"] = metric_mean(entropy_BT, micro.loss_mask, norm)
