@@ -201,6 +201,24 @@ def micro_batch_logprobs_at(model: torch.nn.Module, hidden: HiddenStates, micro:
                             ids_BTK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`micro_batch_logprobs`, and with `ids_BTK` [B, T, K] (token ids per position) the logprobs [B, T, K]
     of those ids at each position on `micro.loss_mask` (0 off it), from the same chunked head."""
+    hidden_NH, targets, (b_index, t_index) = trained_hidden_states(model, hidden, micro, rows, config)
+    lm_head = model.get_output_embeddings()
+    if ids_BTK is not None:  # column 0 the sampled token, then the K ids
+        targets = torch.cat([targets.unsqueeze(1), ids_BTK[b_index, t_index]], dim=1)
+    logprobs, entropy_N = chunked_head(lm_head, hidden_NH, targets, temperature, config.logprob_chunk_tokens, config.compile)
+    shape = micro.loss_mask.shape
+    logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put((b_index, t_index), logprobs if ids_BTK is None else logprobs[:, 0])
+    entropy_BT = torch.zeros(shape, device=micro.loss_mask.device).index_put((b_index, t_index), entropy_N)
+    if ids_BTK is None:
+        return logprobs_BT, entropy_BT, None
+    at_ids_BTK = hidden_NH.new_zeros(ids_BTK.shape, dtype=torch.float32).index_put((b_index, t_index), logprobs[:, 1:])
+    return logprobs_BT, entropy_BT, at_ids_BTK
+
+
+def trained_hidden_states(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
+                          config: TrainingConfig) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The decoder's hidden states [N, H] that predict the N tokens on `micro.loss_mask` (in its packed,
+    prompt-sharing or padded layout), those tokens' ids [N], and their (row, column) indices in the micro-batch."""
     lengths = micro.attention_mask.sum(dim=1).tolist()
     if Prompts.shared(micro, config):
         layout = shared_prompt_layout(micro.input_ids.cpu(), lengths, micro.prompt_lengths.tolist(), rows, pad_token_id=0)
@@ -215,15 +233,4 @@ def micro_batch_logprobs_at(model: torch.nn.Module, hidden: HiddenStates, micro:
     flat = layout.token_index[b_index, t_index]  # where each trained token sits in the layout
     # token t is predicted from the hidden state of token t - 1 of the same sequence (t > 0)
     hidden_NH = hidden_RWH.flatten(0, 1)[layout.token_index[b_index, t_index - 1]]
-    lm_head = model.get_output_embeddings()
-    targets = layout.input_ids.flatten()[flat]
-    if ids_BTK is not None:  # column 0 the sampled token, then the K ids
-        targets = torch.cat([targets.unsqueeze(1), ids_BTK[b_index, t_index]], dim=1)
-    logprobs, entropy_N = chunked_head(lm_head, hidden_NH, targets, temperature, config.logprob_chunk_tokens, config.compile)
-    shape = micro.loss_mask.shape
-    logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put((b_index, t_index), logprobs if ids_BTK is None else logprobs[:, 0])
-    entropy_BT = torch.zeros(shape, device=micro.loss_mask.device).index_put((b_index, t_index), entropy_N)
-    if ids_BTK is None:
-        return logprobs_BT, entropy_BT, None
-    at_ids_BTK = hidden_NH.new_zeros(ids_BTK.shape, dtype=torch.float32).index_put((b_index, t_index), logprobs[:, 1:])
-    return logprobs_BT, entropy_BT, at_ids_BTK
+    return hidden_NH, layout.input_ids.flatten()[flat], (b_index, t_index)
