@@ -28,14 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reinforge", description="Reinforcement-learning post-training of LLMs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    grpo = commands.add_parser(
-        "grpo",
-        help="train a policy with GRPO on verifiable rewards",
-        description="Run GRPO: sample groups of answers, score them with environments, update the policy "
-        "with a clipped policy-gradient loss. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
-    )
-    grpo.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-    grpo.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    for name, summary, description, overrides_help in (
+        ("grpo", "train a policy with GRPO on verifiable rewards",
+         "Run GRPO: sample groups of answers, score them with environments, update the policy "
+         "with a clipped policy-gradient loss. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.", OVERRIDES_HELP),
+        ("ppo", "train a policy with PPO and a critic (GAE advantages per token)",
+         "Run PPO: GRPO's loop with a critic (a value head on its own copy of the base model) trained on the same "
+         "rollouts, GAE advantages per token, a clipped value loss. Writes config.yaml, metrics.jsonl and final/ to "
+         "logging.run_dir; checkpoints hold the critic too.", OVERRIDES_HELP.replace("grpo, loss", "grpo, ppo, loss")),
+    ):
+        loop = commands.add_parser(name, help=summary, description=description)
+        loop.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
+        loop.add_argument("overrides", nargs="*", help=overrides_help)
 
     demo = commands.add_parser(
         "demo",
@@ -135,6 +139,12 @@ def run_command(args: argparse.Namespace) -> None:
         from reinforge.algorithms import grpo
 
         grpo.train(load_config(args.config if args.command == "grpo" else DEMO_CONFIG, args.overrides))
+    elif args.command == "ppo":
+        from reinforge.algorithms import ppo
+        from reinforge.algorithms.ppo_config import PPORunConfig
+        from reinforge.config.recipe_loader import load_recipe_config
+
+        ppo.train(load_recipe_config(PPORunConfig, args.config, args.overrides))
     elif args.command in ("sft", "dpo", "rm"):
         from reinforge.algorithms import dpo, rm, sft
         from reinforge.config.recipe_loader import load_recipe_config

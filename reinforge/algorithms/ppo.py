@@ -1,0 +1,159 @@
+"""PPO with a critic: a recipe of the GRPO loop, read top to bottom.
+
+The loop is GRPO's (algorithms/grpo.py: sample, score, train, refit, validate, log, checkpoint); what a
+step does with its rollouts is this file's `train_on_batch`:
+collate; the trainer's old (and reference) logprobs; the critic's values V(s_t) on every generated token
+(training/critic.py: a value head on its own copy of the base model); token rewards (the environment's
+reward on the last generated token); GAE advantages and returns per token (algorithms/ppo_losses.py);
+advantages whitened over the batch's tokens; the critic's optimizer steps on the clipped value loss;
+the actor's on GRPO's clipped policy-gradient loss with the per-token advantages; metrics. During the
+first `ppo.critic_warmup_steps` steps only the critic trains (and the engine is not refitted).
+
+Why a recipe (`reinforge ppo`) rather than `grpo.advantage=gae`: PPO brings a second trained model, with
+its own optimizer, learning rate, warm-up and checkpoint, and a step of a different shape (values, GAE, two
+updates); a switch inside GRPO's step would thread all of that through the group-advantage code. Here GRPO's
+step stays as it was, and PPO reuses its loss, metrics and loop by import (the `Learner` seam).
+
+As implemented, relative to PPO for language models (Ouyang et al. 2022, arXiv:2203.02155, after Ziegler et
+al. 2019 and Schulman et al. 2017):
+1. The KL to the reference is a loss term (`loss.kl_coef`, as in GRPO) by default.
+2. The policy's old logprobs come from the trainer, and with one optimizer step per rollout they are the
+   training pass's own (as in GRPO, `loss.old_logprobs`); one pass over the rollout (no PPO epochs).
+3. The critic is its own copy of the base model with a zero-initialised value head (no reward-model
+   initialisation), on the torch backend only.
+4. The samples of a prompt are still drawn in groups (`grpo.num_generations_per_prompt`, at least 2), which
+   PPO does not need; the group plays no part in the advantages.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, fields
+from functools import partial
+
+import torch
+
+from reinforge.algorithms import grpo
+from reinforge.algorithms.grpo import GRPOResult, Learner
+from reinforge.algorithms.ppo_config import PPORunConfig
+from reinforge.algorithms.ppo_losses import (clipped_value_loss, explained_variance, gae, masked_mean_std, terminal_rewards,
+                                             whiten_tokens)
+from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.data.batch import TrainBatch, collate
+from reinforge.errors import ConfigError
+from reinforge.logging.metrics import Timers
+from reinforge.training.base import TrainingBackend
+from reinforge.training.critic import CriticBackend
+
+
+@dataclass
+class CriticBatch(TrainBatch):
+    """A training batch with what the critic regresses on."""
+
+    old_values: torch.Tensor | None = None  # [B, T]: the critic's V(s_t) on the rollout, before this step's updates
+    returns: torch.Tensor | None = None  # [B, T]: GAE's returns A_t + V(s_t), the value targets
+
+
+def train(config: PPORunConfig) -> GRPOResult:
+    """Run PPO as `config` says."""
+    check_ppo(config)
+    return grpo.train(config, make_learner=ppo_learner)
+
+
+def check_ppo(config: PPORunConfig) -> None:
+    """What PPO does not do yet, as one line before any run directory is made."""
+    if config.training.backend != "torch":
+        raise ConfigError(f"reinforge ppo trains its critic on training.backend=torch only, not {config.training.backend}; "
+                          "set training.backend=torch")
+    if config.model.lora is not None:
+        raise ConfigError("reinforge ppo does not train LoRA adapters yet (the critic is a full model); set model.lora=null")
+    if config.grpo.async_rollouts:
+        raise ConfigError("reinforge ppo is on-policy only; set grpo.async_rollouts=false")
+
+
+def ppo_learner(config: PPORunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
+    """The critic (its own copy of the base model, saved as `critic/` in every checkpoint) and PPO's step."""
+    g = config.grpo
+    num_optimizer_steps = g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size)
+    critic = CriticBackend(config.model, config.training.model_copy(update={"lr": config.ppo.critic_lr}), num_optimizer_steps)
+    step = partial(train_on_batch, trainer=trainer, critic=critic, tokenizer=tokenizer, loss_fn=grpo.make_loss_fn(config),
+                   value_loss_fn=make_value_loss_fn(config.ppo.value_clip), config=config)
+    return Learner(step, title="PPO", models={"critic": critic})
+
+
+def make_value_loss_fn(clip: float | None):
+    def value_loss_fn(values_BT: torch.Tensor, micro: CriticBatch, norm):
+        return clipped_value_loss(values_BT, micro.old_values, micro.returns, micro.loss_mask, norm, clip)
+
+    return value_loss_fn
+
+
+def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend, critic: CriticBackend,
+                   tokenizer, loss_fn, value_loss_fn, config: PPORunConfig) -> tuple[dict[str, float], bool]:
+    """Values, GAE, the critic's and the actor's optimizer steps on one step's rollout batch. Returns its
+    metrics and whether the policy changed (not during the critic's warm-up)."""
+    ppo, global_batch = config.ppo, config.training.global_batch_size
+    trajectories = rollout_batch.trajectories
+    metrics = {**rollout_batch.metrics, **grpo.staleness_metrics(step, rollout_batch)}
+    if not trajectories:
+        return metrics, False
+    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.grpo.num_generations_per_prompt)
+    penalties_PG = grpo.overlong_penalties(trajectories, config).view_as(rewards_PG)
+    collated = collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id)
+    batch = CriticBatch(**{f.name: getattr(collated, f.name) for f in fields(collated)})
+    if config.grpo.overlong_filtering:  # DAPO: truncated answers are trained on by neither model
+        batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
+    actor_trains = step > ppo.critic_warmup_steps
+
+    with timers.time("logprobs"):
+        if actor_trains and (config.loss.old_logprobs == "recompute" or len(batch) > global_batch):
+            batch.old_logprobs = trainer.logprobs(batch)
+        if actor_trains and config.loss.kl_coef > 0:
+            batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+    with timers.time("values"):
+        batch.old_values = critic.values(batch)
+    rewards_BT = terminal_rewards((rewards_PG + penalties_PG).flatten(), batch.loss_mask)
+    advantages_BT, batch.returns = gae(rewards_BT, batch.old_values, batch.loss_mask, ppo.gamma, ppo.lam)
+    batch.advantages = whiten_tokens(advantages_BT, batch.loss_mask) if ppo.whiten_advantages else advantages_BT
+
+    global_batches = [b for b in (batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)) if b.num_valid_tokens()]
+
+    def critic_updates() -> list[dict[str, float]]:
+        with timers.time("critic_train"):
+            return [critic.train_step(b, value_loss_fn) for b in global_batches]
+
+    def actor_updates() -> list[dict[str, float]]:
+        with timers.time("train"):
+            return [trainer.train_step(b, loss_fn) for b in global_batches] if actor_trains else []
+
+    if ppo.critic_first:
+        critic_stats, actor_stats = critic_updates(), actor_updates()
+    else:
+        actor_stats = actor_updates()
+        critic_stats = critic_updates()
+    return {
+        **metrics,
+        **grpo.rollout_metrics(trajectories, rewards_PG),
+        **value_metrics(batch, advantages_BT),
+        **{name.replace("train/", "train/critic_") if not name.startswith("train/value") else name: value
+           for name, value in grpo.train_metrics(critic_stats).items()},
+        **grpo.train_metrics(actor_stats),  # the engine/trainer mismatch among them
+        "perf/num_tokens": batch.attention_mask.sum().item(),
+    }, bool(actor_stats)
+
+
+def value_metrics(batch: CriticBatch, advantages_BT: torch.Tensor) -> dict[str, float]:
+    """The rollout's values, returns and (unwhitened) advantages over its valid tokens, and how much of the
+    returns' variance the critic explained before this step's update."""
+    mask = batch.loss_mask
+    return_mean, return_std = masked_mean_std(batch.returns, mask)
+    advantage_mean, advantage_std = masked_mean_std(advantages_BT, mask)
+    rollout_value_mean, _ = masked_mean_std(batch.old_values, mask)
+    return {
+        "train/explained_variance": explained_variance(batch.returns, batch.old_values, mask).item(),
+        "train/return_mean": return_mean.item(),
+        "train/return_std": return_std.item(),
+        "train/rollout_value_mean": rollout_value_mean.item(),
+        "train/advantage_mean": advantage_mean.item(),
+        "train/advantage_std": advantage_std.item(),
+    }

@@ -1,0 +1,54 @@
+"""`ppo`: the settings of PPO with a critic (algorithms/ppo.py has the loop), and `PPORunConfig`, the tree of a
+`reinforge ppo` run: GRPO's (`Config`: the same loop, engine, environments, trainer) plus the `ppo` section, so
+a GRPO config never carries PPO's settings and `reinforge grpo` refuses them as unknown keys.
+
+Defaults against the two reference implementations (their shipped configs: NeMo-RL's
+examples/configs/ppo_math_1B.yaml, veRL's trainer/config/algorithm.py and critic/critic.yaml):
+
+| setting              | here  | NeMo-RL                              | veRL                      |
+|----------------------|-------|--------------------------------------|---------------------------|
+| gamma                | 1.0   | 1.0 (adv_estimator.gae_gamma)        | 1.0 (algorithm.gamma)     |
+| lam                  | 0.95  | 0.95 (adv_estimator.gae_lambda)      | 1.0 (algorithm.lam)       |
+| value_clip           | 0.2   | 0.2 (value_loss_fn.cliprange)        | 0.5 (critic.cliprange_value) |
+| critic_lr            | 1e-5  | 1e-5 (value.optimizer, DTensor)      | 1e-5 (critic.optim.lr)    |
+| critic_warmup_steps  | 0     | 0 (policy_training_start_step)       | 0 (trainer.critic_warmup) |
+| critic_first         | true  | critic before actor                  | critic before actor       |
+| whiten_advantages    | true  | true (normalize_advantages)          | always (masked_whiten)    |
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from reinforge.config.schema import Config, LoggingConfig
+from reinforge.config.section import Section
+
+
+class PPOConfig(Section):
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount per action (generated token). 1: the reward at the end counts fully at every token, as for
+    outcome rewards in NeMo-RL and veRL."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """GAE's lambda: 1 gives Monte-Carlo advantages R - V(s_t) (veRL's default), 0 one-step TD errors; NeMo-RL's
+    0.95 trades a little bias for less variance."""
+    value_clip: float | None = Field(default=0.2, gt=0)
+    """eps_v of the clipped value loss: a new value counts as at most this far from the rollout's value where
+    that is the larger loss (NeMo-RL 0.2, veRL 0.5); null: the plain squared error."""
+    critic_lr: float = Field(default=1e-5, gt=0)
+    """The critic's AdamW learning rate (its other optimizer settings are `training.*`)."""
+    critic_warmup_steps: int = Field(default=0, ge=0)
+    """Steps that train only the critic (the policy is not updated, nor refitted) before the actor starts."""
+    critic_first: bool = True
+    """Update the critic before the actor in each step (NeMo-RL's and veRL's order). Both learn from the same
+    rollout values and advantages, so the order changes no number; it sets which model's update runs first."""
+    whiten_advantages: bool = True
+    """Normalise the advantages to mean 0, std 1 over all valid tokens of the step's batch."""
+
+
+class PPORunConfig(Config):
+    """A whole `reinforge ppo` run."""
+
+    ppo: PPOConfig = PPOConfig()
+    """The critic, GAE and the order of the two updates."""
+    logging: LoggingConfig = LoggingConfig(run_dir="runs/ppo")
+    """Run directory (config.yaml, metrics.jsonl, checkpoints/, final/) and console output."""
