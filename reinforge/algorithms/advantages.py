@@ -11,7 +11,11 @@ A group whose rewards are all equal gets advantage 0 everywhere, so it adds no p
 
 Also here, as pure functions of rewards:
     batch whitening:  A <- (A - mean(A)) / (std(A) + eps) over the whole batch, all groups together
-                      (REINFORCE++, Hu 2025, arXiv:2501.03262; after a group-mean baseline it is REINFORCE++-baseline)
+                      (REINFORCE++, Hu 2025, arXiv:2501.03262; after a group-mean baseline it is REINFORCE++-baseline):
+                      over every valid token (the paper's and its reference implementations': a sequence
+                      weighs as many tokens as it trains on), or each sequence once
+    GDPO:             each reward component normalised within its group, then the weighted sum whitened
+                      over the batch (Liu et al. 2026, arXiv:2601.05242)
     overlong penalty: DAPO's "soft overlong punishment" (Yu et al. 2025, arXiv:2503.14476), added to the reward
 """
 
@@ -49,10 +53,31 @@ def group_advantages(
     return advantages_PG
 
 
-def batch_whiten(advantages_PG: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def batch_whiten(advantages_PG: torch.Tensor, eps: float = 1e-6, num_tokens_PG: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages normalised by the mean and the (population) standard deviation of the whole batch [P, G],
-    not of each group: REINFORCE++'s global advantage normalisation."""
-    return (advantages_PG - advantages_PG.mean()) / (advantages_PG.std(unbiased=False) + eps)
+    not of each group: REINFORCE++'s global advantage normalisation. With `num_tokens_PG` (each sequence's
+    valid tokens) the moments are over the tokens, every token carrying its sequence's advantage:
+        mean = sum_i n_i A_i / sum_i n_i,   var = sum_i n_i (A_i - mean)^2 / sum_i n_i
+    (a sequence with no valid token then counts for nothing); without, over the sequences (n_i = 1)."""
+    weights_PG = torch.ones_like(advantages_PG) if num_tokens_PG is None else num_tokens_PG.to(advantages_PG.dtype)
+    total = weights_PG.sum().clamp(min=1)
+    mean = (weights_PG * advantages_PG).sum() / total
+    std = ((weights_PG * (advantages_PG - mean) ** 2).sum() / total).sqrt()
+    return (advantages_PG - mean) / (std + eps)
+
+
+def decoupled_advantages(rewards_KPG: torch.Tensor, weights_K: torch.Tensor, baseline: Baseline, eps: float = 1e-6,
+                         num_tokens_PG: torch.Tensor | None = None) -> torch.Tensor:
+    """GDPO (Liu et al. 2026, "Group reward-Decoupled Normalization Policy Optimization", arXiv:2601.05242):
+    K reward components [K, P, G], each normalised within its group (baseline, then the group's std),
+    summed with `weights_K`, then whitened over the batch (`batch_whiten`, by tokens with `num_tokens_PG`):
+        A_i = whiten_batch( sum_k w_k (r_k,i - baseline_k,i) / (std_group(r_k) + eps) )
+    Normalising the summed reward instead (GRPO) maps different mixes of components to the same advantage
+    (one correct answer with bad format = one wrong answer with good format, in a group of two); a component
+    equal across its group adds 0. With one component this is GRPO's advantage, whitened."""
+    summed_PG = sum(weight * group_advantages(rewards_PG, baseline, normalize_std=True, eps=eps)
+                    for weight, rewards_PG in zip(weights_K.tolist(), rewards_KPG))
+    return batch_whiten(summed_PG, eps, num_tokens_PG)
 
 
 def informative_groups(rewards_PG: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from typing import Callable
 
 import torch
 
-from reinforge.algorithms.advantages import BASELINES, batch_whiten, group_advantages, informative_groups, overlong_penalty
+from reinforge.algorithms.advantages import informative_groups, overlong_penalty
+from reinforge.algorithms.grpo_advantages import kl_reward_penalties, step_advantages
 from reinforge.algorithms.checkpointing import open_run_dir, restore_rng, resume_run, save_run_checkpoint, update_best
 from reinforge.algorithms.refit import refit
 from reinforge.algorithms.rollout_source import RolloutBatch, rollout_source
@@ -41,7 +42,9 @@ from reinforge.algorithms.builders import (build_engine, build_environments, bui
                                            write_placement)
 from reinforge.algorithms.losses import (
     AGGREGATIONS,
+    KL_ESTIMATORS,
     LOG_RATIOS,
+    POLICY_GRADIENTS,
     Normalisers,
     constant_normaliser,
     grpo_loss,
@@ -225,18 +228,20 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         return metrics, False
     rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, g.num_generations_per_prompt)
     penalties_PG = overlong_penalties(trajectories, config).view_as(rewards_PG)
-    advantages_PG = group_advantages(rewards_PG + penalties_PG, BASELINES[g.baseline], g.normalize_std)
-    if g.whiten_advantages:
-        advantages_PG = batch_whiten(advantages_PG)
-    batch = collate(trajectories, advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
-
-    with timers.time("logprobs"):
-        if config.loss.old_logprobs == "recompute" or len(batch) > global_batch:  # else the loss takes the training pass's
-            batch.old_logprobs = trainer.logprobs(batch)
-        if config.loss.kl_coef > 0:
-            batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+    batch = collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id)
     if g.overlong_filtering:  # DAPO: truncated answers are not trained on (their rewards still set the baseline)
         batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
+
+    loss = config.loss
+    with timers.time("logprobs"):  # else the loss takes the training pass's as the old policy's
+        if loss.old_logprobs == "recompute" or len(batch) > global_batch or loss.kl_in_reward:
+            batch.old_logprobs = trainer.logprobs(batch)
+        if loss.kl_coef > 0:
+            batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+    kl_penalties_PG = -kl_reward_penalties(batch, config).view_as(rewards_PG)  # loss.kl_in_reward
+    shaping = [term for term, on in ((penalties_PG, g.overlong_buffer_tokens > 0), (kl_penalties_PG, loss.kl_in_reward)) if on]
+    advantages_PG, advantage_parts = step_advantages(trajectories, rewards_PG, shaping, batch, config)  # GRPO, GDPO, whitened
+    batch.advantages = advantages_PG.flatten()
     with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
         global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
         updates = [trainer.train_step(computed_part(b, config), loss_fn)
@@ -245,6 +250,7 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         **metrics,
         **rollout_metrics(trajectories, rewards_PG),
         **advantage_metrics(trajectories, penalties_PG, advantages_PG, config),
+        **token_advantage_metrics(batch, kl_penalties_PG, config), **advantage_parts,
         **train_metrics(updates),  # the engine/trainer mismatch (train/token_mult_prob_error, ...) among them
         "perf/num_tokens": batch.attention_mask.sum().item(),
     }, bool(updates)
@@ -252,13 +258,13 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
 
 def computed_part(batch: TrainBatch, config: Config) -> TrainBatch:
     """A global batch without the sequences that add nothing to its loss (`grpo.skip_zero_advantage`):
-    with no KL term a zero-advantage sequence's loss is 0 whatever the policy, and so is that of a
+    with no KL term in the loss a zero-advantage sequence's loss is 0 whatever the policy, and so is that of a
     sequence with no token to train on (DAPO's overlong filtering). The part keeps the whole batch's
     normalisers, so its gradient is the batch's. The part is topped up with the shortest of the others
     (adding 0) to a whole number of sequences per training rank, at least one each: FSDP2 ranks take
     equal shares, and the optimizer step still runs when nothing is left (AdamW's moments move the
     weights even on a zero gradient)."""
-    if not config.grpo.skip_zero_advantage or config.loss.kl_coef > 0:
+    if not config.grpo.skip_zero_advantage or (config.loss.kl_coef > 0 and not config.loss.kl_in_reward):
         return batch
     keep = ((batch.advantages != 0) & (batch.loss_mask.sum(dim=1) > 0)).nonzero().flatten().tolist()
     lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -390,7 +396,9 @@ def make_loss_fn(config: Config):
             eps_low=loss.clip_eps_low,
             eps_high=loss.clip_eps_high,
             dual_clip_c=loss.dual_clip_c,
-            kl_coef=loss.kl_coef,
+            policy_gradient=POLICY_GRADIENTS[loss.policy_loss],
+            kl_coef=0.0 if loss.kl_in_reward else loss.kl_coef,  # in the reward: measured (train/kl), not trained on
+            kl_estimator=KL_ESTIMATORS[loss.kl_estimator],
             ref_logprobs_BT=micro.ref_logprobs,
             is_weights_BT=importance_weights(loss, correction, old_BT, micro),
         )
@@ -445,6 +453,20 @@ def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) ->
         "rollout/turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
         **per_task_means(trajectories, "train", "reward_mean"),
     }
+
+
+def token_advantage_metrics(batch: TrainBatch, kl_penalties_PG: torch.Tensor, config: Config) -> dict[str, float]:
+    """The advantages over the trained tokens (what token-level whitening makes 0 and 1), and the KL penalty in
+    the reward (`loss.kl_in_reward`)."""
+    mask_BT = batch.loss_mask
+    advantages_BT = batch.advantages.view(len(batch), -1).expand_as(mask_BT) if batch.advantages.dim() == 1 else batch.advantages
+    num_tokens = mask_BT.sum().clamp(min=1)
+    mean = (advantages_BT * mask_BT).sum() / num_tokens
+    metrics = {"train/advantage_token_mean": mean.item(),
+               "train/advantage_token_std": (((advantages_BT - mean) ** 2 * mask_BT).sum() / num_tokens).sqrt().item()}
+    if config.loss.kl_in_reward:
+        metrics["train/kl_reward_penalty_mean"] = -kl_penalties_PG.mean().item()
+    return metrics
 
 
 def advantage_metrics(trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor,

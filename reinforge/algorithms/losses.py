@@ -13,9 +13,12 @@ The GRPO objective as implemented (per token, to be minimised):
     pg        = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))      (PPO clip, Schulman et al. 2017;
                                                                                   eps_high > eps_low is DAPO's clip-higher)
     pg        = min(pg, -A * c)   where A < 0, if dual clip c > 1                 (Ye et al. 2020)
-    kl        = exp(logp_ref - logp) - (logp_ref - logp) - 1                      (k3 estimator, Schulman 2020)
+    or, CISPO (MiniMax-M1, arXiv:2506.13585): pg = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * log ratio
+    kl        = k(logp, logp_ref): k1, k2 or k3 (Schulman 2020; default k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1)
     pg        = w * pg   with optional importance weights w for train/inference mismatch (TIS or a sequence mask)
     loss      = aggregate(pg + kl_coef * kl)
+A is one advantage per sequence [B] (GRPO) or per token [B, T] (PPO's GAE, distillation). Which gradient
+each KL estimator gives, as a loss term or as a reward penalty, is derived in docs/algorithms.md.
 Deviation from the GRPO paper: the paper averages per sequence then per group ("sequence" aggregation
 here); the default is DAPO's token-level mean, which does not down-weight long answers. Dr.GRPO's
 aggregation divides the token sum by a constant (sequences x a fixed token budget) instead.
@@ -121,10 +124,54 @@ def clipped_policy_gradient(
     return loss_BT, ratio_BT, was_clipped_BT.to(loss_BT.dtype)
 
 
+def cispo_policy_gradient(log_ratio_BT: torch.Tensor, advantages_BT: torch.Tensor, eps_low: float, eps_high: float,
+                          dual_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4): loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log r_t.
+    The importance weight is clipped and detached, so every token keeps the gradient -clip(r_t) A_t grad log pi_t,
+    a clipped one too (PPO's clip zeroes it). log r_t = log pi_t - log pi_old_t differs from the paper's
+    log pi_t by a constant, so the gradient is the paper's; the value is 0 at r = 1. The paper sets no lower
+    bound (a large eps_low: 1.0 makes it 0). Returns (loss_BT, ratio_BT, clipped_BT), `clipped_BT` 1 where a
+    bound set the weight (those tokens still give a gradient). Dual clip does not apply."""
+    assert dual_clip_c is None, "CISPO has no dual clip"
+    ratio_BT = torch.exp(log_ratio_BT)
+    weight_BT = torch.clamp(ratio_BT, 1.0 - eps_low, 1.0 + eps_high).detach()
+    was_clipped_BT = (weight_BT != ratio_BT.detach()).to(log_ratio_BT.dtype)
+    return -weight_BT * advantages_BT * log_ratio_BT, ratio_BT, was_clipped_BT
+
+
+PolicyGradient = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+POLICY_GRADIENTS: dict[str, PolicyGradient] = {"ppo_clip": clipped_policy_gradient, "cispo": cispo_policy_gradient}
+
+
+# --- KL estimators (Schulman 2020, "Approximating KL divergence"), per token of a sample y ~ policy --------
+# With log r = logp_ref - logp, each is an estimate of KL(policy || reference) = E_policy[-log r]:
+#   k1 = -log r              unbiased, can be negative
+#   k2 = (log r)^2 / 2       biased (low variance), non-negative
+#   k3 = r - 1 - log r       unbiased, non-negative
+# As a loss term (differentiated), their expected gradients differ (docs/algorithms.md): k1's is 0, k2's is
+# that of KL(policy || reference), k3's that of KL(reference || policy). As a reward penalty (not
+# differentiated, `loss.kl_in_reward`), k1 gives the gradient of KL(policy || reference).
+
+
+def k1_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """logp - logp_ref: unbiased for KL(policy || reference); as a loss its expected gradient is 0."""
+    return logprobs_BT - ref_logprobs_BT
+
+
+def k2_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """(logp - logp_ref)^2 / 2: as a loss its expected gradient is exactly that of KL(policy || reference)."""
+    return 0.5 * (logprobs_BT - ref_logprobs_BT) ** 2
+
+
 def k3_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
-    """Unbiased, non-negative per-token estimate of KL(policy || reference) from samples of the policy."""
+    """Unbiased, non-negative per-token estimate of KL(policy || reference) from samples of the policy; as a
+    loss its expected gradient is that of KL(reference || policy)."""
     log_ratio_BT = ref_logprobs_BT - logprobs_BT
     return torch.exp(log_ratio_BT) - log_ratio_BT - 1.0
+
+
+KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl}
 
 
 def truncated_importance_weights(old_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, cap: float) -> torch.Tensor:
@@ -148,7 +195,7 @@ def sequence_ratio_mask(
 def grpo_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
-    advantages_B: torch.Tensor,
+    advantages: torch.Tensor,
     mask_BT: torch.Tensor,
     norm: Normalisers,
     *,
@@ -160,24 +207,28 @@ def grpo_loss(
     ref_logprobs_BT: torch.Tensor | None = None,
     is_weights_BT: torch.Tensor | None = None,
     log_ratio: LogRatio = token_log_ratio,
+    policy_gradient: PolicyGradient = clipped_policy_gradient,
+    kl_estimator: KLEstimator = k3_kl,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch, scaled so that micro-batch losses sum to the global-batch loss.
-    GSPO is this loss with `log_ratio=sequence_log_ratio` and `aggregate=sequence_mean`.
+    `advantages`: [B] (one per sequence) or [B, T] (one per token). GSPO is this loss with
+    `log_ratio=sequence_log_ratio` and `aggregate=sequence_mean`; CISPO with `policy_gradient=cispo_policy_gradient`.
 
     Returns the loss and metric contributions that also sum over micro-batches (metric means divide by
     `norm.metric_tokens`), except `ratio_max`/`ratio_min`, which reduce by max/min.
     """
-    advantages_BT = advantages_B.unsqueeze(1).expand_as(logprobs_BT)
-    pg_BT, ratio_BT, clipped_BT = clipped_policy_gradient(
+    advantages_BT = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand_as(logprobs_BT)
+    pg_BT, ratio_BT, clipped_BT = policy_gradient(
         log_ratio(logprobs_BT, old_logprobs_BT, mask_BT), advantages_BT, eps_low, eps_high, dual_clip_c
     )
     if is_weights_BT is not None:  # importance-sampling correction of the policy-gradient term only
         pg_BT = pg_BT * is_weights_BT
     per_token_BT = pg_BT
     kl_BT = torch.zeros_like(pg_BT)
+    assert kl_coef == 0 or ref_logprobs_BT is not None, "kl_coef > 0 needs reference logprobs"
+    if ref_logprobs_BT is not None:  # measured even when not trained on (a KL penalty in the reward)
+        kl_BT = kl_estimator(logprobs_BT, ref_logprobs_BT)
     if kl_coef > 0:
-        assert ref_logprobs_BT is not None, "kl_coef > 0 needs reference logprobs"
-        kl_BT = k3_kl(logprobs_BT, ref_logprobs_BT)
         per_token_BT = pg_BT + kl_coef * kl_BT
     loss = aggregate(per_token_BT, mask_BT, norm)
     valid = mask_BT > 0

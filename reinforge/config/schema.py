@@ -193,6 +193,14 @@ class GRPOConfig(Section):
     whiten_advantages: bool = False
     """After the group baseline, normalise the advantages by the mean and standard deviation of the whole
     batch, all groups together (REINFORCE++'s global advantage normalisation)."""
+    whiten_over: Literal["tokens", "sequences"] = "tokens"
+    """What the batch whitening (and GDPO's) averages over: every valid token, each carrying its sequence's
+    advantage (REINFORCE++'s paper and reference implementations), or each sequence once."""
+    decoupled_normalization: bool = False
+    """GDPO (arXiv:2601.05242): normalise each reward component within its group, sum them with their weights,
+    then whiten the sum over the batch, instead of normalising the summed reward. The components are the
+    task reward and each of `env.extra_rewards` (with their weights), or else an agent's `reward_components`
+    when they sum to its reward; a trajectory without them is one component (GRPO, whitened)."""
     skip_zero_advantage: bool = True
     """Leave sequences whose advantage is exactly 0 (groups whose rewards are all equal), and those with no
     token to train on (overlong filtering), out of the training pass when `loss.kl_coef` is 0: their loss
@@ -238,7 +246,20 @@ class GRPOConfig(Section):
 
 class LossConfig(Section):
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the frozen reference policy; 0 does not load the reference."""
+    """Weight of the KL penalty to the frozen reference policy; 0 does not load the reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimate of KL(policy || reference) (Schulman 2020), with log r = logp_ref - logp: `k1` = -log r,
+    `k2` = (log r)^2 / 2, `k3` = r - 1 - log r. In the loss their expected gradients differ: k1's is 0, k2's is
+    that of KL(policy || reference), k3's (GRPO's choice) that of KL(reference || policy); in the reward
+    (`kl_in_reward`) k1 gives that of KL(policy || reference). docs/algorithms.md derives them."""
+    kl_in_reward: bool = False
+    """Put the KL penalty in the reward instead of the loss (InstructGPT's PPO): each sequence's reward loses
+    kl_coef x the sum of its tokens' estimates (old policy against reference, before the step's updates), so
+    the penalty is normalised with the rewards and the loss has no KL term."""
+    policy_loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    """`ppo_clip`: PPO's clipped surrogate (a clipped token gives no gradient); `cispo`: MiniMax-M1's CISPO, the
+    importance weight clipped to [1 - clip_eps_low, 1 + clip_eps_high] and detached, times A log pi, so every
+    token keeps a gradient (the paper sets no lower bound: clip_eps_low 1.0)."""
     clip_eps_low: float = 0.2
     """Lower clip: the ratio is clipped below at 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -508,7 +529,8 @@ class Config(Section):
             (self.generation.max_new_tokens > 0, "generation.max_new_tokens must be > 0"),
             (0 < self.generation.top_p <= 1, "generation.top_p must be in (0, 1]"),
             (self.loss.clip_eps_low > 0 and self.loss.clip_eps_high > 0, "loss.clip_eps_low and loss.clip_eps_high must be > 0"),
-            (self.loss.clip_eps_low < 1, "loss.clip_eps_low must be < 1 so that the lower clip 1 - eps stays positive"),
+            (self.loss.clip_eps_low < 1 or (self.loss.policy_loss == "cispo" and self.loss.clip_eps_low == 1),
+             "loss.clip_eps_low must be < 1 so that the lower clip 1 - eps stays positive (with loss.policy_loss=cispo, 1: no lower bound)"),
             (self.loss.dual_clip_c is None or self.loss.dual_clip_c > 1, "loss.dual_clip_c must be > 1 (or null to disable dual clip)"),
             (self.loss.kl_coef >= 0, "loss.kl_coef must be >= 0"),
             (self.training.lr > 0, "training.lr must be > 0"),
@@ -541,6 +563,12 @@ class Config(Section):
              "offline (reinforge curriculum prefilter) or set curriculum.prefilter=false"),
             (self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
              "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)"),
+            (self.loss.policy_loss != "cispo" or self.loss.dual_clip_c is None,
+             "loss.dual_clip_c does not apply to loss.policy_loss=cispo (its clipped weights keep their gradient); set it to null"),
+            (not self.loss.kl_in_reward or self.loss.kl_coef > 0,
+             "loss.kl_in_reward=true has no penalty to put in the reward with loss.kl_coef=0; set loss.kl_coef > 0"),
+            (not (self.grpo.decoupled_normalization and self.grpo.whiten_advantages),
+             "grpo.decoupled_normalization (GDPO) already whitens the advantages over the batch; set grpo.whiten_advantages=false"),
         ]
         for ok, message in checks:
             if not ok:

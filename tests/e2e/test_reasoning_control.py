@@ -102,3 +102,18 @@ def test_the_recipe_chains_the_two_demo_configs(tmp_path):
     assert grpo_stage.config.env.extra_rewards == demo.env.extra_rewards == {"format": 0.5}
     assert grpo_stage.config.data == demo.data
     assert sft_stage.config.data == load_recipe_config(sft.SFTRunConfig, CONFIGS / "reasoning_sft_demo.yaml").data
+
+
+def test_gdpo_normalises_the_math_and_format_rewards_apart_from_the_sft_model(chain, tmp_path):
+    """configs/gdpo_demo.yaml for 2 steps from the same SFT model: two reward components (math's task reward and
+    0.5 x format), each normalised in its group, the sum whitened over the trained tokens (mean 0, std 1);
+    the policy keeps the switch it started with."""
+    sft_run, _, _ = chain
+    config = load_config(CONFIGS / "gdpo_demo.yaml", GRPO_OVERRIDES + ["grpo.max_steps=2", f"model.name_or_path={sft_run / 'final'}",
+                                                                       f"logging.run_dir={tmp_path / 'gdpo'}"])
+    assert config.grpo.decoupled_normalization and config.env.extra_rewards == {"format": 0.5}
+    rows = [json.loads(line) for line in (grpo.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        assert row["train/num_reward_components"] == 2.0, row
+        assert abs(row["train/advantage_token_mean"]) < 1e-5 and abs(row["train/advantage_token_std"] - 1.0) < 1e-3, row
+    assert rows[-1][f"val/env/format/{ON}"] >= 0.9 and rows[-1][f"val/env/format/{OFF}"] >= 0.9, rows[-1]

@@ -3,6 +3,7 @@ import torch
 
 from reinforge.algorithms.advantages import (
     batch_whiten,
+    decoupled_advantages,
     group_advantages,
     informative_groups,
     leave_one_out_baseline,
@@ -78,3 +79,40 @@ def test_overlong_penalty_follows_dapo_soft_overlong_punishment():
     lengths = torch.tensor([5, 12, 13, 16, 20, 21, 30])
     penalty = overlong_penalty(lengths, max_length=20, buffer_length=8)
     assert penalty.tolist() == [0.0, 0.0, -0.125, -0.5, -1.0, -1.0, -1.0]
+
+
+def test_token_whitening_weighs_each_sequence_by_its_tokens():
+    """A = [1, -1] over 3 and 1 valid tokens: mean = (3 - 1) / 4 = 0.5, var = (3 x 0.5^2 + 1 x 1.5^2) / 4 = 0.75,
+    std 0.866025: whitened [0.5, -1.5] / 0.866025 = [0.577350, -1.732051]. By sequences: mean 0, std 1, [1, -1].
+    A sequence with no valid token counts for nothing."""
+    advantages = torch.tensor([[1.0, -1.0]])
+    by_tokens = batch_whiten(advantages, num_tokens_PG=torch.tensor([[3, 1]]))
+    torch.testing.assert_close(by_tokens, torch.tensor([[0.577350, -1.732051]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch_whiten(advantages), torch.tensor([[1.0, -1.0]]), atol=1e-5, rtol=0)
+    with_empty = batch_whiten(torch.tensor([[1.0, -1.0, 7.0]]), num_tokens_PG=torch.tensor([[3, 1, 0]]))
+    torch.testing.assert_close(with_empty[:, :2], by_tokens, atol=1e-5, rtol=0)
+
+
+def test_gdpo_normalises_each_component_in_its_group_before_summing():
+    """One group of 4, correctness c = [1, 1, 0, 0] and format f = [0, 1, 1, 1], weights 1 and 1.
+    GRPO on the sum [1, 2, 1, 1] gives samples 0 (correct, unformatted), 2 and 3 (wrong, formatted) the same advantage.
+    GDPO: c has mean 0.5, unbiased std sqrt(4 x 0.25 / 3) = 0.577350: [0.866025, 0.866025, -0.866025, -0.866025];
+    f has mean 0.75, unbiased std sqrt((0.5625 + 3 x 0.0625) / 3) = 0.5: [-1.5, 0.5, 0.5, 0.5];
+    sum [-0.633975, 1.366025, -0.366025, -0.366025], mean 0, population std sqrt(2.535898 / 4) = 0.796226:
+    whitened [-0.796226, 1.715633, -0.459701, -0.459701]."""
+    c, f = torch.tensor([[1.0, 1.0, 0.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    grpo = group_advantages(c + f, mean_baseline, normalize_std=True)
+    assert grpo[0, 0] == grpo[0, 2] == grpo[0, 3]
+    gdpo = decoupled_advantages(torch.stack([c, f]), torch.tensor([1.0, 1.0]), mean_baseline)
+    torch.testing.assert_close(gdpo, torch.tensor([[-0.796226, 1.715633, -0.459701, -0.459701]]), atol=1e-5, rtol=0)
+
+
+def test_gdpo_weights_scale_each_normalised_component_and_one_component_is_grpo_whitened():
+    """Weight 0 on f leaves c's normalised advantages [0.866, 0.866, -0.866, -0.866], whitened to [1, 1, -1, -1];
+    one component alone is its group advantage, whitened."""
+    c, f = torch.tensor([[1.0, 1.0, 0.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    torch.testing.assert_close(decoupled_advantages(torch.stack([c, f]), torch.tensor([1.0, 0.0]), mean_baseline),
+                               torch.tensor([[1.0, 1.0, -1.0, -1.0]]), atol=1e-5, rtol=0)
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0]])
+    torch.testing.assert_close(decoupled_advantages(rewards[None], torch.tensor([1.0]), mean_baseline),
+                               batch_whiten(group_advantages(rewards, mean_baseline, normalize_std=True)))

@@ -4,6 +4,7 @@ import torch
 
 from reinforge.algorithms.losses import (
     Normalisers,
+    cispo_policy_gradient,
     clipped_policy_gradient,
     constant_normaliser,
     grpo_loss,
@@ -171,3 +172,37 @@ def test_micro_batch_losses_sum_to_the_global_batch_loss_for_every_variant():
         sum(parts).backward()
         torch.testing.assert_close(sum(parts), whole)
         torch.testing.assert_close(split_logp.grad, whole_logp.grad)
+
+
+def test_cispo_keeps_the_gradient_of_tokens_whose_weight_is_clipped():
+    """eps_low 0.2, eps_high 0.28; log-ratios ln 1.5, ln 0.5, 0 with advantages +1, -1, +2 (token mean over 3):
+    weights sg(clip(r)) = 1.28, 0.8, 1; loss_t = -w A log r = -1.28 x 0.405465 = -0.518995,
+    -0.8 x (-1) x (-0.693147) = -0.554518, 0; d loss / d logp_t = -w A / 3 = -0.426667, +0.266667, -0.666667.
+    PPO's clip gives tokens 0 and 1 no gradient at all (their clipped surrogate is constant)."""
+    old = torch.zeros(1, 3)
+    advantages = torch.tensor([1.0, -1.0, 2.0])
+
+    def loss_and_gradient(policy_gradient):
+        logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]])).requires_grad_()
+        loss, metrics = grpo_loss(logp, old, advantages.view(1, 3), torch.ones(1, 3), Normalisers(3, 1), aggregate=token_mean,
+                                  eps_low=0.2, eps_high=0.28, policy_gradient=policy_gradient)
+        return loss, metrics, torch.autograd.grad(loss, logp)[0]
+
+    loss, metrics, grad = loss_and_gradient(cispo_policy_gradient)
+    assert abs(loss.item() - (-0.518995 - 0.554518) / 3) < 1e-5
+    torch.testing.assert_close(grad, torch.tensor([[-0.426667, 0.266667, -0.666667]]), atol=1e-5, rtol=0)
+    assert abs(metrics["clip_fraction"].item() - 2 / 3) < 1e-6
+    _, _, ppo_grad = loss_and_gradient(clipped_policy_gradient)
+    torch.testing.assert_close(ppo_grad, torch.tensor([[0.0, 0.0, -0.666667]]), atol=1e-5, rtol=0)
+
+
+def test_per_token_advantages_weigh_each_token_on_its_own():
+    """Ratio 1 everywhere (old = new), token mean over 3 valid tokens of 2 sequences: the loss is -sum A_t / 3.
+    Per-token A = [[1, 2], [3, 0]] with mask [[1, 1], [1, 0]]: -(1 + 2 + 3) / 3 = -2; per-sequence A = [1, 3]
+    broadcast: -(1 + 1 + 3) / 3 = -5/3."""
+    logp = torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    common = dict(aggregate=token_mean, eps_low=0.2, eps_high=0.2)
+    per_token, _ = grpo_loss(logp, logp, torch.tensor([[1.0, 2.0], [3.0, 0.0]]), mask, Normalisers(3, 2), **common)
+    per_sequence, _ = grpo_loss(logp, logp, torch.tensor([1.0, 3.0]), mask, Normalisers(3, 2), **common)
+    assert abs(per_token.item() + 2.0) < 1e-6 and abs(per_sequence.item() + 5 / 3) < 1e-6

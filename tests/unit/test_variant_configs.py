@@ -25,7 +25,7 @@ def load(method: str, *overrides: str):
     return load_config(PROJECT_ROOT / "configs" / f"{method}_demo.yaml", list(overrides))
 
 
-@pytest.mark.parametrize("method", ["dapo", "gspo", "dr_grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("method", ["dapo", "gspo", "dr_grpo", "rloo", "reinforce_pp", "cispo"])
 def test_every_variant_config_loads_and_inherits_the_demo(method):
     config = load(method)
     assert config.model.name_or_path == "models/demo" and config.logging.run_dir == f"runs/{method}_demo"
@@ -70,3 +70,21 @@ def test_variant_settings_that_do_not_fit_are_rejected_with_the_field_and_the_fi
         load("dapo", "grpo.max_turns=3")
     with pytest.raises(ValueError, match="constant_normaliser_tokens must be > 0"):
         load("dr_grpo", "loss.constant_normaliser_tokens=0")
+
+
+def test_cispo_config_keeps_a_gradient_on_the_tokens_ppo_would_clip():
+    """cispo_demo: no lower bound (eps_low 1.0), eps_high 0.28, k3 KL 0.001 (no reference given here, so only the
+    policy term). Log ratios [ln 2, ln 0.1] with A = [+1, -1], token mean over 2: weights sg(clip) = 1.28 and 0.1;
+    d loss / d logp = -w A / 2 = [-0.64, +0.05]. PPO's clip at [0.8, 1.28] gives both tokens no gradient."""
+    config = load("cispo")
+    assert (config.loss.policy_loss, config.loss.clip_eps_low, config.loss.clip_eps_high) == ("cispo", 1.0, 0.28)
+    batch = tiny_batch(torch.ones(1, 2), torch.tensor([0.0]))
+    batch.advantages = torch.tensor([[1.0, -1.0]])
+    logp = torch.log(torch.tensor([[2.0, 0.1]])).requires_grad_()
+    loss, _ = make_loss_fn(config.model_copy(update={"loss": config.loss.model_copy(update={"kl_coef": 0.0})}))(logp, batch, Normalisers(2, 1))
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.tensor([[-0.64, 0.05]]))
+
+
+def test_reinforce_pp_config_uses_the_k2_estimator_and_token_whitening():
+    config = load("reinforce_pp")
+    assert config.loss.kl_estimator == "k2" and config.grpo.whiten_advantages and config.grpo.whiten_over == "tokens"
