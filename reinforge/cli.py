@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
          "Run PPO: GRPO's loop with a critic (a value head on its own copy of the base model) trained on the same "
          "rollouts, GAE advantages per token, a clipped value loss. Writes config.yaml, metrics.jsonl and final/ to "
          "logging.run_dir; checkpoints hold the critic too.", OVERRIDES_HELP.replace("grpo, loss", "grpo, ppo, loss")),
+        ("distill", "on-policy distillation: the student samples, a frozen teacher scores its tokens",
+         "Run on-policy distillation: GRPO's loop, the student trained toward a frozen teacher (same tokenizer) on its "
+         "own samples, by the per-token reverse KL as advantage or a top-k logits KL (docs/algorithms.md). Writes "
+         "config.yaml, metrics.jsonl and final/ to logging.run_dir.", OVERRIDES_HELP.replace("grpo, loss", "grpo, distill, loss")),
     ):
         loop = commands.add_parser(name, help=summary, description=description)
         loop.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
@@ -145,6 +149,12 @@ def run_command(args: argparse.Namespace) -> None:
         from reinforge.config.recipe_loader import load_recipe_config
 
         ppo.train(load_recipe_config(PPORunConfig, args.config, args.overrides))
+    elif args.command == "distill":
+        from reinforge.algorithms import distill
+        from reinforge.algorithms.distill_config import DistillRunConfig
+        from reinforge.config.recipe_loader import load_recipe_config
+
+        distill.train(load_recipe_config(DistillRunConfig, args.config, args.overrides))
     elif args.command in ("sft", "dpo", "rm"):
         from reinforge.algorithms import dpo, rm, sft
         from reinforge.config.recipe_loader import load_recipe_config

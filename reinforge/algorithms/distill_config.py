@@ -1,0 +1,70 @@
+"""`distill`: on-policy distillation's settings (algorithms/distill.py has the loop), and `DistillRunConfig`, the
+tree of a `reinforge distill` run: GRPO's (`Config`: the same loop, engine, environments, trainer) plus the
+`distill` section, so a GRPO config never carries distillation's settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from reinforge.config.schema import Config, LoggingConfig
+from reinforge.config.section import Section
+
+
+class TeacherConfig(Section):
+    name_or_path: str
+    """The teacher model: a Hugging Face id or a local directory. Its tokenizer must be the student's (the
+    same vocabulary and special tokens): the teacher scores the student's token ids as they are."""
+    tasks: list[str] = []
+    """The tasks (each record's `task`) whose answers this teacher scores; empty: every task no other teacher names."""
+
+
+class DistillConfig(Section):
+    teachers: list[TeacherConfig] = Field(default=[TeacherConfig(name_or_path="models/demo_teacher")], min_length=1)
+    """One teacher, or several mixed per task (`tasks`); at most one may leave `tasks` empty (the default teacher)."""
+    loss: Literal["reverse_kl", "topk_kl"] = "reverse_kl"
+    """`reverse_kl`: the sampled-token reverse KL as a per-token advantage, A_t = log pi_teacher(y_t) -
+    log pi_student(y_t), through GRPO's clipped surrogate (Thinking Machines' on-policy distillation, Tinker);
+    `topk_kl`: a KL between teacher and student over the teacher's top `topk` tokens at each position (NeMo-RL's)."""
+    kl_coef: float = Field(default=1.0, gt=0)
+    """Weight of the distillation term: of the reverse-KL advantage, or of the top-k KL in the loss."""
+    topk: int = Field(default=64, gt=0)
+    """`topk_kl`: how many of the teacher's most likely tokens per position (NeMo-RL: 64)."""
+    topk_kl: Literal["forward", "reverse", "mixed"] = "forward"
+    """`topk_kl`: KL(teacher || student) (`forward`), KL(student || teacher) (`reverse`), or `mixed`, both
+    restricted to the teacher's top-k tokens (NeMo-RL's kl_type)."""
+    mixed_kl_weight: float = Field(default=0.5, ge=0, le=1)
+    """`topk_kl=mixed`: w * forward + (1 - w) * reverse (NeMo-RL's mixed_kl_weight, the forward KL's weight)."""
+    reward_weight: float = Field(default=0.0, ge=0)
+    """Adds the environment reward: `reward_weight` x GRPO's group advantage (as `grpo.*` sets it) on every
+    token of the sequence, beside the distillation term. 0: the teacher alone."""
+
+    @model_validator(mode="after")
+    def _check_teachers(self) -> "DistillConfig":
+        defaults = [t.name_or_path for t in self.teachers if not t.tasks]
+        if len(defaults) > 1:
+            raise ValueError(f"distill.teachers: {len(defaults)} teachers ({', '.join(defaults)}) have no tasks; at most one "
+                             "may be the default teacher, so give the others `tasks`")
+        seen: dict[str, str] = {}
+        for teacher in self.teachers:
+            for task in teacher.tasks:
+                if task in seen:
+                    raise ValueError(f"distill.teachers: task {task} is named by two teachers ({seen[task]} and "
+                                     f"{teacher.name_or_path}); give each task one teacher")
+                seen[task] = teacher.name_or_path
+        return self
+
+    def teacher_of(self, task: str) -> TeacherConfig | None:
+        """The teacher that scores `task`'s answers (the one naming it, else the default), or None."""
+        named = [t for t in self.teachers if task in t.tasks]
+        return named[0] if named else next((t for t in self.teachers if not t.tasks), None)
+
+
+class DistillRunConfig(Config):
+    """A whole `reinforge distill` run."""
+
+    distill: DistillConfig = DistillConfig()
+    """The teachers and the distillation loss."""
+    logging: LoggingConfig = LoggingConfig(run_dir="runs/distill")
+    """Run directory (config.yaml, metrics.jsonl, checkpoints/, final/) and console output."""
