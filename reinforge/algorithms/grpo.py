@@ -33,8 +33,11 @@ from typing import Callable
 
 import torch
 
-from reinforge.algorithms.advantages import informative_groups, overlong_penalty
+from reinforge.algorithms.advantages import overlong_penalty
 from reinforge.algorithms.grpo_advantages import kl_reward_penalties, step_advantages
+from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
+from reinforge.algorithms.step_metrics import (advantage_metrics, env_metrics, per_task_means, rollout_metrics, staleness_metrics,
+                                               token_advantage_metrics, train_metrics)
 from reinforge.algorithms.checkpointing import open_run_dir, restore_rng, resume_run, save_run_checkpoint, update_best
 from reinforge.algorithms.refit import refit
 from reinforge.algorithms.rollout_source import RolloutBatch, rollout_source
@@ -279,11 +282,6 @@ def computed_part(batch: TrainBatch, config: Config) -> TrainBatch:
     return part
 
 
-def staleness_metrics(step: int, batch: RolloutBatch) -> dict[str, float]:
-    """How far behind the trainer the policy that generated this step's batch was (0: on-policy)."""
-    return {"rollout/policy_version": batch.policy_version, "rollout/policy_lag": step - 1 - batch.policy_version}
-
-
 def sample_groups(step: int, sampler: PromptSampler, episodes: Episodes, config: Config,
                   timers: Timers) -> tuple[list[Trajectory], dict[str, float]]:
     """The step's scored groups: one rollout of the next `num_prompts_per_step` prompts, or, with dynamic
@@ -299,36 +297,6 @@ def sample_groups(step: int, sampler: PromptSampler, episodes: Episodes, config:
         return rollout_round(0), {}
     return fill_with_informative_groups(rollout_round, g.num_prompts_per_step, g.num_generations_per_prompt,
                                         g.dynamic_sampling_max_extra_rounds)
-
-
-def fill_with_informative_groups(rollout_round: Callable[[int], list[Trajectory]], num_groups: int, group_size: int,
-                                 max_extra_rounds: int) -> tuple[list[Trajectory], dict[str, float]]:
-    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): call `rollout_round(0)`, `rollout_round(1)`,
-    ... (each returns whole groups of `group_size` trajectories, grouped by prompt), drop the groups whose
-    rewards are all equal, and stop once `num_groups` groups are kept (the surplus of the last round is
-    discarded) or after `max_extra_rounds` extra rounds. Deviation: DAPO samples until the batch is full;
-    here a step that runs out of rounds trains on the groups it has, possibly none."""
-    kept: list[list[Trajectory]] = []
-    num_rounds = num_generated = num_dropped = 0
-    while len(kept) < num_groups and num_rounds <= max_extra_rounds:
-        trajectories = rollout_round(num_rounds)
-        num_rounds += 1
-        groups = [trajectories[start : start + group_size] for start in range(0, len(trajectories), group_size)]
-        keep = informative_groups(torch.tensor([[t.reward for t in group] for group in groups])).tolist()
-        kept += [group for group, informative in zip(groups, keep) if informative]
-        num_generated += len(groups)
-        num_dropped += keep.count(False)
-    kept = kept[:num_groups]
-    for index, group in enumerate(kept):  # `group` indexes the step's prompts, now across rounds
-        for trajectory in group:
-            trajectory.group = index
-    metrics = {
-        "rollout/dynamic_sampling_rounds": num_rounds,
-        "rollout/num_dropped_groups": num_dropped,
-        "rollout/dropped_group_fraction": num_dropped / num_generated,
-        "rollout/num_trained_groups": len(kept),
-    }
-    return [trajectory for group in kept for trajectory in group], metrics
 
 
 def overlong_penalties(trajectories: list[Trajectory], config: Config) -> torch.Tensor:
@@ -424,81 +392,3 @@ def validate(prompts: list[Prompt], episodes: Episodes, engine: GenerationBacken
         **per_task_means(trajectories, "val", "accuracy"),
         **benchmark_scores,
     }
-
-
-def per_task_means(trajectories: list[Trajectory], prefix: str, name: str) -> dict[str, float]:
-    """`{prefix}/{task}/{name}` (mean reward) and the mean of each reward component, per task."""
-    by_task: dict[str, list[Trajectory]] = {}
-    for trajectory in trajectories:
-        by_task.setdefault(trajectory.task, []).append(trajectory)
-    metrics = {}
-    for task, group in by_task.items():
-        metrics[f"{prefix}/{task}/{name}"] = sum(t.reward for t in group) / len(group)
-        for component in sorted({c for t in group for c in t.components}):
-            values = [t.components[component] for t in group if component in t.components]
-            metrics[f"{prefix}/{task}/{component}_mean"] = sum(values) / len(values)
-    return metrics
-
-
-def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) -> dict[str, float]:
-    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
-    return {
-        "train/reward_mean": rewards_PG.mean().item(),
-        "train/reward_std": rewards_PG.std(unbiased=False).item(),
-        "train/zero_std_group_fraction": (rewards_PG.std(dim=1) == 0).float().mean().item(),
-        "rollout/gen_len_mean": lengths.mean().item(),
-        "rollout/gen_len_max": lengths.max().item(),
-        "rollout/truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
-        "rollout/prompt_len_mean": sum(len(t.prompt_ids) for t in trajectories) / len(trajectories),
-        "rollout/turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
-        **per_task_means(trajectories, "train", "reward_mean"),
-    }
-
-
-def token_advantage_metrics(batch: TrainBatch, kl_penalties_PG: torch.Tensor, config: Config) -> dict[str, float]:
-    """The advantages over the trained tokens (what token-level whitening makes 0 and 1), and the KL penalty in
-    the reward (`loss.kl_in_reward`)."""
-    mask_BT = batch.loss_mask
-    advantages_BT = batch.advantages.view(len(batch), -1).expand_as(mask_BT) if batch.advantages.dim() == 1 else batch.advantages
-    num_tokens = mask_BT.sum().clamp(min=1)
-    mean = (advantages_BT * mask_BT).sum() / num_tokens
-    metrics = {"train/advantage_token_mean": mean.item(),
-               "train/advantage_token_std": (((advantages_BT - mean) ** 2 * mask_BT).sum() / num_tokens).sqrt().item()}
-    if config.loss.kl_in_reward:
-        metrics["train/kl_reward_penalty_mean"] = -kl_penalties_PG.mean().item()
-    return metrics
-
-
-def advantage_metrics(trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor,
-                    config: Config) -> dict[str, float]:
-    """The advantages trained on, and what overlong shaping and filtering did to this step's batch."""
-    g = config.grpo
-    metrics = {
-        "train/advantage_mean": advantages_PG.mean().item(),
-        "train/advantage_std": advantages_PG.std(unbiased=False).item(),
-        "train/zero_advantage_fraction": (advantages_PG == 0).float().mean().item(),
-    }
-    if g.overlong_buffer_tokens:
-        metrics["rollout/overlong_penalty_mean"] = penalties_PG.mean().item()
-    if g.overlong_filtering:
-        metrics["rollout/overlong_filtered_fraction"] = sum(t.truncated for t in trajectories) / len(trajectories)
-    return metrics
-
-
-def train_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over the step's optimizer steps; extremes by max/min."""
-    out = {}
-    for name in updates[0] if updates else []:
-        values = [u[name] for u in updates]
-        if name.endswith("_max"):
-            out[f"train/{name}"] = max(values)
-        elif name.endswith("_min"):
-            out[f"train/{name}"] = min(values)
-        else:
-            out[f"train/{name}"] = sum(values) / len(values)
-    out["train/num_optimizer_steps"] = len(updates)
-    return out
-
-
-def env_metrics(envs: dict[str, Environment]) -> dict[str, float]:
-    return {f"env/{task}/{name}": value for task, env in envs.items() for name, value in env.metrics().items()}

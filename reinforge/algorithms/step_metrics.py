@@ -1,0 +1,94 @@
+"""The metrics of one step of the GRPO loop and of the recipes that share it (PPO, distillation): the rollout,
+the advantages, the optimizer steps and the environments. Each formula is in docs/metrics.md."""
+
+from __future__ import annotations
+
+import torch
+
+from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.config import Config
+from reinforge.data.batch import TrainBatch, Trajectory
+from reinforge.envs.base import Environment
+
+
+def staleness_metrics(step: int, batch: RolloutBatch) -> dict[str, float]:
+    """How far behind the trainer the policy that generated this step's batch was (0: on-policy)."""
+    return {"rollout/policy_version": batch.policy_version, "rollout/policy_lag": step - 1 - batch.policy_version}
+
+
+def per_task_means(trajectories: list[Trajectory], prefix: str, name: str) -> dict[str, float]:
+    """`{prefix}/{task}/{name}` (mean reward) and the mean of each reward component, per task."""
+    by_task: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:
+        by_task.setdefault(trajectory.task, []).append(trajectory)
+    metrics = {}
+    for task, group in by_task.items():
+        metrics[f"{prefix}/{task}/{name}"] = sum(t.reward for t in group) / len(group)
+        for component in sorted({c for t in group for c in t.components}):
+            values = [t.components[component] for t in group if component in t.components]
+            metrics[f"{prefix}/{task}/{component}_mean"] = sum(values) / len(values)
+    return metrics
+
+
+def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) -> dict[str, float]:
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+    return {
+        "train/reward_mean": rewards_PG.mean().item(),
+        "train/reward_std": rewards_PG.std(unbiased=False).item(),
+        "train/zero_std_group_fraction": (rewards_PG.std(dim=1) == 0).float().mean().item(),
+        "rollout/gen_len_mean": lengths.mean().item(),
+        "rollout/gen_len_max": lengths.max().item(),
+        "rollout/truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
+        "rollout/prompt_len_mean": sum(len(t.prompt_ids) for t in trajectories) / len(trajectories),
+        "rollout/turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
+        **per_task_means(trajectories, "train", "reward_mean"),
+    }
+
+
+def token_advantage_metrics(batch: TrainBatch, kl_penalties_PG: torch.Tensor, config: Config) -> dict[str, float]:
+    """The advantages over the trained tokens (what token-level whitening makes 0 and 1), and the KL penalty in
+    the reward (`loss.kl_in_reward`)."""
+    mask_BT = batch.loss_mask
+    advantages_BT = batch.advantages.view(len(batch), -1).expand_as(mask_BT) if batch.advantages.dim() == 1 else batch.advantages
+    num_tokens = mask_BT.sum().clamp(min=1)
+    mean = (advantages_BT * mask_BT).sum() / num_tokens
+    metrics = {"train/advantage_token_mean": mean.item(),
+               "train/advantage_token_std": (((advantages_BT - mean) ** 2 * mask_BT).sum() / num_tokens).sqrt().item()}
+    if config.loss.kl_in_reward:
+        metrics["train/kl_reward_penalty_mean"] = -kl_penalties_PG.mean().item()
+    return metrics
+
+
+def advantage_metrics(trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor,
+                    config: Config) -> dict[str, float]:
+    """The advantages trained on, and what overlong shaping and filtering did to this step's batch."""
+    g = config.grpo
+    metrics = {
+        "train/advantage_mean": advantages_PG.mean().item(),
+        "train/advantage_std": advantages_PG.std(unbiased=False).item(),
+        "train/zero_advantage_fraction": (advantages_PG == 0).float().mean().item(),
+    }
+    if g.overlong_buffer_tokens:
+        metrics["rollout/overlong_penalty_mean"] = penalties_PG.mean().item()
+    if g.overlong_filtering:
+        metrics["rollout/overlong_filtered_fraction"] = sum(t.truncated for t in trajectories) / len(trajectories)
+    return metrics
+
+
+def train_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over the step's optimizer steps; extremes by max/min."""
+    out = {}
+    for name in updates[0] if updates else []:
+        values = [u[name] for u in updates]
+        if name.endswith("_max"):
+            out[f"train/{name}"] = max(values)
+        elif name.endswith("_min"):
+            out[f"train/{name}"] = min(values)
+        else:
+            out[f"train/{name}"] = sum(values) / len(values)
+    out["train/num_optimizer_steps"] = len(updates)
+    return out
+
+
+def env_metrics(envs: dict[str, Environment]) -> dict[str, float]:
+    return {f"env/{task}/{name}": value for task, env in envs.items() for name, value in env.metrics().items()}
