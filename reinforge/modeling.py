@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from reinforge.config.schema import ModelConfig
+from reinforge.model_config import ModelConfig
 from reinforge.errors import ReinforgeError
 from reinforge.paths import resolve_path
 

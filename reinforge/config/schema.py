@@ -22,22 +22,8 @@ from reinforge.envs.judge import JudgeEnvConfig
 from reinforge.envs.tool_use import ToolUseEnvConfig
 from reinforge.logging.loggers import LoggersConfig
 from reinforge.rollout.agent_config import AgentConfig
-from reinforge.training.lora_config import VLLM_LORA_RANKS, LoraConfig, adapter_sync
-
-
-class ModelConfig(Section):
-    name_or_path: str = "models/demo"
-    """Hugging Face model id (e.g. Qwen/Qwen2.5-1.5B) or a local directory in Hugging Face format."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for training and generation. float32 on CPU; bfloat16 on GPU."""
-    trust_remote_code: bool = False
-    """Allow model code from the model's repository (only for architectures transformers lacks)."""
-    lora: LoraConfig | None = None
-    """Train LoRA adapters instead of every weight (training/lora.py); null: full fine-tuning."""
-    adapter: str | None = None
-    """A trained PEFT adapter directory (a LoRA run's final/) merged into the weights of `name_or_path` when
-    they load: to evaluate or serve a LoRA run, or to continue from a LoRA stage; it must have been trained
-    on `name_or_path`."""
+from reinforge.model_config import ModelConfig  # defined apart so that modeling.py imports it without the schema
+from reinforge.training.lora_config import VLLM_LORA_RANKS, adapter_sync
 
 
 class DataConfig(Section):
