@@ -137,30 +137,63 @@ def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backen
     conn.send(("done", steps_out))
 
 
+def side(target, conn, *args) -> None:
+    """A worker process: `target(conn, *args)`, whose failure is sent to the coordinator as ("error", text)
+    before the process exits non-zero, so the coordinator stops with it instead of waiting for a turn."""
+    try:
+        target(conn, *args)
+    except BaseException as error:
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+        raise
+
+
+class SideFailed(SystemExit):
+    pass
+
+
+def receive(name: str, conns: dict, processes: dict, inbox: dict):
+    """The next message from worker `name`, watching every worker meanwhile (what the others send waits in
+    `inbox`): if any of them reports an error or dies, stop with what it said within a second, never
+    waiting on a partner that is gone."""
+    while True:
+        for other, conn in conns.items():
+            while conn.poll():
+                inbox[other].append(conn.recv())
+            if inbox[other] and inbox[other][0][0] == "error":
+                raise SideFailed(f"bench/grpo_vs_trl.py: the {other} side failed: {inbox[other][0][1]}")
+        if inbox[name]:
+            return inbox[name].pop(0)
+        for other, process in processes.items():  # died, or (the one awaited) ended without a word
+            if not process.is_alive() and not conns[other].poll() and (process.exitcode != 0 or other == name):
+                raise SideFailed(f"bench/grpo_vs_trl.py: the {other} side exited with code {process.exitcode} (its output is above)")
+        conns[name].poll(0.5)
+
+
 def alternate(workers: dict[str, tuple], steps: int) -> dict[str, list[dict]]:
     """Start the workers, then let them take turns one step at a time, alternating who goes first (one
     worker alone: its steps back to back). Each step's wall time as the coordinator sees it, from "go"
     to the worker's next "ready" (the whole loop iteration, logging included), is added as `turn_s`."""
     context = mp.get_context("spawn")
-    conns, processes = {}, {}
+    conns, processes, inbox = {}, {}, {name: [] for name in workers}
     try:
         for name, (target, args) in workers.items():
             parent, child = context.Pipe()
-            processes[name] = context.Process(target=target, args=(child, *args))
+            processes[name] = context.Process(target=side, args=(target, child, *args))
             processes[name].start()
+            child.close()  # the worker's end lives in the worker only
             conns[name] = parent
         for name in workers:  # both loaded and waiting before step 1
-            assert conns[name].recv() == ("ready", 1), f"{name} did not reach step 1"
+            assert receive(name, conns, processes, inbox) == ("ready", 1), f"{name} did not reach step 1"
         results, turns = {}, {name: [] for name in workers}
         names = list(workers)
         for step in range(1, steps + 1):
             for name in names if step % 2 else names[::-1]:
                 start = time.perf_counter()
                 conns[name].send("go")
-                kind, _ = conns[name].recv()  # its next "ready", or "finished" after the last step
+                kind, _ = receive(name, conns, processes, inbox)  # its next "ready", or "finished" after the last step
                 turns[name].append(time.perf_counter() - start)
                 if kind == "finished":
-                    kind, payload = conns[name].recv()
+                    kind, payload = receive(name, conns, processes, inbox)
                     assert kind == "done", f"{name} sent {kind} after its last step"
                     results[name] = [{**row, "turn_s": turn} for row, turn in zip(payload, turns[name])]
         for name, process in processes.items():
