@@ -16,7 +16,9 @@ step stays as it was, and PPO reuses its loss, metrics and loop by import (the `
 
 As implemented, relative to PPO for language models (Ouyang et al. 2022, arXiv:2203.02155, after Ziegler et
 al. 2019 and Schulman et al. 2017):
-1. The KL to the reference is a loss term (`loss.kl_coef`, as in GRPO) by default.
+1. The KL to the reference is a loss term (`loss.kl_coef`, `loss.kl_estimator`, as in GRPO) by default; with
+   `loss.kl_in_reward` it is InstructGPT's per-token reward penalty -kl_coef * KL_t instead (of the rollout
+   policy against the reference, not differentiated), which the critic then learns to predict too.
 2. The policy's old logprobs come from the trainer, and with one optimizer step per rollout they are the
    training pass's own (as in GRPO, `loss.old_logprobs`); one pass over the rollout (no PPO epochs).
 3. The critic is its own copy of the base model with a zero-initialised value head (no reward-model
@@ -35,6 +37,7 @@ import torch
 
 from reinforge.algorithms import grpo
 from reinforge.algorithms.grpo import GRPOResult, Learner
+from reinforge.algorithms.losses import KL_ESTIMATORS
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.algorithms.ppo_losses import (clipped_value_loss, explained_variance, gae, masked_mean_std, terminal_rewards,
                                              whiten_tokens)
@@ -103,16 +106,20 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
     batch = CriticBatch(**{f.name: getattr(collated, f.name) for f in fields(collated)})
     if config.grpo.overlong_filtering:  # DAPO: truncated answers are trained on by neither model
         batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
-    actor_trains = step > ppo.critic_warmup_steps
+    actor_trains, loss = step > ppo.critic_warmup_steps, config.loss
 
-    with timers.time("logprobs"):
-        if actor_trains and (config.loss.old_logprobs == "recompute" or len(batch) > global_batch):
+    with timers.time("logprobs"):  # the KL penalty in the reward is the critic's target too, warm-up or not
+        if loss.kl_in_reward or (actor_trains and (loss.old_logprobs == "recompute" or len(batch) > global_batch)):
             batch.old_logprobs = trainer.logprobs(batch)
-        if actor_trains and config.loss.kl_coef > 0:
+        if loss.kl_coef > 0 and (actor_trains or loss.kl_in_reward):
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
     with timers.time("values"):
         batch.old_values = critic.values(batch)
     rewards_BT = terminal_rewards((rewards_PG + penalties_PG).flatten(), batch.loss_mask)
+    kl_penalties_BT = torch.zeros_like(rewards_BT)
+    if loss.kl_in_reward:  # InstructGPT's per-token penalty: r_t = -kl_coef * KL_t, plus the reward on the last token
+        kl_penalties_BT = loss.kl_coef * KL_ESTIMATORS[loss.kl_estimator](batch.old_logprobs, batch.ref_logprobs) * batch.loss_mask
+        rewards_BT = rewards_BT - kl_penalties_BT
     advantages_BT, batch.returns = gae(rewards_BT, batch.old_values, batch.loss_mask, ppo.gamma, ppo.lam)
     batch.advantages = whiten_tokens(advantages_BT, batch.loss_mask) if ppo.whiten_advantages else advantages_BT
 
@@ -135,6 +142,7 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         **metrics,
         **grpo.rollout_metrics(trajectories, rewards_PG),
         **value_metrics(batch, advantages_BT),
+        **grpo.token_advantage_metrics(batch, -kl_penalties_BT.sum(dim=1), config),  # the whitened ones trained on
         **{name.replace("train/", "train/critic_") if not name.startswith("train/value") else name: value
            for name, value in grpo.train_metrics(critic_stats).items()},
         **grpo.train_metrics(actor_stats),  # the engine/trainer mismatch among them
@@ -154,6 +162,6 @@ def value_metrics(batch: CriticBatch, advantages_BT: torch.Tensor) -> dict[str, 
         "train/return_mean": return_mean.item(),
         "train/return_std": return_std.item(),
         "train/rollout_value_mean": rollout_value_mean.item(),
-        "train/advantage_mean": advantage_mean.item(),
-        "train/advantage_std": advantage_std.item(),
+        "train/gae_advantage_mean": advantage_mean.item(),
+        "train/gae_advantage_std": advantage_std.item(),
     }
