@@ -6,11 +6,11 @@ logprob of every sampled token and, for the top-k KL, its top-k ids and logprobs
 student's logprobs before the update come from the trainer; the student takes the optimizer steps of the
 rollout batch with one of two losses (algorithms/distill_losses.py has the formulas and their sources):
 
-- `distill.loss=reverse_kl` (default): the per-token advantage A_t = kl_coef * (log pi_teacher(y_t) -
+- `distill.loss=reverse_kl`: the per-token advantage A_t = kl_coef * (log pi_teacher(y_t) -
   log pi_student(y_t)), discount 0, detached, through GRPO's own loss (algorithms/losses.py: the clipped
   surrogate, `loss.*` as for GRPO). Thinking Machines' "On-Policy Distillation" (2025; Tinker cookbook),
   the on-policy reverse-KL case of GKD (Agarwal et al. 2024, arXiv:2306.13649).
-- `distill.loss=topk_kl`: kl_coef x the token mean of a forward, reverse or mixed KL over the teacher's top
+- `distill.loss=topk_kl` (default): kl_coef x the token mean of a forward, reverse or mixed KL over the teacher's top
   `distill.topk` tokens at each position (NeMo-RL's distillation loss, top 64 there), added to GRPO's loss.
   The student's logprobs at the teacher's ids come from its training pass (micro_batching: the same chunked
   LM head, packed or not, on either backend).

@@ -23,10 +23,11 @@ class TeacherConfig(Section):
 class DistillConfig(Section):
     teachers: list[TeacherConfig] = Field(default=[TeacherConfig(name_or_path="models/demo_teacher")], min_length=1)
     """One teacher, or several mixed per task (`tasks`); at most one may leave `tasks` empty (the default teacher)."""
-    loss: Literal["reverse_kl", "topk_kl"] = "reverse_kl"
-    """`reverse_kl`: the sampled-token reverse KL as a per-token advantage, A_t = log pi_teacher(y_t) -
-    log pi_student(y_t), through GRPO's clipped surrogate (Thinking Machines' on-policy distillation, Tinker);
-    `topk_kl`: a KL between teacher and student over the teacher's top `topk` tokens at each position (NeMo-RL's)."""
+    loss: Literal["reverse_kl", "topk_kl"] = "topk_kl"
+    """`topk_kl`: a KL between teacher and student over the teacher's top `topk` tokens at each position
+    (NeMo-RL's); `reverse_kl`: the sampled-token reverse KL as a per-token advantage, A_t = log pi_teacher(y_t) -
+    log pi_student(y_t), through GRPO's clipped surrogate (Thinking Machines' on-policy distillation, Tinker).
+    The default is the one that learns faster on the demo (docs/benchmarks.md)."""
     kl_coef: float = Field(default=1.0, gt=0)
     """Weight of the distillation term: of the reverse-KL advantage, or of the top-k KL in the loss."""
     topk: int = Field(default=64, gt=0)

@@ -141,3 +141,28 @@ def test_the_teacher_scores_the_sampled_tokens_and_its_top_k_as_a_full_vocabular
     torch.testing.assert_close(topk_BTK, logp_BTV.topk(K, dim=-1).values * mask.unsqueeze(-1), atol=1e-5, rtol=0)
     torch.testing.assert_close(topk_BTK, logp_BTV.gather(-1, ids_BTK) * mask.unsqueeze(-1), atol=1e-5, rtol=0)  # the ids are theirs
     assert (ids_BTK[mask == 0] == 0).all() and (logprobs_BT[mask == 0] == 0).all()
+
+
+def test_each_answer_is_scored_by_the_teacher_of_its_task(tiny_model_dir, tmp_path):
+    """Teacher A names task `code`; B (another random model) is the default: rows of task code carry A's scores,
+    the rest B's, each equal to that teacher's score of the whole batch on that row."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from reinforge.algorithms.distill import score_with_teachers
+
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(Qwen2Config.from_pretrained(tiny_model_dir)).save_pretrained(tmp_path / "other")
+    a, b = str(tiny_model_dir), str(tmp_path / "other")
+    config = DistillRunConfig.model_validate({"distill": {"loss": "topk_kl", "topk": K,
+                                                          "teachers": [{"name_or_path": a, "tasks": ["code"]}, {"name_or_path": b}]}})
+    batch = ragged()
+    trajectories = [Trajectory([], [], [], False, 0.0, 0, "code" if row in (1, 4, 5) else "math") for row in range(len(batch))]
+    training = TrainingConfig(micro_batch_size=3)
+    teachers = {path: Teacher(ModelConfig(name_or_path=path), training, TEMPERATURE) for path in (a, b)}
+    scored = score_with_teachers(batch, trajectories, teachers, config.distill)
+    whole = {path: teacher.score(batch, K) for path, teacher in teachers.items()}
+    for row, trajectory in enumerate(trajectories):
+        expected = whole[a if trajectory.task == "code" else b]
+        for got, want in zip(scored, expected):
+            torch.testing.assert_close(got[row], want[row], atol=1e-5, rtol=0)
+    assert not torch.allclose(whole[a][0], whole[b][0])  # the two teachers do differ
