@@ -41,7 +41,8 @@ from reinforge.algorithms import grpo
 from reinforge.algorithms.advantages import BASELINES, group_advantages
 from reinforge.algorithms.distill_config import DistillConfig, DistillRunConfig, TeacherConfig
 from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
-from reinforge.algorithms.grpo import GRPOResult, Learner, rollout_metrics, staleness_metrics, train_metrics
+from reinforge.algorithms.grpo import GRPOResult, Learner
+from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.rollout_source import RolloutBatch
 from reinforge.config.schema import ModelConfig
@@ -67,7 +68,10 @@ def teacher_model(config: DistillRunConfig, teacher: TeacherConfig) -> ModelConf
 
 def check_distill(config: DistillRunConfig) -> None:
     """One-line errors before any run directory: a teacher whose tokenizer is not the student's, a training
-    task that no teacher scores."""
+    task that no teacher scores, a KL penalty in the reward."""
+    if config.loss.kl_in_reward:
+        raise ConfigError("loss.kl_in_reward=true is GRPO's and PPO's reward penalty; reinforge distill's signal is the "
+                          "teacher's, so keep a reference KL in the loss (loss.kl_coef with loss.kl_in_reward=false)")
     student = load_tokenizer(config.model)
     for teacher in config.distill.teachers:
         theirs = load_tokenizer(teacher_model(config, teacher))
@@ -120,6 +124,7 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         **metrics,
         **rollout_metrics(trajectories, rewards_PG),
         **teacher_metrics(batch, teacher_BT),
+        **token_advantage_metrics(batch, torch.zeros_like(rewards_PG), config),  # no KL penalty in the reward here
         **train_metrics(updates),
         "perf/num_tokens": batch.attention_mask.sum().item(),
     }, bool(updates)
