@@ -1,7 +1,9 @@
 """Worker groups: N copies of a plain worker class as Ray actors on a placement group.
 
-Resources come from config, never from decorators. Every call fans out to all workers and fails
-fast: the first worker that dies (killed, out of memory, an exception) ends the call with a
+Resources come from config, never from decorators. A worker is built in two calls: the actor starts
+empty, then `setup` runs the worker class's `__init__` as a method, so an error it raises (a setting only
+the worker can check) comes back as that exception, as any method's does. Every call fans out to all
+workers and fails fast: the first worker that dies (killed, out of memory, an exception) ends the call with a
 `WorkerFailed` that names it and shows the last lines of its log, while the others, which may be
 blocked in a collective with the dead one, are killed, never waited for.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 import glob
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +21,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from reinforge.config.schema import ClusterConfig
-from reinforge import errors
 from reinforge.errors import ReinforgeError
 
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default session log directory
@@ -81,21 +81,22 @@ class WorkerGroup:
         else:
             self.placement_group = share_with.placement_group
         rank0_ip = self._bundle_ip(0)
-        actor_cls = ray.remote(worker_cls)
+        actor_cls = ray.remote(set_up_later(worker_cls))
         self.workers = [
             actor_cls.options(
                 num_cpus=num_cpus_per_worker * actor_fraction,
                 num_gpus=num_gpus_per_worker * actor_fraction,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
-            ).remote(**kwargs_for_rank(rank, rank0_ip))
+            ).remote()
             for rank in range(num_workers)
         ]
         self.names = [f"{name}[{rank}]" for rank in range(num_workers)]
         try:
             self.pids = ray.get([worker.__ray_call__.remote(lambda _: os.getpid()) for worker in self.workers])
-        except ray.exceptions.RayActorError as exc:  # a worker's __init__ raised, or its process died starting
+        except ray.exceptions.RayActorError as exc:  # its process died starting
             self.shutdown()
-            raise raised_in_worker(exc) or WorkerFailed(f"{name}: a worker failed to start: {_first_line(exc)}") from None
+            raise WorkerFailed(f"{name}: a worker failed to start: {_first_line(exc)}") from None
+        self.call_each("setup", [(kwargs_for_rank(rank, rank0_ip),) for rank in range(num_workers)])  # all ranks at once
 
     def node_ids(self) -> list[str]:
         """The Ray node of each worker's bundle, in rank order."""
@@ -149,18 +150,26 @@ class WorkerGroup:
         self.placement_group = None
 
 
+def set_up_later(worker_cls: type) -> type:
+    """`worker_cls` whose construction does nothing and whose `setup(kwargs)` runs its `__init__(**kwargs)`:
+    Ray returns an exception raised in a method as its `cause`, one raised in `__init__` only as text."""
+
+    class Worker(worker_cls):
+        def __init__(self):  # noqa: D107  the real construction is `setup`
+            pass
+
+        def setup(self, kwargs: dict[str, Any]) -> None:
+            worker_cls.__init__(self, **kwargs)
+
+    Worker.__name__ = Worker.__qualname__ = worker_cls.__name__  # Ray names the actor after it
+    return Worker
+
+
 def raised_in_worker(exc: BaseException) -> ReinforgeError | None:
     """A user-facing error that a worker raised (a setting only the worker can check, such as one that
-    needs a GPU), as itself, so that the command line prints its one line. A method's exception comes
-    back as its `cause`; one from `__init__` only as the text of Ray's error, whose last
-    `reinforge.errors.X: message` line is rebuilt."""
-    if isinstance(getattr(exc, "cause", None), ReinforgeError):
-        return exc.cause
-    if isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed:
-        raised = re.findall(r"^reinforge\.errors\.(\w+): (.+)$", str(exc), flags=re.MULTILINE)
-        if raised and isinstance(error_type := getattr(errors, raised[-1][0], None), type) and issubclass(error_type, ReinforgeError):
-            return error_type(raised[-1][1])
-    return None
+    needs a GPU), as itself, so that the command line prints its one line: Ray carries it as `cause`."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, ReinforgeError) else None
 
 
 def _first_line(exc: BaseException) -> str:
