@@ -127,7 +127,7 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
 
     def critic_updates() -> list[dict[str, float]]:
         with timers.time("critic_train"):
-            return [critic.train_step(b, value_loss_fn) for b in global_batches]
+            return [critic.train_step(b, value_loss_fn) for _ in range(ppo.critic_epochs) for b in global_batches]
 
     def actor_updates() -> list[dict[str, float]]:
         with timers.time("train"):

@@ -11,6 +11,7 @@ examples/configs/ppo_math_1B.yaml, veRL's trainer/config/algorithm.py and critic
 | lam                  | 0.95  | 0.95 (adv_estimator.gae_lambda)      | 1.0 (algorithm.lam)       |
 | value_clip           | 0.2   | 0.2 (value_loss_fn.cliprange)        | 0.5 (critic.cliprange_value) |
 | critic_lr            | 1e-5  | 1e-5 (value.optimizer, DTensor)      | 1e-5 (critic.optim.lr)    |
+| critic_epochs        | 1     | ppo_epochs (4 in ppo_math_1B)        | ppo_epochs (1)            |
 | critic_warmup_steps  | 0     | 0 (policy_training_start_step)       | 0 (trainer.critic_warmup) |
 | critic_first         | true  | critic before actor                  | critic before actor       |
 | whiten_advantages    | true  | true (normalize_advantages)          | always (masked_whiten)    |
@@ -36,6 +37,9 @@ class PPOConfig(Section):
     that is the larger loss (NeMo-RL 0.2, veRL 0.5); null: the plain squared error."""
     critic_lr: float = Field(default=1e-5, gt=0)
     """The critic's AdamW learning rate (its other optimizer settings are `training.*`)."""
+    critic_epochs: int = Field(default=1, ge=1)
+    """Passes of the critic over each rollout batch (each pass one optimizer step per global batch; NeMo-RL's
+    critic_ppo_epochs). Its value clipping keeps every pass near the rollout's values."""
     critic_warmup_steps: int = Field(default=0, ge=0)
     """Steps that train only the critic (the policy is not updated, nor refitted) before the actor starts."""
     critic_first: bool = True
