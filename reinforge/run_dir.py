@@ -23,7 +23,10 @@ def make_run_dir(requested: str | Path) -> Path:
 @contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `final` with one rename, so readers
-    only ever see a complete directory (or the previous one). On failure the temporary one is removed."""
+    only ever see a complete directory (or the previous one). On failure the temporary one is removed.
+    Durable: every file and directory in it is flushed to disk (fsync) before the rename, and the parent
+    directory after it, so a power loss cannot leave `final` renamed into place but empty, and whatever
+    the caller deletes after this returns (older checkpoints) is gone only once `final` is on disk."""
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -32,12 +35,31 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_tree(tmp)
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     tmp.rename(final)
+    fsync_path(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_path(path: Path | str) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(directory, name))
+        fsync_path(directory)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -7,17 +7,21 @@ Layout: `RUN_DIR/checkpoints/step_00000012/` holds
 - `driver.pt`: the loop's own state: step, data sampler position, RNG states, validation history,
   curriculum state;
 - `config.yaml`: the run's config, to refuse a resume under a different one;
-- `COMPLETE`: written last, listing every file with its size. A directory without it, or whose files
-  do not match it, is skipped with a warning (a crash mid-save, a truncated copy).
+- `COMPLETE`: written last, listing every file with its size and SHA-256. A directory without it, or
+  whose files do not match it in size (a crash mid-save, a truncated copy) or, when a run resumes, in
+  content (a corrupted disk or copy), is skipped with a warning naming it, and the resume falls back to
+  the newest checkpoint that verifies.
 
-The directory is built under a temporary name and renamed into place, so a kill at any moment
-leaves either the previous newest checkpoint or the new one, never a half-written newest.
+The directory is built under a temporary name, flushed to disk (fsync) and renamed into place
+(run_dir.atomic_directory), so a kill or a power loss at any moment leaves either the previous newest
+checkpoint or the new one, never a half-written newest; older checkpoints are pruned only after that.
 `checkpoint.keep_last` keeps the newest N; `checkpoint.keep_best_metric` also keeps the best one by
 that metric.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -52,29 +56,52 @@ def save_checkpoint(run_dir: Path, step: int, trainer, driver_state: dict[str, A
             model.save_state(tmp / name)
         torch.save(driver_state, tmp / "driver.pt")
         (tmp / "config.yaml").write_text(config_yaml)
-        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
+                    for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "COMPLETE").write_text(json.dumps({"step": step, "files": manifest}, indent=1))
     return final
 
 
+def sha256(path: Path) -> str:
+    """The file's SHA-256, read right after it was written (from the page cache, not the disk)."""
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """COMPLETE's files as {name: {"size": ..., "sha256": ...}} (a checkpoint from before checksums: sizes only)."""
+    files = json.loads((path / "COMPLETE").read_text())["files"]
+    return {name: entry if isinstance(entry, dict) else {"size": entry} for name, entry in files.items()}
+
+
 def is_complete(path: Path) -> bool:
-    """The marker exists and every file it lists is there with its size."""
+    """The marker exists and every file it lists is there with its size (cheap: no file is read)."""
     try:
-        manifest = json.loads((path / "COMPLETE").read_text())
-        return all((path / name).stat().st_size == size for name, size in manifest["files"].items())
+        return all((path / name).stat().st_size == entry["size"] for name, entry in _manifest(path).items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def verifies(path: Path) -> bool:
+    """Complete, and every file's content has the SHA-256 that COMPLETE recorded when it was written."""
+    try:
+        return is_complete(path) and all(sha256(path / name) == entry["sha256"] for name, entry in _manifest(path).items()
+                                         if "sha256" in entry)
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
 def latest_checkpoint(run_dir: Path, warn=print) -> Path | None:
-    """The newest complete checkpoint; incomplete or corrupt ones are skipped with a warning."""
+    """The newest checkpoint that verifies (sizes and content); the others newer than it are skipped with a
+    warning naming each."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return None
     for path in sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True):
-        if is_complete(path):
+        if verifies(path):
             return path
-        warn(f"checkpoint {path} is incomplete or corrupt; skipping it")
+        reason = "does not match its COMPLETE manifest's checksums (corrupt)" if is_complete(path) else "is incomplete"
+        warn(f"checkpoint {path} {reason}; skipping it")
     return None
 
 

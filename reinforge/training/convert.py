@@ -23,7 +23,7 @@ import yaml
 
 from reinforge.errors import ReinforgeError
 from reinforge.run_dir import atomic_directory
-from reinforge.training.checkpoint import is_complete, latest_checkpoint
+from reinforge.training.checkpoint import latest_checkpoint, verifies
 
 
 def policy_state_dict(trainer_dir: Path) -> dict[str, torch.Tensor]:
@@ -46,8 +46,8 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
         return merge_adapter_directory(checkpoint, out, merge)
     if (checkpoint / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
         checkpoint = latest_checkpoint(checkpoint) or checkpoint
-    if not is_complete(checkpoint):
-        raise ReinforgeError(f"{checkpoint} is not a complete reinforge checkpoint (no valid COMPLETE manifest); "
+    if not verifies(checkpoint):
+        raise ReinforgeError(f"{checkpoint} is not a complete reinforge checkpoint (no COMPLETE manifest, or files that do not match its sizes and checksums); "
                              "give RUN_DIR/checkpoints/step_N, a run directory or, with --merge, a PEFT adapter directory")
     from reinforge.config.schema import ModelConfig
     from reinforge.modeling import load_model, load_tokenizer

@@ -16,9 +16,10 @@ ARGS = ["grpo.max_steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=2",
         "cluster.num_threads=1"]
 
 
-def command(run_dir):
+def command(run_dir, max_steps: int = 5):
+    args = [arg if not arg.startswith("grpo.max_steps=") else f"grpo.max_steps={max_steps}" for arg in ARGS]
     return [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
-            *ARGS, f"logging.run_dir={run_dir}"]
+            *args, f"logging.run_dir={run_dir}"]
 
 
 def comparable(run_dir):
@@ -77,3 +78,22 @@ def test_resuming_with_another_model_is_refused_naming_the_setting(tmp_path):
     other = subprocess.run(short + ["training.lr=3e-4"], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2
     assert other.stderr.strip().splitlines()[-1].startswith("reinforge: error: cannot resume from") and "training.lr" in other.stderr
+
+
+def test_a_corrupted_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(tmp_path):
+    """Three steps with a checkpoint each (keep_last 2); then the newest checkpoint's weights are corrupted in
+    place (same size, so only the SHA-256 in COMPLETE can tell). Rerun to 4 steps with the same command: it warns
+    naming the corrupt checkpoint, resumes from step 2, and ends with the metrics of a 4-step run never stopped."""
+    reference, run = tmp_path / "uninterrupted", tmp_path / "corrupted"
+    assert subprocess.run(command(reference, max_steps=4), capture_output=True, timeout=600).returncode == 0
+    assert subprocess.run(command(run, max_steps=3), capture_output=True, timeout=600).returncode == 0
+    newest = run / "checkpoints" / "step_00000003"
+    state = next(path for path in (newest / "trainer").iterdir() if path.stat().st_size > 4096)
+    with open(state, "r+b") as handle:
+        handle.seek(state.stat().st_size // 2)
+        handle.write(b"\x00" * 64)
+    resumed = subprocess.run(command(run, max_steps=4), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint {newest} does not match its COMPLETE manifest's checksums (corrupt); skipping it" in resumed.stdout + resumed.stderr
+    assert "resumed from step_00000002" in resumed.stdout + resumed.stderr
+    assert comparable(run) == comparable(reference)
