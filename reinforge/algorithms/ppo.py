@@ -42,6 +42,7 @@ from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.algorithms.ppo_losses import (clipped_value_loss, explained_variance, gae, masked_mean_std, terminal_rewards,
                                              whiten_tokens)
 from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, collate
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
@@ -97,7 +98,7 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
     metrics and whether the policy changed (not during the critic's warm-up)."""
     ppo, global_batch = config.ppo, config.training.global_batch_size
     trajectories = rollout_batch.trajectories
-    metrics = {**rollout_batch.metrics, **grpo.staleness_metrics(step, rollout_batch)}
+    metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
     if not trajectories:
         return metrics, False
     rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.grpo.num_generations_per_prompt)
@@ -140,12 +141,12 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         critic_stats = critic_updates()
     return {
         **metrics,
-        **grpo.rollout_metrics(trajectories, rewards_PG),
+        **rollout_metrics(trajectories, rewards_PG),
         **value_metrics(batch, advantages_BT),
-        **grpo.token_advantage_metrics(batch, -kl_penalties_BT.sum(dim=1), config),  # the whitened ones trained on
+        **token_advantage_metrics(batch, -kl_penalties_BT.sum(dim=1), config),  # the whitened ones trained on
         **{name.replace("train/", "train/critic_") if not name.startswith("train/value") else name: value
-           for name, value in grpo.train_metrics(critic_stats).items()},
-        **grpo.train_metrics(actor_stats),  # the engine/trainer mismatch among them
+           for name, value in train_metrics(critic_stats).items()},
+        **train_metrics(actor_stats),  # the engine/trainer mismatch among them
         "perf/num_tokens": batch.attention_mask.sum().item(),
     }, bool(actor_stats)
 
