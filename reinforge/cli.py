@@ -223,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     except ReinforgeError as exc:
         print(f"reinforge: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the user gave that cannot be read or written, wherever it was opened
+        if exc.filename is None:
+            raise
+        print(f"reinforge: error: {exc.filename}: {exc.strerror}; check the path and its permissions", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("reinforge: interrupted", file=sys.stderr)
         return 130

@@ -8,15 +8,33 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from reinforge.errors import ConfigError
 
-def make_run_dir(requested: str | Path) -> Path:
+
+def check_run_dir(requested: str | Path, what: str = "logging.run_dir") -> None:
+    """A one-line ConfigError now, before any work, if the directory could not be made: the nearest existing
+    ancestor is a file, or cannot be written to."""
+    ancestor = Path(requested).absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if ancestor != Path(requested).absolute() and not ancestor.is_dir():
+        raise ConfigError(f"{what}={requested}: {ancestor} is a file, not a directory; choose another path")
+    if not os.access(ancestor if ancestor.is_dir() else ancestor.parent, os.W_OK):
+        raise ConfigError(f"{what}={requested}: {ancestor} is not writable; choose a path in a directory you can write to")
+
+
+def make_run_dir(requested: str | Path, what: str = "logging.run_dir") -> Path:
     """Create the run directory; if it already holds a run, use the first free `<dir>-N` beside it."""
     path = Path(requested)
     candidate, suffix = path, 0
-    while candidate.exists() and any(candidate.iterdir()):
-        suffix += 1
-        candidate = path.with_name(f"{path.name}-{suffix}")
-    candidate.mkdir(parents=True, exist_ok=True)
+    try:
+        while candidate.exists() and (not candidate.is_dir() or any(candidate.iterdir())):
+            suffix += 1
+            candidate = path.with_name(f"{path.name}-{suffix}")
+        candidate.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a directory should be, no permission, a read-only disk
+        raise ConfigError(f"{what}={requested}: cannot create the run directory ({exc.strerror}: {exc.filename}); "
+                          "choose a path in a directory you can write to") from None
     return candidate
 
 

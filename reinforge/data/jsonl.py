@@ -9,14 +9,23 @@ from typing import Any
 from reinforge.errors import DataError
 
 
+def decode_line(raw: bytes, path: Path, line_number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}:{line_number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                        "save the file as UTF-8") from None
+
+
 def read_jsonl(path: str | Path, required_keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """All records of a JSONL file; blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset file {path} does not exist; check the path (data.train_path / data.val_path)")
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            line = decode_line(raw, path, line_number)
             if not line.strip():
                 continue
             try:

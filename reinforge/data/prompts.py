@@ -119,7 +119,7 @@ def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBa
 
 def _line_number(path: Path, index: int) -> int:
     """The line of the `index`-th record (read_jsonl skips blank lines)."""
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding="utf-8", errors="replace") as handle:  # read_jsonl has checked the encoding
         lines = [number for number, line in enumerate(handle, start=1) if line.strip()]
     return lines[index]
 

@@ -51,7 +51,7 @@ from reinforge.logging.metrics import Timers
 from reinforge.modeling import adapter_base, load_model, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.rollout.rollout import RolloutOptions, rollout
-from reinforge.run_dir import make_run_dir
+from reinforge.run_dir import check_run_dir, make_run_dir
 
 SAMPLING_TEMPERATURE = 0.6  # when n > 1 and no temperature is given
 
@@ -132,6 +132,8 @@ def evaluate(
     model = resolve_model(model)
     if model.adapter:
         adapter_base(model)  # an adapter of another base model is a one-line error before anything loads
+    if output_dir is not None:
+        check_run_dir(output_dir, "--output")  # before the samples, not after them
     start = time.perf_counter()
     timers = Timers()
     with timers.time("load"):
@@ -174,7 +176,7 @@ def evaluate(
     }
     written = None
     if output_dir is not None:
-        written = make_run_dir(output_dir)
+        written = make_run_dir(output_dir, "--output")
         summary["output_dir"] = str(written)
         write_results(written, summary, samples)
     return EvalResult(summary=summary, samples=samples, output_dir=written)

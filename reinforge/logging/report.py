@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from reinforge.data.jsonl import read_jsonl
 from reinforge.errors import DataError
 from reinforge.config.tree import flatten
 
@@ -79,10 +80,9 @@ def read_metrics(run_dir: Path) -> Rows:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise DataError(f"{path} does not exist; give the run directory of a reinforge run")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
+    if not path.read_bytes().strip():
         raise DataError(f"{path} is empty: the run has not finished a step yet")
-    return rows
+    return read_jsonl(path, required_keys=("step",))  # malformed or non-UTF-8 lines: one line naming them
 
 
 def series(rows: Rows, name: str) -> tuple[list[int], list[float]]:
