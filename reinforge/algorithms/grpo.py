@@ -20,7 +20,18 @@ As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
 The GRPO family are settings of this loop and its loss (configs/*_demo.yaml, docs/algorithms.md): DAPO
 (dynamic sampling, overlong reward shaping and filtering, clip-higher, token-level loss), GSPO (sequence-
 level ratio), Dr.GRPO (no std division, constant normaliser), RLOO (leave-one-out baseline), REINFORCE++
-(batch-whitened advantages).
+(batch-whitened advantages), CISPO (clipped, detached importance weights), GDPO (rewards normalised per
+component).
+
+Recipes of this loop. An algorithm that samples, scores and refits like GRPO but learns differently from
+the rollouts is a file of its own with a `Learner` factory: `train(config)` = `grpo.train(config,
+make_learner=...)`; its `train_on_batch` reads top to bottom like its algorithm (collate, the extra
+models' passes, its advantages, its optimizer steps) and calls the shared parts: `step_metrics.py` for
+the metrics, `grpo_advantages.py` and `advantages.py` for rewards and advantages, `losses.py` for the
+policy loss, `computed_part` and `make_loss_fn` here. PPO (algorithms/ppo.py, a critic in
+`Learner.models`, checkpointed with the policy) and on-policy distillation (algorithms/distill.py, a
+frozen teacher) are built so. The loop itself (generation, refit, validation, checkpoints, async) is
+written once, here; a recipe never branches inside it.
 """
 
 from __future__ import annotations
