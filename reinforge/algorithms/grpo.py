@@ -44,8 +44,7 @@ from typing import Callable
 
 import torch
 
-from reinforge.algorithms.advantages import overlong_penalty
-from reinforge.algorithms.grpo_advantages import kl_reward_penalties, step_advantages
+from reinforge.algorithms.grpo_advantages import kl_reward_penalties, overlong_penalties, step_advantages
 from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
 from reinforge.algorithms.step_metrics import (advantage_metrics, env_metrics, per_task_means, rollout_metrics, staleness_metrics,
                                                token_advantage_metrics, train_metrics)
@@ -308,15 +307,6 @@ def sample_groups(step: int, sampler: PromptSampler, episodes: Episodes, config:
         return rollout_round(0), {}
     return fill_with_informative_groups(rollout_round, g.num_prompts_per_step, g.num_generations_per_prompt,
                                         g.dynamic_sampling_max_extra_rounds)
-
-
-def overlong_penalties(trajectories: list[Trajectory], config: Config) -> torch.Tensor:
-    """DAPO's soft overlong punishment of each single-turn trajectory [N] on its number of generated tokens
-    (zeros when `grpo.overlong_buffer_tokens` is 0)."""
-    if not config.grpo.overlong_buffer_tokens:
-        return torch.zeros(len(trajectories))
-    lengths = torch.tensor([len(t.response_ids) for t in trajectories])
-    return overlong_penalty(lengths, config.generation.max_new_tokens, config.grpo.overlong_buffer_tokens)
 
 
 def check_consistency(prompts: list[Prompt], engine: GenerationBackend, trainer: TrainingBackend, tokenizer, config: Config, when: str) -> None:

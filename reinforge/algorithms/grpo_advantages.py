@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.algorithms.advantages import BASELINES, batch_whiten, decoupled_advantages, group_advantages
+from reinforge.algorithms.advantages import BASELINES, batch_whiten, decoupled_advantages, group_advantages, overlong_penalty
 from reinforge.algorithms.losses import KL_ESTIMATORS
 from reinforge.config import Config
 from reinforge.data.batch import TrainBatch, Trajectory
+
+
+def overlong_penalties(trajectories: list[Trajectory], config: Config) -> torch.Tensor:
+    """DAPO's soft overlong punishment of each single-turn trajectory [N] on its number of generated tokens
+    (zeros when `grpo.overlong_buffer_tokens` is 0)."""
+    if not config.grpo.overlong_buffer_tokens:
+        return torch.zeros(len(trajectories))
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+    return overlong_penalty(lengths, config.generation.max_new_tokens, config.grpo.overlong_buffer_tokens)
 
 
 def kl_reward_penalties(batch: TrainBatch, config: Config) -> torch.Tensor:
