@@ -166,3 +166,21 @@ def test_each_answer_is_scored_by_the_teacher_of_its_task(tiny_model_dir, tmp_pa
         for got, want in zip(scored, expected):
             torch.testing.assert_close(got[row], want[row], atol=1e-5, rtol=0)
     assert not torch.allclose(whole[a][0], whole[b][0])  # the two teachers do differ
+
+
+def test_the_reverse_kl_loss_is_grpos_surrogate_on_per_token_advantages_with_gradient_minus_a_over_n():
+    """distill.loss=reverse_kl trains GRPO's loss on A_t = log pi_T - log pi_S (kl_coef 1). At the old policy
+    (ratio 1, no clip) the token-mean surrogate is -(1/N) sum_t A_t r_t, so d loss / d logp_t = -A_t / N.
+    Tokens (mask [0, 1, 1, 1]): teacher [0, -0.5, -2, -0.1], student [0, -1, -0.5, -0.1]: A = [0, 0.5, -1.5, 0];
+    N = 3: loss = -(0.5 - 1.5 + 0) / 3 = 1/3, gradient [0, -1/6, 1/2, 0]."""
+    config = DistillRunConfig.model_validate({"distill": {"loss": "reverse_kl"}, "loss": {"kl_coef": 0.0}})
+    batch = collate([Trajectory([5], [7, 8, 9], [0.0] * 3, False, 1.0, 0, "math")], [0.0], pad_token_id=0)
+    student = torch.tensor([[0.0, -1.0, -0.5, -0.1]])
+    batch.old_logprobs = student
+    batch.advantages = reverse_kl_advantages(torch.tensor([[0.0, -0.5, -2.0, -0.1]]), student, batch.loss_mask)
+    logprobs = student.clone().requires_grad_(True)
+    loss, metrics = make_loss_fn(config)(logprobs, batch, Normalisers(num_tokens=3, num_sequences=1))
+    loss.backward()
+    assert loss.item() == pytest.approx(1 / 3)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -1 / 6, 0.5, 0.0]]))
+    assert metrics["clip_fraction"].item() == 0.0
