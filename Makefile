@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install gym-venv demo test bench build-demo-model clean
+.PHONY: install gym-venv demo test bench build-demo-model build-demo-teacher clean
 
 install: $(STAMP)
 
@@ -49,6 +49,9 @@ bench: install
 
 build-demo-model: install
 	$(BIN)/python scripts/build_demo_model.py
+
+build-demo-teacher: install  # the distillation demo's teacher, from models/demo
+	$(BIN)/python scripts/build_demo_teacher.py
 
 clean:
 	rm -rf $(VENV) $(GYM_VENV) runs .pytest_cache
