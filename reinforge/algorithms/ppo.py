@@ -37,6 +37,7 @@ import torch
 
 from reinforge.algorithms import grpo
 from reinforge.algorithms.grpo import GRPOResult, Learner
+from reinforge.algorithms.grpo_advantages import overlong_penalties
 from reinforge.algorithms.losses import KL_ESTIMATORS
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.algorithms.ppo_losses import (clipped_value_loss, explained_variance, gae, masked_mean_std, terminal_rewards,
@@ -102,7 +103,7 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
     if not trajectories:
         return metrics, False
     rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.grpo.num_generations_per_prompt)
-    penalties_PG = grpo.overlong_penalties(trajectories, config).view_as(rewards_PG)
+    penalties_PG = overlong_penalties(trajectories, config).view_as(rewards_PG)
     collated = collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id)
     batch = CriticBatch(**{f.name: getattr(collated, f.name) for f in fields(collated)})
     if config.grpo.overlong_filtering:  # DAPO: truncated answers are trained on by neither model
