@@ -23,8 +23,8 @@ As implemented, relative to the sources:
 1. The student's logprobs in A_t are the trainer's, from a no-gradient pass before the update (Tinker uses
    the sampler's); the engine's are kept to measure the mismatch, as in GRPO. That pass runs even when a
    rollout is one optimizer step (GRPO skips it there).
-2. The teacher runs in the driver's process (a frozen model, never checkpointed: a resumed run loads it
-   again), not as a Ray worker group; with FSDP2 the student is sharded and the teacher is not.
+2. The teacher is a frozen model, never checkpointed (a resumed run loads it again), whole (not sharded),
+   in the driver's process or, with `placement=ray`, in a Ray actor of its own (cluster/teacher_group.py).
 3. The top-k KL is NeMo-RL's with `zero_outside_topk=false`: the mass outside the teacher's top k is ignored.
 4. Teacher and student must share one tokenizer; a teacher with another is a config error before the run
    starts (no token alignment across vocabularies).
@@ -89,9 +89,27 @@ def check_distill(config: DistillRunConfig) -> None:
 def distill_learner(config: DistillRunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
     """The teachers (one frozen model per distinct `name_or_path`) and the distillation step."""
     d = config.distill
-    teachers = {t.name_or_path: Teacher(teacher_model(config, t), config.training, config.generation.temperature) for t in d.teachers}
+    teachers = {t.name_or_path: build_teacher(config, t, cleanup) for t in d.teachers}
     step = partial(train_on_batch, trainer=trainer, teachers=teachers, tokenizer=tokenizer, loss_fn=make_loss_fn(config), config=config)
     return Learner(step, title="distill")
+
+
+def build_teacher(config: DistillRunConfig, teacher: TeacherConfig, cleanup: ExitStack):
+    """The teacher in this process, or in a Ray actor (`placement=ray`; Ray started here if the run has not)."""
+    model = teacher_model(config, teacher)
+    if teacher.placement == "driver":
+        return Teacher(model, config.training, config.generation.temperature)
+    import ray
+
+    from reinforge.cluster import worker_group
+    from reinforge.cluster.teacher_group import TeacherGroup
+
+    if not ray.is_initialized():
+        worker_group.start_ray(config.cluster, len(config.distill.teachers) * config.cluster.num_cpus_per_worker)
+        cleanup.callback(ray.shutdown)
+    group = TeacherGroup(model, config.training, config.generation.temperature, config.cluster)
+    cleanup.callback(group.shutdown)
+    return group
 
 
 def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend, teachers: dict[str, Teacher],

@@ -18,6 +18,10 @@ class TeacherConfig(Section):
     same vocabulary and special tokens): the teacher scores the student's token ids as they are."""
     tasks: list[str] = []
     """The tasks (each record's `task`) whose answers this teacher scores; empty: every task no other teacher names."""
+    placement: Literal["driver", "ray"] = "driver"
+    """Where the teacher runs: `driver`, in this process; `ray`, in a Ray actor of its own with
+    `cluster.num_cpus_per_worker` CPUs and `cluster.num_gpus_per_worker` GPUs (Ray is started if the run has
+    not; a Ray the run starts for other workers must have room for it: `cluster.num_cpus`)."""
 
 
 class DistillConfig(Section):
