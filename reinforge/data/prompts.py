@@ -103,6 +103,9 @@ def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBa
         if GYM_ROW_KEY not in record and data.prompt_key not in record:
             raise DataError(f"{file}:{_line_number(file, index)}: record has no {data.prompt_key} field; "
                             f"every record needs {data.prompt_key} (or {GYM_ROW_KEY}, as a NeMo Gym row has)")
+        if GYM_ROW_KEY not in record and not isinstance(record[data.prompt_key], str):
+            raise DataError(f"{file}:{_line_number(file, index)}: {data.prompt_key} must be a string (the user's message), "
+                            f"not {type(record[data.prompt_key]).__name__}")
         try:
             prompts.append(render_prompt(record, tokenizer, data.prompt_key, data.system_prompt, data.use_chat_template, data.system_key))
         except DataError as exc:

@@ -20,6 +20,9 @@ def files(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": \n')
     (tmp_path / "list.jsonl").write_text('["not", "an", "object"]\n')
+    (tmp_path / "number_prompt.jsonl").write_text('{"prompt": 123, "answer": "2"}\n')
+    (tmp_path / "chat_string.jsonl").write_text('{"messages": "hi"}\n')
+    (tmp_path / "pair_number.jsonl").write_text('{"prompt": "hi", "chosen": 1, "rejected": "b"}\n')
     (tmp_path / "pairs_broken.jsonl").write_text('{"prompt": "hi", "chosen": "a"\n')
     (tmp_path / "latin1.yaml").write_bytes(b"seed: 0\n# caf\xe9\n")
     (tmp_path / "recipe_latin1.yaml").write_bytes(b"stages:\n  - name: caf\xe9\n")
@@ -39,6 +42,11 @@ CASES = {
     "grpo: an empty prompt file": (lambda d: grpo(f"data.train_path={d}/empty.jsonl"), "holds no records"),
     "grpo: a malformed JSONL line": (lambda d: grpo(f"data.train_path={d}/broken.jsonl"), "broken.jsonl:2: malformed JSON"),
     "grpo: a line that is not an object": (lambda d: grpo(f"data.train_path={d}/list.jsonl"), "expected a JSON object per line"),
+    "grpo: a prompt of the wrong type": (lambda d: grpo(f"data.train_path={d}/number_prompt.jsonl"), "prompt must be a string"),
+    "sft: messages of the wrong type": (lambda d: ["sft", "--config", str(CONFIGS / "sft_demo.yaml"), f"data.train_path={d}/chat_string.jsonl"],
+                                        "`messages` must be a list"),
+    "dpo: a reply of the wrong type": (lambda d: ["dpo", "--config", str(CONFIGS / "dpo_demo.yaml"), f"data.train_path={d}/pair_number.jsonl"],
+                                       "must be strings"),
     "grpo: a run directory below a file": (lambda d: grpo(f"logging.run_dir={d}/a_file/run"), "cannot create the run directory"),
     "grpo: a config file that is not UTF-8": (lambda d: ["grpo", "--config", f"{d}/latin1.yaml"], "latin1.yaml is not UTF-8 text"),
     "grpo: a missing config file": (lambda d: ["grpo", "--config", f"{d}/none.yaml"], "none.yaml"),
