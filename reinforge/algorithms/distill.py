@@ -68,10 +68,16 @@ def teacher_model(config: DistillRunConfig, teacher: TeacherConfig) -> ModelConf
 
 def check_distill(config: DistillRunConfig) -> None:
     """One-line errors before any run directory: a teacher whose tokenizer is not the student's, a training
-    task that no teacher scores, a KL penalty in the reward."""
-    if config.loss.kl_in_reward:
-        raise ConfigError("loss.kl_in_reward=true is GRPO's and PPO's reward penalty; reinforge distill's signal is the "
-                          "teacher's, so keep a reference KL in the loss (loss.kl_coef with loss.kl_in_reward=false)")
+    task that no teacher scores, a GRPO reward-shaping setting that distillation would ignore."""
+    g = config.grpo
+    ignored = [name for name, on in (("loss.kl_in_reward", config.loss.kl_in_reward), ("grpo.whiten_advantages", g.whiten_advantages),
+                                     ("grpo.decoupled_normalization", g.decoupled_normalization),
+                                     ("grpo.overlong_buffer_tokens", g.overlong_buffer_tokens > 0),
+                                     ("grpo.overlong_filtering", g.overlong_filtering)) if on]
+    if ignored:
+        raise ConfigError(f"{ignored[0]} is GRPO's reward shaping, which reinforge distill does not apply (its signal is the "
+                          "teacher's; distill.reward_weight adds the plain group advantage); turn it off (a reference KL stays "
+                          "available in the loss: loss.kl_coef)")
     student = load_tokenizer(config.model)
     for teacher in config.distill.teachers:
         theirs = load_tokenizer(teacher_model(config, teacher))

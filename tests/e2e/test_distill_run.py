@@ -63,6 +63,7 @@ def test_a_teacher_with_another_tokenizer_or_a_task_without_a_teacher_is_a_one_l
     assert "no teacher scores task math" in orphan
     two_defaults = one_line_error(capsys, tmp_path / "c", "distill.teachers=[{name_or_path: models/demo_teacher}, {name_or_path: models/demo}]")
     assert "at most one may be the default teacher" in two_defaults
-    assert "loss.kl_in_reward=true" in one_line_error(capsys, tmp_path / "d", "loss.kl_in_reward=true", "loss.kl_coef=0.01")
+    assert "loss.kl_in_reward is GRPO's reward shaping" in one_line_error(capsys, tmp_path / "d", "loss.kl_in_reward=true",
+                                                                          "loss.kl_coef=0.01")
     assert not any((tmp_path / name).exists() for name in "abcd")
 
