@@ -67,3 +67,19 @@ def test_a_teacher_with_another_tokenizer_or_a_task_without_a_teacher_is_a_one_l
                                                                           "loss.kl_coef=0.01")
     assert not any((tmp_path / name).exists() for name in "abcd")
 
+
+
+def test_a_teacher_of_another_size_with_the_students_tokenizer_distils(tmp_path, capsys):
+    """A random 2-layer, 64-wide Qwen2 with the demo's tokenizer (the student is 4 layers, 128 wide) teaches one step."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    student = PROJECT_ROOT / "models" / "demo"
+    shape = Qwen2Config.from_pretrained(student).to_dict() | {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                                               "layer_types": ["full_attention"] * 2}
+    Qwen2ForCausalLM(Qwen2Config(**shape)).save_pretrained(tmp_path / "teacher")
+    AutoTokenizer.from_pretrained(student).save_pretrained(tmp_path / "teacher")
+    status = main(["distill", "--config", str(CONFIG), *SMALL, f"distill.teachers=[{{name_or_path: {tmp_path / 'teacher'}}}]",
+                   "grpo.max_steps=1", "grpo.val_every=0", "data.max_val_prompts=4", f"logging.run_dir={tmp_path / 'run'}"])
+    assert status == 0, capsys.readouterr().err
+    step = rows(tmp_path / "run")[-1]
+    assert step["train/distill_topk_kl"] > 1.0  # a random teacher is far from the student
