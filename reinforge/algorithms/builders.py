@@ -41,7 +41,7 @@ def start_ray_if_needed(config: Config, cleanup: ExitStack) -> None:
     num_cpus = 0.0
     if config.training.backend == "fsdp2":
         num_engine_bundles = 0 if cluster.colocate else config.generation.num_workers
-        num_cpus += (config.training.num_workers + num_engine_bundles) * cluster.num_cpus_per_worker
+        num_cpus += (config.training.num_workers * config.num_trained_models + num_engine_bundles) * cluster.num_cpus_per_worker
     elif engines_on_ray(config):
         num_cpus += config.generation.num_workers * cluster.num_cpus_per_worker
     num_cpus += config.env.num_workers * config.env.num_cpus_per_worker

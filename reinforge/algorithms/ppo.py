@@ -22,7 +22,8 @@ al. 2019 and Schulman et al. 2017):
 2. The policy's old logprobs come from the trainer, and with one optimizer step per rollout they are the
    training pass's own (as in GRPO, `loss.old_logprobs`); one pass over the rollout (no PPO epochs).
 3. The critic is its own copy of the base model with a zero-initialised value head (no reward-model
-   initialisation), on the torch backend only.
+   initialisation), on the policy's training backend: in this process (torch), or with FSDP2 on
+   `training.num_workers` ranks of its own beside the policy's (cluster/fsdp2_critic_group.py).
 4. The samples of a prompt are still drawn in groups (`grpo.num_generations_per_prompt`, at least 2), which
    PPO does not need; the group plays no part in the advantages.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +52,9 @@ from reinforge.logging.metrics import Timers
 from reinforge.training.base import TrainingBackend
 from reinforge.training.critic import CriticBackend
 
+if TYPE_CHECKING:
+    from reinforge.cluster.fsdp2_critic_group import FSDP2CriticGroup
+
 
 @dataclass
 class CriticBatch(TrainBatch):
@@ -67,9 +72,6 @@ def train(config: PPORunConfig) -> GRPOResult:
 
 def check_ppo(config: PPORunConfig) -> None:
     """What PPO does not do yet, as one line before any run directory is made."""
-    if config.training.backend != "torch":
-        raise ConfigError(f"reinforge ppo trains its critic on training.backend=torch only, not {config.training.backend}; "
-                          "set training.backend=torch")
     if config.model.lora is not None:
         raise ConfigError("reinforge ppo does not train LoRA adapters yet (the critic is a full model); set model.lora=null")
     if config.grpo.async_rollouts:
@@ -77,10 +79,18 @@ def check_ppo(config: PPORunConfig) -> None:
 
 
 def ppo_learner(config: PPORunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
-    """The critic (its own copy of the base model, saved as `critic/` in every checkpoint) and PPO's step."""
+    """The critic (its own copy of the base model, on the policy's training backend, saved as `critic/` in every
+    checkpoint) and PPO's step."""
     g = config.grpo
     num_optimizer_steps = g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size)
-    critic = CriticBackend(config.model, config.training.model_copy(update={"lr": config.ppo.critic_lr}), num_optimizer_steps)
+    critic_training = config.training.model_copy(update={"lr": config.ppo.critic_lr})
+    if config.training.backend == "fsdp2":
+        from reinforge.cluster.fsdp2_critic_group import FSDP2CriticGroup  # Ray only where the run asks for it
+
+        critic = FSDP2CriticGroup(config, critic_training, num_optimizer_steps)
+        cleanup.callback(critic.shutdown)
+    else:
+        critic = CriticBackend(config.model, critic_training, num_optimizer_steps)
     step = partial(train_on_batch, trainer=trainer, critic=critic, tokenizer=tokenizer, loss_fn=grpo.make_loss_fn(config),
                    value_loss_fn=make_value_loss_fn(config.ppo.value_clip), config=config)
     return Learner(step, title="PPO", models={"critic": critic})
@@ -93,7 +103,8 @@ def make_value_loss_fn(clip: float | None):
     return value_loss_fn
 
 
-def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend, critic: CriticBackend,
+def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend,
+                   critic: CriticBackend | FSDP2CriticGroup,
                    tokenizer, loss_fn, value_loss_fn, config: PPORunConfig) -> tuple[dict[str, float], bool]:
     """Values, GAE, the critic's and the actor's optimizer steps on one step's rollout batch. Returns its
     metrics and whether the policy changed (not during the critic's warm-up)."""

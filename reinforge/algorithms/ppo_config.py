@@ -56,3 +56,8 @@ class PPORunConfig(Config):
     """The critic, GAE and the order of the two updates."""
     logging: LoggingConfig = LoggingConfig(run_dir="runs/ppo")
     """Run directory (config.yaml, metrics.jsonl, checkpoints/, final/) and console output."""
+
+    @property
+    def num_trained_models(self) -> int:
+        """The policy and the critic."""
+        return 2

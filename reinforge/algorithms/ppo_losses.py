@@ -99,7 +99,8 @@ def clipped_value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, ret
         near_old_BT = old_values_BT + torch.clamp(values_BT - old_values_BT, -clip, clip)
         clipped_sq_BT = (near_old_BT - returns_BT) ** 2
         per_token_BT = 0.5 * torch.maximum(unclipped_BT, clipped_sq_BT)
-        clipped_BT = (clipped_sq_BT > unclipped_BT).float()
+        # where the clamp is inactive old + (V - old) may round 1 ulp away from V: not a clipped token
+        clipped_BT = (((values_BT - old_values_BT).abs() > clip) & (clipped_sq_BT > unclipped_BT)).float()
     loss = token_mean(per_token_BT, mask_BT, norm)
     with torch.no_grad():
         metrics = {

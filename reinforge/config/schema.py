@@ -444,6 +444,12 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
 
+    @property
+    def num_trained_models(self) -> int:
+        """Models the run trains, each on `training.num_workers` ranks of its own with FSDP2: the policy (a
+        recipe that trains more, PPO's critic, says so)."""
+        return 1
+
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> "Config":
         g, t = self.grpo, self.training

@@ -25,7 +25,7 @@ import os
 from collections import defaultdict
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from reinforge.algorithms.losses import Normalisers
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
@@ -131,7 +132,7 @@ class FSDP2Worker:
         # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
         offload_policy = CPUOffloadPolicy() if training_config.cpu_offload else None
         fp32_config = model_config.model_copy(update={"dtype": "float32"})
-        policy, self.peft = load_policy(fp32_config)  # with LoRA: PEFT's adapters injected, the rest frozen
+        policy, self.peft = self._load_trained_model(fp32_config)  # with LoRA: PEFT's adapters injected, the rest frozen
         if training_config.activation_checkpointing:
             enable_activation_checkpointing(policy)  # before sharding: FSDP2 wraps the checkpointed layers
         if training_config.compile:
@@ -150,6 +151,10 @@ class FSDP2Worker:
         self.optimizer, self.scheduler = build_optimizer(self.trainable, training_config, num_optimizer_steps)
         # checkpoints skip the frozen base (the model's files hold it); load_state then fills only the adapter
         self.state_options = StateDictOptions(ignore_frozen_params=self.peft is not None, strict=self.peft is None)
+
+    def _load_trained_model(self, model_config: ModelConfig):
+        """(the model to train, its PeftModel or None), before sharding; a subclass adds modules here (the critic's value head)."""
+        return load_policy(model_config)
 
     def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
         """The contiguous rows of `rank` (this one's by default); equal shares keep the ranks' collectives in step."""
@@ -176,12 +181,18 @@ class FSDP2Worker:
         """Per-token logprobs [B, T] of the whole batch, on every rank (each computes its share)."""
         model = self.reference if reference and self.peft is None else self.model
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
+        with adapter_disabled(self.peft if reference else None):
+            return self._per_token(batch, lambda micro, rows: micro_batch_logprobs(model, self.hidden[id(model)], micro, rows,
+                                                                                   self.config, self.temperature)[0])
+
+    def _per_token(self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]) -> torch.Tensor:
+        """`compute(micro, rows)` ([b, t] per micro-batch of this rank's share) assembled into the whole
+        batch's [B, T] on every rank (a collective), 0 off `batch.loss_mask`."""
         start, end = self._share(batch)
         share_BT = torch.zeros((end - start, batch.loss_mask.shape[1]), device=self.device)
-        with adapter_disabled(self.peft if reference else None):
-            for indices, micro, rows in self._micro_batches(batch):
-                logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
-                share_BT[indices, : logprobs_BT.shape[1]] = logprobs_BT
+        for indices, micro, rows in self._micro_batches(batch):
+            values_BT = compute(micro, rows)
+            share_BT[indices, : values_BT.shape[1]] = values_BT
         shares = [torch.empty_like(share_BT) for _ in range(self.world_size)]
         dist.all_gather(shares, share_BT)
         return torch.cat(shares).cpu() * batch.loss_mask
@@ -207,10 +218,12 @@ class FSDP2Worker:
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
         extremes: dict[str, torch.Tensor] = {}
         for _, micro, rows in self._micro_batches(batch):
-            metrics = backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm,
-                                           self.config, self.temperature)
-            accumulate_metrics(totals, extremes, metrics)
+            accumulate_metrics(totals, extremes, self._backward(micro, rows, loss_fn, norm))
         return reduce_metrics(totals, extremes, self.device)
+
+    def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: LossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
+        """Forward, loss and backward of one micro-batch; its summable metric contributions."""
+        return backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm, self.config, self.temperature)
 
     @torch.no_grad()
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +107,7 @@ class TorchBackend:
     ):
         self.config, self.lora = training_config, model_config.lora
         self.temperature = temperature
-        self.model, self.peft = load_policy(model_config)
+        self.model, self.peft = self._load_trained_model(model_config)
         if training_config.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self.model.train()
@@ -122,6 +122,10 @@ class TorchBackend:
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.trainable, training_config, num_optimizer_steps)
 
+    def _load_trained_model(self, model_config: ModelConfig):
+        """(the model to train, its PeftModel or None); a subclass adds modules here (the critic's value head)."""
+        return load_policy(model_config)
+
     def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[list[int], TrainBatch, list[list[int]]]]:
         """(batch indices, micro-batch, its rows) for every micro-batch of the batch."""
         prompts = Prompts.of(batch, self.config)
@@ -133,11 +137,16 @@ class TorchBackend:
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         model = self.reference if reference and self.peft is None else self.model
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
-        out = torch.zeros_like(batch.loss_mask)
         with adapter_disabled(self.peft if reference else None):
-            for indices, micro, rows in self._micro_batches(batch):
-                logprobs_BT, _ = micro_batch_logprobs(model, self.hidden[id(model)], micro, rows, self.config, self.temperature)
-                out[indices, : logprobs_BT.shape[1]] = logprobs_BT
+            return self._per_token(batch, lambda micro, rows: micro_batch_logprobs(model, self.hidden[id(model)], micro, rows,
+                                                                                   self.config, self.temperature)[0])
+
+    def _per_token(self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]) -> torch.Tensor:
+        """`compute(micro, rows)` ([b, t] per micro-batch) assembled into [B, T], 0 off `batch.loss_mask`."""
+        out = torch.zeros_like(batch.loss_mask)
+        for indices, micro, rows in self._micro_batches(batch):
+            values_BT = compute(micro, rows)
+            out[indices, : values_BT.shape[1]] = values_BT
         return out * batch.loss_mask
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -157,10 +166,12 @@ class TorchBackend:
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0))
         extremes: dict[str, torch.Tensor] = {}
         for _, micro, rows in self._micro_batches(batch):
-            metrics = backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm,
-                                           self.config, self.temperature)
-            accumulate_metrics(totals, extremes, metrics)
+            accumulate_metrics(totals, extremes, self._backward(micro, rows, loss_fn, norm))
         return {name: float(value) for name, value in (totals | extremes).items()}
+
+    def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: LossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
+        """Forward, loss and backward of one micro-batch; its summable metric contributions."""
+        return backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm, self.config, self.temperature)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's Hugging Face weights (with LoRA: merged, W + (alpha / r) B A, the base left as it is)."""
