@@ -85,7 +85,8 @@ def test_a_recipe_killed_in_stage_2_resumes_there_with_the_metrics_of_a_run_neve
     process = subprocess.Popen(command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while process.poll() is None and time.time() < deadline:
-        if checkpoints.is_dir() and any((p / "COMPLETE").is_file() for p in checkpoints.iterdir()):
+        # a checkpoint renamed into place (its temporary directory holds COMPLETE a moment before: the fsync)
+        if checkpoints.is_dir() and any(p.name.startswith("step_") and (p / "COMPLETE").is_file() for p in checkpoints.iterdir()):
             process.send_signal(signal.SIGKILL)
             break
         time.sleep(0.002)
