@@ -157,14 +157,17 @@ def receive(name: str, conns: dict, processes: dict, inbox: dict):
     waiting on a partner that is gone."""
     while True:
         for other, conn in conns.items():
-            while conn.poll():
-                inbox[other].append(conn.recv())
-            if inbox[other] and inbox[other][0][0] == "error":
-                raise SideFailed(f"bench/grpo_vs_trl.py: the {other} side failed: {inbox[other][0][1]}")
+            try:
+                while conn.poll():
+                    inbox[other].append(conn.recv())
+            except EOFError:  # that side has exited; what it sent before is in its inbox
+                pass
+            if errors := [message for message in inbox[other] if message[0] == "error"]:
+                raise SideFailed(f"bench/grpo_vs_trl.py: the {other} side failed: {errors[0][1]}")
         if inbox[name]:
             return inbox[name].pop(0)
         for other, process in processes.items():  # died, or (the one awaited) ended without a word
-            if not process.is_alive() and not conns[other].poll() and (process.exitcode != 0 or other == name):
+            if not process.is_alive() and not inbox[other] and (process.exitcode != 0 or other == name):
                 raise SideFailed(f"bench/grpo_vs_trl.py: the {other} side exited with code {process.exitcode} (its output is above)")
         conns[name].poll(0.5)
 
