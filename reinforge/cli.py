@@ -209,11 +209,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # torch's OpenMP threads spin up to 300,000 times at every barrier before they sleep: on a machine whose
-    # cores another process also uses, a spinning thread holds a core its partner needs, and the demo's step
-    # took 4.4x as long beside one other torch process. Spinning 2,000 times keeps the step within 1.9x
-    # there and makes it faster alone (docs/benchmarks.md). Set before torch loads; yours wins if you set it.
-    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
     # Imports after parsing so that `--help` is instant.
     from reinforge.errors import ReinforgeError
 
