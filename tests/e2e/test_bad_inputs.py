@@ -10,6 +10,8 @@ from reinforge.cli import main
 from reinforge.paths import PROJECT_ROOT
 
 CONFIGS = PROJECT_ROOT / "configs"
+BAD_FILES = ["latin1.jsonl", "empty.jsonl", "broken.jsonl", "list.jsonl", "number_prompt.jsonl", "chat_string.jsonl",
+             "pair_number.jsonl", "pairs_broken.jsonl", "latin1.yaml", "recipe_latin1.yaml", "a_file", "run_latin1", "answers.jsonl"]
 LATIN1 = '{"prompt": "caf\xe9 costs 3 dollars", "answer": "3"}\n'.encode("latin-1")  # not UTF-8
 
 
@@ -30,6 +32,7 @@ def files(tmp_path):
     (tmp_path / "run_latin1").mkdir()
     (tmp_path / "run_latin1" / "metrics.jsonl").write_bytes(b'{"step": 0, "note": "caf\xe9"}\n')
     (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt": "1+1?", "answer": "2", "response": "2"}) + "\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(BAD_FILES)
     return tmp_path
 
 
@@ -89,4 +92,5 @@ def test_a_bad_input_is_one_error_line_and_leaves_no_directory(case, files, caps
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("reinforge: error: ") and message in lines[0], (case, captured.err[-2000:])
     assert "Traceback" not in captured.out + captured.err
-    assert not (files / "run").exists() and not (files / "a_file" ).is_dir(), case
+    assert not (files / "run").exists(), case
+    assert sorted(p.name for p in files.iterdir()) == sorted(BAD_FILES), case  # nothing made beside the bad files
