@@ -5,7 +5,7 @@
 The batch is one GRPO step of bench/grpo_vs_trl.py's shape: for the demo model 32 prompts x 8 samples
 (30-41 prompt tokens, 30-token answers), for the 30M model 8 x 8 with 48-token answers; random tokens.
 It is planned and laid out by the training backends' own code (`Prompts`, `plan_micro_batches` with
-micro-batches of 4096 tokens, `select_micro_batch`, `shared_prompt_layout`), then each micro-batch runs forward and backward (the model's output at
+micro-batches of 4096 tokens, `select_micro_batch`, `row_layout`), then each micro-batch runs forward and backward (the model's output at
 one position per row, summed) two ways on the same weights: through `training/segment_attention.py`
 (what the backends do), and with the same attention written as a boolean [R, 1, W, W] mask handed to
 the model's sdpa attention (what they did before). One torch thread; the two alternate, the first
@@ -36,7 +36,7 @@ GENERATIONS, MICRO_BATCH_TOKENS = 8, 4096
 def layouts(num_prompts: int, answer_tokens: int, vocab_size: int):
     """The step's shared-prompt layouts, planned and selected as the training backends do it."""
     from reinforge.config.schema import TrainingConfig
-    from reinforge.data.packing import shared_prompt_layout
+    from reinforge.data.packing import row_layout
     from reinforge.training.micro_batching import Prompts, plan_micro_batches, select_micro_batch
 
     batch = grpo_like_batch(num_prompts * GENERATIONS, (30, 41), (answer_tokens, answer_tokens), vocab_size, GENERATIONS,
@@ -45,8 +45,8 @@ def layouts(num_prompts: int, answer_tokens: int, vocab_size: int):
     result = []
     for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), config, Prompts.of(batch, config)):
         micro, local_rows, _ = select_micro_batch(batch, rows)
-        result.append(shared_prompt_layout(micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), micro.prompt_lengths.tolist(),
-                                           local_rows, pad_token_id=0))
+        result.append(row_layout(micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), local_rows, 0,
+                                 micro.prompt_lengths.tolist()).to(torch.device("cpu")))
     return result
 
 
@@ -55,7 +55,7 @@ def as_dense_mask(layout) -> torch.Tensor:
     from reinforge.data.packing import dense_mask
 
     rows, width = layout.input_ids.shape
-    full = dense_mask(layout.segments, layout.num_slots)
+    full = dense_mask(layout)
     mask = torch.stack([full[r * width : (r + 1) * width, r * width : (r + 1) * width] for r in range(rows)])
     mask |= ~mask.any(-1, keepdim=True) & torch.eye(width, dtype=torch.bool)
     return mask.unsqueeze(1)
@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
-    from reinforge.training.segment_attention import using_segment_attention
+    from reinforge.training.segment_attention import forward_layout
 
     results = {"date": time.strftime("%Y-%m-%d"), "threads": 1, "load_average_before": list(os.getloadavg()), "models": {}}
     for name in args.models.split(","):
@@ -83,12 +83,11 @@ def main() -> None:
         def run(kind: str) -> float:
             start = time.perf_counter()
             for layout, mask in zip(batches, masks):
-                kwargs = dict(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, logits_to_keep=1)
                 if kind == "segments":
-                    with using_segment_attention(model):
-                        model(**kwargs, attention_mask=None, attention_segments=layout.segments).logits.sum().backward()
+                    forward_layout(model, layout, logits_to_keep=1).logits.sum().backward()
                 else:
-                    model(**kwargs, attention_mask=mask).logits.sum().backward()
+                    model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, logits_to_keep=1,
+                          attention_mask=mask).logits.sum().backward()
             model.zero_grad(set_to_none=True)
             return time.perf_counter() - start
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from typing import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforge.model_config import ModelConfig
 from reinforge.errors import ReinforgeError
@@ -81,8 +83,25 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each decoder layer in the backward pass (transformers' per-layer checkpointing).
 
     Non-reentrant `torch.utils.checkpoint`: it composes with FSDP2's per-layer hooks (the layer is
-    unsharded again for the recompute) and with inputs that do not require grad."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    unsharded again for the recompute) and with inputs that do not require grad. The recompute runs
+    with the attention implementation its forward ran with (`context_fn`): a forward pass picks it by
+    its layout (training/segment_attention.py) and the backward pass comes after that choice is undone."""
+    config = model.config
+
+    def same_attention_in_recompute() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), attention_implementation(config, config._attn_implementation)
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": same_attention_in_recompute})
+
+
+@contextlib.contextmanager
+def attention_implementation(config: PretrainedConfig, name: str) -> Iterator[None]:
+    """`config`'s attention implementation set to `name` inside the block, as it was after."""
+    saved, config._attn_implementation = config._attn_implementation, name
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
 
 
 def compile_decoder_layers(model: PreTrainedModel) -> None:

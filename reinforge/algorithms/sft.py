@@ -37,7 +37,7 @@ from reinforge.config.schema import CheckpointConfig, LoggingConfig, ModelConfig
 from reinforge.config.section import Section
 from reinforge.data.chat import ChatExample, fit_length, render_chat
 from reinforge.data.jsonl import read_jsonl
-from reinforge.data.packing import PACKED_ATTENTION, PackedBatch, micro_batches, packed_logits
+from reinforge.data.packing import PackedBatch, micro_batches
 from reinforge.errors import ConfigError, DataError
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.metrics import JsonlWriter, Timers
@@ -45,6 +45,7 @@ from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_tok
 from reinforge.paths import resolve_path
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training import lora
+from reinforge.training.segment_attention import forward_layout
 from reinforge.training.torch_backend import build_optimizer, token_logprobs
 
 # --- Config ------------------------------------------------------------------------------------
@@ -224,14 +225,14 @@ def sft_step(model: PreTrainedModel, examples: list[ChatExample], optimizer: tor
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
-    num_real_tokens = sum(b.num_real_tokens for b in batches)
+    num_real_tokens = sum(b.layout.num_real_tokens for b in batches)
     return {
         "train/loss": loss.item(),
         "train/grad_norm": float(grad_norm),
         "train/lr": lr,
         "train/num_trained_tokens": norm.num_tokens,
         "train/num_micro_batches": len(batches),
-        "perf/packing_efficiency": num_real_tokens / sum(b.num_slots for b in batches),
+        "perf/packing_efficiency": num_real_tokens / sum(b.layout.num_slots for b in batches),
         "perf/tokens_per_s": num_real_tokens / timers.seconds["step"],
         **timers.metrics(),
     }
@@ -239,8 +240,9 @@ def sft_step(model: PreTrainedModel, examples: list[ChatExample], optimizer: tor
 
 def nll_loss(model: PreTrainedModel, micro: PackedBatch, norm: Normalisers) -> torch.Tensor:
     """This micro-batch's share of the global batch's mean NLL over assistant tokens."""
-    logprobs_RT = token_logprobs(packed_logits(model, micro), micro.input_ids, temperature=1.0)
-    return token_mean(-logprobs_RT, micro.loss_mask, norm)
+    layout = micro.layout.to(model.device)
+    logprobs_RW = token_logprobs(forward_layout(model, layout).logits, layout.input_ids, temperature=1.0)
+    return token_mean(-logprobs_RW, micro.loss_mask.to(model.device), norm)
 
 
 def validate(model: PreTrainedModel, batches: list[PackedBatch], console: ConsoleLog, step: int) -> dict[str, float]:
@@ -315,8 +317,6 @@ def load_policy(config: SFTRunConfig) -> tuple[PreTrainedModel, torch.nn.Module 
         model = AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
     else:
         model, peft_model = lora.load_policy(config.model)
-    if model.config._attn_implementation not in PACKED_ATTENTION:
-        raise ConfigError(f"the model uses attn_implementation={model.config._attn_implementation}; sft's packed batches need one of {', '.join(PACKED_ATTENTION)}")
     if config.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     return model.train(), peft_model

@@ -127,10 +127,10 @@ class TrainingConfig(Section):
     run the optimizer step there (FSDP2 CPUOffloadPolicy); frees GPU memory for 70B-class models."""
     sequence_packing: bool = True
     """GRPO logprob and training passes: lay a micro-batch's sequences end to end in rows as wide as its
-    longest sequence (first-fit decreasing) with block-diagonal attention, instead of one right-padded
-    sequence per row, so no compute is spent on padding. Same logprobs, loss and gradients as unpacked
-    (tests/unit/test_packing_rl.py); needs an `sdpa` or `eager` attention implementation. (SFT packs
-    with its own `sft.packing`.)"""
+    longest sequence (first-fit decreasing), each attending to itself only (training/segment_attention.py,
+    whatever the model's attention implementation), instead of one right-padded sequence per row, so no
+    compute is spent on padding. Same logprobs, loss and gradients as unpacked
+    (tests/unit/test_packing_rl.py). (SFT packs with its own `sft.packing`.)"""
     share_prompts: bool = True
     """With `sequence_packing`: lay the samples of one prompt in a row as the prompt once, then each
     response attending to it and to itself (training/segment_attention.py: each answer attends over its

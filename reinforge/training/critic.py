@@ -23,8 +23,7 @@ import torch
 from reinforge.algorithms.losses import Normalisers
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
-from reinforge.training.micro_batching import Prompts, trained_hidden_states
-from reinforge.training.segment_attention import using_segment_attention
+from reinforge.training.micro_batching import trained_hidden_states
 from reinforge.training.torch_backend import TorchBackend
 
 # value_loss_fn(values_BT, micro_batch, normalisers) -> (loss, summable metric contributions); values_BT is
@@ -64,9 +63,8 @@ class ValueHead:
     def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: ValueLossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
         """The value loss's forward and backward on one micro-batch (the backend's `train_step` accumulates,
         clips and steps)."""
-        with using_segment_attention(self.model, Prompts.shared(micro, self.config)):
-            loss, metrics = loss_fn(self._micro_values(micro, rows), micro, norm)
-            loss.backward()
+        loss, metrics = loss_fn(self._micro_values(micro, rows), micro, norm)
+        loss.backward()
         return metrics
 
 

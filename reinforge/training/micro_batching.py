@@ -3,10 +3,11 @@
 Shared by both training backends. A global batch is cut into micro-batches (`plan_micro_batches`):
 `training.micro_batch_size` consecutive sequences, or, with `training.micro_batch_tokens`, rows of the
 whole batch grouped to that many computed positions. With `training.sequence_packing` a micro-batch's
-sequences lie end to end in rows (data/packing.py: `packed_layout`, block-diagonal attention from the
-position ids), else one right-padded sequence per row. With `training.share_prompts` too, the samples
-of a prompt in a row share one copy of it (`shared_prompt_layout`; each answer attends to the prompt and
-itself through training/segment_attention.py), as many of them as `training.micro_batch_tokens` allows.
+sequences lie end to end in rows (data/packing.py, `row_layout`; attention by segments,
+training/segment_attention.py), else one right-padded sequence per row. With `training.share_prompts`
+too, the samples of a prompt in a row share one copy of it, as many of them as
+`training.micro_batch_tokens` allows. A micro-batch's layout is built once however many passes read it
+in a step (`LayoutCache`: the old and reference logprobs, the training pass, a critic's and a teacher's).
 
 The LM head is not applied by the model: `micro_batch_logprobs` calls it with `logits_to_keep=1`,
 takes the decoder's last hidden states (`HiddenStates`), and applies the head itself, in chunks of
@@ -22,6 +23,8 @@ at those ids, gathered from the same chunk of logits (one extra gather, no extra
 from __future__ import annotations
 
 import functools
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,10 +33,10 @@ from torch.utils.checkpoint import checkpoint
 
 from reinforge.config.schema import TrainingConfig
 from reinforge.data.batch import TrainBatch
-from reinforge.data.packing import (PACKED_ATTENTION, RowLayout, packed_layout, padded_layout, prompt_keys, rows_by_token_budget,
-                                    sequence_rows, shared_prompt_layout, shared_prompt_rows)
+from reinforge.data.packing import (RowLayout, padded_layout, prompt_keys, row_layout, rows_by_token_budget, sequence_rows,
+                                    shared_prompt_rows)
 from reinforge.errors import ConfigError
-from reinforge.training.segment_attention import using_segment_attention
+from reinforge.training.segment_attention import forward_layout
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
 # Config attributes of models that scale or soft-cap the logits after the LM head (Gemma, Cohere, Granite, ...)
@@ -133,20 +136,44 @@ class HiddenStates:
         return value
 
 
-def run_layout(model: torch.nn.Module, hidden: HiddenStates, layout: RowLayout) -> torch.Tensor:
-    """The decoder's last hidden states [R, W, H] for a layout (the LM head runs on one position per row)."""
-    if layout.segments is not None:  # shared prompts: whatever the model's attention implementation, segments
-        with using_segment_attention(model):
-            model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=None, use_cache=False,
-                  logits_to_keep=1, attention_segments=layout.segments)
-        return hidden.take()
-    attention = model.config._attn_implementation
-    if layout.attention_mask is None and attention not in PACKED_ATTENTION:
-        raise ConfigError(f"training.sequence_packing=true needs the {' or '.join(PACKED_ATTENTION)} attention implementation, "
-                          f"not {attention}; set training.sequence_packing=false")
-    model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask, use_cache=False,
-          logits_to_keep=1)
-    return hidden.take()
+class LayoutCache:
+    """Packed layouts by the micro-batch they lay out (its tokens, rows and shared prompts), most recent
+    last, up to `max_tokens` laid-out tokens in all: a step's passes over one micro-batch build its
+    layout once. Kept on the host with indices only (`RowLayout.to` builds the masks on the device for
+    each pass), about 40 bytes per token: the default holds 8M tokens in about 320 MiB."""
+
+    def __init__(self, max_tokens: int = 8_000_000):
+        self.max_tokens = max_tokens
+        self.layouts: OrderedDict[bytes, RowLayout] = OrderedDict()
+        self.num_tokens = 0  # laid out in all the kept layouts
+        self.num_built = 0
+
+    def get(self, input_ids_BT: torch.Tensor, lengths: list[int], rows: list[list[int]], prompt_lengths: list[int] | None) -> RowLayout:
+        input_ids_BT = input_ids_BT.cpu()
+        digest = hashlib.blake2b(input_ids_BT.numpy().tobytes(), digest_size=16)
+        digest.update(repr((input_ids_BT.shape, lengths, rows, prompt_lengths)).encode())
+        key = digest.digest()
+        if key in self.layouts:
+            self.layouts.move_to_end(key)
+            return self.layouts[key]
+        layout = self.layouts[key] = row_layout(input_ids_BT, lengths, rows, 0, prompt_lengths)  # the pad token is never attended to nor read
+        self.num_built += 1
+        self.num_tokens += layout.num_real_tokens
+        while self.num_tokens > self.max_tokens and len(self.layouts) > 1:
+            self.num_tokens -= self.layouts.popitem(last=False)[1].num_real_tokens
+        return layout
+
+
+LAYOUTS = LayoutCache()  # one per process: the policy, its reference, a critic and a teacher read the same micro-batches
+
+
+def micro_batch_layout(micro: TrainBatch, rows: list[list[int]], config: TrainingConfig) -> RowLayout:
+    """The micro-batch's layout on its device: packed (prompts shared or not) or one sequence per row."""
+    if not config.sequence_packing:
+        return padded_layout(micro.input_ids, micro.attention_mask)
+    prompt_lengths = micro.prompt_lengths.tolist() if Prompts.shared(micro, config) else None
+    layout = LAYOUTS.get(micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), rows, prompt_lengths)
+    return layout.to(micro.input_ids.device)
 
 
 def head_chunk(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
@@ -219,15 +246,9 @@ def trained_hidden_states(model: torch.nn.Module, hidden: HiddenStates, micro: T
                           config: TrainingConfig) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The decoder's hidden states [N, H] that predict the N tokens on `micro.loss_mask` (in its packed,
     prompt-sharing or padded layout), those tokens' ids [N], and their (row, column) indices in the micro-batch."""
-    lengths = micro.attention_mask.sum(dim=1).tolist()
-    if Prompts.shared(micro, config):
-        layout = shared_prompt_layout(micro.input_ids.cpu(), lengths, micro.prompt_lengths.tolist(), rows, pad_token_id=0)
-    elif config.sequence_packing:  # the padding token is never attended to nor read
-        layout = packed_layout(micro.input_ids.cpu(), lengths, rows, pad_token_id=0)
-    else:
-        layout = padded_layout(micro.input_ids, micro.attention_mask)
-    layout = layout.to(micro.input_ids.device)
-    hidden_RWH = run_layout(model, hidden, layout)
+    layout = micro_batch_layout(micro, rows, config)
+    forward_layout(model, layout, logits_to_keep=1)  # the LM head on one position per row: `hidden` has what the head needs
+    hidden_RWH = hidden.take()
     b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
     assert bool((t_index > 0).all()), "column 0 is in the loss mask"
     flat = layout.token_index[b_index, t_index]  # where each trained token sits in the layout

@@ -26,7 +26,6 @@ from reinforge.training.base import LossFn
 from reinforge.training.lora import adapter_disabled, adapter_state_dict, load_adapter_state_dict, load_policy, merge_lora_weights, scaling
 from reinforge.training.micro_batching import (HiddenStates, Prompts, micro_batch_logprobs, micro_batch_logprobs_at, plan_micro_batches,
                                               select_micro_batch)
-from reinforge.training.segment_attention import using_segment_attention
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -53,14 +52,11 @@ def backward_micro_batch(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     """Forward, loss and backward of one micro-batch (`rows` index its sequences); returns its detached
     metric contributions (summable over micro-batches, like the loss), the policy's entropy included.
     The loss function sees logprobs on `micro.loss_mask` and 0 elsewhere."""
-    # shared prompts: activation checkpointing recomputes the layers in the backward pass, with segment attention too
-    with using_segment_attention(model, Prompts.shared(micro, config)):
-        logprobs_BT, entropy_BT, topk_BTK = micro_batch_logprobs_at(model, hidden, micro, rows, config, temperature,
-                                                                    micro.teacher_topk_ids)
-        if topk_BTK is not None:  # on-policy distillation's top-k KL reads the policy's logprobs at the teacher's ids
-            micro = replace(micro, topk_logprobs=topk_BTK)
-        loss, metrics = loss_fn(logprobs_BT, micro, norm)
-        loss.backward()
+    logprobs_BT, entropy_BT, topk_BTK = micro_batch_logprobs_at(model, hidden, micro, rows, config, temperature, micro.teacher_topk_ids)
+    if topk_BTK is not None:  # on-policy distillation's top-k KL reads the policy's logprobs at the teacher's ids
+        micro = replace(micro, topk_logprobs=topk_BTK)
+    loss, metrics = loss_fn(logprobs_BT, micro, norm)
+    loss.backward()
     metrics["entropy"] = metric_mean(entropy_BT, micro.loss_mask, norm)
     return {name: value.detach() for name, value in metrics.items()}
 

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM
 from reinforge.algorithms.losses import Normalisers, grpo_loss, token_mean
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import Trajectory, collate
-from reinforge.data.packing import dense_mask, packed_layout, sequence_rows, shared_prompt_layout, shared_prompt_rows
+from reinforge.data.packing import dense_mask, row_layout, sequence_rows, shared_prompt_rows
 from reinforge.paths import PROJECT_ROOT
-from reinforge.training.micro_batching import Prompts, chunked_head, plan_micro_batches, select_micro_batch, split_to
+from reinforge.training.micro_batching import LAYOUTS, LayoutCache, Prompts, chunked_head, plan_micro_batches, select_micro_batch, split_to
 from reinforge.training.torch_backend import TorchBackend, token_entropy, token_logprobs
 
 TEMPERATURE = 0.7
@@ -106,18 +106,30 @@ def test_a_packed_layout_holds_several_sequences_per_row_with_restarting_positio
     lengths = [3, 5, 2, 4]
     rows = sequence_rows(lengths, pack=True)
     assert rows == [[1], [3], [0, 2]]
-    layout = packed_layout(input_ids, lengths, rows, pad_token_id=0)
+    layout = row_layout(input_ids, lengths, rows, pad_token_id=0)
     assert layout.input_ids.tolist() == [[6, 7, 8, 9, 10], [16, 17, 18, 19, 0], [1, 2, 3, 11, 12]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
     assert layout.token_index[:, 0].tolist() == [10, 0, 13, 5]
     assert layout.token_index[1, :5].tolist() == [0, 1, 2, 3, 4]
     assert (layout.num_real_tokens, layout.num_slots) == (14, 15)
+    # each sequence attends causally to itself only; the padding (slot 9) to nothing
+    causal = [torch.ones(n, n, dtype=torch.bool).tril() for n in (5, 4, 3, 2)]
+    expected = torch.block_diag(causal[0], causal[1], torch.zeros(1, 1, dtype=torch.bool), causal[2], causal[3])
+    assert torch.equal(dense_mask(layout), expected)
+    # given prompt lengths but no two equal prompts, nothing is shared: the same layout
+    shared = row_layout(input_ids, lengths, rows, pad_token_id=0, prompt_lengths_B=[2, 2, 1, 3])
+    assert torch.equal(shared.input_ids, layout.input_ids) and torch.equal(dense_mask(shared), expected)
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_packed_and_unpacked_micro_batches_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, expected, packing):
+@pytest.mark.parametrize("packing, attention, checkpointing", [(True, "sdpa", False), (True, "eager", False), (True, "sdpa", True),
+                                                            (False, "sdpa", False), (False, "eager", True)])
+def test_packed_and_unpacked_micro_batches_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, expected, packing, attention,
+                                                                                         checkpointing):
+    """Activation checkpointing recomputes each layer in the backward pass, after the forward pass that
+    chose segment attention for the packed layout has returned: the recompute must attend the same way."""
     batch, reference_results = expected
-    backend = make_backend(tiny_model_dir, sequence_packing=packing, micro_batch_size=4)
+    backend = make_backend(tiny_model_dir, sequence_packing=packing, micro_batch_size=4, activation_checkpointing=checkpointing)
+    backend.model.set_attn_implementation(attention)
     if packing:  # the test must see rows that hold more than one sequence
         assert any(len(rows) < 4 for rows in plan_micro_batches(batch.attention_mask.sum(1).tolist(), backend.config))
     assert_matches_reference(backend, batch, reference_results)
@@ -276,21 +288,22 @@ def test_a_shared_prompt_row_holds_the_prompt_once_and_keeps_each_answer_to_itse
     """Prompt [5, 6] with answers [7, 8] and [9]: one row [5, 6, 7, 8, 9], positions 0 1 2 3 2; token 9
     sees the prompt and itself, not the other answer."""
     input_ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0]])
-    layout = shared_prompt_layout(input_ids, [4, 3], [2, 2], [[0, 1]], pad_token_id=0)
+    layout = row_layout(input_ids, [4, 3], [[0, 1]], pad_token_id=0, prompt_lengths_B=[2, 2])
     assert layout.input_ids.tolist() == [[5, 6, 7, 8, 9]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2]]
     assert layout.token_index[0].tolist() == [0, 1, 2, 3] and layout.token_index[1, :3].tolist() == [0, 1, 4]
     expected = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
-    assert dense_mask(layout.segments, layout.num_slots).int().tolist() == expected
-    # as segments: the prompt (2 queries, 2 keys); answer [7, 8] (2 queries, prompt + itself); answer [9]
-    shapes = sorted((int(valid.sum()), int(b.mask[n, 0].any(0).sum())) for b in layout.segments for n, valid in enumerate(b.query_valid))
-    assert shapes == [(1, 3), (2, 2), (2, 4)]
+    assert dense_mask(layout).int().tolist() == expected
+    # as segments: the first sequence whole (4 queries, 4 keys); answer [9] (1 query, the prompt + itself)
+    shapes = sorted((int(b.query_valid[n].sum()), int(b.key_valid[n].sum())) for b in layout.segments for n in range(len(b.query_valid)))
+    assert shapes == [(1, 3), (4, 4)]
     # different prompts are not shared: causal within each sequence, nothing across (a padded second row too)
-    layout = shared_prompt_layout(torch.tensor([[5, 6, 7], [5, 4, 9], [3, 3, 0]]), [3, 3, 2], [2, 2, 1], [[0, 1], [2]], pad_token_id=0)
+    layout = row_layout(torch.tensor([[5, 6, 7], [5, 4, 9], [3, 3, 0]]), [3, 3, 2], [[0, 1], [2]], pad_token_id=0,
+                        prompt_lengths_B=[2, 2, 1])
     assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]
     causal = torch.ones(3, 3, dtype=torch.bool).tril()
     expected = torch.block_diag(causal, causal, torch.ones(2, 2, dtype=torch.bool).tril(), torch.zeros(4, 4, dtype=torch.bool))
-    assert torch.equal(dense_mask(layout.segments, layout.num_slots), expected)
+    assert torch.equal(dense_mask(layout), expected)
 
 
 def test_the_planner_shares_a_prompt_among_as_many_samples_as_the_token_budget_allows():
@@ -308,7 +321,8 @@ def test_the_planner_shares_a_prompt_among_as_many_samples_as_the_token_budget_a
 
 
 @pytest.mark.parametrize("training, attention", [({}, "sdpa"), ({}, "eager"), ({"micro_batch_tokens": 40}, "sdpa"),
-                                                 ({"micro_batch_size": 5}, "sdpa")])
+                                                 ({"micro_batch_size": 5}, "sdpa"), ({"activation_checkpointing": True}, "sdpa"),
+                                                 ({"activation_checkpointing": True}, "eager")])
 def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, training, attention):
     """Budgets that split a prompt's samples over rows and micro-batches too; eager attention takes the
     mask as additive scores."""
@@ -323,7 +337,31 @@ def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model
     slots = 0
     for rows in plan:
         micro, local_rows, indices = select_micro_batch(batch, rows)
-        layout = shared_prompt_layout(micro.input_ids, [lengths[i] for i in indices], micro.prompt_lengths.tolist(), local_rows, 0)
+        layout = row_layout(micro.input_ids, [lengths[i] for i in indices], local_rows, 0, micro.prompt_lengths.tolist())
         slots += layout.num_slots
     assert slots < sum(lengths)  # fewer positions computed than the sequences' tokens: prompts were shared
     assert_matches_reference(backend, batch, reference_results)
+
+
+def test_the_passes_of_a_step_build_each_micro_batchs_layout_once(tiny_model_dir):
+    """Old logprobs, a second logprob pass (the reference's, were one loaded) and the training pass read
+    the same micro-batches: their layouts are built by the first pass only; the next step's batch gets
+    its own, and the cache forgets the oldest layouts beyond its token budget."""
+    batch, _ = grouped_batch(seed=7)  # a batch no other test lays out (the cache is the process's)
+    backend = make_backend(tiny_model_dir, micro_batch_size=5)
+    plan = plan_micro_batches(batch.attention_mask.sum(1).tolist(), backend.config, Prompts.of(batch, backend.config))
+    built = LAYOUTS.num_built
+    batch.old_logprobs = backend.logprobs(batch)
+    backend.logprobs(batch)
+    backend_gradient(backend, batch)
+    assert len(plan) == 3 and LAYOUTS.num_built - built == len(plan)
+    other, _ = grouped_batch(seed=8)
+    backend.logprobs(other)
+    assert LAYOUTS.num_built - built > len(plan)
+
+    cache = LayoutCache(max_tokens=int(batch.attention_mask.sum()) // 2)  # less than the batch
+    for rows in plan:
+        micro, local_rows, _ = select_micro_batch(batch, rows)
+        cache.get(micro.input_ids, micro.attention_mask.sum(1).tolist(), local_rows, None)
+    assert 1 <= len(cache.layouts) < len(plan) and cache.num_tokens <= cache.max_tokens
+    assert cache.num_tokens == sum(layout.num_real_tokens for layout in cache.layouts.values())
