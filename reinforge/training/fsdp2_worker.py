@@ -22,7 +22,6 @@ Ray is not imported here: the cluster layer wraps this class in actors.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -36,15 +35,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from reinforge.algorithms.losses import Normalisers
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
 from reinforge.modeling import DTYPES, compile_decoder_layers, enable_activation_checkpointing, load_model
-from reinforge.training.base import LossFn
-from reinforge.training.lora import adapter_disabled, adapter_state_dict, is_adapter_key, load_policy, merge_lora_weights, scaling
-from reinforge.training.micro_batching import HiddenStates, Prompts, micro_batch_logprobs, plan_micro_batches, select_micro_batch, split_to
-from reinforge.training.torch_backend import accumulate_metrics, backward_micro_batch, build_optimizer
+from reinforge.training.lora import adapter_state_dict, is_adapter_key, load_policy, merge_lora_weights, scaling
+from reinforge.training.micro_batching import HiddenStates, Prompts, plan_micro_batches, select_micro_batch, split_to
+from reinforge.training.torch_backend import PolicyPasses, build_optimizer
 
 
 def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
@@ -95,7 +92,7 @@ def gather(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: gathered[id(tensor)] for name, tensor in state_dict.items()}
 
 
-class FSDP2Worker:
+class FSDP2Worker(PolicyPasses):
     """One rank: sharded policy (+ optional frozen sharded reference; with LoRA the policy with its
     adapters disabled), AdamW over the trainable parameters and its schedule."""
 
@@ -176,15 +173,6 @@ class FSDP2Worker:
             micro, local_rows, indices = select_micro_batch(share_batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
 
-    @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        """Per-token logprobs [B, T] of the whole batch, on every rank (each computes its share)."""
-        model = self.reference if reference and self.peft is None else self.model
-        assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
-        with adapter_disabled(self.peft if reference else None):
-            return self._per_token(batch, lambda micro, rows: micro_batch_logprobs(model, self.hidden[id(model)], micro, rows,
-                                                                                   self.config, self.temperature)[0])
-
     def _per_token(self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]) -> torch.Tensor:
         """`compute(micro, rows)` ([b, t] per micro-batch of this rank's share) assembled into the whole
         batch's [B, T] on every rank (a collective), 0 off `batch.loss_mask`."""
@@ -197,33 +185,17 @@ class FSDP2Worker:
         dist.all_gather(shares, share_BT)
         return torch.cat(shares).cpu() * batch.loss_mask
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on the global batch: accumulate, clip by the global norm, step, schedule."""
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(batch, loss_fn)
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every rank's shards."""
         parameters = [p for p in self.trainable if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
         if isinstance(grad_norm, DTensor):  # each rank's norm of its shard, pending a reduction
             grad_norm = grad_norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
-        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
-        return metrics
+        return grad_norm
 
-    def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """Add the gradient of the global-batch loss to the sharded `.grad`s; return global metrics."""
-        norm = batch.normalisers()
-        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
-        extremes: dict[str, torch.Tensor] = {}
-        for _, micro, rows in self._micro_batches(batch):
-            accumulate_metrics(totals, extremes, self._backward(micro, rows, loss_fn, norm))
+    def _reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
         return reduce_metrics(totals, extremes, self.device)
-
-    def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: LossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
-        """Forward, loss and backward of one micro-batch; its summable metric contributions."""
-        return backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm, self.config, self.temperature)
 
     @torch.no_grad()
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,7 +20,6 @@ sharding work unchanged, and only the adapter's parameters get gradients and opt
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator

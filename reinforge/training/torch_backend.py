@@ -88,7 +88,47 @@ def token_entropy(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.pad(entropy_BT, (1, 0))
 
 
-class TorchBackend:
+class PolicyPasses:
+    """The passes both training backends run alike over their micro-batches: each backend has its own
+    `_micro_batches` (this process's, or one rank's share), `_per_token` (assembling [B, T] here, or
+    gathering it from every rank), `_clip_gradients` and `_reduce_metrics` (over the ranks), and a `model`,
+    `reference`, `peft`, `hidden`, `optimizer`, `scheduler`, `device`, `config` and `temperature`."""
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the policy (or its reference: the frozen copy, or with LoRA the
+        policy with its adapters disabled), 0 off `batch.loss_mask`."""
+        model = self.reference if reference and self.peft is None else self.model
+        assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
+        with adapter_disabled(self.peft if reference else None):
+            return self._per_token(batch, lambda micro, rows: micro_batch_logprobs(model, self.hidden[id(model)], micro, rows,
+                                                                                   self.config, self.temperature)[0])
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on a global batch: accumulate, clip by the global norm, step, advance the schedule."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate_gradients(batch, loss_fn)
+        grad_norm = self._clip_gradients(self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf"))
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time; the batch's metrics."""
+        norm = batch.normalisers()
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
+        extremes: dict[str, torch.Tensor] = {}
+        for _, micro, rows in self._micro_batches(batch):
+            accumulate_metrics(totals, extremes, self._backward(micro, rows, loss_fn, norm))
+        return self._reduce_metrics(totals, extremes)
+
+    def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: LossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
+        """Forward, loss and backward of one micro-batch; its summable metric contributions."""
+        return backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm, self.config, self.temperature)
+
+
+class TorchBackend(PolicyPasses):
     """Policy (+ optional frozen reference), AdamW and its schedule, in this process. With `model.lora`
     the policy is the base model with PEFT's adapters, the only parameters trained, and the reference
     is the same model with the adapters disabled (training/lora.py)."""
@@ -129,14 +169,6 @@ class TorchBackend:
             micro, local_rows, indices = select_micro_batch(batch, rows)
             yield indices, micro, local_rows
 
-    @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        model = self.reference if reference and self.peft is None else self.model
-        assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
-        with adapter_disabled(self.peft if reference else None):
-            return self._per_token(batch, lambda micro, rows: micro_batch_logprobs(model, self.hidden[id(model)], micro, rows,
-                                                                                   self.config, self.temperature)[0])
-
     def _per_token(self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]) -> torch.Tensor:
         """`compute(micro, rows)` ([b, t] per micro-batch) assembled into [B, T], 0 off `batch.loss_mask`."""
         out = torch.zeros_like(batch.loss_mask)
@@ -145,29 +177,15 @@ class TorchBackend:
             out[indices, : values_BT.shape[1]] = values_BT
         return out * batch.loss_mask
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on a global batch: accumulate, clip, step, advance the schedule."""
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(batch, loss_fn)
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
-        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
-        return metrics
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
-    def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time."""
-        norm = batch.normalisers()
-        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0))
-        extremes: dict[str, torch.Tensor] = {}
-        for _, micro, rows in self._micro_batches(batch):
-            accumulate_metrics(totals, extremes, self._backward(micro, rows, loss_fn, norm))
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+
+    def _reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
         return {name: float(value) for name, value in (totals | extremes).items()}
-
-    def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: LossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
-        """Forward, loss and backward of one micro-batch; its summable metric contributions."""
-        return backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm, self.config, self.temperature)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's Hugging Face weights (with LoRA: merged, W + (alpha / r) B A, the base left as it is)."""
