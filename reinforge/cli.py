@@ -209,6 +209,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torch's OpenMP threads spin up to 300,000 times at every barrier before they sleep: on cores another
+    # process also uses, a spinning thread holds the core its descheduled partner needs (the demo's step took
+    # 4.5x as long beside one other torch process). 1,000 spins keep it under 2x there (one core of two is
+    # taken, so 2x is the floor), for about 5% alone; vLLM's generation is unchanged (docs/benchmarks.md). It
+    # must be set before torch loads; the processes this one starts inherit it; a value you set wins.
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     # Imports after parsing so that `--help` is instant.
     from reinforge.errors import ReinforgeError
 
