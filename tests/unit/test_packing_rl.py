@@ -322,7 +322,8 @@ def test_the_planner_shares_a_prompt_among_as_many_samples_as_the_token_budget_a
 
 @pytest.mark.parametrize("training, attention", [({}, "sdpa"), ({}, "eager"), ({"micro_batch_tokens": 40}, "sdpa"),
                                                  ({"micro_batch_size": 5}, "sdpa"), ({"activation_checkpointing": True}, "sdpa"),
-                                                 ({"activation_checkpointing": True}, "eager")])
+                                                 ({"activation_checkpointing": True}, "eager"),
+                                                 ({"activation_checkpointing": True, "compile": True}, "sdpa")])
 def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, training, attention):
     """Budgets that split a prompt's samples over rows and micro-batches too; eager attention takes the
     mask as additive scores."""
