@@ -238,7 +238,7 @@ def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list
 
 def sequence_rows(lengths: list[int], pack: bool) -> list[list[int]]:
     """Rows of sequence indices: first-fit decreasing into rows as wide as the longest sequence (so a
-    packed row never makes attention costlier than the padded layout does), or one sequence per row."""
+    packed micro-batch is never wider than the padded one would be), or one sequence per row."""
     return first_fit_decreasing(lengths, max(lengths)) if pack else [[i] for i in range(len(lengths))]
 
 
