@@ -42,7 +42,8 @@ def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path)
 def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(tmp_path, capsys):
     """A LoRA GRPO checkpoint converts to the PEFT adapter of final/ (--merge: the merged model), and final/ merges
     too; on the trained policy's greedy answers to validation prompts the merged models' logprobs equal the adapter
-    model's (PEFT's, on the base) within 1e-5 in fp32, about fp32's own rounding of this model (its logits reach ~20)."""
+    model's (PEFT's, on the base) to fp32's rounding: 8 units in the last place of the largest logit (~20 here: 1.9e-5;
+    measured up to 1.0e-5), against > 1e-3 between the adapter model and its base."""
     overrides = ["grpo.max_steps=2", "checkpoint.save_every=2", "grpo.num_prompts_per_step=4", "training.global_batch_size=32",
                  "training.micro_batch_size=32", "data.max_val_prompts=4", f"logging.run_dir={tmp_path / 'run'}"]
     run = grpo.train(load_config(PROJECT_ROOT / "configs" / "grpo_lora_demo.yaml", overrides)).run_dir
@@ -70,10 +71,14 @@ def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(
                               for n, ids in sequences])
 
     expected = answer_logprobs(adapter_model)
+    with torch.no_grad():
+        largest_logit = max(float(adapter_model(input_ids=ids).logits.abs().max()) for _, ids in sequences)
+    tolerance = 8 * torch.finfo(torch.float32).eps * largest_logit
+    assert tolerance < 1e-4
     for merged in ("merged_checkpoint", "merged_final"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / merged).eval()
         assert not any(".lora_" in name for name in model.state_dict())
-        assert (answer_logprobs(model) - expected).abs().max() <= 1e-5, merged
+        assert (answer_logprobs(model) - expected).abs().max() <= tolerance, merged
     assert (answer_logprobs(AutoModelForCausalLM.from_pretrained(demo)) - expected).abs().max() > 1e-3  # the adapter moved the policy
 
     capsys.readouterr()
