@@ -14,8 +14,8 @@ nothing is shared: unshared packing is the case where no prompt is shared.
 
 Who attends to whom is a list of segments (a query range attending to a key prefix and, causally, to
 itself), grouped into `SegmentBucket`s of similar length and computed by training/segment_attention.py
-whatever the model's own attention implementation, so packing works with sdpa, eager or flash
-attention alike. `padded_layout` is the unpacked reference: one sequence per row with its attention
+whatever the model's own attention implementation (tests/unit/test_packing_rl.py: sdpa and eager).
+`padded_layout` is the unpacked reference: one sequence per row with its attention
 mask, through the model's own attention. Whichever layout it is, `token_index[b, t]` says where token
 t of sequence b sits in the flattened [R * W] layout.
 """
