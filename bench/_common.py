@@ -1,8 +1,9 @@
-"""Shared by the benchmarks: model builders, a GRPO-shaped batch, the FLOP count of a training step, and
-the machine's matmul peak. (A leading underscore: `make bench` runs bench/[!_]*.py.)"""
+"""Shared by the benchmarks: model builders, a GRPO-shaped batch, the FLOP count of a training step, the
+machine's matmul peak, and writing a result file. (A leading underscore: `make bench` runs bench/[!_]*.py.)"""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -10,6 +11,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_result(path: Path, result: dict) -> None:
+    """A benchmark's numbers as indented JSON at `path` (bench/results/NAME.json by default), its folder made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
 # A Qwen2 of ~30M parameters (27.5M with the demo tokenizer's 449-token vocabulary)
 MODEL_30M = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
 # Qwen2.5-1.5B's architecture (its config.json), for random initialisation

@@ -14,7 +14,6 @@ and the renames). Medians are reported; the disk is whatever backs the temporary
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -35,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from _common import build_30m_model, clipped_token_mean_loss, grpo_like_batch
+    from _common import build_30m_model, clipped_token_mean_loss, grpo_like_batch, write_result
 
     from reinforge.config.schema import ModelConfig, TrainingConfig
     from reinforge.run_dir import fsync_tree
@@ -79,8 +78,7 @@ def main() -> None:
     print(f"checkpoint of {num_bytes / 2**20:.0f} MiB: save_state {medians['save_state']:.3f} s, sha256 {medians['sha256']:.3f} s, "
           f"fsync {medians['fsync']:.3f} s; whole save_checkpoint {medians['save_checkpoint']:.3f} s "
           f"(checksums + fsync = {100 * result['durability_overhead']:.0f}% of save_state)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ interleave so both see the same load. Reported: the median step's FLOP/s / the b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import build_30m_model, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, training_flops  # noqa: E402
+from _common import build_30m_model, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, training_flops, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -82,8 +81,7 @@ def main() -> None:
     print(f"training step: {result['train_flops_per_s'] / 1e9:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.1%} of the "
           f"{peak / 1e9:.1f} GFLOP/s fp32 matmul peak ({result['threads']} thread(s)); logprob pass "
           f"{result['logprob_pass_fraction_of_peak']:.1%}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from _common import (QWEN25_1_5B, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, synchronize,  # noqa: E402
-                     time_train_steps, training_flops)
+                     time_train_steps, training_flops, write_result)
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=True)
@@ -115,8 +115,7 @@ def main() -> None:
         "peak_memory_gb": peak_memory_gb,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "steps_s"}, indent=2))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

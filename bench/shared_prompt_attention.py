@@ -15,7 +15,6 @@ round of each is a warm-up; reported: the best and the median of `--rounds`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import build_30m_model, grpo_like_batch  # noqa: E402
+from _common import build_30m_model, grpo_like_batch, write_result  # noqa: E402
 
 SHAPES = {"demo": (32, 30), "30m": (8, 48)}  # prompts per step, answer tokens
 GENERATIONS, MICRO_BATCH_TOKENS = 8, 4096
@@ -104,8 +103,7 @@ def main() -> None:
         print(f"{name}: dense mask {result['dense_mask']['best_s']:.2f} s, segments {result['segments']['best_s']:.2f} s "
               f"(best of {args.rounds}; {result['saving_best']:.0%} less)", flush=True)
     results["load_average_after"] = list(os.getloadavg())
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
+    write_result(args.json, results)
 
 
 if __name__ == "__main__":
