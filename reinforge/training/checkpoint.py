@@ -76,17 +76,20 @@ def _manifest(path: Path) -> dict[str, dict[str, Any]]:
 
 def is_complete(path: Path) -> bool:
     """The marker exists and every file it lists is there with its size (cheap: no file is read)."""
-    try:
-        return all((path / name).stat().st_size == entry["size"] for name, entry in _manifest(path).items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    return _matches_manifest(path, content=False)
 
 
 def verifies(path: Path) -> bool:
     """Complete, and every file's content has the SHA-256 that COMPLETE recorded when it was written."""
+    return _matches_manifest(path, content=True)
+
+
+def _matches_manifest(path: Path, content: bool) -> bool:
     try:
-        return is_complete(path) and all(sha256(path / name) == entry["sha256"] for name, entry in _manifest(path).items()
-                                         if "sha256" in entry)
+        manifest = _manifest(path)
+        if not all((path / name).stat().st_size == entry["size"] for name, entry in manifest.items()):
+            return False
+        return not content or all(sha256(path / name) == entry["sha256"] for name, entry in manifest.items() if "sha256" in entry)
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
