@@ -140,8 +140,8 @@ class LayoutCache:
     """Packed layouts by the micro-batch they lay out (its tokens, rows and shared prompts), most recent
     last, up to `max_tokens` laid-out tokens in all: a step's passes over one micro-batch build its
     layout once. Kept on the host with indices only (`RowLayout.to` builds the masks on the device for
-    each pass), about 40 bytes per token (39-44 on a GRPO-shaped batch, shared prompts or not; more when
-    lengths in a bucket spread): the default's 8M tokens take about 320 MiB."""
+    each pass), 39-49 bytes per token on GRPO-shaped batches (bench/layout_cache_memory.py): the default's
+    8M tokens take at most about 400 MiB."""
 
     def __init__(self, max_tokens: int = 8_000_000):
         self.max_tokens = max_tokens
