@@ -17,12 +17,25 @@ def write_result(path: Path, result: dict) -> None:
     """A benchmark's numbers as indented JSON at `path` (bench/results/NAME.json by default), its folder made."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+
+
 # A Qwen2 of ~30M parameters (27.5M with the demo tokenizer's 449-token vocabulary)
-MODEL_30M = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
+MODEL_30M = dict(
+    hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8
+)
 # Qwen2.5-1.5B's architecture (its config.json), for random initialisation
-QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                   num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                   tie_word_embeddings=True)
+QWEN25_1_5B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 
 
 def build_30m_model(out_dir: Path) -> Path:
@@ -31,15 +44,29 @@ def build_30m_model(out_dir: Path) -> Path:
 
     base = AutoConfig.from_pretrained(ROOT / "models" / "demo")
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=base.vocab_size, eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
-                         bos_token_id=None, tie_word_embeddings=True, max_position_embeddings=2048, **MODEL_30M)
+    config = Qwen2Config(
+        vocab_size=base.vocab_size,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        **MODEL_30M,
+    )
     Qwen2ForCausalLM(config).save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(ROOT / "models" / "demo").save_pretrained(out_dir)
     return out_dir
 
 
-def grpo_like_batch(num_sequences: int, prompt_tokens: tuple[int, int], response_tokens: tuple[int, int], vocab_size: int,
-                    num_generations: int = 8, seed: int = 0, shared_prompts: bool = False):
+def grpo_like_batch(
+    num_sequences: int,
+    prompt_tokens: tuple[int, int],
+    response_tokens: tuple[int, int],
+    vocab_size: int,
+    num_generations: int = 8,
+    seed: int = 0,
+    shared_prompts: bool = False,
+):
     """A TrainBatch shaped like a GRPO rollout: prompt and response lengths uniform in the given ranges,
     random tokens, the loss on the responses, advantages of both signs, old logprobs still to fill in.
     With `shared_prompts` the `num_generations` samples of a group have the same prompt (the group's
@@ -52,7 +79,9 @@ def grpo_like_batch(num_sequences: int, prompt_tokens: tuple[int, int], response
         num_prompt, num_response = rng.randint(*prompt_tokens), rng.randint(*response_tokens)
         ids = [rng.randrange(3, vocab_size) for _ in range(num_prompt + num_response)]
         prompt = trajectories[-1].prompt_ids if shared_prompts and index % num_generations else ids[:num_prompt]
-        trajectories.append(Trajectory(prompt, ids[num_prompt:], [0.0] * num_response, False, 0.0, index // num_generations, "math"))
+        trajectories.append(
+            Trajectory(prompt, ids[num_prompt:], [0.0] * num_response, False, 0.0, index // num_generations, "math")
+        )
     return collate(trajectories, [rng.gauss(0.0, 1.0) for _ in trajectories], pad_token_id=0)
 
 
@@ -60,7 +89,10 @@ def layer_dims(model_config) -> tuple[int, int]:
     """(weights of one decoder layer's matmuls: attention projections and the gated MLP, the width of
     its attention: heads x head dim) of a Llama/Qwen-style model."""
     config = model_config.get_text_config()
-    hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, head_dim = (
+        config.hidden_size,
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    )
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     return hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size, q
 
@@ -73,9 +105,11 @@ def training_flops(config, batch) -> float:
     weights_per_layer, width = layer_dims(config)
     layers = config.num_hidden_layers
     lengths = batch.attention_mask.sum(dim=1).double()
-    forward = (2 * weights_per_layer * layers * lengths.sum()
-               + 2 * width * layers * (lengths * (lengths + 1)).sum()
-               + 2 * config.hidden_size * config.vocab_size * batch.loss_mask.sum())
+    forward = (
+        2 * weights_per_layer * layers * lengths.sum()
+        + 2 * width * layers * (lengths * (lengths + 1)).sum()
+        + 2 * config.hidden_size * config.vocab_size * batch.loss_mask.sum()
+    )
     return 3 * float(forward)
 
 
@@ -116,5 +150,13 @@ def clipped_token_mean_loss(logprobs_BT, micro, norm):
     """The benchmarks' loss: GRPO's clipped ratio (0.2 / 0.28), token mean over the global batch, no KL."""
     from reinforge.algorithms.losses import grpo_loss, token_mean
 
-    return grpo_loss(logprobs_BT, micro.old_logprobs, micro.advantages, micro.loss_mask, norm, aggregate=token_mean,
-                     eps_low=0.2, eps_high=0.28)
+    return grpo_loss(
+        logprobs_BT,
+        micro.old_logprobs,
+        micro.advantages,
+        micro.loss_mask,
+        norm,
+        aggregate=token_mean,
+        eps_low=0.2,
+        eps_high=0.28,
+    )

@@ -18,15 +18,26 @@ PROFILED = "profiling/Time taken: GRPOTrainer."
 MICRO_BATCH = 32  # sequences per forward/backward (per_device_train_batch_size)
 
 
-def trl_worker(conn, model_dir: Path, num_prompts: int, steps: int, threads: int, num_generations: int,
-               max_new_tokens: int, lr: float) -> None:
+def trl_worker(
+    conn,
+    model_dir: Path,
+    num_prompts: int,
+    steps: int,
+    threads: int,
+    num_generations: int,
+    max_new_tokens: int,
+    lr: float,
+) -> None:
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ.update(MLFLOW_TRACKING_URI=f"file://{tmp}/mlruns", MLFLOW_ALLOW_FILE_STORE="true",
-                          MLFLOW_EXPERIMENT_NAME="grpo_vs_trl")
+        os.environ.update(
+            MLFLOW_TRACKING_URI=f"file://{tmp}/mlruns",
+            MLFLOW_ALLOW_FILE_STORE="true",
+            MLFLOW_EXPERIMENT_NAME="grpo_vs_trl",
+        )
         turns = run_trainer(conn, model_dir, num_prompts, steps, num_generations, max_new_tokens, lr, Path(tmp))
         profile = profiled_seconds()
     for index, step in enumerate(turns):  # TRL tags a profile with global_step at its start: index
@@ -43,8 +54,9 @@ def trl_worker(conn, model_dir: Path, num_prompts: int, steps: int, threads: int
     conn.send(("done", turns))
 
 
-def run_trainer(conn, model_dir: Path, num_prompts: int, steps: int, num_generations: int, max_new_tokens: int,
-                lr: float, tmp: Path) -> list[dict]:
+def run_trainer(
+    conn, model_dir: Path, num_prompts: int, steps: int, num_generations: int, max_new_tokens: int, lr: float, tmp: Path
+) -> list[dict]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -55,12 +67,16 @@ def run_trainer(conn, model_dir: Path, num_prompts: int, steps: int, num_generat
     from reinforge.envs.math_env import MathEnv
 
     records = read_jsonl(ROOT / "data" / "demo" / "train.jsonl", required_keys=("prompt",))[: steps * num_prompts]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in records])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in records]
+    )
     env = MathEnv()
 
     def math_reward(completions, answer, **_):
         """reinforge's math environment, as reinforge scores the same answers."""
-        requests = [EnvRequest(messages=completion, record={"answer": gold}) for completion, gold in zip(completions, answer)]
+        requests = [
+            EnvRequest(messages=completion, record={"answer": gold}) for completion, gold in zip(completions, answer)
+        ]
         return [response.reward for response in env.step(requests)]
 
     class TakeTurns(TrainerCallback):
@@ -86,19 +102,47 @@ def run_trainer(conn, model_dir: Path, num_prompts: int, steps: int, num_generat
                 self.steps[-1]["reward"] = logs["reward"]
 
     config = GRPOConfig(
-        output_dir=str(tmp / "out"), use_cpu=True, bf16=False, seed=0, max_steps=steps, logging_steps=1,
-        save_strategy="no", report_to=["mlflow"], disable_tqdm=True, shuffle_dataset=False,
-        per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=num_prompts * num_generations // MICRO_BATCH,
+        output_dir=str(tmp / "out"),
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["mlflow"],
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=num_prompts * num_generations // MICRO_BATCH,
         num_generations=num_generations,
-        max_completion_length=max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=lr, adam_beta2=0.99, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, scale_rewards="group", num_iterations=1,
+        max_completion_length=max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=lr,
+        adam_beta2=0.99,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.0,
+        scale_rewards="group",
+        num_iterations=1,
         gradient_checkpointing=False,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     callback = TakeTurns()
-    trainer = GRPOTrainer(model=model, reward_funcs=math_reward, args=config, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[callback])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=math_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[callback],
+    )
     trainer.train()
     env.close()
     return callback.steps
@@ -115,5 +159,5 @@ def profiled_seconds() -> dict[int, dict[str, float]]:
     for key in client.get_run(run.info.run_id).data.metrics:
         if key.startswith(PROFILED):
             for metric in client.get_metric_history(run.info.run_id, key):
-                seconds[metric.step][key[len(PROFILED):]] += metric.value
+                seconds[metric.step][key[len(PROFILED) :]] += metric.value
     return seconds

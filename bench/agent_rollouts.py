@@ -37,16 +37,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-wait-s", type=float, default=None, help="agent.endpoint.batch_wait_s (default: its default)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (this process runs the engine, the endpoint and the agents)")
+    parser.add_argument(
+        "--batch-wait-s", type=float, default=None, help="agent.endpoint.batch_wait_s (default: its default)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads (this process runs the engine, the endpoint and the agents)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from reinforge.algorithms.builders import serve_gym_envs
-    from reinforge.config.schema import EnvConfig, ModelConfig
+    from reinforge.config.schema import DataConfig, EnvConfig, ModelConfig
     from reinforge.data.prompts import load_prompts
-    from reinforge.config.schema import DataConfig
     from reinforge.envs.registry import build_env
     from reinforge.generation.base import SamplingParams
     from reinforge.generation.hf import HFGenerationBackend
@@ -65,12 +71,21 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=48, temperature=1.0, num_samples=args.samples)
     results: dict[str, list[dict]] = {"in-process": [], "agent": []}
     with ExitStack() as cleanup:
-        in_process = ReinforgeRollout(engine, tokenizer, {"tool_use": build_env("tool_use", env_config)},
-                                      RolloutOptions(default_task="tool_use", max_turns=3))
+        in_process = ReinforgeRollout(
+            engine,
+            tokenizer,
+            {"tool_use": build_env("tool_use", env_config)},
+            RolloutOptions(default_task="tool_use", max_turns=3),
+        )
         endpoint = {} if args.batch_wait_s is None else {"batch_wait_s": args.batch_wait_s}
-        agent_config = AgentConfig(python={"simple": "reinforge.agents.simple:run"}, max_concurrency=args.prompts * args.samples,
-                                   endpoint=endpoint)
-        server = PolicyServer(engine, tokenizer, agent_config.endpoint, max_model_len=512, default_max_tokens=48, managed=True).start()
+        agent_config = AgentConfig(
+            python={"simple": "reinforge.agents.simple:run"},
+            max_concurrency=args.prompts * args.samples,
+            endpoint=endpoint,
+        )
+        server = PolicyServer(
+            engine, tokenizer, agent_config.endpoint, max_model_len=512, default_max_tokens=48, managed=True
+        ).start()
         cleanup.callback(server.stop)
         servers = serve_gym_envs({"calculator": "tool_use"}, env_config, cleanup)
         agents = AgentRollout(server, tokenizer, agent_config, servers)
@@ -82,13 +97,22 @@ def main() -> None:
                 elapsed = time.perf_counter() - started
                 metrics = episodes.metrics()
                 engine_s = metrics.get("endpoint/engine_s", timers.seconds.get("generate", 0.0))
-                row = {"episodes_per_s": len(trajectories) / elapsed, "elapsed_s": elapsed, "engine_s": engine_s,
-                       "not_engine_s": elapsed - engine_s, "turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
-                       "reward_mean": sum(t.reward for t in trajectories) / len(trajectories)}
+                row = {
+                    "episodes_per_s": len(trajectories) / elapsed,
+                    "elapsed_s": elapsed,
+                    "engine_s": engine_s,
+                    "not_engine_s": elapsed - engine_s,
+                    "turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
+                    "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
+                }
                 if name == "agent":
-                    row.update(engine_calls=metrics["endpoint/engine_calls"], mean_batch=metrics["endpoint/mean_batch_sequences"],
-                               requests=metrics["endpoint/requests"], ok_fraction=metrics["rollout/agent_ok_fraction"],
-                               contiguous_fraction=metrics["rollout/agent_contiguous_fraction"])
+                    row.update(
+                        engine_calls=metrics["endpoint/engine_calls"],
+                        mean_batch=metrics["endpoint/mean_batch_sequences"],
+                        requests=metrics["endpoint/requests"],
+                        ok_fraction=metrics["rollout/agent_ok_fraction"],
+                        contiguous_fraction=metrics["rollout/agent_contiguous_fraction"],
+                    )
                 else:
                     row["reward_s"] = timers.seconds.get("reward", 0.0)
                 if repeat:
@@ -103,13 +127,25 @@ def main() -> None:
             "not_engine_s_median": statistics.median(r["not_engine_s"] for r in rows),
             "turns_mean": statistics.mean(r["turns_mean"] for r in rows),
         }
-    summary["agent_over_in_process"] = summary["agent"]["episodes_per_s_median"] / summary["in-process"]["episodes_per_s_median"]
+    summary["agent_over_in_process"] = (
+        summary["agent"]["episodes_per_s_median"] / summary["in-process"]["episodes_per_s_median"]
+    )
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": "python bench/agent_rollouts.py", "args": {k: str(v) for k, v in vars(args).items()},
-                                         "machine": platform.platform(), "date": time.strftime("%Y-%m-%d"),
-                                         "summary": summary, "rounds": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": "python bench/agent_rollouts.py",
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "machine": platform.platform(),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "summary": summary,
+                    "rounds": results,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

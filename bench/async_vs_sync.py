@@ -38,8 +38,17 @@ SETTINGS = {
 
 def run(arguments: list[str], steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "reinforge.cli", "grpo", *arguments, f"grpo.max_steps={steps}",
-                   f"grpo.val_every={steps}", f"logging.run_dir={tmp}/run", "checkpoint.save_final=false"]
+        command = [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "grpo",
+            *arguments,
+            f"grpo.max_steps={steps}",
+            f"grpo.val_every={steps}",
+            f"logging.run_dir={tmp}/run",
+            "checkpoint.save_final=false",
+        ]
         start = time.perf_counter()
         subprocess.run(command, check=True, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -66,12 +75,20 @@ def main() -> None:
         for name, arguments in SETTINGS.items():
             results[name].append(run(arguments, args.steps))
             print(name, json.dumps(results[name][-1]), flush=True)
-    summary = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
+    summary = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()
+    }
     sync, same_placement, asynchronous = (summary[name] for name in SETTINGS)
     out = {
-        "steps": args.steps, "repeats": args.repeats, "machine": f"{os.cpu_count()} CPUs", "load_average": os.getloadavg(),
-        "date": time.strftime("%Y-%m-%d"), "settings": summary, "runs": results,
-        "loop_speedup": sync["loop_s"] / asynchronous["loop_s"], "wall_speedup": sync["wall_s"] / asynchronous["wall_s"],
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "machine": f"{os.cpu_count()} CPUs",
+        "load_average": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": summary,
+        "runs": results,
+        "loop_speedup": sync["loop_s"] / asynchronous["loop_s"],
+        "wall_speedup": sync["wall_s"] / asynchronous["wall_s"],
         "loop_speedup_same_placement": same_placement["loop_s"] / asynchronous["loop_s"],
         "wall_speedup_same_placement": same_placement["wall_s"] / asynchronous["wall_s"],
     }
@@ -79,9 +96,11 @@ def main() -> None:
     args.json.write_text(json.dumps(out, indent=2))
     for name, values in summary.items():
         print(f"{name:26s} " + "  ".join(f"{k}={v:.3f}" for k, v in values.items() if v is not None))
-    print(f"max_staleness=1 against in-process sync: loop {out['loop_speedup']:.2f}x, wall {out['wall_speedup']:.2f}x; "
-          f"against max_staleness=0 on the same placement: loop {out['loop_speedup_same_placement']:.2f}x, "
-          f"wall {out['wall_speedup_same_placement']:.2f}x -> {args.json}")
+    print(
+        f"max_staleness=1 against in-process sync: loop {out['loop_speedup']:.2f}x, wall {out['wall_speedup']:.2f}x; "
+        f"against max_staleness=0 on the same placement: loop {out['loop_speedup_same_placement']:.2f}x, "
+        f"wall {out['wall_speedup_same_placement']:.2f}x -> {args.json}"
+    )
 
 
 if __name__ == "__main__":

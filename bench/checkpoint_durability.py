@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write the checkpoints (default: a temporary directory)"
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "checkpoint_durability.json")
     args = parser.parse_args()
 
@@ -46,8 +48,13 @@ def main() -> None:
         tmp = Path(tmp)
         model_dir = build_30m_model(tmp / "model")
         training = TrainingConfig(global_batch_size=8, micro_batch_size=8, lr=1e-5)
-        backend = TorchBackend(ModelConfig(name_or_path=str(model_dir)), training, temperature=1.0, num_optimizer_steps=2,
-                               load_reference=False)
+        backend = TorchBackend(
+            ModelConfig(name_or_path=str(model_dir)),
+            training,
+            temperature=1.0,
+            num_optimizer_steps=2,
+            load_reference=False,
+        )
         batch = grpo_like_batch(8, (20, 30), (16, 16), backend.model.config.vocab_size)
         batch.old_logprobs = backend.logprobs(batch)
         backend.train_step(batch, clipped_token_mean_loss)
@@ -72,12 +79,20 @@ def main() -> None:
             save_checkpoint(tmp / "run", round_index + 1, backend, {"step": round_index + 1}, "seed: 0\n")
             times["save_checkpoint"].append(time.perf_counter() - start)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    result = {"date": time.strftime("%Y-%m-%d"), "checkpoint_bytes": num_bytes, "repeats": args.repeats,
-              "median_s": medians, "all_s": times, "load_average": list(os.getloadavg()),
-              "durability_overhead": (medians["sha256"] + medians["fsync"]) / medians["save_state"]}
-    print(f"checkpoint of {num_bytes / 2**20:.0f} MiB: save_state {medians['save_state']:.3f} s, sha256 {medians['sha256']:.3f} s, "
-          f"fsync {medians['fsync']:.3f} s; whole save_checkpoint {medians['save_checkpoint']:.3f} s "
-          f"(checksums + fsync = {100 * result['durability_overhead']:.0f}% of save_state)")
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "checkpoint_bytes": num_bytes,
+        "repeats": args.repeats,
+        "median_s": medians,
+        "all_s": times,
+        "load_average": list(os.getloadavg()),
+        "durability_overhead": (medians["sha256"] + medians["fsync"]) / medians["save_state"],
+    }
+    print(
+        f"checkpoint of {num_bytes / 2**20:.0f} MiB: save_state {medians['save_state']:.3f} s, sha256 {medians['sha256']:.3f} s, "
+        f"fsync {medians['fsync']:.3f} s; whole save_checkpoint {medians['save_checkpoint']:.3f} s "
+        f"(checksums + fsync = {100 * result['durability_overhead']:.0f}% of save_state)"
+    )
     write_result(args.json, result)
 
 

@@ -26,7 +26,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import build_30m_model, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, training_flops, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    build_30m_model,
+    clipped_token_mean_loss,
+    grpo_like_batch,
+    matmul_peak_flops,
+    training_flops,
+    write_result,
+)
 
 
 def main() -> None:
@@ -46,10 +53,20 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_30m_model(Path(tmp) / "qwen2-30m")
-        training = TrainingConfig(global_batch_size=args.sequences, micro_batch_size=args.sequences, lr=1e-4,
-                                  micro_batch_tokens=args.micro_batch_tokens, sequence_packing=not args.no_packing)
-        backend = TorchBackend(ModelConfig(name_or_path=str(model_dir)), training, temperature=1.0,
-                               num_optimizer_steps=args.rounds + 1, load_reference=False)
+        training = TrainingConfig(
+            global_batch_size=args.sequences,
+            micro_batch_size=args.sequences,
+            lr=1e-4,
+            micro_batch_tokens=args.micro_batch_tokens,
+            sequence_packing=not args.no_packing,
+        )
+        backend = TorchBackend(
+            ModelConfig(name_or_path=str(model_dir)),
+            training,
+            temperature=1.0,
+            num_optimizer_steps=args.rounds + 1,
+            load_reference=False,
+        )
     config = backend.model.config
     batch = grpo_like_batch(args.sequences, (30, 42), (48, 48), config.vocab_size)
     flops = training_flops(config, batch)
@@ -64,23 +81,37 @@ def main() -> None:
         start = time.perf_counter()
         backend.train_step(batch, clipped_token_mean_loss)
         steps.append(time.perf_counter() - start)
-        print(f"round {round_index + 1}: peak {peaks[-1] / 1e9:.1f} GFLOP/s, train step {steps[-1]:.2f} s "
-              f"({flops / steps[-1] / 1e9:.1f} GFLOP/s), logprob pass {logprob_passes[-1]:.2f} s", flush=True)
+        print(
+            f"round {round_index + 1}: peak {peaks[-1] / 1e9:.1f} GFLOP/s, train step {steps[-1]:.2f} s "
+            f"({flops / steps[-1] / 1e9:.1f} GFLOP/s), logprob pass {logprob_passes[-1]:.2f} s",
+            flush=True,
+        )
     peak, step_s = max(peaks), statistics.median(steps)
     result = {
-        "date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
-        "parameters": sum(p.numel() for p in backend.model.parameters()), "sequences": args.sequences,
-        "real_tokens": int(batch.attention_mask.sum()), "trained_tokens": int(batch.loss_mask.sum()),
-        "sequence_packing": not args.no_packing, "micro_batch_tokens": args.micro_batch_tokens,
-        "train_step_flops": flops, "median_train_step_s": step_s, "train_flops_per_s": flops / step_s,
-        "matmul_peak_flops_per_s": peak, "matmul_peaks": peaks, "train_steps_s": steps,
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()),
+        "parameters": sum(p.numel() for p in backend.model.parameters()),
+        "sequences": args.sequences,
+        "real_tokens": int(batch.attention_mask.sum()),
+        "trained_tokens": int(batch.loss_mask.sum()),
+        "sequence_packing": not args.no_packing,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "train_step_flops": flops,
+        "median_train_step_s": step_s,
+        "train_flops_per_s": flops / step_s,
+        "matmul_peak_flops_per_s": peak,
+        "matmul_peaks": peaks,
+        "train_steps_s": steps,
         "fraction_of_matmul_peak": flops / step_s / peak,
         # forward only: a third of the training FLOPs
         "logprob_pass_fraction_of_peak": flops / 3 / statistics.median(logprob_passes) / peak,
     }
-    print(f"training step: {result['train_flops_per_s'] / 1e9:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.1%} of the "
-          f"{peak / 1e9:.1f} GFLOP/s fp32 matmul peak ({result['threads']} thread(s)); logprob pass "
-          f"{result['logprob_pass_fraction_of_peak']:.1%}")
+    print(
+        f"training step: {result['train_flops_per_s'] / 1e9:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.1%} of the "
+        f"{peak / 1e9:.1f} GFLOP/s fp32 matmul peak ({result['threads']} thread(s)); logprob pass "
+        f"{result['logprob_pass_fraction_of_peak']:.1%}"
+    )
     write_result(args.json, result)
 
 

@@ -24,14 +24,28 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = {
     "grpo": ["grpo", "--config", str(ROOT / "configs" / "grpo_demo.yaml")],
     "distill": ["distill", "--config", str(ROOT / "configs" / "distill_demo.yaml")],  # the top-k KL (forward, k = 64)
-    "distill_reverse_kl": ["distill", "--config", str(ROOT / "configs" / "distill_demo.yaml"), "distill.loss=reverse_kl"],
+    "distill_reverse_kl": [
+        "distill",
+        "--config",
+        str(ROOT / "configs" / "distill_demo.yaml"),
+        "distill.loss=reverse_kl",
+    ],
 }
 
 
 def curve(arguments: list[str], steps: int, val_every: int, num_threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "reinforge.cli", *arguments, f"grpo.max_steps={steps}", f"grpo.val_every={val_every}",
-                   f"logging.run_dir={tmp}/run", "checkpoint.save_final=false", f"cluster.num_threads={num_threads}"]
+        command = [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            *arguments,
+            f"grpo.max_steps={steps}",
+            f"grpo.val_every={val_every}",
+            f"logging.run_dir={tmp}/run",
+            "checkpoint.save_final=false",
+            f"cluster.num_threads={num_threads}",
+        ]
         start = time.perf_counter()
         subprocess.run(command, check=True, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -51,9 +65,19 @@ def first_step_reaching(accuracies: dict[int, float], target: float) -> int | No
 def teacher_accuracy(num_threads: int) -> float:
     """The teacher's greedy validation accuracy: a zero-step GRPO run from models/demo_teacher."""
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(ROOT / "configs" / "grpo_demo.yaml"),
-                   "grpo.max_steps=0", "model.name_or_path=models/demo_teacher", f"logging.run_dir={tmp}/run",
-                   "checkpoint.save_final=false", f"cluster.num_threads={num_threads}"]
+        command = [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "grpo",
+            "--config",
+            str(ROOT / "configs" / "grpo_demo.yaml"),
+            "grpo.max_steps=0",
+            "model.name_or_path=models/demo_teacher",
+            f"logging.run_dir={tmp}/run",
+            "checkpoint.save_final=false",
+            f"cluster.num_threads={num_threads}",
+        ]
         subprocess.run(command, check=True, capture_output=True, text=True)
         return json.loads((Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()[0])["val/accuracy"]
 
@@ -71,17 +95,25 @@ def main() -> None:
         print(name, json.dumps(results[name]["val_accuracy"]), flush=True)
     target = results["grpo"]["val_accuracy"][args.steps]
     out = {
-        "steps": args.steps, "val_every": args.val_every, "num_threads": args.num_threads, "machine": f"{os.cpu_count()} CPUs",
-        "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
+        "steps": args.steps,
+        "val_every": args.val_every,
+        "num_threads": args.num_threads,
+        "machine": f"{os.cpu_count()} CPUs",
+        "load_average": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d"),
         "teacher_val_accuracy": teacher_accuracy(args.num_threads),
         "grpo_final_val_accuracy": target,
-        "first_step_reaching_grpo_final": {name: first_step_reaching(r["val_accuracy"], target) for name, r in results.items()},
+        "first_step_reaching_grpo_final": {
+            name: first_step_reaching(r["val_accuracy"], target) for name, r in results.items()
+        },
         "runs": results,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
-    print(f"GRPO ends at {target:.3f} after {args.steps} steps; first step reaching it: {out['first_step_reaching_grpo_final']}; "
-          f"teacher {out['teacher_val_accuracy']:.3f} -> {args.json}")
+    print(
+        f"GRPO ends at {target:.3f} after {args.steps} steps; first step reaching it: {out['first_step_reaching_grpo_final']}; "
+        f"teacher {out['teacher_val_accuracy']:.3f} -> {args.json}"
+    )
 
 
 if __name__ == "__main__":

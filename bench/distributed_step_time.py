@@ -30,8 +30,19 @@ PHASES = ["timing/step_s", "timing/generate_s", "timing/logprobs_s", "timing/tra
 
 def run(overrides: list[str], steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(ROOT / "configs" / "grpo_demo.yaml"),
-                   f"grpo.max_steps={steps}", "grpo.val_every=0", "data.max_val_prompts=1", f"logging.run_dir={tmp}/run", *overrides]
+        command = [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "grpo",
+            "--config",
+            str(ROOT / "configs" / "grpo_demo.yaml"),
+            f"grpo.max_steps={steps}",
+            "grpo.val_every=0",
+            "data.max_val_prompts=1",
+            f"logging.run_dir={tmp}/run",
+            *overrides,
+        ]
         subprocess.run(command, check=True, capture_output=True, text=True)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()][2:]
     return {phase: statistics.median(r[phase] for r in rows) for phase in PHASES}
@@ -45,7 +56,9 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "steps": args.steps, "settings": {}}
     for name, overrides in SETTINGS.items():
         results["settings"][name] = run(overrides, args.steps)
-        print(name, json.dumps({k.split("/")[1]: round(v, 3) for k, v in results["settings"][name].items()}), flush=True)
+        print(
+            name, json.dumps({k.split("/")[1]: round(v, 3) for k, v in results["settings"][name].items()}), flush=True
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -28,11 +28,26 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import (QWEN25_1_5B, clipped_token_mean_loss, grpo_like_batch, matmul_peak_flops, synchronize,  # noqa: E402
-                     time_train_steps, training_flops, write_result)
+from _common import (  # noqa: E402
+    QWEN25_1_5B,
+    clipped_token_mean_loss,
+    grpo_like_batch,
+    matmul_peak_flops,
+    synchronize,
+    time_train_steps,
+    training_flops,
+    write_result,
+)
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 
 
 def build_model(architecture: dict, dtype: torch.dtype, device: str, out_dir: Path) -> Path:
@@ -48,7 +63,9 @@ def build_model(architecture: dict, dtype: torch.dtype, device: str, out_dir: Pa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on CPU (gloo): checks that the script runs")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a tiny fp32 model on CPU (gloo): checks that the script runs"
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
     parser.add_argument("--sequences", type=int, default=128)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
@@ -73,15 +90,30 @@ def main() -> None:
         torch.set_num_threads(1)  # a tiny model: two OpenMP threads beside gloo's only wait on each other
     architecture = TINY if args.tiny else QWEN25_1_5B
     sequences, prompt, response = (8, (4, 12), (8, 24)) if args.tiny else (args.sequences, (128, 384), (256, 1024))
-    training = TrainingConfig(backend="fsdp2", global_batch_size=sequences, micro_batch_size=sequences, lr=1e-6,
-                              micro_batch_tokens=64 if args.tiny else args.micro_batch_tokens,
-                              sequence_packing=not args.no_packing, activation_checkpointing=args.activation_checkpointing,
-                              compile=args.compile)
+    training = TrainingConfig(
+        backend="fsdp2",
+        global_batch_size=sequences,
+        micro_batch_size=sequences,
+        lr=1e-6,
+        micro_batch_tokens=64 if args.tiny else args.micro_batch_tokens,
+        sequence_packing=not args.no_packing,
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(architecture, dtype, device, Path(tmp) / "model")
         model_config = ModelConfig(name_or_path=str(model_dir), dtype="bfloat16" if on_gpu else "float32")
-        worker = FSDP2Worker(0, 1, "127.0.0.1", free_port(), model_config, training, temperature=1.0,
-                             num_optimizer_steps=args.steps + 2, load_reference=False)
+        worker = FSDP2Worker(
+            0,
+            1,
+            "127.0.0.1",
+            free_port(),
+            model_config,
+            training,
+            temperature=1.0,
+            num_optimizer_steps=args.steps + 2,
+            load_reference=False,
+        )
     config = worker.model.config
     batch = grpo_like_batch(sequences, prompt, response, config.vocab_size)
     flops = training_flops(config, batch)
@@ -103,15 +135,26 @@ def main() -> None:
     worker.shutdown()
     step_s = statistics.median(steps)
     result = {
-        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if on_gpu else "cpu (--tiny)",
-        "dtype": str(dtype), "parameters": sum(p.numel() for p in worker.model.parameters()),
-        "sequences": sequences, "real_tokens": int(batch.attention_mask.sum()), "trained_tokens": int(batch.loss_mask.sum()),
-        "sequence_packing": training.sequence_packing, "micro_batch_tokens": training.micro_batch_tokens,
-        "activation_checkpointing": training.activation_checkpointing, "compile": training.compile,
-        "median_step_s": step_s, "steps_s": steps, "tokens_per_s": int(batch.attention_mask.sum()) / step_s,
-        "train_step_flops": flops, "achieved_tflops": flops / step_s / 1e12,
-        "mfu": flops / step_s / (args.peak_tflops * 1e12), "peak_tflops": args.peak_tflops,
-        "measured_matmul_tflops": matmul_peak / 1e12, "fraction_of_measured_matmul": flops / step_s / matmul_peak,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu (--tiny)",
+        "dtype": str(dtype),
+        "parameters": sum(p.numel() for p in worker.model.parameters()),
+        "sequences": sequences,
+        "real_tokens": int(batch.attention_mask.sum()),
+        "trained_tokens": int(batch.loss_mask.sum()),
+        "sequence_packing": training.sequence_packing,
+        "micro_batch_tokens": training.micro_batch_tokens,
+        "activation_checkpointing": training.activation_checkpointing,
+        "compile": training.compile,
+        "median_step_s": step_s,
+        "steps_s": steps,
+        "tokens_per_s": int(batch.attention_mask.sum()) / step_s,
+        "train_step_flops": flops,
+        "achieved_tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / (args.peak_tflops * 1e12),
+        "peak_tflops": args.peak_tflops,
+        "measured_matmul_tflops": matmul_peak / 1e12,
+        "fraction_of_measured_matmul": flops / step_s / matmul_peak,
         "peak_memory_gb": peak_memory_gb,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "steps_s"}, indent=2))

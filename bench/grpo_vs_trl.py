@@ -89,25 +89,51 @@ PHASES = ("generate", "reward", "logprobs", "train", "refit")
 ASYNC = ("grpo.async_rollouts=true", "grpo.max_staleness=1", "cluster.num_threads=1")
 
 
-def reinforge_overrides(model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int, run_dir: Path,
-                        skip_zero_advantage: bool) -> list[str]:
+def reinforge_overrides(
+    model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int, run_dir: Path, skip_zero_advantage: bool
+) -> list[str]:
     # torch.compile (start-up, not steps) and KV-cache blocks of 32 tokens (the CPU kernel computes whole blocks)
     compiled = ["generation.vllm_enforce_eager=false", "generation.vllm_block_size=32"] if backend == "vllm" else []
-    return [*compiled, f"grpo.skip_zero_advantage={str(skip_zero_advantage).lower()}",
-        f"model.name_or_path={model_dir}", "data.val_path=null", "data.shuffle=false",
-        f"grpo.num_prompts_per_step={num_prompts}", f"grpo.num_generations_per_prompt={NUM_GENERATIONS}",
-        f"grpo.max_steps={steps}", "grpo.val_every=0", f"generation.backend={backend}",
-        f"generation.max_new_tokens={MAX_NEW_TOKENS}", "generation.temperature=1.0",
-        f"training.global_batch_size={num_prompts * NUM_GENERATIONS}", f"training.micro_batch_size={num_prompts * NUM_GENERATIONS}",
-        f"training.micro_batch_tokens={MICRO_BATCH_TOKENS}", f"training.lr={LR}",
-        "training.adam_beta2=0.99", "training.max_grad_norm=1.0", "training.sequence_packing=true",
-        "loss.kl_coef=0", "loss.clip_eps_low=0.2", "loss.clip_eps_high=0.28", "loss.aggregation=token",
-        f"cluster.num_threads={threads}", "checkpoint.save_final=false", f"logging.run_dir={run_dir}",
+    return [
+        *compiled,
+        f"grpo.skip_zero_advantage={str(skip_zero_advantage).lower()}",
+        f"model.name_or_path={model_dir}",
+        "data.val_path=null",
+        "data.shuffle=false",
+        f"grpo.num_prompts_per_step={num_prompts}",
+        f"grpo.num_generations_per_prompt={NUM_GENERATIONS}",
+        f"grpo.max_steps={steps}",
+        "grpo.val_every=0",
+        f"generation.backend={backend}",
+        f"generation.max_new_tokens={MAX_NEW_TOKENS}",
+        "generation.temperature=1.0",
+        f"training.global_batch_size={num_prompts * NUM_GENERATIONS}",
+        f"training.micro_batch_size={num_prompts * NUM_GENERATIONS}",
+        f"training.micro_batch_tokens={MICRO_BATCH_TOKENS}",
+        f"training.lr={LR}",
+        "training.adam_beta2=0.99",
+        "training.max_grad_norm=1.0",
+        "training.sequence_packing=true",
+        "loss.kl_coef=0",
+        "loss.clip_eps_low=0.2",
+        "loss.clip_eps_high=0.28",
+        "loss.aggregation=token",
+        f"cluster.num_threads={threads}",
+        "checkpoint.save_final=false",
+        f"logging.run_dir={run_dir}",
     ]
 
 
-def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int,
-                     skip_zero_advantage: bool, extra: tuple[str, ...] = ()) -> None:
+def reinforge_worker(
+    conn,
+    model_dir: Path,
+    num_prompts: int,
+    steps: int,
+    backend: str,
+    threads: int,
+    skip_zero_advantage: bool,
+    extra: tuple[str, ...] = (),
+) -> None:
     """`reinforge grpo`, held between steps until the coordinator says go: `grpo.train`'s `on_step_end`
     hook, called once the run is set up and after each step (logged), outside the loop's step timer."""
     from reinforge.algorithms import grpo
@@ -121,7 +147,9 @@ def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backen
             conn.send(("finished", done_step))  # the last step's turn ends here, before the teardown
 
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = reinforge_overrides(model_dir, num_prompts, steps, backend, threads, Path(tmp) / "run", skip_zero_advantage)
+        overrides = reinforge_overrides(
+            model_dir, num_prompts, steps, backend, threads, Path(tmp) / "run", skip_zero_advantage
+        )
         config = load_config(ROOT / "configs" / "grpo_demo.yaml", [*overrides, *extra])
         grpo.train(config, on_step_end=wait_for_turn)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -130,10 +158,17 @@ def reinforge_worker(conn, model_dir: Path, num_prompts: int, steps: int, backen
         phases = {name: row.get(f"timing/{name}_s", 0.0) for name in PHASES}
         if "timing/rollout_wait_s" in row:  # async: generation overlaps training; what it did not hide
             phases["generate"] = row["timing/rollout_wait_s"] + row.get("timing/engine_wait_s", 0.0)
-        steps_out.append({"step_s": row["timing/step_s"], "tokens": row["perf/tokens_per_s"] * row["timing/step_s"],
-                          "tokens_per_s": row["perf/tokens_per_s"], "reward": row["train/reward_mean"], "phases": phases,
-                          "zero_advantage_fraction": row["train/zero_advantage_fraction"],
-                          "overhead_s": row["timing/step_s"] - sum(phases.values())})
+        steps_out.append(
+            {
+                "step_s": row["timing/step_s"],
+                "tokens": row["perf/tokens_per_s"] * row["timing/step_s"],
+                "tokens_per_s": row["perf/tokens_per_s"],
+                "reward": row["train/reward_mean"],
+                "phases": phases,
+                "zero_advantage_fraction": row["train/zero_advantage_fraction"],
+                "overhead_s": row["timing/step_s"] - sum(phases.values()),
+            }
+        )
     conn.send(("done", steps_out))
 
 
@@ -168,7 +203,9 @@ def receive(name: str, conns: dict, processes: dict, inbox: dict):
             return inbox[name].pop(0)
         for other, process in processes.items():  # died, or (the one awaited) ended without a word
             if not process.is_alive() and not inbox[other] and (process.exitcode != 0 or other == name):
-                raise SideFailed(f"bench/grpo_vs_trl.py: the {other} side exited with code {process.exitcode} (its output is above)")
+                raise SideFailed(
+                    f"bench/grpo_vs_trl.py: the {other} side exited with code {process.exitcode} (its output is above)"
+                )
         conns[name].poll(0.5)
 
 
@@ -236,14 +273,21 @@ def print_table(title: str, result: dict, sides: tuple[str, str]) -> None:
     print(" | ".join(f"{h:>15}" if h == "side" else f"{h:>9}" for h in header))
     for side in sides:
         s = result[side]
-        cells = [side, s["median_step_s"], s["median_tokens_per_s"], s["reward_at_last_step"],
-                 *(s["median_phase_s"][p] for p in (*PHASES, "overhead"))]
+        cells = [
+            side,
+            s["median_step_s"],
+            s["median_tokens_per_s"],
+            s["reward_at_last_step"],
+            *(s["median_phase_s"][p] for p in (*PHASES, "overhead")),
+        ]
         print(" | ".join(f"{c:>9.3f}" if isinstance(c, float) else f"{c:>15}" for c in cells), flush=True)
 
 
 def ratios(result: dict, ours: str, theirs: str) -> dict:
-    return {"speedup": result[ours]["median_tokens_per_s"] / result[theirs]["median_tokens_per_s"],
-            "step_time_ratio": result[theirs]["median_step_s"] / result[ours]["median_step_s"]}
+    return {
+        "speedup": result[ours]["median_tokens_per_s"] / result[theirs]["median_tokens_per_s"],
+        "step_time_ratio": result[theirs]["median_step_s"] / result[ours]["median_step_s"],
+    }
 
 
 def compare_async(model: str, model_dir: Path, num_prompts: int, args, backend: str) -> dict:
@@ -251,11 +295,18 @@ def compare_async(model: str, model_dir: Path, num_prompts: int, args, backend: 
     the other, not alternating (the async engine generates ahead between steps, which would overlap the
     other's turn). Step times are the coordinator's wall time per step."""
     skip = SKIP_ZERO_ADVANTAGE[model]
-    run_async = alternate({"reinforge_async": (reinforge_worker, (model_dir, num_prompts, args.steps, backend, 1, skip, ASYNC))},
-                          args.steps)
-    run_trl = alternate({"trl_2_threads": (trl_worker, (model_dir, num_prompts, args.steps, 2, NUM_GENERATIONS,
-                                                        MAX_NEW_TOKENS, LR))}, args.steps)
-    result = {"reinforge_async": summary(run_async["reinforge_async"], wall=True), "trl_2_threads": summary(run_trl["trl_2_threads"], wall=True)}
+    run_async = alternate(
+        {"reinforge_async": (reinforge_worker, (model_dir, num_prompts, args.steps, backend, 1, skip, ASYNC))},
+        args.steps,
+    )
+    run_trl = alternate(
+        {"trl_2_threads": (trl_worker, (model_dir, num_prompts, args.steps, 2, NUM_GENERATIONS, MAX_NEW_TOKENS, LR))},
+        args.steps,
+    )
+    result = {
+        "reinforge_async": summary(run_async["reinforge_async"], wall=True),
+        "trl_2_threads": summary(run_trl["trl_2_threads"], wall=True),
+    }
     result.update(ratios(result, "reinforge_async", "trl_2_threads"))
     return result
 
@@ -265,48 +316,83 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "grpo_vs_trl.json")
     parser.add_argument("--models", default="demo,30m", help="comma-separated: demo, 30m")
-    parser.add_argument("--reinforge-backend", default="demo=vllm,30m=vllm",
-                        help="reinforge's generation backend per model, e.g. demo=hf,30m=vllm")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in each trainer; 0: torch's default (all cores)")
-    parser.add_argument("--prompts", type=int, help="prompts per step for every model (a multiple of 4); default: demo 32, 30m 8")
-    parser.add_argument("--async-models", default="demo",
-                        help="models on which reinforge's async mode is also measured, against TRL on two threads ('' for none)")
+    parser.add_argument(
+        "--reinforge-backend",
+        default="demo=vllm,30m=vllm",
+        help="reinforge's generation backend per model, e.g. demo=hf,30m=vllm",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads in each trainer; 0: torch's default (all cores)"
+    )
+    parser.add_argument(
+        "--prompts", type=int, help="prompts per step for every model (a multiple of 4); default: demo 32, 30m 8"
+    )
+    parser.add_argument(
+        "--async-models",
+        default="demo",
+        help="models on which reinforge's async mode is also measured, against TRL on two threads ('' for none)",
+    )
     args = parser.parse_args()
     backends = dict(item.split("=") for item in args.reinforge_backend.split(","))
     started = time.time()
-    results = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "steps": args.steps, "threads": args.threads,
-               "load_average_before": load_average(), "git_commit": subprocess.run(
-                   ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-               "models": {}}
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+        "steps": args.steps,
+        "threads": args.threads,
+        "load_average_before": load_average(),
+        "git_commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+        "models": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             model_dir = ROOT / "models" / "demo" if model == "demo" else build_30m_model(Path(tmp) / "qwen2-30m")
             num_prompts = args.prompts or NUM_PROMPTS[model]
             skip = SKIP_ZERO_ADVANTAGE[model]
-            runs = alternate({
-                "reinforge": (reinforge_worker, (model_dir, num_prompts, args.steps, backends[model], args.threads, skip)),
-                "trl": (trl_worker, (model_dir, num_prompts, args.steps, args.threads, NUM_GENERATIONS, MAX_NEW_TOKENS, LR)),
-            }, args.steps)
+            runs = alternate(
+                {
+                    "reinforge": (
+                        reinforge_worker,
+                        (model_dir, num_prompts, args.steps, backends[model], args.threads, skip),
+                    ),
+                    "trl": (
+                        trl_worker,
+                        (model_dir, num_prompts, args.steps, args.threads, NUM_GENERATIONS, MAX_NEW_TOKENS, LR),
+                    ),
+                },
+                args.steps,
+            )
             result = {side: summary(runs[side]) for side in ("reinforge", "trl")}
             result.update(ratios(result, "reinforge", "trl"))
-            result.update(reinforge_backend=backends[model], trl_generation="transformers generate",
-                          skip_zero_advantage=skip, sequences_per_step=num_prompts * NUM_GENERATIONS,
-                          load_average_after=load_average())
+            result.update(
+                reinforge_backend=backends[model],
+                trl_generation="transformers generate",
+                skip_zero_advantage=skip,
+                sequences_per_step=num_prompts * NUM_GENERATIONS,
+                load_average_after=load_average(),
+            )
             print_table(f"{model}, on-policy, {args.threads or 'all'} thread(s) each", result, ("reinforge", "trl"))
             if model in args.async_models.split(","):
                 result["async"] = compare_async(model, model_dir, num_prompts, args, backends[model])
                 result["async"]["load_average_after"] = load_average()
-                print_table(f"{model}, reinforge async (max_staleness=1) vs TRL on 2 threads", result["async"],
-                            ("reinforge_async", "trl_2_threads"))
+                print_table(
+                    f"{model}, reinforge async (max_staleness=1) vs TRL on 2 threads",
+                    result["async"],
+                    ("reinforge_async", "trl_2_threads"),
+                )
             results["models"][model] = result
     results["speedup"] = min(r["speedup"] for r in results["models"].values())
     asynchronous = [r["async"]["speedup"] for r in results["models"].values() if "async" in r]
     if asynchronous:
         results["speedup_async"] = min(asynchronous)
     results["wall_s"] = time.time() - started
-    print(f"\nspeedup (on-policy, the lowest over the models): {results['speedup']:.2f}x"
-          + (f"; async vs TRL on 2 threads: {results['speedup_async']:.2f}x" if asynchronous else "")
-          + f"; {results['wall_s']:.0f} s")
+    print(
+        f"\nspeedup (on-policy, the lowest over the models): {results['speedup']:.2f}x"
+        + (f"; async vs TRL on 2 threads: {results['speedup_async']:.2f}x" if asynchronous else "")
+        + f"; {results['wall_s']:.0f} s"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
 

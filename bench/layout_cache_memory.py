@@ -24,7 +24,11 @@ from _common import grpo_like_batch, write_result  # noqa: E402
 
 def layout_bytes(layout) -> int:
     tensors = [layout.input_ids, layout.position_ids, layout.token_index]
-    tensors += [t for bucket in layout.segments for t in (bucket.query_index, bucket.key_index, bucket.query_valid, bucket.key_valid)]
+    tensors += [
+        t
+        for bucket in layout.segments
+        for t in (bucket.query_index, bucket.key_index, bucket.query_valid, bucket.key_valid)
+    ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -33,15 +37,27 @@ def measure(answer_tokens: tuple[int, int], share_prompts: bool) -> dict:
     from reinforge.training.micro_batching import LayoutCache, Prompts, plan_micro_batches, select_micro_batch
 
     batch = grpo_like_batch(256, (30, 41), answer_tokens, 449, 8, shared_prompts=True)
-    config = TrainingConfig(global_batch_size=256, micro_batch_size=256, micro_batch_tokens=4096, share_prompts=share_prompts)
+    config = TrainingConfig(
+        global_batch_size=256, micro_batch_size=256, micro_batch_tokens=4096, share_prompts=share_prompts
+    )
     cache = LayoutCache()
     for rows in plan_micro_batches(batch.attention_mask.sum(1).tolist(), config, Prompts.of(batch, config)):
         micro, local_rows, _ = select_micro_batch(batch, rows)
-        cache.get(micro.input_ids, micro.attention_mask.sum(1).tolist(), local_rows,
-                  micro.prompt_lengths.tolist() if share_prompts else None)
+        cache.get(
+            micro.input_ids,
+            micro.attention_mask.sum(1).tolist(),
+            local_rows,
+            micro.prompt_lengths.tolist() if share_prompts else None,
+        )
     num_bytes = sum(layout_bytes(layout) for layout in cache.layouts.values())
-    return {"answer_tokens": list(answer_tokens), "share_prompts": share_prompts, "micro_batches": len(cache.layouts),
-            "tokens": cache.num_tokens, "bytes": num_bytes, "bytes_per_token": num_bytes / cache.num_tokens}
+    return {
+        "answer_tokens": list(answer_tokens),
+        "share_prompts": share_prompts,
+        "micro_batches": len(cache.layouts),
+        "tokens": cache.num_tokens,
+        "bytes": num_bytes,
+        "bytes_per_token": num_bytes / cache.num_tokens,
+    }
 
 
 def main() -> None:
@@ -50,8 +66,10 @@ def main() -> None:
     args = parser.parse_args()
     results = [measure(answer, share) for answer in ((30, 48), (8, 400)) for share in (True, False)]
     for r in results:
-        print(f"answers {r['answer_tokens'][0]}-{r['answer_tokens'][1]} tokens, shared prompts {r['share_prompts']}: "
-              f"{r['bytes_per_token']:.1f} bytes per token ({r['tokens']} tokens in {r['micro_batches']} micro-batches)")
+        print(
+            f"answers {r['answer_tokens'][0]}-{r['answer_tokens'][1]} tokens, shared prompts {r['share_prompts']}: "
+            f"{r['bytes_per_token']:.1f} bytes per token ({r['tokens']} tokens in {r['micro_batches']} micro-batches)"
+        )
     write_result(args.json, {"date": time.strftime("%Y-%m-%d"), "results": results})
 
 

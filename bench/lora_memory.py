@@ -38,21 +38,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ("full", "lora")
 LORA = dict(rank=16, alpha=32.0, target_modules="all-linear")
-BATCHES = {"30m": dict(sequences=64, prompt=(30, 42), response=(48, 48), micro_batch_tokens=4096),
-           "qwen1.5b": dict(sequences=32, prompt=(128, 384), response=(256, 1024), micro_batch_tokens=16384)}
+BATCHES = {
+    "30m": dict(sequences=64, prompt=(30, 42), response=(48, 48), micro_batch_tokens=4096),
+    "qwen1.5b": dict(sequences=32, prompt=(128, 384), response=(256, 1024), micro_batch_tokens=16384),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(BATCHES), default="30m")
-    parser.add_argument("--backend", choices=("torch", "fsdp2"), help="default: torch for 30m, fsdp2 (CUDA) for qwen1.5b")
+    parser.add_argument(
+        "--backend", choices=("torch", "fsdp2"), help="default: torch for 30m, fsdp2 (CUDA) for qwen1.5b"
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setting, after one warm-up step")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU; 0: torch's default (all cores)")
-    parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES", default=65536,
-                        help="glibc's MALLOC_MMAP_THRESHOLD_ for the settings' processes (default 65536; 0: glibc's own, dynamic): "
-                        "a fixed threshold stops glibc from raising it as large tensors are freed, after which freed memory stays in "
-                        "the heap and counts in the peak RSS (by 0.5-0.8 GiB here, at random); the price is a page fault per large "
-                        "allocation, which makes CPU steps slower")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        default=65536,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ for the settings' processes (default 65536; 0: glibc's own, dynamic): "
+        "a fixed threshold stops glibc from raising it as large tensors are freed, after which freed memory stays in "
+        "the heap and counts in the peak RSS (by 0.5-0.8 GiB here, at random); the price is a page fault per large "
+        "allocation, which makes CPU steps slower",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "lora_memory.json")
     parser.add_argument("--worker", choices=SETTINGS, help=argparse.SUPPRESS)  # one setting, in this process
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)  # write the model to --model-dir
@@ -71,19 +80,43 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / args.model
-        subprocess.run([sys.executable, __file__, "--build", "--model", args.model, "--model-dir", str(model_dir)], check=True)
+        subprocess.run(
+            [sys.executable, __file__, "--build", "--model", args.model, "--model-dir", str(model_dir)], check=True
+        )
         for setting in SETTINGS:
-            command = [sys.executable, __file__, "--worker", setting, "--model-dir", str(model_dir), "--model", args.model,
-                       "--backend", args.backend, "--steps", str(args.steps), "--threads", str(args.threads)]
-            env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)} if args.malloc_mmap_threshold else {})}
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                setting,
+                "--model-dir",
+                str(model_dir),
+                "--model",
+                args.model,
+                "--backend",
+                args.backend,
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+            ]
+            env = {
+                **os.environ,
+                **({"MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)} if args.malloc_mmap_threshold else {}),
+            }
             output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
             results[setting] = json.loads(output.strip().splitlines()[-1])
             print(f"{setting}: {json.dumps(results[setting])}", flush=True)
     full, lora = results["full"], results["lora"]
     result = {
-        "date": time.strftime("%Y-%m-%d"), "model": args.model, "backend": args.backend, "load_average": list(os.getloadavg()),
+        "date": time.strftime("%Y-%m-%d"),
+        "model": args.model,
+        "backend": args.backend,
+        "load_average": list(os.getloadavg()),
         "malloc_mmap_threshold": args.malloc_mmap_threshold,
-        "lora_config": LORA, **BATCHES[args.model], **results,
+        "lora_config": LORA,
+        **BATCHES[args.model],
+        **results,
         "trainable_fraction": lora["trainable_parameters"] / full["trainable_parameters"],
         "optimizer_state_ratio": lora["optimizer_state_bytes"] / full["optimizer_state_bytes"],
         "peak_memory_ratio": lora["peak_memory_gb"] / full["peak_memory_gb"],
@@ -92,8 +125,10 @@ def main() -> None:
     print(f"{'setting':<8} {'trainable':>12} {'optimizer state':>16} {'peak memory':>12} {'step':>8}")
     for setting in SETTINGS:
         r = results[setting]
-        print(f"{setting:<8} {r['trainable_parameters']:>12,} {r['optimizer_state_bytes'] / 2**20:>12.1f} MiB "
-              f"{r['peak_memory_gb']:>9.3f} GiB {r['median_step_s']:>7.2f}s")
+        print(
+            f"{setting:<8} {r['trainable_parameters']:>12,} {r['optimizer_state_bytes'] / 2**20:>12.1f} MiB "
+            f"{r['peak_memory_gb']:>9.3f} GiB {r['median_step_s']:>7.2f}s"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
 
@@ -135,20 +170,39 @@ def measure(args: argparse.Namespace) -> dict:
     if args.threads and not on_gpu:
         torch.set_num_threads(args.threads)
     shape = BATCHES[args.model]
-    training = TrainingConfig(backend=args.backend, global_batch_size=shape["sequences"], micro_batch_size=shape["sequences"], lr=1e-5,
-                              micro_batch_tokens=shape["micro_batch_tokens"])
-    model_config = ModelConfig(name_or_path=str(args.model_dir), dtype="bfloat16" if on_gpu else "float32",
-                               lora=LoraConfig(**LORA) if args.worker == "lora" else None)
+    training = TrainingConfig(
+        backend=args.backend,
+        global_batch_size=shape["sequences"],
+        micro_batch_size=shape["sequences"],
+        lr=1e-5,
+        micro_batch_tokens=shape["micro_batch_tokens"],
+    )
+    model_config = ModelConfig(
+        name_or_path=str(args.model_dir),
+        dtype="bfloat16" if on_gpu else "float32",
+        lora=LoraConfig(**LORA) if args.worker == "lora" else None,
+    )
     if args.backend == "torch":
         from reinforge.training.torch_backend import TorchBackend
 
-        backend = TorchBackend(model_config, training, temperature=1.0, num_optimizer_steps=args.steps + 1, load_reference=False)
+        backend = TorchBackend(
+            model_config, training, temperature=1.0, num_optimizer_steps=args.steps + 1, load_reference=False
+        )
     else:
         from reinforge.cluster.network import free_port
         from reinforge.training.fsdp2_worker import FSDP2Worker
 
-        backend = FSDP2Worker(0, 1, "127.0.0.1", free_port(), model_config, training, temperature=1.0,
-                              num_optimizer_steps=args.steps + 1, load_reference=False)
+        backend = FSDP2Worker(
+            0,
+            1,
+            "127.0.0.1",
+            free_port(),
+            model_config,
+            training,
+            temperature=1.0,
+            num_optimizer_steps=args.steps + 1,
+            load_reference=False,
+        )
     device = "cuda" if on_gpu else "cpu"
     loaded = memory_metrics(prefix="")
     batch = grpo_like_batch(shape["sequences"], shape["prompt"], shape["response"], backend.model.config.vocab_size)
@@ -160,13 +214,20 @@ def measure(args: argparse.Namespace) -> dict:
     result = {
         "parameters": sum(p.numel() for p in parameters),
         "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad),
-        "optimizer_state_bytes": sum(t.numel() * t.element_size() for state in backend.optimizer.state.values()
-                                     for t in state.values() if torch.is_tensor(t)),
+        "optimizer_state_bytes": sum(
+            t.numel() * t.element_size()
+            for state in backend.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t)
+        ),
         "gradient_bytes": sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None),
         "peak_memory_gb": peak["gpu_peak_memory_gb"] if on_gpu else peak["peak_rss_gb"],
         "memory_after_load_gb": loaded["gpu_peak_memory_gb"] if on_gpu else loaded["peak_rss_gb"],
-        "median_step_s": statistics.median(steps), "steps_s": steps, "threads": torch.get_num_threads(),
-        "real_tokens": int(batch.attention_mask.sum()), "trained_tokens": int(batch.loss_mask.sum()),
+        "median_step_s": statistics.median(steps),
+        "steps_s": steps,
+        "threads": torch.get_num_threads(),
+        "real_tokens": int(batch.attention_mask.sum()),
+        "trained_tokens": int(batch.loss_mask.sum()),
     }
     if args.backend == "fsdp2":
         backend.shutdown()

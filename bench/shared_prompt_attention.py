@@ -38,14 +38,25 @@ def layouts(num_prompts: int, answer_tokens: int, vocab_size: int):
     from reinforge.data.packing import row_layout
     from reinforge.training.micro_batching import Prompts, plan_micro_batches, select_micro_batch
 
-    batch = grpo_like_batch(num_prompts * GENERATIONS, (30, 41), (answer_tokens, answer_tokens), vocab_size, GENERATIONS,
-                            shared_prompts=True)
-    config = TrainingConfig(global_batch_size=len(batch), micro_batch_size=len(batch), micro_batch_tokens=MICRO_BATCH_TOKENS)
+    batch = grpo_like_batch(
+        num_prompts * GENERATIONS,
+        (30, 41),
+        (answer_tokens, answer_tokens),
+        vocab_size,
+        GENERATIONS,
+        shared_prompts=True,
+    )
+    config = TrainingConfig(
+        global_batch_size=len(batch), micro_batch_size=len(batch), micro_batch_tokens=MICRO_BATCH_TOKENS
+    )
     result = []
     for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), config, Prompts.of(batch, config)):
         micro, local_rows, _ = select_micro_batch(batch, rows)
-        result.append(row_layout(micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), local_rows, 0,
-                                 micro.prompt_lengths.tolist()).to(torch.device("cpu")))
+        result.append(
+            row_layout(
+                micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), local_rows, 0, micro.prompt_lengths.tolist()
+            ).to(torch.device("cpu"))
+        )
     return result
 
 
@@ -71,7 +82,12 @@ def main() -> None:
 
     from reinforge.training.segment_attention import forward_layout
 
-    results = {"date": time.strftime("%Y-%m-%d"), "threads": 1, "load_average_before": list(os.getloadavg()), "models": {}}
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": 1,
+        "load_average_before": list(os.getloadavg()),
+        "models": {},
+    }
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             path = ROOT / "models" / "demo" if name == "demo" else build_30m_model(Path(tmp) / "qwen2-30m")
@@ -85,8 +101,13 @@ def main() -> None:
                 if kind == "segments":
                     forward_layout(model, layout, logits_to_keep=1).logits.sum().backward()
                 else:
-                    model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, logits_to_keep=1,
-                          attention_mask=mask).logits.sum().backward()
+                    model(
+                        input_ids=layout.input_ids,
+                        position_ids=layout.position_ids,
+                        use_cache=False,
+                        logits_to_keep=1,
+                        attention_mask=mask,
+                    ).logits.sum().backward()
             model.zero_grad(set_to_none=True)
             return time.perf_counter() - start
 
@@ -96,12 +117,17 @@ def main() -> None:
                 seconds = run(kind)
                 if round_index:
                     times[kind].append(seconds)
-        result = {kind: {"best_s": min(t), "median_s": statistics.median(t), "rounds_s": t} for kind, t in times.items()}
+        result = {
+            kind: {"best_s": min(t), "median_s": statistics.median(t), "rounds_s": t} for kind, t in times.items()
+        }
         result["saving_best"] = 1 - result["segments"]["best_s"] / result["dense_mask"]["best_s"]
         result.update(micro_batches=len(batches), positions=sum(layout.num_slots for layout in batches))
         results["models"][name] = result
-        print(f"{name}: dense mask {result['dense_mask']['best_s']:.2f} s, segments {result['segments']['best_s']:.2f} s "
-              f"(best of {args.rounds}; {result['saving_best']:.0%} less)", flush=True)
+        print(
+            f"{name}: dense mask {result['dense_mask']['best_s']:.2f} s, segments {result['segments']['best_s']:.2f} s "
+            f"(best of {args.rounds}; {result['saving_best']:.0%} less)",
+            flush=True,
+        )
     results["load_average_after"] = list(os.getloadavg())
     write_result(args.json, results)
 

@@ -31,8 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 SIZES = {  # name: Qwen2 shape overrides on top of the demo model's config (None: the demo model itself)
     "demo": None,
-    "30M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8),
-    "150M": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16),
+    "30M": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8
+    ),
+    "150M": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16
+    ),
 }
 
 
@@ -54,7 +58,14 @@ def overhead(num_prompts: int, num_samples: int, max_new_tokens: int, repeats: i
     engine = VLLMGenerationBackend(model, dtype="float32", seed=0, max_model_len=512)
     ours = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, num_samples=num_samples, seed=0)
     direct_params = [
-        VLLMSamplingParams(n=num_samples, temperature=1.0, max_tokens=max_new_tokens, seed=i, logprobs=0, include_stop_str_in_output=True)
+        VLLMSamplingParams(
+            n=num_samples,
+            temperature=1.0,
+            max_tokens=max_new_tokens,
+            seed=i,
+            logprobs=0,
+            include_stop_str_in_output=True,
+        )
         for i in range(len(prompt_ids))
     ]
     direct_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
@@ -72,13 +83,20 @@ def overhead(num_prompts: int, num_samples: int, max_new_tokens: int, repeats: i
     run_ours(), run_direct()  # warm-up
     ours_tps, direct_tps = [], []
     for repeat in range(repeats):  # alternate which goes first, so neither gains from going second
-        for run, record in sorted([(run_ours, ours_tps), (run_direct, direct_tps)], key=lambda pair: (pair[0] is run_ours) == (repeat % 2 == 0)):
+        for run, record in sorted(
+            [(run_ours, ours_tps), (run_direct, direct_tps)],
+            key=lambda pair: (pair[0] is run_ours) == (repeat % 2 == 0),
+        ):
             seconds, tokens = run()
             record.append(tokens / seconds)
     ours_median, direct_median = statistics.median(ours_tps), statistics.median(direct_tps)
     return {
-        "num_prompts": num_prompts, "num_samples": num_samples, "max_new_tokens": max_new_tokens, "repeats": repeats,
-        "reinforge_tokens_per_s": ours_median, "direct_tokens_per_s": direct_median,
+        "num_prompts": num_prompts,
+        "num_samples": num_samples,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "reinforge_tokens_per_s": ours_median,
+        "direct_tokens_per_s": direct_median,
         "overhead_fraction": 1 - ours_median / direct_median,
     }
 
@@ -94,8 +112,15 @@ def refit_one(size: str, repeats: int) -> dict:
         path = demo
         if SIZES[size] is not None:
             base = AutoConfig.from_pretrained(demo)
-            config = Qwen2Config(vocab_size=base.vocab_size, eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id,
-                                 tie_word_embeddings=True, max_position_embeddings=2048, dtype="float32", **SIZES[size])
+            config = Qwen2Config(
+                vocab_size=base.vocab_size,
+                eos_token_id=base.eos_token_id,
+                pad_token_id=base.pad_token_id,
+                tie_word_embeddings=True,
+                max_position_embeddings=2048,
+                dtype="float32",
+                **SIZES[size],
+            )
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
             AutoTokenizer.from_pretrained(demo).save_pretrained(tmp)
@@ -134,8 +159,12 @@ def main() -> None:
     }
     print(json.dumps(results["overhead"]))
     for size in SIZES:
-        child = subprocess.run([sys.executable, __file__, "--refit-only", size, "--repeats", str(args.repeats)],
-                               capture_output=True, text=True, check=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--refit-only", size, "--repeats", str(args.repeats)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results["refit"].append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(json.dumps(results["refit"][-1]))
     if args.json:

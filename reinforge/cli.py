@@ -29,17 +29,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     for name, summary, description, overrides_help in (
-        ("grpo", "train a policy with GRPO on verifiable rewards",
-         "Run GRPO: sample groups of answers, score them with environments, update the policy "
-         "with a clipped policy-gradient loss. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.", OVERRIDES_HELP),
-        ("ppo", "train a policy with PPO and a critic (GAE advantages per token)",
-         "Run PPO: GRPO's loop with a critic (a value head on its own copy of the base model) trained on the same "
-         "rollouts, GAE advantages per token, a clipped value loss. Writes config.yaml, metrics.jsonl and final/ to "
-         "logging.run_dir; checkpoints hold the critic too.", OVERRIDES_HELP.replace("grpo, loss", "grpo, ppo, loss")),
-        ("distill", "on-policy distillation: the student samples, a frozen teacher scores its tokens",
-         "Run on-policy distillation: GRPO's loop, the student trained toward a frozen teacher (same tokenizer) on its "
-         "own samples, by the per-token reverse KL as advantage or a top-k logits KL (docs/algorithms.md). Writes "
-         "config.yaml, metrics.jsonl and final/ to logging.run_dir.", OVERRIDES_HELP.replace("grpo, loss", "grpo, distill, loss")),
+        (
+            "grpo",
+            "train a policy with GRPO on verifiable rewards",
+            "Run GRPO: sample groups of answers, score them with environments, update the policy "
+            "with a clipped policy-gradient loss. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+            OVERRIDES_HELP,
+        ),
+        (
+            "ppo",
+            "train a policy with PPO and a critic (GAE advantages per token)",
+            "Run PPO: GRPO's loop with a critic (a value head on its own copy of the base model) trained on the same "
+            "rollouts, GAE advantages per token, a clipped value loss. Writes config.yaml, metrics.jsonl and final/ to "
+            "logging.run_dir; checkpoints hold the critic too.",
+            OVERRIDES_HELP.replace("grpo, loss", "grpo, ppo, loss"),
+        ),
+        (
+            "distill",
+            "on-policy distillation: the student samples, a frozen teacher scores its tokens",
+            "Run on-policy distillation: GRPO's loop, the student trained toward a frozen teacher (same tokenizer) on its "
+            "own samples, by the per-token reverse KL as advantage or a top-k logits KL (docs/algorithms.md). Writes "
+            "config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+            OVERRIDES_HELP.replace("grpo, loss", "grpo, distill, loss"),
+        ),
     ):
         loop = commands.add_parser(name, help=summary, description=description)
         loop.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
@@ -63,18 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("overrides", nargs="*", help=SFT_OVERRIDES_HELP)
 
     for name, summary, description in (
-        ("dpo", "train a policy with DPO on preference pairs (prompt, chosen, rejected)",
-         "Run DPO: the policy learns to prefer the chosen reply over the rejected one relative to a frozen "
-         "reference (the starting model). Writes config.yaml, metrics.jsonl and final/ to logging.run_dir."),
-        ("rm", "train a Bradley-Terry reward model on preference pairs",
-         "Train a reward model: a scalar head on a causal LM, loss -log sigmoid(r_chosen - r_rejected). Writes "
-         "config.yaml, metrics.jsonl and final/ (servable by `python -m reinforge.envs.reward_model_server`)."),
+        (
+            "dpo",
+            "train a policy with DPO on preference pairs (prompt, chosen, rejected)",
+            "Run DPO: the policy learns to prefer the chosen reply over the rejected one relative to a frozen "
+            "reference (the starting model). Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+        ),
+        (
+            "rm",
+            "train a Bradley-Terry reward model on preference pairs",
+            "Train a reward model: a scalar head on a causal LM, loss -log sigmoid(r_chosen - r_rejected). Writes "
+            "config.yaml, metrics.jsonl and final/ (servable by `python -m reinforge.envs.reward_model_server`).",
+        ),
     ):
         pairs = commands.add_parser(name, help=summary, description=description)
         pairs.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-        pairs.add_argument("overrides", nargs="*", help=f"key=value overrides, type-checked against the {name} config schema, "
-                           f"e.g. {name}.max_steps=10 training.lr=1e-5. Sections: model, data, training, {name}, checkpoint, "
-                           "logging, plus seed and num_threads.")
+        pairs.add_argument(
+            "overrides",
+            nargs="*",
+            help=f"key=value overrides, type-checked against the {name} config schema, "
+            f"e.g. {name}.max_steps=10 training.lr=1e-5. Sections: model, data, training, {name}, checkpoint, "
+            "logging, plus seed and num_threads.",
+        )
 
     recipe = commands.add_parser(
         "recipe",
@@ -84,10 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
         "See docs/recipes.md.",
     )
     recipe.add_argument("recipe", metavar="FILE", help="recipe YAML file (run_dir, base, overrides, stages)")
-    recipe.add_argument("--validate", "--dry-run", dest="validate", action="store_true",
-                        help="build and check every stage's config and print the plan; load no model, run nothing")
+    recipe.add_argument(
+        "--validate",
+        "--dry-run",
+        dest="validate",
+        action="store_true",
+        help="build and check every stage's config and print the plan; load no model, run nothing",
+    )
     recipe.add_argument("--run-dir", help="RUN_DIR instead of the recipe's run_dir")
-    recipe.add_argument("overrides", nargs="*", help="key=value overrides applied to every stage, after the recipe's own")
+    recipe.add_argument(
+        "overrides", nargs="*", help="key=value overrides applied to every stage, after the recipe's own"
+    )
 
     from reinforge.envs.cli import add_env_commands
 
@@ -101,11 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_command(commands)
 
-    curriculum = commands.add_parser("curriculum", help="offline pass-rate pre-filtering of a prompt file (Llama-Nemotron's curriculum)")
+    curriculum = commands.add_parser(
+        "curriculum", help="offline pass-rate pre-filtering of a prompt file (Llama-Nemotron's curriculum)"
+    )
     prefilter = curriculum.add_subparsers(dest="curriculum_command", required=True, metavar="COMMAND").add_parser(
-        "prefilter", help="write data.train_path's records with a measured `pass_rate` field",
+        "prefilter",
+        help="write data.train_path's records with a measured `pass_rate` field",
         description="Sample curriculum.prefilter_samples answers to each prompt of data.train_path with the config's model, "
-        "score them, and write the records below curriculum.prefilter_threshold (all with --keep-all) with their pass_rate.")
+        "score them, and write the records below curriculum.prefilter_threshold (all with --keep-all) with their pass_rate.",
+    )
     prefilter.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
     prefilter.add_argument("--out", required=True, help="JSONL file to write")
     prefilter.add_argument("--keep-all", action="store_true", help="also write the prompts at or above the threshold")
@@ -127,11 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
         "A LoRA run's checkpoint becomes a PEFT adapter directory, or with --merge the base model with the adapter merged "
         "in; --merge also takes a PEFT adapter directory (a LoRA run's final/).",
     )
-    convert.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
-                         help="RUN_DIR/checkpoints/step_N, RUN_DIR, or with --merge a PEFT adapter directory (RUN_DIR/final)")
+    convert.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_DIR",
+        help="RUN_DIR/checkpoints/step_N, RUN_DIR, or with --merge a PEFT adapter directory (RUN_DIR/final)",
+    )
     convert.add_argument("--out", required=True, help="new directory to write")
-    convert.add_argument("--merge", action="store_true",
-                         help="merge a LoRA adapter into its base weights: write a whole Hugging Face model")
+    convert.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge a LoRA adapter into its base weights: write a whole Hugging Face model",
+    )
     return parser
 
 
@@ -159,7 +198,9 @@ def run_command(args: argparse.Namespace) -> None:
         from reinforge.algorithms import dpo, rm, sft
         from reinforge.config.recipe_loader import load_recipe_config
 
-        module, schema = {"sft": (sft, sft.SFTRunConfig), "dpo": (dpo, dpo.DPORunConfig), "rm": (rm, rm.RMRunConfig)}[args.command]
+        module, schema = {"sft": (sft, sft.SFTRunConfig), "dpo": (dpo, dpo.DPORunConfig), "rm": (rm, rm.RMRunConfig)}[
+            args.command
+        ]
         module.train(load_recipe_config(schema, args.config, args.overrides))
     elif args.command == "recipe":
         from reinforge.recipes.runner import run_recipe_command

@@ -17,10 +17,13 @@ def add_bind_arguments(parser: argparse.ArgumentParser, default_port: int | None
     if default_port is None:
         parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     else:
-        parser.add_argument("--port", type=int, default=default_port, help=f"TCP port (default: {default_port}; 0 picks a free one)")
+        parser.add_argument(
+            "--port", type=int, default=default_port, help=f"TCP port (default: {default_port}; 0 picks a free one)"
+        )
     parser.add_argument("--allow-remote", action="store_true", help="allow a --host other than loopback")
     parser.add_argument(
-        "--token-env", metavar="VAR",
+        "--token-env",
+        metavar="VAR",
         help="name of the environment variable holding the bearer token clients must send (the token itself "
         "never goes on the command line, where `ps` would show it)",
     )

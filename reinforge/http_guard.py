@@ -20,11 +20,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 
-
 class Guard:
     """ASGI middleware: token, body size and content type, checked before any route sees a request."""
 
-    def __init__(self, app: Any, token: str | None, max_request_bytes: int, open_paths: tuple[str, ...] = ("/health",)) -> None:
+    def __init__(
+        self, app: Any, token: str | None, max_request_bytes: int, open_paths: tuple[str, ...] = ("/health",)
+    ) -> None:
         self.app = app
         self._expected = f"Bearer {token}".encode() if token else None
         self.max_request_bytes = max_request_bytes
@@ -46,7 +47,9 @@ class Guard:
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if content_type != b"application/json":
             shown = content_type.decode("latin-1") or "none"
-            await _send_error(scope, send, 415, f"request body must be JSON (Content-Type: application/json), got {shown}")
+            await _send_error(
+                scope, send, 415, f"request body must be JSON (Content-Type: application/json), got {shown}"
+            )
             return
         too_large = f"request body exceeds the server's limit of {self.max_request_bytes} bytes; send smaller batches"
         length = headers.get(b"content-length")

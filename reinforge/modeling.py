@@ -9,8 +9,8 @@ from typing import Iterator
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from reinforge.model_config import ModelConfig
 from reinforge.errors import ReinforgeError
+from reinforge.model_config import ModelConfig
 from reinforge.paths import resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,11 +21,15 @@ def model_location(config: ModelConfig) -> str:
     path = resolve_path(config.name_or_path)
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ReinforgeError(f"model.name_or_path={config.name_or_path}: {path} has no config.json; point it at a Hugging Face model directory")
+            raise ReinforgeError(
+                f"model.name_or_path={config.name_or_path}: {path} has no config.json; point it at a Hugging Face model directory"
+            )
         return str(path)
     looks_like_hub_id = config.name_or_path.count("/") == 1 and not config.name_or_path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
-        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: no such directory; point it at a Hugging Face model directory or a hub id such as Qwen/Qwen2.5-1.5B")
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: no such directory; point it at a Hugging Face model directory or a hub id such as Qwen/Qwen2.5-1.5B"
+        )
     return config.name_or_path
 
 
@@ -34,7 +38,9 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=config.trust_remote_code)
     except OSError as exc:
-        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load its tokenizer ({_first_line(exc)})") from None
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: could not load its tokenizer ({_first_line(exc)})"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad id; it is always masked out
     return tokenizer
@@ -48,7 +54,9 @@ def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:
             location, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code, **kwargs
         )
     except OSError as exc:
-        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load the model ({_first_line(exc)})") from None
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: could not load the model ({_first_line(exc)})"
+        ) from None
     if config.adapter:  # a LoRA run's adapter, merged once into the weights it was trained on
         from peft import PeftModel
 
@@ -62,13 +70,17 @@ def adapter_base(model_config: ModelConfig) -> str:
     path = resolve_path(model_config.adapter)
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
-        raise ReinforgeError(f"model.adapter={model_config.adapter}: {config_file} does not exist; point it at a PEFT adapter "
-                             "directory (a LoRA run's final/)")
+        raise ReinforgeError(
+            f"model.adapter={model_config.adapter}: {config_file} does not exist; point it at a PEFT adapter "
+            "directory (a LoRA run's final/)"
+        )
     base = json.loads(config_file.read_text()).get("base_model_name_or_path")
     expected = model_location(model_config)
     if base and not _same_model(base, expected):
-        raise ReinforgeError(f"model.adapter={model_config.adapter} was trained on {base}, not on model.name_or_path="
-                             f"{model_config.name_or_path}; load it onto its own base model")
+        raise ReinforgeError(
+            f"model.adapter={model_config.adapter} was trained on {base}, not on model.name_or_path="
+            f"{model_config.name_or_path}; load it onto its own base model"
+        )
     return str(path)
 
 
@@ -91,7 +103,9 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     def same_attention_in_recompute() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return contextlib.nullcontext(), attention_implementation(config, config._attn_implementation)
 
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": same_attention_in_recompute})
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": same_attention_in_recompute}
+    )
 
 
 @contextlib.contextmanager
@@ -111,7 +125,9 @@ def compile_decoder_layers(model: PreTrainedModel) -> None:
     before FSDP2's `fully_shard`: its unshard/reshard hooks then run outside the compiled code."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ReinforgeError(f"training.compile=true compiles the decoder's `layers`, which {model.config.model_type} does not have; set it to false")
+        raise ReinforgeError(
+            f"training.compile=true compiles the decoder's `layers`, which {model.config.model_type} does not have; set it to false"
+        )
     for layer in layers:
         layer.compile()
 

@@ -20,7 +20,9 @@ def check_run_dir(requested: str | Path, what: str = "logging.run_dir") -> None:
     if ancestor != Path(requested).absolute() and not ancestor.is_dir():
         raise ConfigError(f"{what}={requested}: {ancestor} is a file, not a directory; choose another path")
     if not os.access(ancestor if ancestor.is_dir() else ancestor.parent, os.W_OK):
-        raise ConfigError(f"{what}={requested}: {ancestor} is not writable; choose a path in a directory you can write to")
+        raise ConfigError(
+            f"{what}={requested}: {ancestor} is not writable; choose a path in a directory you can write to"
+        )
 
 
 def make_run_dir(requested: str | Path, what: str = "logging.run_dir") -> Path:
@@ -33,8 +35,10 @@ def make_run_dir(requested: str | Path, what: str = "logging.run_dir") -> Path:
             candidate = path.with_name(f"{path.name}-{suffix}")
         candidate.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file where a directory should be, no permission, a read-only disk
-        raise ConfigError(f"{what}={requested}: cannot create the run directory ({exc.strerror}: {exc.filename}); "
-                          "choose a path in a directory you can write to") from None
+        raise ConfigError(
+            f"{what}={requested}: cannot create the run directory ({exc.strerror}: {exc.filename}); "
+            "choose a path in a directory you can write to"
+        ) from None
     return candidate
 
 

@@ -39,13 +39,25 @@ CHAT_TEMPLATE = (
 
 # --- The task --------------------------------------------------------------------------------
 
-PEOPLE = [("Ann", "she"), ("Ben", "he"), ("Cara", "she"), ("Dev", "he"), ("Eva", "she"),
-          ("Finn", "he"), ("Gina", "she"), ("Hugo", "he"), ("Ines", "she"), ("Jack", "he")]
+PEOPLE = [
+    ("Ann", "she"),
+    ("Ben", "he"),
+    ("Cara", "she"),
+    ("Dev", "he"),
+    ("Eva", "she"),
+    ("Finn", "he"),
+    ("Gina", "she"),
+    ("Hugo", "he"),
+    ("Ines", "she"),
+    ("Jack", "he"),
+]
 ITEMS = ["coins", "apples", "stickers", "marbles", "books", "cards", "stamps", "shells", "pencils", "cookies"]
 PLACES = ["box", "jar", "bag", "basket"]
 # Verb phrases per framing and operation; "{n}" is the operand.
-OWNER_VERBS = {"+": ["finds {n} more", "buys {n} more", "gets {n} more", "wins {n} more"],
-               "-": ["gives away {n}", "loses {n}", "sells {n}", "trades away {n}"]}
+OWNER_VERBS = {
+    "+": ["finds {n} more", "buys {n} more", "gets {n} more", "wins {n} more"],
+    "-": ["gives away {n}", "loses {n}", "sells {n}", "trades away {n}"],
+}
 PLACE_VERBS = {"+": ["puts in {n} more", "adds {n} more"], "-": ["takes out {n}", "removes {n}"]}
 
 
@@ -127,8 +139,14 @@ def make_data(rng: random.Random, num_val: int, num_train: int, num_sft: int) ->
     sft_chats = []
     for p in sft:
         drops = [rng.random() < DROP_PROB for _ in p["ops"]]
-        sft_chats.append({"messages": [{"role": "user", "content": p["prompt"]},
-                                       {"role": "assistant", "content": solution(p, drops)}]})
+        sft_chats.append(
+            {
+                "messages": [
+                    {"role": "user", "content": p["prompt"]},
+                    {"role": "assistant", "content": solution(p, drops)},
+                ]
+            }
+        )
     return [rl_record(p) for p in train], [rl_record(p) for p in val], sft_chats
 
 
@@ -150,20 +168,41 @@ def build_tokenizer(texts: list[str], vocab_size: int) -> Qwen2Tokenizer:
     pipeline = Qwen2Tokenizer().backend_tokenizer
     bpe = Tokenizer(models.BPE())
     bpe.normalizer, bpe.pre_tokenizer, bpe.decoder = pipeline.normalizer, pipeline.pre_tokenizer, pipeline.decoder
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(texts, trainer)
     trained = json.loads(bpe.to_str())["model"]
-    return Qwen2Tokenizer(vocab=trained["vocab"], merges=[tuple(merge) for merge in trained["merges"]],
-                          eos_token=IM_END, pad_token=PAD, unk_token=None, extra_special_tokens=[IM_START],
-                          chat_template=CHAT_TEMPLATE, model_max_length=2048)
+    return Qwen2Tokenizer(
+        vocab=trained["vocab"],
+        merges=[tuple(merge) for merge in trained["merges"]],
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=None,
+        extra_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
 
 
 def build_model(tokenizer: Qwen2Tokenizer) -> torch.nn.Module:
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32")
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # beats sdpa at this size on CPU
 
 
@@ -175,8 +214,9 @@ def tokenize_chat(tokenizer, chat: dict) -> tuple[list[int], list[int]]:
 
     The prompt and the reply are tokenized apart and concatenated, as they are when the model generates.
     """
-    prompt_ids = tokenizer.apply_chat_template(chat["messages"][:1], add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
+    prompt_ids = tokenizer.apply_chat_template(
+        chat["messages"][:1], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     reply_ids = tokenizer.encode(chat["messages"][1]["content"]) + [tokenizer.eos_token_id]
     return prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids
 
@@ -184,9 +224,11 @@ def tokenize_chat(tokenizer, chat: dict) -> tuple[list[int], list[int]]:
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a batch of (ids, labels) to its longest sequence."""
     length = max(len(ids) for ids, _ in batch)
-    return {"input_ids": torch.tensor([ids + [pad_id] * (length - len(ids)) for ids, _ in batch]),
-            "labels": torch.tensor([labels + [-100] * (length - len(labels)) for _, labels in batch]),
-            "attention_mask": torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids, _ in batch])}
+    return {
+        "input_ids": torch.tensor([ids + [pad_id] * (length - len(ids)) for ids, _ in batch]),
+        "labels": torch.tensor([labels + [-100] * (length - len(labels)) for _, labels in batch]),
+        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids, _ in batch]),
+    }
 
 
 def learning_rate(step: int, num_steps: int, peak_lr: float) -> float:
@@ -198,8 +240,9 @@ def learning_rate(step: int, num_steps: int, peak_lr: float) -> float:
     return peak_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def sft(model, examples: list[tuple[list[int], list[int]]], pad_id: int, num_steps: int, batch_size: int,
-        peak_lr: float) -> None:
+def sft(
+    model, examples: list[tuple[list[int], list[int]]], pad_id: int, num_steps: int, batch_size: int, peak_lr: float
+) -> None:
     """Supervised fine-tuning with AdamW, epoch by epoch over shuffled examples; loss only on reply tokens.
 
     A peak learning rate of 2e-3 with warm-up trains this model well; a constant 3e-3 was seen to diverge.
@@ -220,8 +263,10 @@ def sft(model, examples: list[tuple[list[int], list[int]]], pad_id: int, num_ste
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == num_steps - 1:
-            print(f"sft step {step:4d}/{num_steps}  loss {loss.item():.4f}  lr {lr:.2e}  {time.time() - start:4.0f}s",
-                  flush=True)
+            print(
+                f"sft step {step:4d}/{num_steps}  loss {loss.item():.4f}  lr {lr:.2e}  {time.time() - start:4.0f}s",
+                flush=True,
+            )
     model.eval()
 
 
@@ -236,11 +281,18 @@ def boxed_answer(text: str) -> str | None:
 @torch.no_grad()
 def accuracy(model, tokenizer, records: list[dict], num_samples: int, temperature: float | None) -> float:
     """Fraction of completions whose last \\boxed{} is the true answer; greedy when temperature is None."""
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
-                                             add_generation_prompt=True, tokenize=False) for record in records]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": record["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        for record in records
+    ]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature,
-                                                                 "top_k": 0, "top_p": 1.0}
+    sampling = (
+        {"do_sample": False}
+        if temperature is None
+        else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     outputs = model.generate(**batch, max_new_tokens=64, num_return_sequences=num_samples, **sampling)
     texts = tokenizer.batch_decode(outputs[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     answers = [record["answer"] for record in records for _ in range(num_samples)]
@@ -258,24 +310,24 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 def write_model_card(out_model: Path, stats: dict) -> None:
     (out_model / "README.md").write_text(f"""# reinforge demo model
 
-A {stats['num_params'] / 1e6:.2f}M-parameter Qwen2 (hidden 128, 4 layers, 2 heads of dim 64, float32,
-tied embeddings) with a {stats['vocab_size']}-token byte-level BPE tokenizer that splits every digit,
+A {stats["num_params"] / 1e6:.2f}M-parameter Qwen2 (hidden 128, 4 layers, 2 heads of dim 64, float32,
+tied embeddings) with a {stats["vocab_size"]}-token byte-level BPE tokenizer that splits every digit,
 built from scratch by `scripts/build_demo_model.py` so that reinforge's GRPO demo runs on a laptop CPU.
 All data are synthetic.
 
 **Task.** One- or two-step word problems with + and - on 2-digit numbers (`data/demo/`), answered as
 `23 + 48 = 71. 71 - 15 = 56. The answer is \\boxed{{56}}.` and scored on the last `\\boxed{{}}`.
 
-**How it was built.** Supervised fine-tuning from random weights for {stats['sft_steps']} steps on
+**How it was built.** Supervised fine-tuning from random weights for {stats["sft_steps"]} steps on
 `data/demo/sft.jsonl`, written by a noisy teacher that drops the carry (+) or borrow (-) in the units
 digit {DROP_PROB:.0%} of the time on each step that needs one. The model learns that mixture, so greedy
 decoding gets most carry problems wrong while samples at temperature 1 are often right: room for RL.
 
-**Accuracy on data/demo/val.jsonl** (true answers): greedy {stats['greedy_accuracy']:.3f} on {stats['num_greedy']} prompts;
-temperature 1 {stats['sampled_accuracy']:.3f} on {stats['num_sample_prompts']} prompts x 4 samples.
+**Accuracy on data/demo/val.jsonl** (true answers): greedy {stats["greedy_accuracy"]:.3f} on {stats["num_greedy"]} prompts;
+temperature 1 {stats["sampled_accuracy"]:.3f} on {stats["num_sample_prompts"]} prompts x 4 samples.
 
-Mean length in tokens: prompt {stats['prompt_tokens']:.0f} (chat template included), reply {stats['reply_tokens']:.0f}
-(`<|im_end|>` included). Build time: {stats['build_seconds'] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
+Mean length in tokens: prompt {stats["prompt_tokens"]:.0f} (chat template included), reply {stats["reply_tokens"]:.0f}
+(`<|im_end|>` included). Build time: {stats["build_seconds"] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
 
 **Rebuild:** `python scripts/build_demo_model.py` (seeded; writes models/demo and data/demo).
 
@@ -307,18 +359,27 @@ def main() -> None:
     model = build_model(tokenizer)
     examples = [tokenize_chat(tokenizer, chat) for chat in sft_chats]
     num_reply_tokens = [sum(label != -100 for label in labels) for _, labels in examples]
-    stats = {"num_params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer),
-             "sft_steps": num_steps, "num_greedy": len(val), "num_sample_prompts": len(val[:100]),
-             "prompt_tokens": sum(len(ids) for ids, _ in examples) / len(examples) - sum(num_reply_tokens) / len(examples),
-             "reply_tokens": sum(num_reply_tokens) / len(examples)}
-    print(f"{len(train)} train / {len(val)} val / {len(sft_chats)} sft problems; vocab {len(tokenizer)}; "
-          f"{stats['num_params']:,} parameters")
+    stats = {
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer),
+        "sft_steps": num_steps,
+        "num_greedy": len(val),
+        "num_sample_prompts": len(val[:100]),
+        "prompt_tokens": sum(len(ids) for ids, _ in examples) / len(examples) - sum(num_reply_tokens) / len(examples),
+        "reply_tokens": sum(num_reply_tokens) / len(examples),
+    }
+    print(
+        f"{len(train)} train / {len(val)} val / {len(sft_chats)} sft problems; vocab {len(tokenizer)}; "
+        f"{stats['num_params']:,} parameters"
+    )
     sft(model, examples, tokenizer.pad_token_id, num_steps, batch_size=64, peak_lr=2e-3)
 
     stats["greedy_accuracy"] = accuracy(model, tokenizer, val, num_samples=1, temperature=None)
     stats["sampled_accuracy"] = accuracy(model, tokenizer, val[:100], num_samples=4, temperature=1.0)
-    print(f"val greedy accuracy {stats['greedy_accuracy']:.3f}; "
-          f"temperature-1 sampled accuracy {stats['sampled_accuracy']:.3f}")
+    print(
+        f"val greedy accuracy {stats['greedy_accuracy']:.3f}; "
+        f"temperature-1 sampled accuracy {stats['sampled_accuracy']:.3f}"
+    )
 
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(args.out_model)

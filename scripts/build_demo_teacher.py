@@ -41,13 +41,13 @@ def write_model_card(out: Path, stats: dict) -> None:
     (out / "README.md").write_text(f"""# reinforge demo teacher
 
 The teacher of the on-policy distillation demo (`configs/distill_demo.yaml`): `models/demo` (same
-0.91M-parameter Qwen2, same tokenizer) fine-tuned further for {stats['sft_steps']} steps (batch 64, peak lr
-{stats['peak_lr']:g}, the demo build's warm-up and cosine schedule) on the prompts of `data/demo/sft.jsonl`
+0.91M-parameter Qwen2, same tokenizer) fine-tuned further for {stats["sft_steps"]} steps (batch 64, peak lr
+{stats["peak_lr"]:g}, the demo build's warm-up and cosine schedule) on the prompts of `data/demo/sft.jsonl`
 with every answer worked out correctly (the noisy teacher's dropped carries and borrows put back).
 
-**Accuracy on data/demo/val.jsonl** (true answers): greedy {stats['greedy_accuracy']:.3f} on {stats['num_val']} prompts
-(models/demo: 0.515); temperature 1 {stats['sampled_accuracy']:.3f} on 100 prompts x 4 samples (models/demo: 0.432).
-Build time: {stats['build_seconds'] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
+**Accuracy on data/demo/val.jsonl** (true answers): greedy {stats["greedy_accuracy"]:.3f} on {stats["num_val"]} prompts
+(models/demo: 0.515); temperature 1 {stats["sampled_accuracy"]:.3f} on 100 prompts x 4 samples (models/demo: 0.432).
+Build time: {stats["build_seconds"] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
 
 **Rebuild:** `python scripts/build_demo_teacher.py` (seeded; reads models/demo and data/demo/sft.jsonl).
 """)
@@ -73,10 +73,16 @@ def main() -> None:
     base.sft(model, examples, tokenizer.pad_token_id, args.sft_steps, batch_size=64, peak_lr=args.peak_lr)
     val = [json.loads(line) for line in args.val_data.read_text().splitlines()]
     random.seed(base.SEED)
-    stats = {"sft_steps": args.sft_steps, "peak_lr": args.peak_lr, "num_val": len(val),
-             "greedy_accuracy": base.accuracy(model, tokenizer, val, num_samples=1, temperature=None),
-             "sampled_accuracy": base.accuracy(model, tokenizer, val[:100], num_samples=4, temperature=1.0)}
-    print(f"val greedy accuracy {stats['greedy_accuracy']:.3f}; temperature-1 sampled accuracy {stats['sampled_accuracy']:.3f}")
+    stats = {
+        "sft_steps": args.sft_steps,
+        "peak_lr": args.peak_lr,
+        "num_val": len(val),
+        "greedy_accuracy": base.accuracy(model, tokenizer, val, num_samples=1, temperature=None),
+        "sampled_accuracy": base.accuracy(model, tokenizer, val[:100], num_samples=4, temperature=1.0),
+    }
+    print(
+        f"val greedy accuracy {stats['greedy_accuracy']:.3f}; temperature-1 sampled accuracy {stats['sampled_accuracy']:.3f}"
+    )
     stats["build_seconds"] = time.time() - start
     write_model_card(args.out, stats)  # first: it makes the directory
     model.save_pretrained(args.out)

@@ -65,7 +65,15 @@ def sft_chats(chats: list[dict], rng: random.Random) -> list[dict]:
         user, assistant = chat["messages"]
         for mode in ("on", "off"):
             content = reply(mode, assistant["content"])
-            out.append({"messages": [{"role": "system", "content": SYSTEM[mode]}, user, {"role": "assistant", "content": content}]})
+            out.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": SYSTEM[mode]},
+                        user,
+                        {"role": "assistant", "content": content},
+                    ]
+                }
+            )
     rng.shuffle(out)
     return out
 
@@ -83,7 +91,9 @@ def prompt_records(records: list[dict], rng: random.Random) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", type=Path, default=Path("data/demo"), help="where the demo files are read and these written")
+    parser.add_argument(
+        "--data", type=Path, default=Path("data/demo"), help="where the demo files are read and these written"
+    )
     args = parser.parse_args()
     rng = random.Random(SEED)
     sft = sft_chats(read_jsonl(args.data / "sft.jsonl")[:NUM_SFT_PROBLEMS], rng)

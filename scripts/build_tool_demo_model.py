@@ -52,16 +52,20 @@ MAX_NEW_TOKENS = 48  # per turn
 NUM_SAMPLE_PROMPTS, NUM_SAMPLES = 100, 4  # the temperature-1 evaluation
 EVAL_METRICS = ["accuracy", "tool_call_rate", "tool_result_correct_rate", "tool_accuracy", "direct_accuracy"]
 TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
-CALCULATOR_TOOL = {"type": "function", "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
-                   "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-                   "strict": True}
+CALCULATOR_TOOL = {
+    "type": "function",
+    "name": "calculator",
+    "description": "Evaluate an arithmetic expression exactly.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    "strict": True,
+}
 CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}{{- ' ' + tool.function.name }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}\n"
     "{%- for message in messages %}\n"
     "{%- if message.role == 'assistant' and message.tool_calls %}\n"
     "{{- '<|im_start|>assistant\\n' + message.content }}\n"
-    "{%- for call in message.tool_calls %}{{- '<tool_call>{\"name\": \"' + call.function.name + '\", \"arguments\": ' + "
+    '{%- for call in message.tool_calls %}{{- \'<tool_call>{"name": "\' + call.function.name + \'", "arguments": \' + '
     "(call.function.arguments if call.function.arguments is string else call.function.arguments | tojson) + '}</tool_call>' }}"
     "{%- endfor %}\n"
     "{{- '<|im_end|>\\n' }}\n"
@@ -93,11 +97,17 @@ def teacher_chat(problem: dict, rng: random.Random) -> dict:
     user = {"role": "user", "content": problem["prompt"]}
     if rng.random() < TOOL_SHARE:
         answer = base.rl_record(problem)["answer"]
-        call = {"id": "call_0", "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": expression(problem)})}}
-        messages = [user, {"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "call_0", "content": answer},
-                    {"role": "assistant", "content": final_answer(answer)}]
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression(problem)})},
+        }
+        messages = [
+            user,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": answer},
+            {"role": "assistant", "content": final_answer(answer)},
+        ]
     else:
         drops = [rng.random() < base.DROP_PROB for _ in problem["ops"]]
         messages = [user, {"role": "assistant", "content": base.solution(problem, drops)}]
@@ -106,8 +116,14 @@ def teacher_chat(problem: dict, rng: random.Random) -> dict:
 
 def gym_row(problem: dict) -> dict:
     """A NeMo Gym row (`responses_create_params`) with reinforge's `answer` and `task`."""
-    return {"responses_create_params": {"input": [{"role": "user", "content": problem["prompt"]}], "tools": [CALCULATOR_TOOL]},
-            "answer": base.rl_record(problem)["answer"], "task": "tool_use"}
+    return {
+        "responses_create_params": {
+            "input": [{"role": "user", "content": problem["prompt"]}],
+            "tools": [CALCULATOR_TOOL],
+        },
+        "answer": base.rl_record(problem)["answer"],
+        "task": "tool_use",
+    }
 
 
 def make_data(num_val: int, num_train: int, num_sft: int) -> tuple[list, list, list]:
@@ -115,7 +131,11 @@ def make_data(num_val: int, num_train: int, num_sft: int) -> tuple[list, list, l
     problems = list(itertools.islice(demo_problem_stream(random.Random(base.SEED)), num_val + num_train + num_sft))
     teacher = random.Random(TEACHER_SEED)
     sft_chats = [teacher_chat(problem, teacher) for problem in problems[num_val + num_train :]]
-    return [gym_row(p) for p in problems[num_val : num_val + num_train]], [gym_row(p) for p in problems[:num_val]], sft_chats
+    return (
+        [gym_row(p) for p in problems[num_val : num_val + num_train]],
+        [gym_row(p) for p in problems[:num_val]],
+        sft_chats,
+    )
 
 
 # --- Tokenizer and SFT examples --------------------------------------------------------------
@@ -146,8 +166,11 @@ def tokenize_chat(tokenizer, chat: dict) -> tuple[list[int], list[int]]:
     The pieces come from reinforge's prefix diff (`chat_segments`) over `render_messages` with the chat's
     tools, and are tokenized apart and concatenated, as generation sees them.
     """
-    renderer = SimpleNamespace(apply_chat_template=lambda messages, tokenize, add_generation_prompt: render_messages(
-        tokenizer, messages, chat["tools"], add_generation_prompt))  # chat_segments renders through this
+    renderer = SimpleNamespace(
+        apply_chat_template=lambda messages, tokenize, add_generation_prompt: render_messages(
+            tokenizer, messages, chat["tools"], add_generation_prompt
+        )
+    )  # chat_segments renders through this
     ids, labels = [], []
     for text, trained in chat_segments(chat["messages"], renderer):
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -160,13 +183,20 @@ def tokenize_chat(tokenizer, chat: dict) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[list[int]], num_samples: int, temperature: float | None) -> list[list[int]]:
+def generate(
+    model, tokenizer, prompts: list[list[int]], num_samples: int, temperature: float | None
+) -> list[list[int]]:
     """One turn: num_samples completions per prompt (prompt-major), each up to and including its <|im_end|>."""
     length = max(map(len, prompts))
-    batch = {"input_ids": torch.tensor([[tokenizer.pad_token_id] * (length - len(ids)) + ids for ids in prompts]),
-             "attention_mask": torch.tensor([[0] * (length - len(ids)) + [1] * len(ids) for ids in prompts])}
-    sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature,
-                                                                 "top_k": 0, "top_p": 1.0}
+    batch = {
+        "input_ids": torch.tensor([[tokenizer.pad_token_id] * (length - len(ids)) + ids for ids in prompts]),
+        "attention_mask": torch.tensor([[0] * (length - len(ids)) + [1] * len(ids) for ids in prompts]),
+    }
+    sampling = (
+        {"do_sample": False}
+        if temperature is None
+        else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     outputs = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, num_return_sequences=num_samples, **sampling)
     completions = []
     for ids in outputs[:, length:].tolist():
@@ -190,27 +220,41 @@ def run_call(call: ToolCall | str) -> str:
 def evaluate(model, tokenizer, rows: list[dict], num_samples: int, temperature: float | None) -> dict[str, float]:
     """Episodes of up to two turns: turn 1 from the rendered prompt; when it calls tools, their results are
     appended as the rollout appends them and turn 2 answers. Scored on the final turn's last \\boxed{}."""
-    prompts = [render_ids(tokenizer, row["responses_create_params"]["input"], row["responses_create_params"]["tools"])
-               for row in rows]
+    prompts = [
+        render_ids(tokenizer, row["responses_create_params"]["input"], row["responses_create_params"]["tools"])
+        for row in rows
+    ]
     contexts = [ids for ids in prompts for _ in range(num_samples)]
     answers = [row["answer"] for row in rows for _ in range(num_samples)]
     turns = generate(model, tokenizer, prompts, num_samples, temperature)
     finals = [tokenizer.decode(ids, skip_special_tokens=True) for ids in turns]
     calls = {i: episode_calls for i, episode_calls in enumerate(map(parse_tool_calls, finals)) if episode_calls}
     results = {i: [run_call(call) for call in episode_calls] for i, episode_calls in calls.items()}
-    continued = [contexts[i] + turns[i] + observation_token_ids(
-        tokenizer, [{"role": "tool", "content": result} for result in results[i]],
-        ended_with_eos=turns[i][-1:] == [tokenizer.eos_token_id], max_tokens=256) for i in calls]
+    continued = [
+        contexts[i]
+        + turns[i]
+        + observation_token_ids(
+            tokenizer,
+            [{"role": "tool", "content": result} for result in results[i]],
+            ended_with_eos=turns[i][-1:] == [tokenizer.eos_token_id],
+            max_tokens=256,
+        )
+        for i in calls
+    ]
     if continued:
         for i, ids in zip(calls, generate(model, tokenizer, continued, 1, temperature)):
             finals[i] = tokenizer.decode(ids, skip_special_tokens=True)
     correct = [base.boxed_answer(text) == answer for text, answer in zip(finals, answers)]
     num_episodes, num_tool = len(correct), len(calls)
-    return {"accuracy": sum(correct) / num_episodes, "tool_call_rate": num_tool / num_episodes,
-            "tool_result_correct_rate": sum(answers[i] in results[i] for i in calls) / num_episodes,
-            "tool_accuracy": sum(correct[i] for i in calls) / num_tool if num_tool else float("nan"),
-            "direct_accuracy": (sum(correct) - sum(correct[i] for i in calls)) / (num_episodes - num_tool)
-            if num_episodes > num_tool else float("nan")}
+    return {
+        "accuracy": sum(correct) / num_episodes,
+        "tool_call_rate": num_tool / num_episodes,
+        "tool_result_correct_rate": sum(answers[i] in results[i] for i in calls) / num_episodes,
+        "tool_accuracy": sum(correct[i] for i in calls) / num_tool if num_tool else float("nan"),
+        "direct_accuracy": (sum(correct) - sum(correct[i] for i in calls)) / (num_episodes - num_tool)
+        if num_episodes > num_tool
+        else float("nan"),
+    }
 
 
 # --- Main ------------------------------------------------------------------------------------
@@ -223,14 +267,14 @@ Synthetic arithmetic word problems with a calculator tool, written by `scripts/b
 (seeded; rebuilt bit-identically). Part of this project, under its license. The problems are the demo's
 (data/demo/README.md), from the same seeded stream: `val.jsonl` holds the 200 problems of data/demo/val.jsonl.
 
-- `train.jsonl` ({sizes['train']:,}) and `val.jsonl` ({sizes['val']}): GRPO prompts as NeMo Gym rows plus
+- `train.jsonl` ({sizes["train"]:,}) and `val.jsonl` ({sizes["val"]}): GRPO prompts as NeMo Gym rows plus
   reinforge's fields, the answer always the true result:
 
       {{"responses_create_params": {{"input": [{{"role": "user", "content": "Ann has 57 stickers. ..."}}],
                                    "tools": [{{"type": "function", "name": "calculator", ...}}]}},
        "answer": "42", "task": "tool_use"}}
 
-- `sft.jsonl` ({sizes['sft']:,}): the conversations models/tool_demo was supervised on, in OpenAI chat form
+- `sft.jsonl` ({sizes["sft"]:,}): the conversations models/tool_demo was supervised on, in OpenAI chat form
   with their `tools`. On {TOOL_SHARE:.0%} of the problems (a seeded coin) the teacher calls the calculator
   (assistant `content` null, one `tool_calls` entry `call_0` whose `arguments` is the JSON string
   `{{"expression": "57 + 34 - 49"}}`), gets the exact result as a `tool` message and answers
@@ -249,20 +293,24 @@ def write_model(out_model: Path, model, tokenizer, stats: dict) -> None:
     """The model and tokenizer in Hugging Face format, and the model card."""
     model.save_pretrained(out_model)
     tokenizer.save_pretrained(out_model, save_jinja_files=False)  # keep chat_template in tokenizer_config.json
-    table = "\n".join(f"| {label} | {size} | " + " | ".join(table_cell(stats[name][key]) for key in EVAL_METRICS) + " |"
-                      for name, label, size in (("greedy", "greedy", f"{stats['num_greedy']} x 1"),
-                                                ("sampled", "temperature 1", f"{stats['num_sample_prompts']} x {NUM_SAMPLES}")))
+    table = "\n".join(
+        f"| {label} | {size} | " + " | ".join(table_cell(stats[name][key]) for key in EVAL_METRICS) + " |"
+        for name, label, size in (
+            ("greedy", "greedy", f"{stats['num_greedy']} x 1"),
+            ("sampled", "temperature 1", f"{stats['num_sample_prompts']} x {NUM_SAMPLES}"),
+        )
+    )
     (out_model / "README.md").write_text(f"""# reinforge tool-use demo model
 
-A {stats['num_params'] / 1e6:.2f}M-parameter Qwen2 (hidden 128, 4 layers, 2 heads of dim 64, float32,
-tied embeddings) with a {stats['vocab_size']}-token byte-level BPE tokenizer that splits every digit and
+A {stats["num_params"] / 1e6:.2f}M-parameter Qwen2 (hidden 128, 4 layers, 2 heads of dim 64, float32,
+tied embeddings) with a {stats["vocab_size"]}-token byte-level BPE tokenizer that splits every digit and
 has `<tool_call>` and `</tool_call>` as added, non-special tokens, built from scratch by
 `scripts/build_tool_demo_model.py` for reinforge's agent/tool-use GRPO demo on a CPU. All data are synthetic.
 
 **Task.** The demo's one- or two-step word problems with + and - on 2-digit numbers (`data/tool_demo/`),
 with a `calculator` tool offered in every conversation; scored on the final turn's last `\\boxed{{}}`.
 
-**How it was built.** Supervised fine-tuning from random weights for {stats['sft_steps']} steps on
+**How it was built.** Supervised fine-tuning from random weights for {stats["sft_steps"]} steps on
 `data/tool_demo/sft.jsonl`, on the assistant turns only. On {TOOL_SHARE:.0%} of the problems, at random,
 the teacher calls the calculator with the problem's expression and then states the tool's result; on the
 others it answers directly with the demo's noisy teacher, which drops a needed carry (+) or borrow (-)
@@ -277,8 +325,8 @@ calculator's result as a `tool` message and turn 2; {MAX_NEW_TOKENS} new tokens 
 | --- | --- | --- | --- | --- | --- | --- |
 {table}
 
-Mean length in tokens of an SFT conversation: {stats['chat_tokens']:.0f}, of which {stats['trained_tokens']:.0f} trained.
-Build time: {stats['build_seconds'] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
+Mean length in tokens of an SFT conversation: {stats["chat_tokens"]:.0f}, of which {stats["trained_tokens"]:.0f} trained.
+Build time: {stats["build_seconds"] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
 
 **Rebuild:** `python scripts/build_tool_demo_model.py` (seeded; writes models/tool_demo and data/tool_demo).
 
@@ -313,18 +361,28 @@ def main() -> None:
     texts = [text for chat in sft_chats for text in message_texts(chat)]
     texts += [row["responses_create_params"]["input"][0]["content"] for row in train + val]
     tokenizer = build_tokenizer(texts)
-    rendered = [render_messages(tokenizer, chat["messages"], chat["tools"], add_generation_prompt=False) for chat in sft_chats]
-    assert all(tokenizer.decode(tokenizer.encode(text)) == text for text in texts + rendered), "tokenizer does not round-trip"
+    rendered = [
+        render_messages(tokenizer, chat["messages"], chat["tools"], add_generation_prompt=False) for chat in sft_chats
+    ]
+    assert all(tokenizer.decode(tokenizer.encode(text)) == text for text in texts + rendered), (
+        "tokenizer does not round-trip"
+    )
     assert all(len(tokenizer.encode(token)) == 1 for token in TOOL_CALL_TOKENS), "a tool-call tag is split"
 
     model = base.build_model(tokenizer)
     examples = [tokenize_chat(tokenizer, chat) for chat in sft_chats]
-    stats = {"num_params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer), "sft_steps": num_steps,
-             "chat_tokens": sum(len(ids) for ids, _ in examples) / len(examples),
-             "trained_tokens": sum(label != -100 for _, labels in examples for label in labels) / len(examples)}
+    stats = {
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer),
+        "sft_steps": num_steps,
+        "chat_tokens": sum(len(ids) for ids, _ in examples) / len(examples),
+        "trained_tokens": sum(label != -100 for _, labels in examples for label in labels) / len(examples),
+    }
     num_tool_chats = sum(len(chat["messages"]) > 2 for chat in sft_chats)
-    print(f"{len(train)} train / {len(val)} val / {len(sft_chats)} sft problems ({num_tool_chats} with the tool); "
-          f"vocab {len(tokenizer)}; {stats['num_params']:,} parameters")
+    print(
+        f"{len(train)} train / {len(val)} val / {len(sft_chats)} sft problems ({num_tool_chats} with the tool); "
+        f"vocab {len(tokenizer)}; {stats['num_params']:,} parameters"
+    )
     base.sft(model, examples, tokenizer.pad_token_id, num_steps, batch_size=64, peak_lr=2e-3)
 
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

@@ -31,9 +31,16 @@ def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
-

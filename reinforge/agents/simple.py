@@ -18,9 +18,8 @@ of CPU, seconds per rollout at 64 concurrent episodes; with the shared context, 
 
 from __future__ import annotations
 
-from typing import Any
-
 import ssl
+from typing import Any
 
 import httpx
 from openai import OpenAI
@@ -32,19 +31,36 @@ TIMEOUT_S = 300.0
 _SSL = ssl.create_default_context()
 
 
-def run(base_url: str, record: dict[str, Any], *, model: str, api_key: str, sampling: dict[str, Any],
-        servers: dict[str, str]) -> dict[str, Any]:
+def run(
+    base_url: str,
+    record: dict[str, Any],
+    *,
+    model: str,
+    api_key: str,
+    sampling: dict[str, Any],
+    servers: dict[str, str],
+) -> dict[str, Any]:
     params = record.get("responses_create_params") or {"input": [{"role": "user", "content": record["prompt"]}]}
     messages, tools = create_params_to_chat(params)
-    with httpx.Client(verify=_SSL, timeout=TIMEOUT_S) as http, \
-            httpx.Client(base_url=resources_url(record, servers), verify=_SSL, timeout=TIMEOUT_S) as resources:
+    with (
+        httpx.Client(verify=_SSL, timeout=TIMEOUT_S) as http,
+        httpx.Client(base_url=resources_url(record, servers), verify=_SSL, timeout=TIMEOUT_S) as resources,
+    ):
         policy = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http)
         resources.post("/seed_session", json=record).raise_for_status()  # keeps the session cookie
         return episode(policy, resources, record, params, messages, tools, model, sampling)
 
 
-def episode(policy: OpenAI, resources: httpx.Client, record: dict[str, Any], params: dict[str, Any],
-            messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, model: str, sampling: dict[str, Any]) -> dict[str, Any]:
+def episode(
+    policy: OpenAI,
+    resources: httpx.Client,
+    record: dict[str, Any],
+    params: dict[str, Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    model: str,
+    sampling: dict[str, Any],
+) -> dict[str, Any]:
     """The turns of one episode, then Gym's verdict on them."""
     prompt_length = len(messages)
     for _ in range(MAX_STEPS):
@@ -54,10 +70,15 @@ def episode(policy: OpenAI, resources: httpx.Client, record: dict[str, Any], par
         if not choice.message.tool_calls or choice.finish_reason == "length":
             break
         for call in choice.message.tool_calls:
-            answer = resources.post(f"/{call.function.name}", content=call.function.arguments or "{}",
-                                    headers={"content-type": "application/json"})
+            answer = resources.post(
+                f"/{call.function.name}",
+                content=call.function.arguments or "{}",
+                headers={"content-type": "application/json"},
+            )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": answer.text})
-    response = chat_to_response(messages[prompt_length:], tools=params.get("tools"), model=model, response_id=completion.id)
+    response = chat_to_response(
+        messages[prompt_length:], tools=params.get("tools"), model=model, response_id=completion.id
+    )
     verdict = resources.post("/verify", json={**record, "response": response})
     verdict.raise_for_status()
     return verdict.json()
@@ -69,6 +90,8 @@ def resources_url(record: dict[str, Any], servers: dict[str, str]) -> str:
     if name is None and len(servers) == 1:
         return next(iter(servers.values()))
     if name not in servers:
-        raise ValueError(f"no resources server {name!r} among agent.servers / agent.serve_envs ({', '.join(servers) or 'none'}); "
-                         "give each record a resources_server field")
+        raise ValueError(
+            f"no resources server {name!r} among agent.servers / agent.serve_envs ({', '.join(servers) or 'none'}); "
+            "give each record a resources_server field"
+        )
     return servers[name]

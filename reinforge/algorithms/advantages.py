@@ -53,7 +53,9 @@ def group_advantages(
     return advantages_PG
 
 
-def batch_whiten(advantages_PG: torch.Tensor, eps: float = 1e-6, num_tokens_PG: torch.Tensor | None = None) -> torch.Tensor:
+def batch_whiten(
+    advantages_PG: torch.Tensor, eps: float = 1e-6, num_tokens_PG: torch.Tensor | None = None
+) -> torch.Tensor:
     """Advantages normalised by the mean and the (population) standard deviation of the whole batch [P, G],
     not of each group: REINFORCE++'s global advantage normalisation. With `num_tokens_PG` (each sequence's
     valid tokens) the moments are over the tokens, every token carrying its sequence's advantage:
@@ -66,8 +68,13 @@ def batch_whiten(advantages_PG: torch.Tensor, eps: float = 1e-6, num_tokens_PG: 
     return (advantages_PG - mean) / (std + eps)
 
 
-def decoupled_advantages(rewards_KPG: torch.Tensor, weights_K: torch.Tensor, baseline: Baseline, eps: float = 1e-6,
-                         num_tokens_PG: torch.Tensor | None = None) -> torch.Tensor:
+def decoupled_advantages(
+    rewards_KPG: torch.Tensor,
+    weights_K: torch.Tensor,
+    baseline: Baseline,
+    eps: float = 1e-6,
+    num_tokens_PG: torch.Tensor | None = None,
+) -> torch.Tensor:
     """GDPO (Liu et al. 2026, "Group reward-Decoupled Normalization Policy Optimization", arXiv:2601.05242):
     K reward components [K, P, G], each normalised within its group (baseline, then the group's std),
     summed with `weights_K`, then whitened over the batch (`batch_whiten`, by tokens with `num_tokens_PG`):
@@ -75,8 +82,10 @@ def decoupled_advantages(rewards_KPG: torch.Tensor, weights_K: torch.Tensor, bas
     Normalising the summed reward instead (GRPO) maps different mixes of components to the same advantage
     (one correct answer with bad format = one wrong answer with good format, in a group of two); a component
     equal across its group adds 0. With one component this is GRPO's advantage, whitened."""
-    summed_PG = sum(weight * group_advantages(rewards_PG, baseline, normalize_std=True, eps=eps)
-                    for weight, rewards_PG in zip(weights_K.tolist(), rewards_KPG))
+    summed_PG = sum(
+        weight * group_advantages(rewards_PG, baseline, normalize_std=True, eps=eps)
+        for weight, rewards_PG in zip(weights_K.tolist(), rewards_KPG)
+    )
     return batch_whiten(summed_PG, eps, num_tokens_PG)
 
 

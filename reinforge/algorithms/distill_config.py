@@ -49,14 +49,18 @@ class DistillConfig(Section):
     def _check_teachers(self) -> "DistillConfig":
         defaults = [t.name_or_path for t in self.teachers if not t.tasks]
         if len(defaults) > 1:
-            raise ValueError(f"distill.teachers: {len(defaults)} teachers ({', '.join(defaults)}) have no tasks; at most one "
-                             "may be the default teacher, so give the others `tasks`")
+            raise ValueError(
+                f"distill.teachers: {len(defaults)} teachers ({', '.join(defaults)}) have no tasks; at most one "
+                "may be the default teacher, so give the others `tasks`"
+            )
         seen: dict[str, str] = {}
         for teacher in self.teachers:
             for task in teacher.tasks:
                 if task in seen:
-                    raise ValueError(f"distill.teachers: task {task} is named by two teachers ({seen[task]} and "
-                                     f"{teacher.name_or_path}); give each task one teacher")
+                    raise ValueError(
+                        f"distill.teachers: task {task} is named by two teachers ({seen[task]} and "
+                        f"{teacher.name_or_path}); give each task one teacher"
+                    )
                 seen[task] = teacher.name_or_path
         return self
 

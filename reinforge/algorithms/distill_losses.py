@@ -23,14 +23,19 @@ from typing import Literal
 import torch
 
 
-def reverse_kl_advantages(teacher_logprobs_BT: torch.Tensor, student_logprobs_BT: torch.Tensor,
-                          mask_BT: torch.Tensor) -> torch.Tensor:
+def reverse_kl_advantages(
+    teacher_logprobs_BT: torch.Tensor, student_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
     """A_t = log pi_teacher(y_t) - log pi_student(y_t) on the mask, 0 off it, without gradient [B, T]."""
     return ((teacher_logprobs_BT - student_logprobs_BT) * mask_BT).detach()
 
 
-def topk_kl(student_topk_BTK: torch.Tensor, teacher_topk_BTK: torch.Tensor, kind: Literal["forward", "reverse", "mixed"],
-            mixed_kl_weight: float = 0.5) -> torch.Tensor:
+def topk_kl(
+    student_topk_BTK: torch.Tensor,
+    teacher_topk_BTK: torch.Tensor,
+    kind: Literal["forward", "reverse", "mixed"],
+    mixed_kl_weight: float = 0.5,
+) -> torch.Tensor:
     """Per-token KL [B, T] restricted to the teacher's top-k ids (the module docstring's formulas); the inputs are
     the student's and the teacher's logprobs [B, T, K] at the same ids."""
     forward_BT = (teacher_topk_BTK.exp() * (teacher_topk_BTK - student_topk_BTK)).sum(dim=-1)

@@ -31,7 +31,14 @@ import torch
 from pydantic import model_validator
 
 from reinforge.algorithms.losses import Normalisers, dpo_loss, sequence_logprobs, token_mean
-from reinforge.algorithms.pairs import PairRunConfig, PairRunResult, check_schedule, evaluate, optimizer_step, with_prefix
+from reinforge.algorithms.pairs import (
+    PairRunConfig,
+    PairRunResult,
+    check_schedule,
+    evaluate,
+    optimizer_step,
+    with_prefix,
+)
 from reinforge.config.loader import save_config
 from reinforge.config.schema import LoggingConfig
 from reinforge.config.section import Section
@@ -89,19 +96,32 @@ def train(config: DPORunConfig) -> PairRunResult:
     tokenizer = load_tokenizer(config.model)
     pad_id = tokenizer.pad_token_id
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_policy, config.data)
-    val_pairs = load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data)[: config.data.max_val_pairs] if config.data.val_path else []
+    val_pairs = (
+        load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data)[: config.data.max_val_pairs]
+        if config.data.val_path
+        else []
+    )
     run_dir = make_run_dir(config.logging.run_dir)
-    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
+    save_config(
+        config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}),
+        run_dir / "config.yaml",
+    )
 
     policy, peft_model = load_policy(config.model)
     policy.train()
     if t.activation_checkpointing:
         enable_activation_checkpointing(policy)
     # per_batch's frozen copy; with LoRA the policy with its adapters disabled is the reference
-    reference = load_model(config.model).eval().requires_grad_(False) if d.reference == "per_batch" and peft_model is None else None
+    reference = (
+        load_model(config.model).eval().requires_grad_(False)
+        if d.reference == "per_batch" and peft_model is None
+        else None
+    )
 
     def reference_logprobs(pairs: list[TokenizedPair]) -> torch.Tensor:
-        with adapter_disabled(peft_model):  # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
+        with adapter_disabled(
+            peft_model
+        ):  # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
             return reply_logprobs(reference or policy, pairs, t.micro_batch_size, pad_id)
 
     timers = Timers()
@@ -111,12 +131,16 @@ def train(config: DPORunConfig) -> PairRunResult:
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer, scheduler = build_optimizer(trainable, t, d.max_steps)
     pairs_per_step = t.global_batch_size // 2
-    sampler = PromptSampler(list(range(len(train_pairs))), pairs_per_step, config.seed, config.data.shuffle)  # draws pair indices
+    sampler = PromptSampler(
+        list(range(len(train_pairs))), pairs_per_step, config.seed, config.data.shuffle
+    )  # draws pair indices
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
     first_val, last_val = {}, {}
 
     def validate() -> dict[str, float]:
-        return evaluate(policy, val_pairs, make_micro_loss(policy, val_pairs, val_ref_N2, d), t.micro_batch_size, pad_id)
+        return evaluate(
+            policy, val_pairs, make_micro_loss(policy, val_pairs, val_ref_N2, d), t.micro_batch_size, pad_id
+        )
 
     with ConsoleLog(d.max_steps, "DPO") as console:
         console.print(f"run directory: {run_dir}   {len(train_pairs)} train / {len(val_pairs)} val pairs")
@@ -133,14 +157,18 @@ def train(config: DPORunConfig) -> PairRunResult:
                 with timers.time("reference"):
                     ref_B2 = train_ref_N2[indices] if train_ref_N2 is not None else reference_logprobs(pairs)
                 with timers.time("train"):
-                    updates = optimizer_step(policy, optimizer, scheduler, pairs, make_micro_loss(policy, pairs, ref_B2, d), t, pad_id)
+                    updates = optimizer_step(
+                        policy, optimizer, scheduler, pairs, make_micro_loss(policy, pairs, ref_B2, d), t, pad_id
+                    )
             metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
             if val_pairs and (step == d.max_steps or (d.val_every and step % d.val_every == 0)):
                 with timers.time("val"):
                     last_val = validate()
                 metrics.update(last_val)
             metrics.update(timers.metrics())
-            metrics["perf/tokens_per_s"] = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs) / timers.seconds["step"]
+            metrics["perf/tokens_per_s"] = (
+                sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs) / timers.seconds["step"]
+            )
             metrics_log.write(step, metrics)
             console.step(step, metrics, show_line=step % config.logging.console_every == 0)
             if "val/loss" in metrics:
@@ -153,8 +181,13 @@ def train(config: DPORunConfig) -> PairRunResult:
 
     if first_val:
         for name in ("reward_margin", "preference_accuracy", "logp_accuracy"):
-            console.print(f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> {last_val[f'val/{name}']:.3f} at step {d.max_steps}")
-    console.print(f"metrics: {run_dir / 'metrics.jsonl'}" + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""))
+            console.print(
+                f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> {last_val[f'val/{name}']:.3f} at step {d.max_steps}"
+            )
+    console.print(
+        f"metrics: {run_dir / 'metrics.jsonl'}"
+        + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else "")
+    )
     return PairRunResult(run_dir=run_dir, first_val=first_val, last_val=last_val)
 
 
@@ -168,7 +201,11 @@ def make_micro_loss(policy: torch.nn.Module, pairs: list[TokenizedPair], ref_N2:
         logps_B = sequence_logprobs(logprobs_BT, batch.loss_mask)
         ref_chosen_B, ref_rejected_B = ref_N2[rows, 0], ref_N2[rows, 1]
         loss, metrics = dpo_loss(logps_B[:num], logps_B[num:], ref_chosen_B, ref_rejected_B, num_pairs, beta=d.beta)
-        sft = token_mean(-logprobs_BT[:num], batch.loss_mask[:num], Normalisers(num_tokens=num_chosen_tokens, num_sequences=num_pairs))
+        sft = token_mean(
+            -logprobs_BT[:num],
+            batch.loss_mask[:num],
+            Normalisers(num_tokens=num_chosen_tokens, num_sequences=num_pairs),
+        )
         with torch.no_grad():
             margin_B = logps_B[:num] - logps_B[num:]
             metrics["logp_accuracy"] = ((margin_B > 0).float() + 0.5 * (margin_B == 0).float()).sum() / num_pairs
@@ -186,17 +223,23 @@ def policy_logits(model: torch.nn.Module, batch: PairBatch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reply_logprobs(model: torch.nn.Module, pairs: list[TokenizedPair], micro_batch_size: int, pad_token_id: int) -> torch.Tensor:
+def reply_logprobs(
+    model: torch.nn.Module, pairs: list[TokenizedPair], micro_batch_size: int, pad_token_id: int
+) -> torch.Tensor:
     """Sequence logprobs [N, 2] (chosen, rejected) of each pair's replies under `model`."""
     out = torch.zeros(len(pairs), 2)
     size = micro_batch_size // 2
     for start in range(0, len(pairs), size):
         batch = collate_pairs(pairs[start : start + size], pad_token_id)
-        logps_B = sequence_logprobs(token_logprobs(policy_logits(model, batch), batch.input_ids, temperature=1.0), batch.loss_mask)
+        logps_B = sequence_logprobs(
+            token_logprobs(policy_logits(model, batch), batch.input_ids, temperature=1.0), batch.loss_mask
+        )
         out[start : start + len(batch)] = logps_B.view(2, -1).T
     return out
 
 
 def val_line(step: int, metrics: dict[str, float]) -> str:
-    return (f"step {step:>4} | val loss {metrics['val/loss']:.4f} | margin {metrics['val/reward_margin']:+.3f} | "
-            f"pref_acc {metrics['val/preference_accuracy']:.3f} | logp_acc {metrics['val/logp_accuracy']:.3f}")
+    return (
+        f"step {step:>4} | val loss {metrics['val/loss']:.4f} | margin {metrics['val/reward_margin']:+.3f} | "
+        f"pref_acc {metrics['val/preference_accuracy']:.3f} | logp_acc {metrics['val/logp_accuracy']:.3f}"
+    )

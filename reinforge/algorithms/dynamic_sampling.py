@@ -11,8 +11,9 @@ from reinforge.algorithms.advantages import informative_groups
 from reinforge.data.batch import Trajectory
 
 
-def fill_with_informative_groups(rollout_round: Callable[[int], list[Trajectory]], num_groups: int, group_size: int,
-                                 max_extra_rounds: int) -> tuple[list[Trajectory], dict[str, float]]:
+def fill_with_informative_groups(
+    rollout_round: Callable[[int], list[Trajectory]], num_groups: int, group_size: int, max_extra_rounds: int
+) -> tuple[list[Trajectory], dict[str, float]]:
     """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): call `rollout_round(0)`, `rollout_round(1)`,
     ... (each returns whole groups of `group_size` trajectories, grouped by prompt), drop the groups whose
     rewards are all equal, and stop once `num_groups` groups are kept (the surplus of the last round is

@@ -37,22 +37,24 @@ written once, here; a recipe never branches inside it.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from functools import partial
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from reinforge.algorithms.grpo_advantages import kl_reward_penalties, overlong_penalties, step_advantages
-from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
-from reinforge.algorithms.step_metrics import (advantage_metrics, env_metrics, per_task_means, rollout_metrics, staleness_metrics,
-                                               token_advantage_metrics, train_metrics)
+from reinforge.algorithms.builders import (
+    build_engine,
+    build_environments,
+    build_episodes,
+    build_trainer,
+    start_ray_if_needed,
+    write_placement,
+)
 from reinforge.algorithms.checkpointing import open_run_dir, restore_rng, resume_run, save_run_checkpoint, update_best
-from reinforge.algorithms.refit import refit
-from reinforge.algorithms.rollout_source import RolloutBatch, rollout_source
-from reinforge.algorithms.builders import (build_engine, build_environments, build_episodes, build_trainer, start_ray_if_needed,
-                                           write_placement)
+from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
+from reinforge.algorithms.grpo_advantages import kl_reward_penalties, overlong_penalties, step_advantages
 from reinforge.algorithms.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -64,6 +66,17 @@ from reinforge.algorithms.losses import (
     sequence_ratio_mask,
     truncated_importance_weights,
 )
+from reinforge.algorithms.refit import refit
+from reinforge.algorithms.rollout_source import RolloutBatch, rollout_source
+from reinforge.algorithms.step_metrics import (
+    advantage_metrics,
+    env_metrics,
+    per_task_means,
+    rollout_metrics,
+    staleness_metrics,
+    token_advantage_metrics,
+    train_metrics,
+)
 from reinforge.config import Config, save_config
 from reinforge.config.schema import LossConfig
 from reinforge.data.batch import TrainBatch, Trajectory, collate
@@ -74,8 +87,8 @@ from reinforge.envs.registry import check_tasks
 from reinforge.evaluation.evaluate import ValidationBenchmark, benchmark_metrics, prepare_validation_benchmarks
 from reinforge.generation import consistency
 from reinforge.generation.base import GenerationBackend, SamplingParams
-from reinforge.logging.console import ConsoleLog
 from reinforge.logging.capture import capture_dependency_logs
+from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import MetricLogger, check_backends
 from reinforge.logging.memory import memory_metrics
 from reinforge.logging.metrics import Timers
@@ -111,10 +124,14 @@ MakeLearner = Callable[[Config, TrainingBackend, object, ExitStack], Learner]
 
 def grpo_learner(config: Config, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
     """Group-relative advantages and the clipped policy-gradient loss (`train_on_batch`)."""
-    return Learner(partial(train_on_batch, trainer=trainer, tokenizer=tokenizer, loss_fn=make_loss_fn(config), config=config))
+    return Learner(
+        partial(train_on_batch, trainer=trainer, tokenizer=tokenizer, loss_fn=make_loss_fn(config), config=config)
+    )
 
 
-def train(config: Config, on_step_end: Callable[[int], None] | None = None, make_learner: MakeLearner = grpo_learner) -> GRPOResult:
+def train(
+    config: Config, on_step_end: Callable[[int], None] | None = None, make_learner: MakeLearner = grpo_learner
+) -> GRPOResult:
     """Run GRPO as `config` says (or, with another `make_learner`, a recipe that shares this loop). `on_step_end`,
     for tools that observe or pace the loop (bench/grpo_vs_trl.py), is called once the run is set up, with
     the step it starts from (0, or the resumed step), then after every step, once it is logged and
@@ -125,12 +142,18 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None, make
         torch.set_num_threads(config.cluster.num_threads)
     tokenizer = load_tokenizer(config.model)
     train_prompts = load_prompts(config.data.train_path, config.data, tokenizer)
-    val_prompts = load_prompts(config.data.val_path, config.data, tokenizer)[: config.data.max_val_prompts] if config.data.val_path else []
+    val_prompts = (
+        load_prompts(config.data.val_path, config.data, tokenizer)[: config.data.max_val_prompts]
+        if config.data.val_path
+        else []
+    )
 
     benchmarks = prepare_validation_benchmarks(g.val_benchmarks, g.val_benchmark_limit, tokenizer)
     tasks = {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
     if g.rollout == "reinforge":  # agents score their own episodes
-        tasks |= {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(config.env.extra_rewards)
+        tasks |= {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts} | set(
+            config.env.extra_rewards
+        )
     check_tasks(tasks, config.env)
 
     check_backends(config.logging.loggers)
@@ -140,16 +163,25 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None, make
         # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
         run_dir, resume_from = open_run_dir(config)
         cleanup.enter_context(capture_dependency_logs(run_dir, config.logging.capture_dependency_logs))
-        save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
+        save_config(
+            config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}),
+            run_dir / "config.yaml",
+        )
         start_ray_if_needed(config, cleanup)
         envs = build_environments(config, tasks, cleanup)
         trainer = build_trainer(config, cleanup)
         engine = build_engine(config, tokenizer, trainer, cleanup)
-        episodes = build_episodes(config, engine, tokenizer, envs, train_prompts + val_prompts, run_dir, cleanup)  # reinforge or agents
-        sampler, curriculum_metrics = build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)  # may sample: pass rates
+        episodes = build_episodes(
+            config, engine, tokenizer, envs, train_prompts + val_prompts, run_dir, cleanup
+        )  # reinforge or agents
+        sampler, curriculum_metrics = build_prompt_sampler(
+            config, train_prompts, engine, tokenizer, envs, run_dir
+        )  # may sample: pass rates
         write_placement(run_dir, trainer, engine, envs)
         learner = make_learner(config, trainer, tokenizer, cleanup)
-        state = resume_run(resume_from, run_dir, trainer, engine, sampler, config, learner.models) if resume_from else None
+        state = (
+            resume_run(resume_from, run_dir, trainer, engine, sampler, config, learner.models) if resume_from else None
+        )
         start_step, val_history, best = (state["step"], state["val_history"], state["best"]) if state else (0, [], {})
         probe_prompts = train_prompts[: config.generation.num_probe_prompts]
         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
@@ -169,9 +201,18 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None, make
                 metrics_log.log(0, val_metrics)
                 console.step(0, val_metrics, show_line=True)
 
-            produce = partial(generate_batch, sampler=sampler, episodes=episodes, engine=engine, envs=envs, config=config)
-            rollouts = rollout_source(produce, sampler, start_step, g.max_steps, g.async_rollouts, g.max_staleness,
-                                      state.get("pending_rollouts", []) if state else [])
+            produce = partial(
+                generate_batch, sampler=sampler, episodes=episodes, engine=engine, envs=envs, config=config
+            )
+            rollouts = rollout_source(
+                produce,
+                sampler,
+                start_step,
+                g.max_steps,
+                g.async_rollouts,
+                g.max_staleness,
+                state.get("pending_rollouts", []) if state else [],
+            )
             cleanup.callback(rollouts.close)
             if on_step_end:
                 on_step_end(start_step)
@@ -180,11 +221,15 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None, make
                 with timers.time("step"):
                     batch = rollouts.get(step, timers)  # async: the wait for what generation ahead did not hide
                     metrics, trained = learner.train_on_batch(step, batch, timers)
-                saving = bool(config.checkpoint.save_every) and (step % config.checkpoint.save_every == 0 or step == g.max_steps)
+                saving = bool(config.checkpoint.save_every) and (
+                    step % config.checkpoint.save_every == 0 or step == g.max_steps
+                )
                 with rollouts.engine_turn(step, timers):  # the engine is ours: refit, then probe, validate, snapshot
                     if trained:
                         with timers.time("step"), timers.time("refit"):
-                            refit(engine, trainer, config, run_dir)  # merged weights, or the LoRA adapter (algorithms/refit.py)
+                            refit(
+                                engine, trainer, config, run_dir
+                            )  # merged weights, or the LoRA adapter (algorithms/refit.py)
                     if step == 1:  # the first refit must really have moved the engine to the trainer's weights
                         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
                     if val_prompts and (step == g.max_steps or (g.val_every and step % g.val_every == 0)):
@@ -199,7 +244,9 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None, make
                     metrics.update(trainer.memory_metrics())
                 metrics.update(curriculum_metrics)
                 metrics_log.log(step, metrics)
-                console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
+                console.step(
+                    step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics
+                )
                 if saving:
                     best = update_best(best, step, metrics, config)
                     save_run_checkpoint(run_dir, step, trainer, resume_state, val_history, best, config, learner.models)
@@ -215,23 +262,46 @@ def train(config: Config, on_step_end: Callable[[int], None] | None = None, make
     if first is not None:
         console.print(f"val/accuracy at step 0: {first:.3f}")
         console.print(f"val/accuracy at step {g.max_steps}: {last:.3f} ({last - first:+.3f})")
-    console.print(f"metrics: {run_dir / 'metrics.jsonl'}" + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""))
+    console.print(
+        f"metrics: {run_dir / 'metrics.jsonl'}"
+        + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else "")
+    )
     return GRPOResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
 
 
-def generate_batch(step: int, sampler: PromptSampler, episodes: Episodes, engine: GenerationBackend, envs: dict[str, Environment],
-                   config: Config) -> tuple[list[Trajectory], dict[str, float]]:
+def generate_batch(
+    step: int,
+    sampler: PromptSampler,
+    episodes: Episodes,
+    engine: GenerationBackend,
+    envs: dict[str, Environment],
+    config: Config,
+) -> tuple[list[Trajectory], dict[str, float]]:
     """Step `step`'s scored groups and their metrics (generation and scoring times, environment and agent
     counters). Runs on the rollout producer's thread under async generation."""
     timers = Timers()
     trajectories, metrics = sample_groups(step, sampler, episodes, config, timers)
     if not config.grpo.async_rollouts:
         engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
-    return trajectories, {**metrics, **episodes.metrics(), **batch_metrics(sampler), **env_metrics(envs), **timers.metrics()}
+    return trajectories, {
+        **metrics,
+        **episodes.metrics(),
+        **batch_metrics(sampler),
+        **env_metrics(envs),
+        **timers.metrics(),
+    }
 
 
-def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend, tokenizer, loss_fn,
-                   config: Config) -> tuple[dict[str, float], bool]:
+def train_on_batch(
+    step: int,
+    rollout_batch: RolloutBatch,
+    timers: Timers,
+    *,
+    trainer: TrainingBackend,
+    tokenizer,
+    loss_fn,
+    config: Config,
+) -> tuple[dict[str, float], bool]:
     """Advantages, logprobs and the optimizer steps on one step's rollout batch. Returns its metrics and
     whether the policy changed (the refit is then due)."""
     g, global_batch = config.grpo, config.training.global_batch_size
@@ -252,18 +322,24 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         if loss.kl_coef > 0:
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
     kl_penalties_PG = -kl_reward_penalties(batch, config).view_as(rewards_PG)  # loss.kl_in_reward
-    shaping = [term for term, on in ((penalties_PG, g.overlong_buffer_tokens > 0), (kl_penalties_PG, loss.kl_in_reward)) if on]
-    advantages_PG, advantage_parts = step_advantages(trajectories, rewards_PG, shaping, batch, config)  # GRPO, GDPO, whitened
+    shaping = [
+        term for term, on in ((penalties_PG, g.overlong_buffer_tokens > 0), (kl_penalties_PG, loss.kl_in_reward)) if on
+    ]
+    advantages_PG, advantage_parts = step_advantages(
+        trajectories, rewards_PG, shaping, batch, config
+    )  # GRPO, GDPO, whitened
     batch.advantages = advantages_PG.flatten()
     with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
         global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
-        updates = [trainer.train_step(computed_part(b, config), loss_fn)
-                   for b in global_batches if b.num_valid_tokens()]  # 0: all overlong-filtered
+        updates = [
+            trainer.train_step(computed_part(b, config), loss_fn) for b in global_batches if b.num_valid_tokens()
+        ]  # 0: all overlong-filtered
     return {
         **metrics,
         **rollout_metrics(trajectories, rewards_PG),
         **advantage_metrics(trajectories, penalties_PG, advantages_PG, config),
-        **token_advantage_metrics(batch, kl_penalties_PG, config), **advantage_parts,
+        **token_advantage_metrics(batch, kl_penalties_PG, config),
+        **advantage_parts,
         **train_metrics(updates),  # the engine/trainer mismatch (train/token_mult_prob_error, ...) among them
         "perf/num_tokens": batch.attention_mask.sum().item(),
     }, bool(updates)
@@ -287,13 +363,15 @@ def computed_part(batch: TrainBatch, config: Config) -> TrainBatch:
     if len(keep) == len(batch):
         return batch
     part = batch.select(keep)
-    part.loss_normalisers = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch),
-                                        num_computed_tokens=part.num_valid_tokens())
+    part.loss_normalisers = Normalisers(
+        num_tokens=batch.num_valid_tokens(), num_sequences=len(batch), num_computed_tokens=part.num_valid_tokens()
+    )
     return part
 
 
-def sample_groups(step: int, sampler: PromptSampler, episodes: Episodes, config: Config,
-                  timers: Timers) -> tuple[list[Trajectory], dict[str, float]]:
+def sample_groups(
+    step: int, sampler: PromptSampler, episodes: Episodes, config: Config, timers: Timers
+) -> tuple[list[Trajectory], dict[str, float]]:
     """The step's scored groups: one rollout of the next `num_prompts_per_step` prompts, or, with dynamic
     sampling, as many rollouts of further prompts as `fill_with_informative_groups` needs."""
     g = config.grpo
@@ -305,11 +383,14 @@ def sample_groups(step: int, sampler: PromptSampler, episodes: Episodes, config:
 
     if not g.dynamic_sampling:
         return rollout_round(0), {}
-    return fill_with_informative_groups(rollout_round, g.num_prompts_per_step, g.num_generations_per_prompt,
-                                        g.dynamic_sampling_max_extra_rounds)
+    return fill_with_informative_groups(
+        rollout_round, g.num_prompts_per_step, g.num_generations_per_prompt, g.dynamic_sampling_max_extra_rounds
+    )
 
 
-def check_consistency(prompts: list[Prompt], engine: GenerationBackend, trainer: TrainingBackend, tokenizer, config: Config, when: str) -> None:
+def check_consistency(
+    prompts: list[Prompt], engine: GenerationBackend, trainer: TrainingBackend, tokenizer, config: Config, when: str
+) -> None:
     """Stop the run if the engine's logprobs disagree with the trainer's (see generation/consistency.py)."""
     params = sampling_params(config, 0)
     error = consistency.probe(prompts, engine, trainer, tokenizer, params)
@@ -329,14 +410,17 @@ def sampling_params(config: Config, step: int) -> SamplingParams:
     )
 
 
-def importance_weights(loss: LossConfig, correction: str, old_logprobs_BT: torch.Tensor,
-                       micro: TrainBatch) -> torch.Tensor | None:
+def importance_weights(
+    loss: LossConfig, correction: str, old_logprobs_BT: torch.Tensor, micro: TrainBatch
+) -> torch.Tensor | None:
     """Per-token weights correcting for the engine's sampling distribution differing from the trainer's
     (numerics, or under async generation an older policy); `correction` is `loss.is_correction` resolved."""
     if correction == "token_truncate":
         return truncated_importance_weights(old_logprobs_BT, micro.gen_logprobs, loss.is_truncate_cap)
     if correction == "sequence_mask":
-        return sequence_ratio_mask(old_logprobs_BT, micro.gen_logprobs, micro.loss_mask, loss.is_sequence_low, loss.is_sequence_high)
+        return sequence_ratio_mask(
+            old_logprobs_BT, micro.gen_logprobs, micro.loss_mask, loss.is_sequence_low, loss.is_sequence_high
+        )
     return None
 
 
@@ -371,23 +455,52 @@ def make_loss_fn(config: Config):
             ref_logprobs_BT=micro.ref_logprobs,
             is_weights_BT=importance_weights(loss, correction, old_BT, micro),
         )
-        return value, {**metrics, **consistency.mismatch_contributions(old_BT, micro.gen_logprobs, micro.loss_mask, norm)}
+        return value, {
+            **metrics,
+            **consistency.mismatch_contributions(old_BT, micro.gen_logprobs, micro.loss_mask, norm),
+        }
 
     return loss_fn
 
 
-def validate(prompts: list[Prompt], episodes: Episodes, engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
-             config: Config, benchmarks: list[ValidationBenchmark] = ()) -> dict[str, float]:
+def validate(
+    prompts: list[Prompt],
+    episodes: Episodes,
+    engine: GenerationBackend,
+    tokenizer,
+    envs: dict[str, Environment],
+    config: Config,
+    benchmarks: list[ValidationBenchmark] = (),
+) -> dict[str, float]:
     """Greedy accuracy on the held-out prompts (the mean reward of one greedy answer per prompt), and the
     `grpo.val_benchmarks` scores."""
-    benchmark_scores = benchmark_metrics(list(benchmarks), engine, tokenizer, envs, config.grpo.val_benchmark_k,
-                                         config.generation.max_new_tokens, config.seed) if benchmarks else {}
-    params = SamplingParams(max_new_tokens=config.generation.max_new_tokens, temperature=0.0, num_samples=1,
-                            stop_strings=tuple(config.generation.stop_strings))
+    benchmark_scores = (
+        benchmark_metrics(
+            list(benchmarks),
+            engine,
+            tokenizer,
+            envs,
+            config.grpo.val_benchmark_k,
+            config.generation.max_new_tokens,
+            config.seed,
+        )
+        if benchmarks
+        else {}
+    )
+    params = SamplingParams(
+        max_new_tokens=config.generation.max_new_tokens,
+        temperature=0.0,
+        num_samples=1,
+        stop_strings=tuple(config.generation.stop_strings),
+    )
     trajectories = episodes(prompts, params)
     return {
         **{f"val/{name}": value for name, value in env_metrics(envs).items()},  # the validation's own env counters
-        **{f"val/{name.split('/', 1)[1]}": value for name, value in episodes.metrics().items() if name.startswith("rollout/agent_")},
+        **{
+            f"val/{name.split('/', 1)[1]}": value
+            for name, value in episodes.metrics().items()
+            if name.startswith("rollout/agent_")
+        },
         "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
         "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
         **per_task_means(trajectories, "val", "accuracy"),

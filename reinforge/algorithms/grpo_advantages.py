@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.algorithms.advantages import BASELINES, batch_whiten, decoupled_advantages, group_advantages, overlong_penalty
+from reinforge.algorithms.advantages import (
+    BASELINES,
+    batch_whiten,
+    decoupled_advantages,
+    group_advantages,
+    overlong_penalty,
+)
 from reinforge.algorithms.losses import KL_ESTIMATORS
 from reinforge.config import Config
 from reinforge.data.batch import TrainBatch, Trajectory
@@ -47,8 +53,13 @@ def reward_components(trajectories: list[Trajectory], config: Config) -> tuple[l
     return [], [1.0]
 
 
-def step_advantages(trajectories: list[Trajectory], rewards_PG: torch.Tensor, shaping_PG: list[torch.Tensor],
-                    batch: TrainBatch, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
+def step_advantages(
+    trajectories: list[Trajectory],
+    rewards_PG: torch.Tensor,
+    shaping_PG: list[torch.Tensor],
+    batch: TrainBatch,
+    config: Config,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages [P, G] of the step's trajectories (grouped by prompt) from their rewards [P, G] and the
     shaping terms added to them (each [P, G]), and their metrics; `batch` gives each sequence's trained
     tokens for the token-weighted whitening."""
@@ -57,12 +68,16 @@ def step_advantages(trajectories: list[Trajectory], rewards_PG: torch.Tensor, sh
     num_tokens_PG = batch.loss_mask.sum(dim=1).view_as(rewards_PG) if g.whiten_over == "tokens" else None
     if g.decoupled_normalization:
         names, weights = reward_components(trajectories, config)
-        parts = [torch.tensor([t.components[name] for t in trajectories]).view_as(rewards_PG) for name in names] or [rewards_PG]
+        parts = [torch.tensor([t.components[name] for t in trajectories]).view_as(rewards_PG) for name in names] or [
+            rewards_PG
+        ]
         parts += shaping_PG  # each shaping term a component of weight 1
         weights_K = torch.tensor(weights + [1.0] * len(shaping_PG))
         advantages_PG = decoupled_advantages(torch.stack(parts), weights_K, baseline, num_tokens_PG=num_tokens_PG)
         return advantages_PG, {"train/num_reward_components": float(len(parts))}
-    advantages_PG = group_advantages(rewards_PG + sum(shaping_PG, torch.zeros_like(rewards_PG)), baseline, g.normalize_std)
+    advantages_PG = group_advantages(
+        rewards_PG + sum(shaping_PG, torch.zeros_like(rewards_PG)), baseline, g.normalize_std
+    )
     if g.whiten_advantages:
         advantages_PG = batch_whiten(advantages_PG, num_tokens_PG=num_tokens_PG)
     return advantages_PG, {}

@@ -124,8 +124,13 @@ def clipped_policy_gradient(
     return loss_BT, ratio_BT, was_clipped_BT.to(loss_BT.dtype)
 
 
-def cispo_policy_gradient(log_ratio_BT: torch.Tensor, advantages_BT: torch.Tensor, eps_low: float, eps_high: float,
-                          dual_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cispo_policy_gradient(
+    log_ratio_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4): loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log r_t.
     The importance weight is clipped and detached, so every token keeps the gradient -clip(r_t) A_t grad log pi_t,
     a clipped one too (PPO's clip zeroes it). log r_t = log pi_t - log pi_old_t differs from the paper's
@@ -174,7 +179,9 @@ KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl}
 
 
-def truncated_importance_weights(old_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, cap: float) -> torch.Tensor:
+def truncated_importance_weights(
+    old_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, cap: float
+) -> torch.Tensor:
     """TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
     w_t = min(exp(logp_old - logp_gen), cap), correcting for tokens sampled by an engine whose
     distribution differs slightly from the trainer's."""

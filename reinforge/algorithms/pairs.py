@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from pydantic import model_validator
 
-from reinforge.config.schema import CheckpointConfig, LoggingConfig, ModelConfig, TrainingConfig
+from reinforge.config.schema import CheckpointConfig, ModelConfig, TrainingConfig
 from reinforge.config.section import Section
 from reinforge.data.preference import PairBatch, PreferenceDataConfig, TokenizedPair, collate_pairs
 
@@ -45,7 +45,9 @@ class PairRunConfig(Section):
     def _check_training(self) -> "PairRunConfig":
         t = self.training
         if t.backend != "torch" or t.num_workers != 1 or t.cpu_offload:
-            raise ValueError("preference training runs in one process: set training.backend=torch, training.num_workers=1, training.cpu_offload=false")
+            raise ValueError(
+                "preference training runs in one process: set training.backend=torch, training.num_workers=1, training.cpu_offload=false"
+            )
         if t.global_batch_size < 2 or t.global_batch_size % 2 or t.micro_batch_size < 2 or t.micro_batch_size % 2:
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} and training.micro_batch_size={t.micro_batch_size} count "
@@ -59,8 +61,10 @@ class PairRunConfig(Section):
         if t.lr <= 0:
             raise ValueError("training.lr must be > 0")
         if self.model.lora and self.model.lora.quantize_base != "none":
-            raise ValueError("model.lora.quantize_base (QLoRA) is not supported by preference training, which runs in one CPU "
-                             "process; set it to none")
+            raise ValueError(
+                "model.lora.quantize_base (QLoRA) is not supported by preference training, which runs in one CPU "
+                "process; set it to none"
+            )
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0 (0: torch's default)")
         if self.data.max_length < 2:
@@ -112,8 +116,9 @@ def optimizer_step(
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, pairs: list[TokenizedPair], micro_loss: MicroLoss, micro_batch_size: int,
-             pad_token_id: int) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, pairs: list[TokenizedPair], micro_loss: MicroLoss, micro_batch_size: int, pad_token_id: int
+) -> dict[str, float]:
     """The loss and metrics of all `pairs` as one batch, in eval mode without gradients, prefixed `val/`."""
     model.eval()
     totals: dict[str, float] = defaultdict(float)

@@ -42,8 +42,14 @@ from reinforge.algorithms.grpo import GRPOResult, Learner
 from reinforge.algorithms.grpo_advantages import overlong_penalties
 from reinforge.algorithms.losses import KL_ESTIMATORS
 from reinforge.algorithms.ppo_config import PPORunConfig
-from reinforge.algorithms.ppo_losses import (clipped_value_loss, explained_variance, gae, masked_mean_std, terminal_rewards,
-                                             whiten_tokens)
+from reinforge.algorithms.ppo_losses import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    masked_mean_std,
+    terminal_rewards,
+    whiten_tokens,
+)
 from reinforge.algorithms.rollout_source import RolloutBatch
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, collate
@@ -73,7 +79,9 @@ def train(config: PPORunConfig) -> GRPOResult:
 def check_ppo(config: PPORunConfig) -> None:
     """What PPO does not do yet, as one line before any run directory is made."""
     if config.model.lora is not None:
-        raise ConfigError("reinforge ppo does not train LoRA adapters yet (the critic is a full model); set model.lora=null")
+        raise ConfigError(
+            "reinforge ppo does not train LoRA adapters yet (the critic is a full model); set model.lora=null"
+        )
     if config.grpo.async_rollouts:
         raise ConfigError("reinforge ppo is on-policy only; set grpo.async_rollouts=false")
 
@@ -82,7 +90,9 @@ def ppo_learner(config: PPORunConfig, trainer: TrainingBackend, tokenizer, clean
     """The critic (its own copy of the base model, on the policy's training backend, saved as `critic/` in every
     checkpoint) and PPO's step."""
     g = config.grpo
-    num_optimizer_steps = g.max_steps * (g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size)
+    num_optimizer_steps = g.max_steps * (
+        g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size
+    )
     critic_training = config.training.model_copy(update={"lr": config.ppo.critic_lr})
     if config.training.backend == "fsdp2":
         from reinforge.cluster.fsdp2_critic_group import FSDP2CriticGroup  # Ray only where the run asks for it
@@ -91,8 +101,15 @@ def ppo_learner(config: PPORunConfig, trainer: TrainingBackend, tokenizer, clean
         cleanup.callback(critic.shutdown)
     else:
         critic = CriticBackend(config.model, critic_training, num_optimizer_steps)
-    step = partial(train_on_batch, trainer=trainer, critic=critic, tokenizer=tokenizer, loss_fn=grpo.make_loss_fn(config),
-                   value_loss_fn=make_value_loss_fn(config.ppo.value_clip), config=config)
+    step = partial(
+        train_on_batch,
+        trainer=trainer,
+        critic=critic,
+        tokenizer=tokenizer,
+        loss_fn=grpo.make_loss_fn(config),
+        value_loss_fn=make_value_loss_fn(config.ppo.value_clip),
+        config=config,
+    )
     return Learner(step, title="PPO", models={"critic": critic})
 
 
@@ -103,9 +120,18 @@ def make_value_loss_fn(clip: float | None):
     return value_loss_fn
 
 
-def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, trainer: TrainingBackend,
-                   critic: CriticBackend | FSDP2CriticGroup,
-                   tokenizer, loss_fn, value_loss_fn, config: PPORunConfig) -> tuple[dict[str, float], bool]:
+def train_on_batch(
+    step: int,
+    rollout_batch: RolloutBatch,
+    timers: Timers,
+    *,
+    trainer: TrainingBackend,
+    critic: CriticBackend | FSDP2CriticGroup,
+    tokenizer,
+    loss_fn,
+    value_loss_fn,
+    config: PPORunConfig,
+) -> tuple[dict[str, float], bool]:
     """Values, GAE, the critic's and the actor's optimizer steps on one step's rollout batch. Returns its
     metrics and whether the policy changed (not during the critic's warm-up)."""
     ppo, global_batch = config.ppo, config.training.global_batch_size
@@ -131,12 +157,18 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
     rewards_BT = terminal_rewards((rewards_PG + penalties_PG).flatten(), batch.loss_mask)
     kl_penalties_BT = torch.zeros_like(rewards_BT)
     if loss.kl_in_reward:  # InstructGPT's per-token penalty: r_t = -kl_coef * KL_t, plus the reward on the last token
-        kl_penalties_BT = loss.kl_coef * KL_ESTIMATORS[loss.kl_estimator](batch.old_logprobs, batch.ref_logprobs) * batch.loss_mask
+        kl_penalties_BT = (
+            loss.kl_coef * KL_ESTIMATORS[loss.kl_estimator](batch.old_logprobs, batch.ref_logprobs) * batch.loss_mask
+        )
         rewards_BT = rewards_BT - kl_penalties_BT
     advantages_BT, batch.returns = gae(rewards_BT, batch.old_values, batch.loss_mask, ppo.gamma, ppo.lam)
     batch.advantages = whiten_tokens(advantages_BT, batch.loss_mask) if ppo.whiten_advantages else advantages_BT
 
-    global_batches = [b for b in (batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)) if b.num_valid_tokens()]
+    global_batches = [
+        b
+        for b in (batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch))
+        if b.num_valid_tokens()
+    ]
 
     def critic_updates() -> list[dict[str, float]]:
         with timers.time("critic_train"):
@@ -156,8 +188,10 @@ def train_on_batch(step: int, rollout_batch: RolloutBatch, timers: Timers, *, tr
         **rollout_metrics(trajectories, rewards_PG),
         **value_metrics(batch, advantages_BT),
         **token_advantage_metrics(batch, -kl_penalties_BT.sum(dim=1), config),  # the whitened ones trained on
-        **{name.replace("train/", "train/critic_") if not name.startswith("train/value") else name: value
-           for name, value in train_metrics(critic_stats).items()},
+        **{
+            name.replace("train/", "train/critic_") if not name.startswith("train/value") else name: value
+            for name, value in train_metrics(critic_stats).items()
+        },
         **train_metrics(actor_stats),  # the engine/trainer mismatch among them
         "perf/num_tokens": batch.attention_mask.sum().item(),
     }, bool(actor_stats)

@@ -42,8 +42,9 @@ def terminal_rewards(rewards_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Te
     return rewards_BT
 
 
-def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages_BT, returns_BT), both 0 off the mask, by the backward recursion in the module
     docstring. Positions off the mask neither read their reward nor their value."""
     num_rows, width = mask_BT.shape
@@ -86,8 +87,14 @@ def explained_variance(returns_BT: torch.Tensor, values_BT: torch.Tensor, mask_B
     return 1 - residual_std**2 / returns_std**2
 
 
-def clipped_value_loss(values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor,
-                       norm: Normalisers, clip: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def clipped_value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    norm: Normalisers,
+    clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The critic's loss of one micro-batch (module docstring; `clip=None`: the plain 0.5 (V - R)^2), scaled
     so that micro-batch losses sum to the global batch's. Metric contributions sum over micro-batches too:
     `value_loss`, `value_clip_fraction` (tokens where the clipped term is the larger, so V gets no gradient),

@@ -27,7 +27,14 @@ from pydantic import model_validator
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from reinforge.algorithms.losses import bradley_terry_loss
-from reinforge.algorithms.pairs import PairRunConfig, PairRunResult, check_schedule, evaluate, optimizer_step, with_prefix
+from reinforge.algorithms.pairs import (
+    PairRunConfig,
+    PairRunResult,
+    check_schedule,
+    evaluate,
+    optimizer_step,
+    with_prefix,
+)
 from reinforge.config.loader import save_config
 from reinforge.config.schema import LoggingConfig, ModelConfig
 from reinforge.config.section import Section
@@ -72,12 +79,23 @@ def train(config: RMRunConfig) -> PairRunResult:
     tokenizer = load_tokenizer(config.model)
     pad_id = tokenizer.pad_token_id
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_reward_model, config.data)
-    val_pairs = load_pairs(config.data.val_path, tokenizer, tokenize_for_reward_model, config.data)[: config.data.max_val_pairs] if config.data.val_path else []
+    val_pairs = (
+        load_pairs(config.data.val_path, tokenizer, tokenize_for_reward_model, config.data)[: config.data.max_val_pairs]
+        if config.data.val_path
+        else []
+    )
     run_dir = make_run_dir(config.logging.run_dir)
-    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
+    save_config(
+        config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}),
+        run_dir / "config.yaml",
+    )
 
     model = load_reward_model(config.model, pad_id)
-    peft_model = add_lora(model, config.model.lora, absolute_location(config.model), task_type="SEQ_CLS") if config.model.lora else None
+    peft_model = (
+        add_lora(model, config.model.lora, absolute_location(config.model), task_type="SEQ_CLS")
+        if config.model.lora
+        else None
+    )
     model = inner_model(peft_model or model).train()
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -107,7 +125,9 @@ def train(config: RMRunConfig) -> PairRunResult:
                     last_val = evaluate(model, val_pairs, micro_loss, t.micro_batch_size, pad_id)
                 metrics.update(last_val)
             metrics.update(timers.metrics())
-            metrics["perf/tokens_per_s"] = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs) / timers.seconds["step"]
+            metrics["perf/tokens_per_s"] = (
+                sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs) / timers.seconds["step"]
+            )
             metrics_log.write(step, metrics)
             console.step(step, metrics, show_line=step % config.logging.console_every == 0)
             if "val/loss" in metrics:
@@ -120,8 +140,13 @@ def train(config: RMRunConfig) -> PairRunResult:
 
     if first_val:
         for name in ("preference_accuracy", "reward_margin"):
-            console.print(f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> {last_val[f'val/{name}']:.3f} at step {r.max_steps}")
-    console.print(f"metrics: {run_dir / 'metrics.jsonl'}" + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""))
+            console.print(
+                f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> {last_val[f'val/{name}']:.3f} at step {r.max_steps}"
+            )
+    console.print(
+        f"metrics: {run_dir / 'metrics.jsonl'}"
+        + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else "")
+    )
     return PairRunResult(run_dir=run_dir, first_val=first_val, last_val=last_val)
 
 
@@ -134,14 +159,18 @@ def load_reward_model(config: ModelConfig, pad_token_id: int) -> PreTrainedModel
             location, num_labels=1, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
         )
     except (OSError, ValueError) as exc:  # ValueError: an architecture without a sequence-classification head
-        raise ReinforgeError(f"model.name_or_path={config.name_or_path}: could not load it as a reward model ({str(exc).strip().splitlines()[0]})") from None
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: could not load it as a reward model ({str(exc).strip().splitlines()[0]})"
+        ) from None
     model.config.pad_token_id = pad_token_id
     if config.adapter:  # a LoRA policy's adapter: its keys name the body's modules, which the classifier shares
         from peft import PeftConfig, PeftModel
 
         path = adapter_base(config)
         adapter_config = PeftConfig.from_pretrained(path)
-        adapter_config.task_type = None  # PEFT's causal-LM wrapper needs an LM head; the plain one merges the body's layers
+        adapter_config.task_type = (
+            None  # PEFT's causal-LM wrapper needs an LM head; the plain one merges the body's layers
+        )
         model = PeftModel.from_pretrained(model, path, config=adapter_config).merge_and_unload()
     return model
 
@@ -158,5 +187,7 @@ def make_micro_loss(model: PreTrainedModel):
 
 
 def val_line(step: int, metrics: dict[str, float]) -> str:
-    return (f"step {step:>4} | val loss {metrics['val/loss']:.4f} | accuracy {metrics['val/preference_accuracy']:.3f} | "
-            f"margin {metrics['val/reward_margin']:+.3f}")
+    return (
+        f"step {step:>4} | val loss {metrics['val/loss']:.4f} | accuracy {metrics['val/preference_accuracy']:.3f} | "
+        f"margin {metrics['val/reward_margin']:+.3f}"
+    )

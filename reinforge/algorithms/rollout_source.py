@@ -72,8 +72,15 @@ class AsyncRollouts:
     """Async GRPO: a producer thread generates the batches of steps start+1 .. last in order, each as
     soon as the staleness bound allows, while the caller's thread trains on earlier ones."""
 
-    def __init__(self, produce: Produce, sampler, start_step: int, last_step: int, max_staleness: int,
-                 pending: list[RolloutBatch] = ()):
+    def __init__(
+        self,
+        produce: Produce,
+        sampler,
+        start_step: int,
+        last_step: int,
+        max_staleness: int,
+        pending: list[RolloutBatch] = (),
+    ):
         self.produce, self.sampler, self.last_step, self.max_staleness = produce, sampler, last_step, max_staleness
         self._ready = {batch.step: batch for batch in pending}  # generated, not yet trained on
         self._next_step = start_step + 1 + len(self._ready)  # the next batch to generate
@@ -141,7 +148,10 @@ class AsyncRollouts:
         """What a checkpoint needs to continue exactly: the batches not yet trained on and the sampler's
         position after them. Call it during the trainer's `engine_turn` (then no batch is half made)."""
         with self._cond:
-            return {"sampler": self.sampler.state_dict(), "pending": [self._ready[step] for step in sorted(self._ready)]}
+            return {
+                "sampler": self.sampler.state_dict(),
+                "pending": [self._ready[step] for step in sorted(self._ready)],
+            }
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop the producer; a batch in flight is finished (or abandoned after `timeout_s`: the thread is
@@ -154,8 +164,15 @@ class AsyncRollouts:
             self._thread.join(timeout=0.5)
 
 
-def rollout_source(produce: Produce, sampler, start_step: int, last_step: int, async_rollouts: bool,
-                   max_staleness: int, pending: list[RolloutBatch] = ()) -> SyncRollouts | AsyncRollouts:
+def rollout_source(
+    produce: Produce,
+    sampler,
+    start_step: int,
+    last_step: int,
+    async_rollouts: bool,
+    max_staleness: int,
+    pending: list[RolloutBatch] = (),
+) -> SyncRollouts | AsyncRollouts:
     if not async_rollouts:
         return SyncRollouts(produce, sampler, start_step)
     return AsyncRollouts(produce, sampler, start_step, last_step, max_staleness, pending)

@@ -115,31 +115,52 @@ class SFTRunConfig(Section):
     def _check(self) -> "SFTRunConfig":
         t, s, d = self.training, self.sft, self.data
         checks = [
-            (t.backend == "torch", f"training.backend={t.backend}: sft runs in one process; set training.backend=torch (FSDP2 for sft is not implemented yet)"),
+            (
+                t.backend == "torch",
+                f"training.backend={t.backend}: sft runs in one process; set training.backend=torch (FSDP2 for sft is not implemented yet)",
+            ),
             (t.num_workers == 1, "training.num_workers must be 1: sft runs in one process"),
-            (not t.cpu_offload, "training.cpu_offload needs training.backend=fsdp2, which sft does not support yet; set it to false"),
-            (t.micro_batch_size == TrainingConfig.model_fields["micro_batch_size"].default,
-             "training.micro_batch_size does not apply to sft, whose micro-batches are sized in tokens; set sft.micro_batch_tokens instead"),
-            (t.micro_batch_tokens is None,
-             "training.micro_batch_tokens does not apply to sft; set sft.micro_batch_tokens instead"),
-            (t.sequence_packing == TrainingConfig.model_fields["sequence_packing"].default,
-             "training.sequence_packing does not apply to sft; set sft.packing instead"),
+            (
+                not t.cpu_offload,
+                "training.cpu_offload needs training.backend=fsdp2, which sft does not support yet; set it to false",
+            ),
+            (
+                t.micro_batch_size == TrainingConfig.model_fields["micro_batch_size"].default,
+                "training.micro_batch_size does not apply to sft, whose micro-batches are sized in tokens; set sft.micro_batch_tokens instead",
+            ),
+            (
+                t.micro_batch_tokens is None,
+                "training.micro_batch_tokens does not apply to sft; set sft.micro_batch_tokens instead",
+            ),
+            (
+                t.sequence_packing == TrainingConfig.model_fields["sequence_packing"].default,
+                "training.sequence_packing does not apply to sft; set sft.packing instead",
+            ),
             (t.global_batch_size > 0, "training.global_batch_size (conversations per optimizer step) must be > 0"),
             (t.lr > 0, "training.lr must be > 0"),
             (s.max_steps >= 0, "sft.max_steps must be >= 0"),
             (self.num_threads >= 0, "num_threads must be >= 0 (0: torch's default)"),
             (s.val_every >= 0, "sft.val_every must be >= 0 (0: validate only before and after training)"),
             (d.max_seq_len > 1, "data.max_seq_len must be > 1"),
-            (s.micro_batch_tokens >= d.max_seq_len,
-             f"sft.micro_batch_tokens={s.micro_batch_tokens} < data.max_seq_len={d.max_seq_len}: a micro-batch must hold a whole row; raise it to {d.max_seq_len} or more"),
+            (
+                s.micro_batch_tokens >= d.max_seq_len,
+                f"sft.micro_batch_tokens={s.micro_batch_tokens} < data.max_seq_len={d.max_seq_len}: a micro-batch must hold a whole row; raise it to {d.max_seq_len} or more",
+            ),
             (0 <= d.val_fraction < 1, "data.val_fraction must be in [0, 1)"),
-            (not (d.val_path and d.val_fraction > 0), "data.val_path and data.val_fraction are both set; validate on a file or on a held-out share: set data.val_fraction=0 or data.val_path=null"),
+            (
+                not (d.val_path and d.val_fraction > 0),
+                "data.val_path and data.val_fraction are both set; validate on a file or on a held-out share: set data.val_fraction=0 or data.val_path=null",
+            ),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
-            (not (s.random_init and (self.model.lora or self.model.adapter)),
-             "sft.random_init does not go with model.lora or model.adapter: an adapter belongs to trained base weights, which "
-             "random_init replaces; set sft.random_init=false"),
-            (not (self.model.lora and self.model.lora.quantize_base != "none"),
-             "model.lora.quantize_base (QLoRA) is not supported by sft, which runs in one CPU process; set it to none"),
+            (
+                not (s.random_init and (self.model.lora or self.model.adapter)),
+                "sft.random_init does not go with model.lora or model.adapter: an adapter belongs to trained base weights, which "
+                "random_init replaces; set sft.random_init=false",
+            ),
+            (
+                not (self.model.lora and self.model.lora.quantize_base != "none"),
+                "model.lora.quantize_base (QLoRA) is not supported by sft, which runs in one CPU process; set it to none",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -170,7 +191,10 @@ def train(config: SFTRunConfig) -> SFTResult:
     optimizer, scheduler = build_optimizer(trainable, config.training, s.max_steps)
     # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
     run_dir = make_run_dir(config.logging.run_dir)
-    save_config(config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}), run_dir / "config.yaml")
+    save_config(
+        config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}),
+        run_dir / "config.yaml",
+    )
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
     pad_id = tokenizer.pad_token_id
     val_batches = micro_batches(val_examples, config.data.max_seq_len, s.micro_batch_tokens, pad_id, s.packing)
@@ -179,8 +203,10 @@ def train(config: SFTRunConfig) -> SFTResult:
 
     with ConsoleLog(s.max_steps, "SFT") as console:
         console.print(f"run directory: {run_dir}")
-        console.print(f"{len(train_examples)} training / {len(val_examples)} validation conversations; "
-                      f"{sum(p.numel() for p in model.parameters()):,} parameters, {sum(p.numel() for p in trainable):,} trained")
+        console.print(
+            f"{len(train_examples)} training / {len(val_examples)} validation conversations; "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters, {sum(p.numel() for p in trainable):,} trained"
+        )
         if val_batches:
             metrics = validate(model, val_batches, console, step=0)
             val_history.append(metrics["val/loss"])
@@ -203,16 +229,27 @@ def train(config: SFTRunConfig) -> SFTResult:
     first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
     if first is not None:
         console.print(f"val/loss at step 0: {first:.4f}; at step {s.max_steps}: {last:.4f} ({last - first:+.4f})")
-    console.print(f"metrics: {run_dir / 'metrics.jsonl'}" + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""))
+    console.print(
+        f"metrics: {run_dir / 'metrics.jsonl'}"
+        + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else "")
+    )
     return SFTResult(run_dir=run_dir, first_val_loss=first, last_val_loss=last)
 
 
-def sft_step(model: PreTrainedModel, examples: list[ChatExample], optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler, config: SFTRunConfig, pad_id: int) -> dict[str, float]:
+def sft_step(
+    model: PreTrainedModel,
+    examples: list[ChatExample],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    config: SFTRunConfig,
+    pad_id: int,
+) -> dict[str, float]:
     """One optimizer step on one global batch of conversations. Returns its metrics."""
     timers = Timers()
     with timers.time("step"):
-        batches = micro_batches(examples, config.data.max_seq_len, config.sft.micro_batch_tokens, pad_id, config.sft.packing)
+        batches = micro_batches(
+            examples, config.data.max_seq_len, config.sft.micro_batch_tokens, pad_id, config.sft.packing
+        )
         norm = Normalisers(num_tokens=sum(e.num_trained_tokens for e in examples), num_sequences=len(examples))
         optimizer.zero_grad(set_to_none=True)
         loss = torch.tensor(0.0)
@@ -266,11 +303,15 @@ def validation_loss(model: PreTrainedModel, batches: list[PackedBatch]) -> float
 # --- Data and model ----------------------------------------------------------------------------
 
 
-def load_datasets(config: SFTRunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[ChatExample], list[ChatExample]]:
+def load_datasets(
+    config: SFTRunConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[ChatExample], list[ChatExample]]:
     """Training and validation conversations: a validation file, or a seeded held-out share, or none."""
     d = config.data
     if tokenizer.chat_template is None:
-        raise ConfigError(f"model.name_or_path={config.model.name_or_path}: its tokenizer has no chat template, which sft needs to find the assistant tokens")
+        raise ConfigError(
+            f"model.name_or_path={config.model.name_or_path}: its tokenizer has no chat template, which sft needs to find the assistant tokens"
+        )
     examples = load_examples(d.train_path, config, tokenizer)
     if d.val_path:
         return examples, load_examples(d.val_path, config, tokenizer)
@@ -278,7 +319,9 @@ def load_datasets(config: SFTRunConfig, tokenizer: PreTrainedTokenizerBase) -> t
     random.Random(config.seed).shuffle(order)
     num_val = round(len(examples) * d.val_fraction)
     if d.val_fraction > 0 and not 0 < num_val < len(examples):
-        raise ConfigError(f"data.val_fraction={d.val_fraction} of {len(examples)} conversations leaves an empty split; change it")
+        raise ConfigError(
+            f"data.val_fraction={d.val_fraction} of {len(examples)} conversations leaves an empty split; change it"
+        )
     return [examples[i] for i in sorted(order[num_val:])], [examples[i] for i in sorted(order[:num_val])]
 
 
@@ -291,7 +334,9 @@ def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenize
         try:
             example = render_chat(record, tokenizer, d.messages_key, d.system_prompt)
         except (KeyError, TypeError, AttributeError):
-            raise DataError(f"{path}: record {number}: `{d.messages_key}` must be a list of {{role, content}} objects") from None
+            raise DataError(
+                f"{path}: record {number}: `{d.messages_key}` must be a list of {{role, content}} objects"
+            ) from None
         except DataError as exc:
             raise DataError(f"{path}: record {number}: {exc}") from None
         num_too_long += len(example) > d.max_seq_len
@@ -300,11 +345,15 @@ def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenize
             examples.append(fitted)
     if not examples:
         fix = "raise it" + (" or set data.truncation=right" if d.truncation == "drop" else "")
-        raise DataError(f"{path}: no conversation fits data.max_seq_len={d.max_seq_len} with an assistant token left; {fix}")
+        raise DataError(
+            f"{path}: no conversation fits data.max_seq_len={d.max_seq_len} with an assistant token left; {fix}"
+        )
     if num_too_long:
         action = "cut to" if d.truncation == "right" else "dropped for exceeding"
-        print(f"{path}: {num_too_long} of {len(records)} conversations {action} data.max_seq_len={d.max_seq_len} tokens"
-              f" ({len(records) - len(examples)} dropped in all)")
+        print(
+            f"{path}: {num_too_long} of {len(records)} conversations {action} data.max_seq_len={d.max_seq_len} tokens"
+            f" ({len(records) - len(examples)} dropped in all)"
+        )
     return examples
 
 
@@ -313,8 +362,12 @@ def load_policy(config: SFTRunConfig) -> tuple[PreTrainedModel, torch.nn.Module 
     trained weights (with fresh LoRA adapters), or random ones from its config (sft.random_init)."""
     peft_model = None
     if config.sft.random_init:
-        model_config = AutoConfig.from_pretrained(model_location(config.model), trust_remote_code=config.model.trust_remote_code)
-        model = AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
+        model_config = AutoConfig.from_pretrained(
+            model_location(config.model), trust_remote_code=config.model.trust_remote_code
+        )
+        model = AutoModelForCausalLM.from_config(
+            model_config, dtype=DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code
+        )
     else:
         model, peft_model = lora.load_policy(config.model)
     if config.training.activation_checkpointing:
@@ -322,7 +375,9 @@ def load_policy(config: SFTRunConfig) -> tuple[PreTrainedModel, torch.nn.Module 
     return model.train(), peft_model
 
 
-def global_batches(examples: list[ChatExample], batch_size: int, seed: int, shuffle: bool) -> Iterator[list[ChatExample]]:
+def global_batches(
+    examples: list[ChatExample], batch_size: int, seed: int, shuffle: bool
+) -> Iterator[list[ChatExample]]:
     """Endless batches; each epoch is a fresh seeded shuffle, and a batch may run on into the next epoch."""
     epoch, order = 0, []
     while True:

@@ -49,18 +49,23 @@ def token_advantage_metrics(batch: TrainBatch, kl_penalties_PG: torch.Tensor, co
     """The advantages over the trained tokens (what token-level whitening makes 0 and 1), and the KL penalty in
     the reward (`loss.kl_in_reward`)."""
     mask_BT = batch.loss_mask
-    advantages_BT = batch.advantages.view(len(batch), -1).expand_as(mask_BT) if batch.advantages.dim() == 1 else batch.advantages
+    advantages_BT = (
+        batch.advantages.view(len(batch), -1).expand_as(mask_BT) if batch.advantages.dim() == 1 else batch.advantages
+    )
     num_tokens = mask_BT.sum().clamp(min=1)
     mean = (advantages_BT * mask_BT).sum() / num_tokens
-    metrics = {"train/advantage_token_mean": mean.item(),
-               "train/advantage_token_std": (((advantages_BT - mean) ** 2 * mask_BT).sum() / num_tokens).sqrt().item()}
+    metrics = {
+        "train/advantage_token_mean": mean.item(),
+        "train/advantage_token_std": (((advantages_BT - mean) ** 2 * mask_BT).sum() / num_tokens).sqrt().item(),
+    }
     if config.loss.kl_in_reward:
         metrics["train/kl_reward_penalty_mean"] = -kl_penalties_PG.mean().item()
     return metrics
 
 
-def advantage_metrics(trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor,
-                    config: Config) -> dict[str, float]:
+def advantage_metrics(
+    trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor, config: Config
+) -> dict[str, float]:
     """The advantages trained on, and what overlong shaping and filtering did to this step's batch."""
     g = config.grpo
     metrics = {

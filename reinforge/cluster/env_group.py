@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.config.schema import Config
-from reinforge.envs.base import EnvRequest, EnvResponse, Environment
+from reinforge.envs.base import Environment, EnvRequest, EnvResponse
 from reinforge.envs.registry import EnvWorker
 
 
 class EnvGroup:
     def __init__(self, config: Config, tasks: set[str]):
         self.group = WorkerGroup(
-            "env", EnvWorker, config.env.num_workers, lambda rank, _: dict(config=config.env, tasks=tasks),
-            num_cpus_per_worker=config.env.num_cpus_per_worker, num_gpus_per_worker=0.0,
+            "env",
+            EnvWorker,
+            config.env.num_workers,
+            lambda rank, _: dict(config=config.env, tasks=tasks),
+            num_cpus_per_worker=config.env.num_cpus_per_worker,
+            num_gpus_per_worker=0.0,
             timeout_s=config.cluster.worker_timeout_s,
         )
         self.tasks = sorted(tasks)
@@ -41,7 +45,9 @@ class EnvGroup:
         for metrics in per_worker:
             for name, value in metrics.items():
                 merged.setdefault(name, []).append(value)
-        return {name: (sum(values) / len(values) if _is_average(name) else sum(values)) for name, values in merged.items()}
+        return {
+            name: (sum(values) / len(values) if _is_average(name) else sum(values)) for name, values in merged.items()
+        }
 
     def shutdown(self) -> None:
         self.group.shutdown()

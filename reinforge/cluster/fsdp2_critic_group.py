@@ -17,8 +17,12 @@ from reinforge.training.fsdp2_critic import FSDP2Critic
 class FSDP2CriticGroup(FSDP2Ranks):
     def __init__(self, config: Config, training_config: TrainingConfig, num_optimizer_steps: int):
         """`training_config`: `training.*` with the critic's learning rate."""
-        super().__init__("critic", FSDP2Critic, config, dict(model_config=config.model, training_config=training_config,
-                                                             num_optimizer_steps=num_optimizer_steps))
+        super().__init__(
+            "critic",
+            FSDP2Critic,
+            config,
+            dict(model_config=config.model, training_config=training_config, num_optimizer_steps=num_optimizer_steps),
+        )
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         return self.group.call("values", batch)[0]

@@ -22,7 +22,9 @@ from reinforge.generation.base import GenerationResult, SamplingParams
 
 
 class GenerationGroup:
-    def __init__(self, config: Config, num_cpus_per_engine: float, num_gpus_per_engine: float, share_with: WorkerGroup | None):
+    def __init__(
+        self, config: Config, num_cpus_per_engine: float, num_gpus_per_engine: float, share_with: WorkerGroup | None
+    ):
         gen = config.generation
         if gen.backend == "vllm":
             from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
@@ -33,16 +35,24 @@ class GenerationGroup:
 
             worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
         self.group = WorkerGroup(
-            "generation", worker_cls, gen.num_workers, lambda rank, _: kwargs,
-            num_cpus_per_worker=num_cpus_per_engine, num_gpus_per_worker=num_gpus_per_engine,
-            timeout_s=config.cluster.worker_timeout_s, share_with=share_with,
+            "generation",
+            worker_cls,
+            gen.num_workers,
+            lambda rank, _: kwargs,
+            num_cpus_per_worker=num_cpus_per_engine,
+            num_gpus_per_worker=num_gpus_per_engine,
+            timeout_s=config.cluster.worker_timeout_s,
+            share_with=share_with,
         )
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
         num_engines = len(self.group.workers)
         size = -(-len(prompt_token_ids) // num_engines)
         starts = range(0, len(prompt_token_ids), size)
-        calls = [(prompt_token_ids[s : s + size], replace(params, seed=params.seed + 7_919 * i)) for i, s in enumerate(starts)]
+        calls = [
+            (prompt_token_ids[s : s + size], replace(params, seed=params.seed + 7_919 * i))
+            for i, s in enumerate(starts)
+        ]
         results = self.group.call_each("generate", calls)  # engines beyond the last slice stay idle
         merged = GenerationResult()
         for start, result in zip(starts, results):

@@ -13,11 +13,16 @@ from reinforge.training.teacher import Teacher
 
 
 class TeacherGroup:
-    def __init__(self, model_config: ModelConfig, training_config: TrainingConfig, temperature: float, cluster: ClusterConfig):
+    def __init__(
+        self, model_config: ModelConfig, training_config: TrainingConfig, temperature: float, cluster: ClusterConfig
+    ):
         self.group = WorkerGroup(
-            f"teacher {model_config.name_or_path}", Teacher, 1,
+            f"teacher {model_config.name_or_path}",
+            Teacher,
+            1,
             lambda rank, ip: dict(model_config=model_config, training_config=training_config, temperature=temperature),
-            num_cpus_per_worker=cluster.num_cpus_per_worker, num_gpus_per_worker=cluster.num_gpus_per_worker,
+            num_cpus_per_worker=cluster.num_cpus_per_worker,
+            num_gpus_per_worker=cluster.num_gpus_per_worker,
             timeout_s=cluster.worker_timeout_s,
         )
 

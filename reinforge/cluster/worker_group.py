@@ -86,7 +86,9 @@ class WorkerGroup:
             actor_cls.options(
                 num_cpus=num_cpus_per_worker * actor_fraction,
                 num_gpus=num_gpus_per_worker * actor_fraction,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                ),
             ).remote()
             for rank in range(num_workers)
         ]
@@ -96,7 +98,9 @@ class WorkerGroup:
         except ray.exceptions.RayActorError as exc:  # its process died starting
             self.shutdown()
             raise WorkerFailed(f"{name}: a worker failed to start: {_first_line(exc)}") from None
-        self.call_each("setup", [(kwargs_for_rank(rank, rank0_ip),) for rank in range(num_workers)])  # all ranks at once
+        self.call_each(
+            "setup", [(kwargs_for_rank(rank, rank0_ip),) for rank in range(num_workers)]
+        )  # all ranks at once
 
     def node_ids(self) -> list[str]:
         """The Ray node of each worker's bundle, in rank order."""
@@ -122,7 +126,9 @@ class WorkerGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not done:
                 self.shutdown()
-                raise WorkerFailed(f"{self.name}.{method} made no progress for {self.timeout_s:.0f} s (cluster.worker_timeout_s); workers stopped")
+                raise WorkerFailed(
+                    f"{self.name}.{method} made no progress for {self.timeout_s:.0f} s (cluster.worker_timeout_s); workers stopped"
+                )
             try:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
@@ -130,7 +136,9 @@ class WorkerGroup:
                 self.shutdown()
                 if (error := raised_in_worker(exc)) is not None:
                     raise error from None
-                raise WorkerFailed(f"{self.names[rank]} failed in {method}: {_first_line(exc)}{self._log_tail(rank)}") from None
+                raise WorkerFailed(
+                    f"{self.names[rank]} failed in {method}: {_first_line(exc)}{self._log_tail(rank)}"
+                ) from None
         return ray.get(refs)
 
     def _log_tail(self, rank: int, num_lines: int = 10) -> str:

@@ -13,16 +13,16 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from reinforge.config.section import Section
-from reinforge.envs.http_client import RemoteEnvConfig
 from reinforge.envs.code_env import CodeEnvConfig
 from reinforge.envs.format_env import FormatEnvConfig
 from reinforge.envs.gym_config import GymResourcesConfig
+from reinforge.envs.http_client import RemoteEnvConfig
 from reinforge.envs.ifeval import IfEvalConfig
 from reinforge.envs.judge import JudgeEnvConfig
 from reinforge.envs.tool_use import ToolUseEnvConfig
 from reinforge.logging.loggers import LoggersConfig
-from reinforge.rollout.agent_config import AgentConfig
 from reinforge.model_config import ModelConfig  # defined apart so that modeling.py imports it without the schema
+from reinforge.rollout.agent_config import AgentConfig
 from reinforge.training.lora_config import VLLM_LORA_RANKS, adapter_sync
 
 
@@ -150,11 +150,15 @@ class TrainingConfig(Section):
     @model_validator(mode="after")
     def _check_micro_batching(self) -> "TrainingConfig":
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(f"training.micro_batch_tokens={self.micro_batch_tokens} must be >= 1, or null to group "
-                             "micro-batches by training.micro_batch_size sequences")
+            raise ValueError(
+                f"training.micro_batch_tokens={self.micro_batch_tokens} must be >= 1, or null to group "
+                "micro-batches by training.micro_batch_size sequences"
+            )
         if self.logprob_chunk_tokens < 1:
-            raise ValueError(f"training.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 "
-                             "(tokens per LM-head chunk; 2048 is a good default)")
+            raise ValueError(
+                f"training.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 1 "
+                "(tokens per LM-head chunk; 2048 is a good default)"
+            )
         return self
 
 
@@ -363,14 +367,27 @@ class CurriculumConfig(Section):
     def _check(self) -> "CurriculumConfig":
         checks = [
             (self.prefilter_samples >= 1, "curriculum.prefilter_samples must be >= 1 (8 in Llama-Nemotron)"),
-            (0 < self.prefilter_threshold <= 1, "curriculum.prefilter_threshold must be in (0, 1]: prompts with a pass rate at or above it are dropped"),
-            (self.prefilter_temperature is None or self.prefilter_temperature > 0,
-             "curriculum.prefilter_temperature must be > 0 (or null for generation.temperature)"),
-            (self.num_bins is None or self.num_bins >= 1, "curriculum.num_bins must be >= 1 (or null: one bin per distinct pass rate)"),
+            (
+                0 < self.prefilter_threshold <= 1,
+                "curriculum.prefilter_threshold must be in (0, 1]: prompts with a pass rate at or above it are dropped",
+            ),
+            (
+                self.prefilter_temperature is None or self.prefilter_temperature > 0,
+                "curriculum.prefilter_temperature must be > 0 (or null for generation.temperature)",
+            ),
+            (
+                self.num_bins is None or self.num_bins >= 1,
+                "curriculum.num_bins must be >= 1 (or null: one bin per distinct pass rate)",
+            ),
             (self.sigma > 0, "curriculum.sigma must be > 0 (the Gaussian's width in pass rate, e.g. 0.15)"),
-            (0 <= self.start_pass_rate <= 1 and 0 <= self.end_pass_rate <= 1,
-             "curriculum.start_pass_rate and curriculum.end_pass_rate must be in [0, 1]"),
-            (self.num_steps is None or self.num_steps >= 1, "curriculum.num_steps must be >= 1 (or null: grpo.max_steps)"),
+            (
+                0 <= self.start_pass_rate <= 1 and 0 <= self.end_pass_rate <= 1,
+                "curriculum.start_pass_rate and curriculum.end_pass_rate must be in [0, 1]",
+            ),
+            (
+                self.num_steps is None or self.num_steps >= 1,
+                "curriculum.num_steps must be >= 1 (or null: grpo.max_steps)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -470,7 +487,9 @@ class Config(Section):
                 "every rank trains on an equal share, so set it to a divisor"
             )
         if t.num_workers > 1 and t.backend != "fsdp2":
-            raise ValueError(f"training.num_workers={t.num_workers} needs training.backend=fsdp2; the torch backend is one process")
+            raise ValueError(
+                f"training.num_workers={t.num_workers} needs training.backend=fsdp2; the torch backend is one process"
+            )
         if self.cluster.colocate and t.backend == "fsdp2" and self.generation.num_workers > t.num_workers:
             raise ValueError(
                 f"generation.num_workers={self.generation.num_workers} > training.num_workers={t.num_workers} with cluster.colocate=true: "
@@ -504,63 +523,109 @@ class Config(Section):
         if lora is None:
             return self
         if lora.sync == "adapter" and self.generation.backend != "vllm":
-            raise ValueError(f"model.lora.sync=adapter needs generation.backend=vllm (the {self.generation.backend} engine has no "
-                             "LoRA support); set model.lora.sync=merged, or generation.backend=vllm")
+            raise ValueError(
+                f"model.lora.sync=adapter needs generation.backend=vllm (the {self.generation.backend} engine has no "
+                "LoRA support); set model.lora.sync=merged, or generation.backend=vllm"
+            )
         if adapter_sync(self) and lora.rank > VLLM_LORA_RANKS[-1]:
-            raise ValueError(f"model.lora.rank={lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]}) for "
-                             "adapter sync; set model.lora.sync=merged or a lower rank")
+            raise ValueError(
+                f"model.lora.rank={lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]}) for "
+                "adapter sync; set model.lora.sync=merged or a lower rank"
+            )
         if lora.quantize_base != "none" and self.training.backend == "fsdp2":
-            raise ValueError(f"model.lora.quantize_base={lora.quantize_base} (QLoRA) needs training.backend=torch: FSDP2 does "
-                             "not shard bitsandbytes' 4-bit weights; set training.backend=torch or quantize_base=none")
+            raise ValueError(
+                f"model.lora.quantize_base={lora.quantize_base} (QLoRA) needs training.backend=torch: FSDP2 does "
+                "not shard bitsandbytes' 4-bit weights; set training.backend=torch or quantize_base=none"
+            )
         return self
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "Config":
         checks = [
-            (self.generation.temperature > 0, "generation.temperature must be > 0 for training rollouts (validation is greedy)"),
+            (
+                self.generation.temperature > 0,
+                "generation.temperature must be > 0 for training rollouts (validation is greedy)",
+            ),
             (self.generation.max_new_tokens > 0, "generation.max_new_tokens must be > 0"),
             (0 < self.generation.top_p <= 1, "generation.top_p must be in (0, 1]"),
-            (self.loss.clip_eps_low > 0 and self.loss.clip_eps_high > 0, "loss.clip_eps_low and loss.clip_eps_high must be > 0"),
-            (self.loss.clip_eps_low < 1 or (self.loss.policy_loss == "cispo" and self.loss.clip_eps_low == 1),
-             "loss.clip_eps_low must be < 1 so that the lower clip 1 - eps stays positive (with loss.policy_loss=cispo, 1: no lower bound)"),
-            (self.loss.dual_clip_c is None or self.loss.dual_clip_c > 1, "loss.dual_clip_c must be > 1 (or null to disable dual clip)"),
+            (
+                self.loss.clip_eps_low > 0 and self.loss.clip_eps_high > 0,
+                "loss.clip_eps_low and loss.clip_eps_high must be > 0",
+            ),
+            (
+                self.loss.clip_eps_low < 1 or (self.loss.policy_loss == "cispo" and self.loss.clip_eps_low == 1),
+                "loss.clip_eps_low must be < 1 so that the lower clip 1 - eps stays positive (with loss.policy_loss=cispo, 1: no lower bound)",
+            ),
+            (
+                self.loss.dual_clip_c is None or self.loss.dual_clip_c > 1,
+                "loss.dual_clip_c must be > 1 (or null to disable dual clip)",
+            ),
             (self.loss.kl_coef >= 0, "loss.kl_coef must be >= 0"),
             (self.training.lr > 0, "training.lr must be > 0"),
             (self.grpo.max_steps >= 0, "grpo.max_steps must be >= 0"),
             (self.grpo.max_turns >= 1, "grpo.max_turns must be >= 1 (1: single-turn)"),
             (self.grpo.val_every >= 0, "grpo.val_every must be >= 0 (0: validate only before and after training)"),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
-            (self.checkpoint.save_every >= 0 and self.checkpoint.keep_last >= 0, "checkpoint.save_every and checkpoint.keep_last must be >= 0"),
-            (self.generation.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
+            (
+                self.checkpoint.save_every >= 0 and self.checkpoint.keep_last >= 0,
+                "checkpoint.save_every and checkpoint.keep_last must be >= 0",
+            ),
+            (
+                self.generation.max_logprob_error >= 1,
+                "generation.max_logprob_error must be >= 1 (1 means exact agreement)",
+            ),
             (self.loss.is_truncate_cap > 0, "loss.is_truncate_cap must be > 0"),
-            (0 <= self.loss.is_sequence_low < 1 < self.loss.is_sequence_high, "loss.is_sequence_low must be in [0, 1) and loss.is_sequence_high > 1"),
+            (
+                0 <= self.loss.is_sequence_low < 1 < self.loss.is_sequence_high,
+                "loss.is_sequence_low must be in [0, 1) and loss.is_sequence_high > 1",
+            ),
             (self.grpo.dynamic_sampling_max_extra_rounds >= 0, "grpo.dynamic_sampling_max_extra_rounds must be >= 0"),
-            (0 <= self.grpo.overlong_buffer_tokens <= self.generation.max_new_tokens,
-             f"grpo.overlong_buffer_tokens={self.grpo.overlong_buffer_tokens} must be in [0, generation.max_new_tokens="
-             f"{self.generation.max_new_tokens}]: the buffer is the last tokens before the length limit (0 disables the penalty)"),
-            (self.grpo.overlong_buffer_tokens == 0 or self.grpo.max_turns == 1,
-             "grpo.overlong_buffer_tokens > 0 needs grpo.max_turns=1: L_max is generation.max_new_tokens, a per-turn limit, "
-             "so a multi-turn answer would be punished for its number of turns; set overlong_buffer_tokens=0"),
-            (not (self.grpo.async_rollouts and self.generation.vllm_sleep_mode),
-             "grpo.async_rollouts=true keeps the engine generating while the trainer works, so it never sleeps; "
-             "set generation.vllm_sleep_mode to false or null"),
-            (self.grpo.rollout != "agent" or bool(self.agent.names()),
-             "grpo.rollout=agent needs an agent: agent.python.NAME=module:function (your own) or agent.gym.NAME.url=URL "
-             "(a NeMo Gym agent server)"),
-            (self.grpo.rollout != "agent" or not self.env.extra_rewards,
-             "env.extra_rewards score with in-process environments, which grpo.rollout=agent does not use; score in the "
-             "agent's verifier (reward_components) instead, or set env.extra_rewards={}"),
-            (self.grpo.rollout != "agent" or not self.curriculum.prefilter,
-             "curriculum.prefilter samples with in-process environments, which grpo.rollout=agent does not use; pre-filter "
-             "offline (reinforge curriculum prefilter) or set curriculum.prefilter=false"),
-            (self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
-             "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)"),
-            (self.loss.policy_loss != "cispo" or self.loss.dual_clip_c is None,
-             "loss.dual_clip_c does not apply to loss.policy_loss=cispo (its clipped weights keep their gradient); set it to null"),
-            (not self.loss.kl_in_reward or self.loss.kl_coef > 0,
-             "loss.kl_in_reward=true has no penalty to put in the reward with loss.kl_coef=0; set loss.kl_coef > 0"),
-            (not (self.grpo.decoupled_normalization and self.grpo.whiten_advantages),
-             "grpo.decoupled_normalization (GDPO) already whitens the advantages over the batch; set grpo.whiten_advantages=false"),
+            (
+                0 <= self.grpo.overlong_buffer_tokens <= self.generation.max_new_tokens,
+                f"grpo.overlong_buffer_tokens={self.grpo.overlong_buffer_tokens} must be in [0, generation.max_new_tokens="
+                f"{self.generation.max_new_tokens}]: the buffer is the last tokens before the length limit (0 disables the penalty)",
+            ),
+            (
+                self.grpo.overlong_buffer_tokens == 0 or self.grpo.max_turns == 1,
+                "grpo.overlong_buffer_tokens > 0 needs grpo.max_turns=1: L_max is generation.max_new_tokens, a per-turn limit, "
+                "so a multi-turn answer would be punished for its number of turns; set overlong_buffer_tokens=0",
+            ),
+            (
+                not (self.grpo.async_rollouts and self.generation.vllm_sleep_mode),
+                "grpo.async_rollouts=true keeps the engine generating while the trainer works, so it never sleeps; "
+                "set generation.vllm_sleep_mode to false or null",
+            ),
+            (
+                self.grpo.rollout != "agent" or bool(self.agent.names()),
+                "grpo.rollout=agent needs an agent: agent.python.NAME=module:function (your own) or agent.gym.NAME.url=URL "
+                "(a NeMo Gym agent server)",
+            ),
+            (
+                self.grpo.rollout != "agent" or not self.env.extra_rewards,
+                "env.extra_rewards score with in-process environments, which grpo.rollout=agent does not use; score in the "
+                "agent's verifier (reward_components) instead, or set env.extra_rewards={}",
+            ),
+            (
+                self.grpo.rollout != "agent" or not self.curriculum.prefilter,
+                "curriculum.prefilter samples with in-process environments, which grpo.rollout=agent does not use; pre-filter "
+                "offline (reinforge curriculum prefilter) or set curriculum.prefilter=false",
+            ),
+            (
+                self.loss.constant_normaliser_tokens is None or self.loss.constant_normaliser_tokens > 0,
+                "loss.constant_normaliser_tokens must be > 0 (or null for generation.max_new_tokens)",
+            ),
+            (
+                self.loss.policy_loss != "cispo" or self.loss.dual_clip_c is None,
+                "loss.dual_clip_c does not apply to loss.policy_loss=cispo (its clipped weights keep their gradient); set it to null",
+            ),
+            (
+                not self.loss.kl_in_reward or self.loss.kl_coef > 0,
+                "loss.kl_in_reward=true has no penalty to put in the reward with loss.kl_coef=0; set loss.kl_coef > 0",
+            ),
+            (
+                not (self.grpo.decoupled_normalization and self.grpo.whiten_advantages),
+                "grpo.decoupled_normalization (GDPO) already whitens the advantages over the batch; set grpo.whiten_advantages=false",
+            ),
         ]
         for ok, message in checks:
             if not ok:

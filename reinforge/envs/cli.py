@@ -38,13 +38,17 @@ def add_env_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--env", required=True, help="built-in environment name, e.g. math")
     serve.add_argument(
-        "--protocol", choices=("reinforge", "gym"), default="reinforge",
+        "--protocol",
+        choices=("reinforge", "gym"),
+        default="reinforge",
         help="reinforge (default): reinforge's own protocol, for env.remote; gym: a NeMo Gym resources server "
         "(/seed_session, /verify, one route per tool), for Gym agents and trainers",
     )
     add_bind_arguments(serve, default_port=None)
     serve.add_argument(
-        "--max-request-bytes", type=int, default=None,
+        "--max-request-bytes",
+        type=int,
+        default=None,
         help="largest request body accepted; larger ones get HTTP 413 (default: 64 MiB)",
     )
     serve.add_argument("overrides", nargs="*", help=ENV_OVERRIDES_HELP)
@@ -60,7 +64,9 @@ def add_env_commands(subparsers: argparse._SubParsersAction) -> None:
     score.add_argument("--input", required=True, type=Path, help="JSONL file of records with a `response` field")
     score.add_argument("--output", required=True, type=Path, help="JSONL file to write the scored records to")
     score.add_argument(
-        "--batch-size", type=int, default=DEFAULT_SCORE_BATCH_SIZE,
+        "--batch-size",
+        type=int,
+        default=DEFAULT_SCORE_BATCH_SIZE,
         help=f"records per environment call (default: {DEFAULT_SCORE_BATCH_SIZE})",
     )
     score.add_argument("overrides", nargs="*", help=ENV_OVERRIDES_HELP)
@@ -89,8 +95,13 @@ def _serve(args: argparse.Namespace) -> None:
     else:
         from reinforge.envs.http_server import build_app as build
     serve(
-        env, host=args.host, port=args.port, token=token, max_request_bytes=max_request_bytes,
-        allow_remote=args.allow_remote, build=build,
+        env,
+        host=args.host,
+        port=args.port,
+        token=token,
+        max_request_bytes=max_request_bytes,
+        allow_remote=args.allow_remote,
+        build=build,
     )
 
 
@@ -132,9 +143,10 @@ def _request(record: dict, where: str):
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
         ):
-            raise DataError(f"{where}: `messages` must be a list of {{\"role\": ..., \"content\": ...}} objects")
+            raise DataError(f'{where}: `messages` must be a list of {{"role": ..., "content": ...}} objects')
         messages = list(messages)
     elif "prompt" in record:
         messages = [{"role": "user", "content": str(record["prompt"])}]

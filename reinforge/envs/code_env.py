@@ -127,8 +127,11 @@ class CodeEnv:
         total = plan.num_tests
         if not program.strip():
             self._count(status="no_code", fraction=0.0, run_s=None)
-            return EnvResponse(reward=0.0, components={"pass_fraction": 0.0},
-                               info={"status": "no_code", "passed": 0, "total": total, "error": "no code"})
+            return EnvResponse(
+                reward=0.0,
+                components={"pass_fraction": 0.0},
+                info={"status": "no_code", "passed": 0, "total": total, "error": "no code"},
+            )
         nonce = secrets.token_hex(16)
         result = run_python(_harness(plan), self.config.sandbox, stdin=nonce + "\n")
         passed, all_ok, error = _tally(plan, result, nonce)
@@ -147,7 +150,12 @@ class CodeEnv:
         self._run_s = []
 
     def _count(self, status: str, fraction: float, run_s: float | None) -> None:
-        key = {"no_code": "no_code", "timeout": "timeouts", "output_limit": "output_limits", "error": "sandbox_errors"}.get(status)
+        key = {
+            "no_code": "no_code",
+            "timeout": "timeouts",
+            "output_limit": "output_limits",
+            "error": "sandbox_errors",
+        }.get(status)
         with self._lock:
             self._counts["samples"] += 1
             if key:
@@ -241,7 +249,9 @@ def _defines(program: str, name: str) -> bool:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         if any(isinstance(target, ast.Name) and target.id == name for target in targets):
             return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((alias.asname or alias.name) == name for alias in node.names):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+            (alias.asname or alias.name) == name for alias in node.names
+        ):
             return True
     return False
 
@@ -253,7 +263,7 @@ def _is_test(statement: ast.stmt) -> bool:
     )
 
 
-_HARNESS = '''\
+_HARNESS = """\
 import os as _os, sys as _sys
 _nonce = _sys.stdin.readline().strip()
 _results = _os.dup(1)
@@ -293,7 +303,7 @@ def _run():
 
 
 _run()
-'''
+"""
 
 
 def _harness(plan: _Plan) -> str:

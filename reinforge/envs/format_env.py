@@ -70,7 +70,7 @@ def thinking_off_violation(response: str) -> str | None:
 
 
 def thinking_mode(request: EnvRequest) -> str | None:
-    """"on", "off" or None (no switch): the record's `thinking` field, else the system messages."""
+    """ "on", "off" or None (no switch): the record's `thinking` field, else the system messages."""
     mode = request.record.get("thinking")
     if mode is not None:
         if mode not in ("on", "off"):

@@ -82,8 +82,10 @@ class GymResourcesEnv:
     def _step_one(self, request: EnvRequest) -> EnvResponse:
         params = request.record.get("responses_create_params")
         if not isinstance(params, dict):
-            raise DataError(f"NeMo Gym task at {self.url}: its records must be Gym rows with responses_create_params, "
-                            f"got a record with fields {', '.join(request.record) or 'none'}")
+            raise DataError(
+                f"NeMo Gym task at {self.url}: its records must be Gym rows with responses_create_params, "
+                f"got a record with fields {', '.join(request.record) or 'none'}"
+            )
         with self._lock:
             cookies = self._sessions.get(request.episode_id) if request.episode_id else None
         if cookies is None:
@@ -100,20 +102,29 @@ class GymResourcesEnv:
         with self._lock:
             self._sessions.pop(request.episode_id, None)
         response = chat_to_response(
-            _after_input(request.messages, params), tools=params.get("tools"), model=params.get("model") or "policy",
+            _after_input(request.messages, params),
+            tools=params.get("tools"),
+            model=params.get("model") or "policy",
             response_id=f"resp_{request.episode_id or uuid.uuid4().hex[:12]}",
-            parallel_tool_calls=params.get("parallel_tool_calls", True), tool_choice=params.get("tool_choice", "auto"),
+            parallel_tool_calls=params.get("parallel_tool_calls", True),
+            tool_choice=params.get("tool_choice", "auto"),
         )
         verdict = _json_object(self._post("verify", {**request.record, "response": response}, cookies))
         self._count("verify_calls")
         if not isinstance(verdict.get("reward"), (int, float)):
-            raise GymServerError(f"NeMo Gym resources server {self.url} answered POST /verify without a numeric reward: "
-                                 f"{_one_line(str(verdict))[:200]}")
+            raise GymServerError(
+                f"NeMo Gym resources server {self.url} answered POST /verify without a numeric reward: "
+                f"{_one_line(str(verdict))[:200]}"
+            )
         if verdict.get("mask_sample"):
             self._count("masked")
         info = {key: verdict[key] for key in ("failure_kind", "failure_reason") if verdict.get(key) is not None}
-        return EnvResponse(reward=float(verdict["reward"]), components=verdict_components(verdict, request.record),
-                           mask_sample=bool(verdict.get("mask_sample", False)), info=info)
+        return EnvResponse(
+            reward=float(verdict["reward"]),
+            components=verdict_components(verdict, request.record),
+            mask_sample=bool(verdict.get("mask_sample", False)),
+            info=info,
+        )
 
     def _run_call(self, call: ToolCall | str, params: dict[str, Any], cookies: dict[str, str]) -> str:
         """The observation for one call; `cookies` is updated from the tool's answer."""
@@ -161,7 +172,9 @@ def _json_object(response: httpx.Response) -> dict[str, Any]:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise GymServerError(f"{response.url} answered with something other than a JSON object: {_one_line(response.text[:120])!r}")
+        raise GymServerError(
+            f"{response.url} answered with something other than a JSON object: {_one_line(response.text[:120])!r}"
+        )
     return value
 
 
@@ -169,10 +182,12 @@ def _after_input(messages: list[dict[str, Any]], params: dict[str, Any]) -> list
     """The messages after the row's input (and the system message the prompt may have put before it)."""
     prompt, _ = create_params_to_chat(params)
     for start in (0, 1):
-        if messages[start:start + len(prompt)] == prompt and (start == 0 or messages[0]["role"] == "system"):
-            return messages[start + len(prompt):]
-    raise DataError("the conversation does not start with its Gym row's input messages; NeMo Gym tasks need prompts "
-                    "rendered from the row (data/prompts.py)")
+        if messages[start : start + len(prompt)] == prompt and (start == 0 or messages[0]["role"] == "system"):
+            return messages[start + len(prompt) :]
+    raise DataError(
+        "the conversation does not start with its Gym row's input messages; NeMo Gym tasks need prompts "
+        "rendered from the row (data/prompts.py)"
+    )
 
 
 def _one_line(text: str) -> str:

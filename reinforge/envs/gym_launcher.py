@@ -56,14 +56,21 @@ def gym_python() -> Path:
     venv = Path(os.environ[GYM_VENV_ENV]) if os.environ.get(GYM_VENV_ENV) else PROJECT_ROOT / ".gym-venv"
     python = venv / "bin" / "python"
     if not python.exists():
-        raise GymLaunchError(f"no NeMo Gym virtualenv at {venv} ({python} is missing); run `make gym-venv`, "
-                             f"or point {GYM_VENV_ENV} at a virtualenv with nemo-gym installed")
+        raise GymLaunchError(
+            f"no NeMo Gym virtualenv at {venv} ({python} is missing); run `make gym-venv`, "
+            f"or point {GYM_VENV_ENV} at a virtualenv with nemo-gym installed"
+        )
     return python
 
 
 @contextlib.contextmanager
-def gym_servers(config: dict[str, Any], log_dir: Path, python: Path | None = None, timeout_s: float = 120,
-                external: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
+def gym_servers(
+    config: dict[str, Any],
+    log_dir: Path,
+    python: Path | None = None,
+    timeout_s: float = 120,
+    external: tuple[str, ...] = (),
+) -> Iterator[dict[str, str]]:
     """Start every server of `config` but the `external` ones (already running, e.g. `reinforge env serve
     --protocol gym`: the config only tells the others their `host` and `port`), wait until all answer
     /health, yield {instance name: URL}; see the module doc."""
@@ -72,7 +79,9 @@ def gym_servers(config: dict[str, Any], log_dir: Path, python: Path | None = Non
     merged, servers = _resolve(config)
     for name in external:
         if name not in servers or not {"host", "port"} <= set(config[name][servers[name][0]][servers[name][1]]):
-            raise GymLaunchError(f"external NeMo Gym server {name} must be an instance of the config with its host and port")
+            raise GymLaunchError(
+                f"external NeMo Gym server {name} must be an instance of the config with its host and port"
+            )
         servers.pop(name)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = yaml.safe_dump(merged, sort_keys=False)
@@ -84,14 +93,28 @@ def gym_servers(config: dict[str, Any], log_dir: Path, python: Path | None = Non
             directory = site / server_type / impl
             entrypoint = directory / settings.get("entrypoint", "app.py")
             if not entrypoint.is_file():
-                raise GymLaunchError(f"NeMo Gym server {name}: {entrypoint} does not exist; is {server_type}/{impl} "
-                                     f"a server shipped with the nemo-gym in {python}?")
-            env = {**os.environ, "NEMO_GYM_CONFIG_DICT": config_yaml, "NEMO_GYM_CONFIG_PATH": name, "PYTHONPATH": str(directory)}
+                raise GymLaunchError(
+                    f"NeMo Gym server {name}: {entrypoint} does not exist; is {server_type}/{impl} "
+                    f"a server shipped with the nemo-gym in {python}?"
+                )
+            env = {
+                **os.environ,
+                "NEMO_GYM_CONFIG_DICT": config_yaml,
+                "NEMO_GYM_CONFIG_PATH": name,
+                "PYTHONPATH": str(directory),
+            }
             env.pop("VIRTUAL_ENV", None)  # reinforge's, not Gym's
             log = (log_dir / f"{name}.log").open("wb")
             logs.append(log)
-            processes[name] = subprocess.Popen([str(python), str(entrypoint)], cwd=directory, env=env, stdin=subprocess.DEVNULL,
-                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            processes[name] = subprocess.Popen(
+                [str(python), str(entrypoint)],
+                cwd=directory,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         urls = {name: f"http://{settings['host']}:{settings['port']}" for name, (_, _, settings) in servers.items()}
         _wait_until_up(urls, processes, log_dir, timeout_s)
         yield urls
@@ -121,25 +144,33 @@ def _resolve(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[st
     for name, value in merged.items():
         if not (isinstance(value, dict) and len(value) == 1 and next(iter(value)) in SERVER_TYPES):
             continue  # a global setting
-        (server_type, implementations), = value.items()
+        ((server_type, implementations),) = value.items()
         if not (isinstance(implementations, dict) and len(implementations) == 1):
-            raise GymLaunchError(f"NeMo Gym config {name}.{server_type} must hold one implementation directory, "
-                                 f"e.g. {{example_single_tool_call: {{entrypoint: app.py}}}}")
-        (impl, settings), = implementations.items()
+            raise GymLaunchError(
+                f"NeMo Gym config {name}.{server_type} must hold one implementation directory, "
+                f"e.g. {{example_single_tool_call: {{entrypoint: app.py}}}}"
+            )
+        ((impl, settings),) = implementations.items()
         settings.setdefault("host", HOST)
         settings.setdefault("port", free_port(HOST))
         if not isinstance(settings["port"], int) or isinstance(settings["port"], bool):
-            raise GymLaunchError(f"NeMo Gym config {name}.{server_type}.{impl}.port must be an integer, got {settings['port']!r}")
+            raise GymLaunchError(
+                f"NeMo Gym config {name}.{server_type}.{impl}.port must be an integer, got {settings['port']!r}"
+            )
         servers[name] = (server_type, impl, settings)
     if not servers:
-        raise GymLaunchError(f"the NeMo Gym config names no server (top-level keys: {', '.join(merged) or 'none'}); "
-                             f"each instance is {{server_type: {{implementation_dir: {{...}}}}}} with a type among {', '.join(SERVER_TYPES)}")
+        raise GymLaunchError(
+            f"the NeMo Gym config names no server (top-level keys: {', '.join(merged) or 'none'}); "
+            f"each instance is {{server_type: {{implementation_dir: {{...}}}}}} with a type among {', '.join(SERVER_TYPES)}"
+        )
     merged.setdefault("head_server", {"host": HOST, "port": free_port(HOST)})
     merged.setdefault("dry_run", False)
     return merged, servers
 
 
-def _wait_until_up(urls: dict[str, str], processes: dict[str, subprocess.Popen], log_dir: Path, timeout_s: float) -> None:
+def _wait_until_up(
+    urls: dict[str, str], processes: dict[str, subprocess.Popen], log_dir: Path, timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     waiting = dict(urls)
     with httpx.Client(timeout=2.0) as client:
@@ -147,8 +178,10 @@ def _wait_until_up(urls: dict[str, str], processes: dict[str, subprocess.Popen],
             for name, url in list(waiting.items()):
                 status = _exit_status(processes[name])
                 if status is not None:
-                    raise GymLaunchError(f"NeMo Gym server {name} exited with status {status} before answering {url}/health; "
-                                         f"{_log_tail(log_dir / f'{name}.log')}")
+                    raise GymLaunchError(
+                        f"NeMo Gym server {name} exited with status {status} before answering {url}/health; "
+                        f"{_log_tail(log_dir / f'{name}.log')}"
+                    )
                 try:
                     if client.get(f"{url}/health").status_code == 200:
                         del waiting[name]
@@ -156,8 +189,10 @@ def _wait_until_up(urls: dict[str, str], processes: dict[str, subprocess.Popen],
                     pass
             if waiting and time.monotonic() > deadline:
                 name = next(iter(waiting))
-                raise GymLaunchError(f"NeMo Gym server {name} did not answer {waiting[name]}/health within {timeout_s:g} s; "
-                                     f"{_log_tail(log_dir / f'{name}.log')}")
+                raise GymLaunchError(
+                    f"NeMo Gym server {name} did not answer {waiting[name]}/health within {timeout_s:g} s; "
+                    f"{_log_tail(log_dir / f'{name}.log')}"
+                )
             if waiting:
                 time.sleep(0.2)
 

@@ -115,9 +115,17 @@ def build_gym_app(env: Environment, token: str | None, max_request_bytes: int) -
         except Exception as exc:  # the server stays up; the caller sees the cause
             _log.exception("environment %s failed on /verify", type(env).__name__)
             raise HTTPException(500, f"environment {type(env).__name__} failed: {one_line(exc)}")
-        answer = {**row, **response.components, "reward": response.reward, "mask_sample": response.mask_sample,
-                  "failure_kind": None, "failure_reason": None}
-        if response.components and abs(sum(response.components.values()) - response.reward) <= 1e-5 * max(1.0, abs(response.reward)):
+        answer = {
+            **row,
+            **response.components,
+            "reward": response.reward,
+            "mask_sample": response.mask_sample,
+            "failure_kind": None,
+            "failure_reason": None,
+        }
+        if response.components and abs(sum(response.components.values()) - response.reward) <= 1e-5 * max(
+            1.0, abs(response.reward)
+        ):
             answer["reward_components"] = response.components
         return answer
 
@@ -162,13 +170,21 @@ def _tool_route(tool: Tool):
 def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean reward over all rows (key_metrics, as Gym's), the mean of each numeric top-level field
     (agent_metrics), and the mean reward of each task (`_ng_task_index`)."""
-    numeric = sorted({key for row in rows for key, value in row.items()
-                      if isinstance(value, (int, float)) and not isinstance(value, bool) and not key.startswith("_ng_")})
+    numeric = sorted(
+        {
+            key
+            for row in rows
+            for key, value in row.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not key.startswith("_ng_")
+        }
+    )
     agent_metrics = {f"mean/{key}": mean(row[key] for row in rows if key in row) for key in numeric}
     by_task: dict[Any, list[float]] = {}
     for row in rows:
         if "reward" in row:
             by_task.setdefault(row.get("_ng_task_index"), []).append(row["reward"])
-    groups = [{"_ng_task_index": task, "mean/reward": mean(rewards)} for task, rewards in by_task.items() if task is not None]
+    groups = [
+        {"_ng_task_index": task, "mean/reward": mean(rewards)} for task, rewards in by_task.items() if task is not None
+    ]
     key_metrics = {"mean/reward": agent_metrics["mean/reward"]} if "mean/reward" in agent_metrics else {}
     return {"group_level_metrics": groups, "agent_metrics": agent_metrics, "key_metrics": key_metrics}

@@ -86,19 +86,29 @@ class RemoteEnvironment:
                     "export the server's token in it"
                 )
         return cls(
-            config.url, token=token, timeout_s=config.timeout_s, max_retries=config.max_retries,
-            backoff_s=config.backoff_s, batch_size=config.batch_size,
+            config.url,
+            token=token,
+            timeout_s=config.timeout_s,
+            max_retries=config.max_retries,
+            backoff_s=config.backoff_s,
+            batch_size=config.batch_size,
         )
 
     def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
         responses = []
         for start in range(0, len(requests), self.batch_size):
             batch = requests[start : start + self.batch_size]
-            body = {"requests": [{"messages": r.messages, "record": r.record, "episode_id": r.episode_id, "last_turn": r.last_turn}
-                                 for r in batch]}
+            body = {
+                "requests": [
+                    {"messages": r.messages, "record": r.record, "episode_id": r.episode_id, "last_turn": r.last_turn}
+                    for r in batch
+                ]
+            }
             results = self._call("POST", "/verify", body)["responses"]
             if len(results) != len(batch):
-                raise EnvServerError(f"environment server {self.url} answered {len(results)} responses to {len(batch)} requests")
+                raise EnvServerError(
+                    f"environment server {self.url} answered {len(results)} responses to {len(batch)} requests"
+                )
             responses.extend(EnvResponse(**result) for result in results)
         return responses
 
@@ -111,7 +121,9 @@ class RemoteEnvironment:
         specs = self._call("GET", "/tools")["tools"]
         return {
             spec["name"]: Tool(
-                name=spec["name"], description=spec["description"], parameters=spec["parameters"],
+                name=spec["name"],
+                description=spec["description"],
+                parameters=spec["parameters"],
                 run=functools.partial(self._run_tool, spec["name"]),
             )
             for spec in specs

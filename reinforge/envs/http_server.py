@@ -116,8 +116,10 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
 
     @app.post("/verify")
     async def verify(body: VerifyRequest) -> VerifyResponse:
-        requests = [EnvRequest(messages=item.messages, record=item.record, episode_id=item.episode_id, last_turn=item.last_turn)
-                    for item in body.requests]
+        requests = [
+            EnvRequest(messages=item.messages, record=item.record, episode_id=item.episode_id, last_turn=item.last_turn)
+            for item in body.requests
+        ]
         try:
             responses = await run_in_threadpool(env.step, requests)
         except ReinforgeError as exc:
@@ -127,7 +129,11 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
             raise HTTPException(500, f"environment {type(env).__name__} failed: {one_line(exc)}")
         results = [
             VerifyResult(
-                reward=r.reward, components=r.components, done=r.done, observation=r.observation, info=r.info,
+                reward=r.reward,
+                components=r.components,
+                done=r.done,
+                observation=r.observation,
+                info=r.info,
                 mask_sample=r.mask_sample,
             )
             for r in responses
@@ -182,10 +188,17 @@ def serve(
         check_bind_address(host, allow_remote)
         if not is_loopback(host):
             exposure = "with a bearer token" if token else "WITHOUT a token: anyone who can reach it can call it"
-            print(f"reinforge: warning: serving on {host}:{port}, reachable from other machines, {exposure}", file=sys.stderr)
+            print(
+                f"reinforge: warning: serving on {host}:{port}, reachable from other machines, {exposure}",
+                file=sys.stderr,
+            )
         app = build(env, token, max_request_bytes)
         access = "token required" if token else "no token"
-        print(f"serving {type(env).__name__} at http://{host}:{port} ({access}); Ctrl-C stops", file=sys.stderr, flush=True)
+        print(
+            f"serving {type(env).__name__} at http://{host}:{port} ({access}); Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         env.close()

@@ -136,9 +136,7 @@ def keyword_frequency(response: str, *, keyword: str, frequency: int, relation: 
 @_instruction("keywords:forbidden_words")
 def forbidden_words(response: str, *, forbidden_words: list[str]) -> bool:
     """No forbidden word appears as a whole word, in any case."""
-    return not any(
-        re.search(rf"\b{re.escape(word)}\b", response, re.IGNORECASE) for word in forbidden_words
-    )
+    return not any(re.search(rf"\b{re.escape(word)}\b", response, re.IGNORECASE) for word in forbidden_words)
 
 
 @_instruction("keywords:letter_frequency")
@@ -182,9 +180,7 @@ def number_paragraphs(response: str, *, num_paragraphs: int) -> bool:
 
 
 @_instruction("length_constraints:nth_paragraph_first_word")
-def nth_paragraph_first_word(
-    response: str, *, num_paragraphs: int, nth_paragraph: int, first_word: str
-) -> bool:
+def nth_paragraph_first_word(response: str, *, num_paragraphs: int, nth_paragraph: int, first_word: str) -> bool:
     """Exactly `num_paragraphs` non-blank paragraphs separated by blank lines, and paragraph
     `nth_paragraph` starts with `first_word` (case-insensitive, leading quotes and trailing
     punctuation ignored). As in IFEval, `nth_paragraph` indexes the split including blank pieces."""

@@ -144,13 +144,19 @@ class JudgeEnvConfig(Section):
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"env.judge.url={self.url!r} must start with http:// or https://")
         if self.url.rstrip("/").endswith(("/chat/completions", "/score")):
-            raise ValueError(f"env.judge.url={self.url!r} must be the base URL; the judge appends /chat/completions or /score")
+            raise ValueError(
+                f"env.judge.url={self.url!r} must be the base URL; the judge appends /chat/completions or /score"
+            )
         try:
             groups = re.compile(self.score_pattern).groups
         except re.error as exc:
-            raise ValueError(f"env.judge.score_pattern={self.score_pattern!r} is not a regular expression: {exc}") from None
+            raise ValueError(
+                f"env.judge.score_pattern={self.score_pattern!r} is not a regular expression: {exc}"
+            ) from None
         if groups != 1:
-            raise ValueError(f"env.judge.score_pattern={self.score_pattern!r} has {groups} groups; it needs exactly one, capturing the score")
+            raise ValueError(
+                f"env.judge.score_pattern={self.score_pattern!r} has {groups} groups; it needs exactly one, capturing the score"
+            )
         for _, field, spec, conversion in string.Formatter().parse(self.prompt_template):
             if field is not None and (field not in PLACEHOLDERS or spec or conversion):
                 raise ValueError(
@@ -210,8 +216,11 @@ class JudgeEnv:
             from reinforge.envs.reward_model_server import RewardModelScorer
 
             self._scorer = RewardModelScorer(
-                config.local_model_path, device=config.device, dtype=config.dtype,
-                max_length=config.max_length, batch_size=config.batch_size,
+                config.local_model_path,
+                device=config.device,
+                dtype=config.dtype,
+                max_length=config.max_length,
+                batch_size=config.batch_size,
             )
             return
         headers = {}
@@ -227,7 +236,9 @@ class JudgeEnv:
         self._client = httpx.Client(
             headers=headers,
             timeout=config.timeout_s,
-            limits=httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency),
+            limits=httpx.Limits(
+                max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency
+            ),
         )
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="judge")
 
@@ -240,18 +251,26 @@ class JudgeEnv:
         if self.config.mode == "local":
             results = [self._timed(lambda chunk=chunk: self._scorer.score(chunk)) for chunk in chunks]
         else:
-            results = self._call_all([lambda chunk=chunk: self._score(chunk) for chunk in chunks], [len(c) for c in chunks])
+            results = self._call_all(
+                [lambda chunk=chunk: self._score(chunk) for chunk in chunks], [len(c) for c in chunks]
+            )
         responses = []
         for chunk, result in zip(chunks, results):
             if isinstance(result, _Failure):
-                responses += [EnvResponse(reward=self.config.failure_reward, info={"judge_error": result.cause}) for _ in chunk]
+                responses += [
+                    EnvResponse(reward=self.config.failure_reward, info={"judge_error": result.cause}) for _ in chunk
+                ]
             else:
-                responses += [EnvResponse(reward=self._transform(score), info={"reward_model_score": score}) for score in result]
+                responses += [
+                    EnvResponse(reward=self._transform(score), info={"reward_model_score": score}) for score in result
+                ]
         return responses
 
     def _step_chat(self, requests: list[EnvRequest]) -> list[EnvResponse]:
         prompts = [self._judge_messages(request) for request in requests]  # data errors before any call
-        answers = self._call_all([lambda messages=messages: self._chat(messages) for messages in prompts], [1] * len(prompts))
+        answers = self._call_all(
+            [lambda messages=messages: self._chat(messages) for messages in prompts], [1] * len(prompts)
+        )
         responses = []
         for answer in answers:
             if isinstance(answer, _Failure):
@@ -297,10 +316,14 @@ class JudgeEnv:
         return messages + [{"role": "user", "content": self.config.prompt_template.format(**values)}]
 
     def _chat(self, messages: list[dict[str, str]]) -> str:
-        body = self._post({
-            "model": self.config.model, "messages": messages,
-            "temperature": self.config.temperature, "max_tokens": self.config.max_tokens,
-        })
+        body = self._post(
+            {
+                "model": self.config.model,
+                "messages": messages,
+                "temperature": self.config.temperature,
+                "max_tokens": self.config.max_tokens,
+            }
+        )
         try:
             content = body["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
@@ -311,10 +334,11 @@ class JudgeEnv:
         body = self._post({"conversations": conversations})
         scores = body.get("scores") if isinstance(body, dict) else None
         if (
-            not isinstance(scores, list) or len(scores) != len(conversations)
+            not isinstance(scores, list)
+            or len(scores) != len(conversations)
             or not all(isinstance(score, (int, float)) and not isinstance(score, bool) for score in scores)
         ):
-            raise _Fatal(f"expected {{\"scores\": [{len(conversations)} numbers]}}, got {str(body)[:300]}")
+            raise _Fatal(f'expected {{"scores": [{len(conversations)} numbers]}}, got {str(body)[:300]}')
         return [float(score) for score in scores]
 
     def _post(self, payload: dict[str, Any]) -> Any:

@@ -60,9 +60,7 @@ _NUMBER = re.compile(
 )
 _INTEGER = re.compile(r"-?\d+")
 _CHOICE_IN_BOX = re.compile(r"\s*(?:\\text(?:bf)?\{)?\s*\(?([A-J])\)?(?![A-Za-z])")
-_CHOICE_IN_TEXT = re.compile(
-    r"(?i:answer)(?:\s+is|\s*:)[\s*]*(?:\(([A-J])\)|([A-J])(?![A-Za-z]))"
-)
+_CHOICE_IN_TEXT = re.compile(r"(?i:answer)(?:\s+is|\s*:)[\s*]*(?:\(([A-J])\)|([A-J])(?![A-Za-z]))")
 
 _CORRECT, _WRONG, _ERROR, _TIMEOUT = "1", "0", "E", "T"  # verdict lines sent by the worker
 _STARTUP_TIMEOUT_S = 120.0  # importing sympy on a loaded machine; not a per-sample budget

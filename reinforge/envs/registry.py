@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from reinforge.config.schema import EnvConfig
-from reinforge.envs.base import EnvRequest, EnvResponse, Environment
+from reinforge.envs.base import Environment, EnvRequest, EnvResponse
 from reinforge.errors import ConfigError, DataError
 
 
@@ -56,7 +56,9 @@ def _import_env(path: str) -> Environment:
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"environment {path!r}: cannot import it ({exc}); give it as module:Class with the module on PYTHONPATH") from None
+        raise ConfigError(
+            f"environment {path!r}: cannot import it ({exc}); give it as module:Class with the module on PYTHONPATH"
+        ) from None
     return cls()
 
 

@@ -52,11 +52,17 @@ class RewardModelScorer:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.model = self._load_model(model_path, DTYPES[dtype])
         except OSError as exc:
-            raise ReinforgeError(f"reward model {model_path}: could not load it ({str(exc).strip().splitlines()[0]})") from None
+            raise ReinforgeError(
+                f"reward model {model_path}: could not load it ({str(exc).strip().splitlines()[0]})"
+            ) from None
         if self.tokenizer.chat_template is None:
-            raise ReinforgeError(f"reward model {model_path}: its tokenizer has no chat template; save one with the model")
+            raise ReinforgeError(
+                f"reward model {model_path}: its tokenizer has no chat template; save one with the model"
+            )
         if self.model.config.num_labels != 1:
-            raise ReinforgeError(f"reward model {model_path}: num_labels={self.model.config.num_labels}; a reward model has one output")
+            raise ReinforgeError(
+                f"reward model {model_path}: num_labels={self.model.config.num_labels}; a reward model has one output"
+            )
         self.tokenizer.truncation_side = "left"  # keep the response, which is what is scored
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token_id is None:
@@ -87,8 +93,12 @@ class RewardModelScorer:
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(
-                texts[start : start + self.batch_size], add_special_tokens=False, padding=True,
-                truncation=True, max_length=self.max_length, return_tensors="pt",
+                texts[start : start + self.batch_size],
+                add_special_tokens=False,
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
             ).to(self.device)
             with self._lock:
                 logits_B1 = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -147,15 +157,20 @@ def serve_reward_model(
 
 def main(argv: list[str] | None = None) -> None:
     # Options left out keep serve_reward_model's defaults.
-    parser = argparse.ArgumentParser(description="Serve a reward model: POST /score, GET /health.", argument_default=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(
+        description="Serve a reward model: POST /score, GET /health.", argument_default=argparse.SUPPRESS
+    )
     parser.add_argument("model_path", help="directory of a Hugging Face sequence-classification model with one label")
     parser.add_argument("--host", help="default 127.0.0.1")
     parser.add_argument("--port", type=int, help="default 8001")
     parser.add_argument("--device", help="default cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
-    parser.add_argument("--max-length", type=int, help="tokens per conversation, longer ones lose their beginning; default 2048")
+    parser.add_argument(
+        "--max-length", type=int, help="tokens per conversation, longer ones lose their beginning; default 2048"
+    )
     parser.add_argument("--batch-size", type=int, help="conversations per forward pass; default 8")
     serve_reward_model(**vars(parser.parse_args(argv)))
+
 
 if __name__ == "__main__":
     main()

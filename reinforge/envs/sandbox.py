@@ -144,12 +144,22 @@ class SandboxLimits(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "SandboxLimits":
-        for name in ("cpu_time_s", "wall_time_s", "memory_mb", "file_size_mb", "workdir_mb", "max_processes",
-                     "max_open_files", "max_output_bytes"):
+        for name in (
+            "cpu_time_s",
+            "wall_time_s",
+            "memory_mb",
+            "file_size_mb",
+            "workdir_mb",
+            "max_processes",
+            "max_open_files",
+            "max_output_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sandbox {name} must be > 0, got {getattr(self, name)}")
         if self.python and not os.access(self.python, os.X_OK):
-            raise ValueError(f"sandbox python={self.python!r} is not an executable file; give an interpreter's path or leave it empty")
+            raise ValueError(
+                f"sandbox python={self.python!r} is not an executable file; give an interpreter's path or leave it empty"
+            )
         return self
 
 
@@ -185,11 +195,16 @@ def _setup(isolation: str, python: str) -> tuple[str, bool]:
                 if failures:
                     weak = "" if namespaces or os.geteuid() == 0 else " (not root: no uid of its own, no process limit)"
                     logger.warning(
-                        "sandbox: using %s with %s isolation%s; failed before: %s", interpreter,
-                        "namespace" if namespaces else "plain", weak, "; ".join(failures),
+                        "sandbox: using %s with %s isolation%s; failed before: %s",
+                        interpreter,
+                        "namespace" if namespaces else "plain",
+                        weak,
+                        "; ".join(failures),
                     )
                 return interpreter, namespaces
-            failures.append(f"{interpreter} with {'namespaces' if namespaces else 'plain isolation'}: {_describe_failure(result)}")
+            failures.append(
+                f"{interpreter} with {'namespaces' if namespaces else 'plain isolation'}: {_describe_failure(result)}"
+            )
     raise ConfigError(
         f"the sandbox cannot run programs here ({'; '.join(failures)}); namespaces need root, and the "
         "sandbox's python must be an interpreter an unprivileged user may run, e.g. /usr/bin/python3"
@@ -229,8 +244,12 @@ def _run(source: str, limits: SandboxLimits, stdin: str, python: str, namespaces
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(status_write)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(status_write,), start_new_session=True, env={},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_write,),
+                start_new_session=True,
+                env={},
             )
         finally:
             os.close(status_write)

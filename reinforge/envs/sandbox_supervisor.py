@@ -8,17 +8,22 @@ def supervise(job: dict) -> None:
     the program, and writes to the status pipe (fd in argv[1]) a line `returncode N` (-N: killed by
     signal N) or `error <why>`. Self-contained, and its imports stay few and cheap (no json, re or
     signal): each costs every run."""
+    import _signal as signal  # the C module: `signal` imports enum and costs ~6 ms
     import ctypes
     import os
     import resource
-    import _signal as signal  # the C module: `signal` imports enum and costs ~6 ms
     import sys
 
     MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
     MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
     MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
     CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
-        0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000)
+        0x20000,
+        0x4000000,
+        0x8000000,
+        0x20000000,
+        0x40000000,
+    )
     PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -99,8 +104,13 @@ def supervise(job: dict) -> None:
     def remount_everything_read_only():
         with open("/proc/self/mountinfo") as mountinfo:
             entries = [line.split() for line in mountinfo]
-        options = {"nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-                   "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+        options = {
+            "nodev": MS_NODEV,
+            "noexec": MS_NOEXEC,
+            "noatime": MS_NOATIME,
+            "nodiratime": MS_NODIRATIME,
+            "relatime": MS_RELATIME,
+        }
         for fields in entries:
             path = fields[4]
             for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
@@ -115,7 +125,10 @@ def supervise(job: dict) -> None:
         remount_everything_read_only()
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['workdir_mb']}m,nr_inodes=16384,mode=755")
-        for path in ("/dev/shm", "/run"):  # shared memory, and daemons' sockets (a unix socket ignores read-only mounts)
+        for path in (
+            "/dev/shm",
+            "/run",
+        ):  # shared memory, and daemons' sockets (a unix socket ignores read-only mounts)
             if os.path.isdir(path) and not os.path.islink(path):
                 mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
         os.mkdir(job["workdir"], 0o700)
@@ -140,18 +153,27 @@ def supervise(job: dict) -> None:
                 os.setgroups([])
                 os.setresgid(uid, uid, uid)
                 os.setresuid(uid, uid, uid)
-            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            env = {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": workdir,
+                "TMPDIR": workdir,
+                "LANG": "C.UTF-8",
+                "OMP_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+            }
             python = job["python"]
             if job["namespaces"]:
                 argv = [python, "-I", "-B", "main.py"]
             else:  # no network namespace: take sockets away before the program runs
-                hook = ("import socket, _socket, runpy\n"
-                        "def _no_network(*args, **kwargs):\n"
-                        "    raise PermissionError('network access is disabled in the sandbox')\n"
-                        "socket.socket = _socket.socket = socket.socketpair = socket.create_connection = _no_network\n"
-                        "del socket, _socket\n"
-                        "runpy.run_path('main.py', run_name='__main__')\n")
+                hook = (
+                    "import socket, _socket, runpy\n"
+                    "def _no_network(*args, **kwargs):\n"
+                    "    raise PermissionError('network access is disabled in the sandbox')\n"
+                    "socket.socket = _socket.socket = socket.socketpair = socket.create_connection = _no_network\n"
+                    "del socket, _socket\n"
+                    "runpy.run_path('main.py', run_name='__main__')\n"
+                )
                 argv = [python, "-I", "-B", "-c", hook]
             os.execve(python, argv, env)
         except BaseException as exc:

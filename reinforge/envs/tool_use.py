@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from reinforge.config.section import Section
 from reinforge.data.tool_calls import ToolCall, parse_tool_calls
-from reinforge.envs.base import EnvRequest, EnvResponse, Environment, Tool
+from reinforge.envs.base import Environment, EnvRequest, EnvResponse, Tool
 from reinforge.envs.sandbox import SandboxLimits, run_python
 
 MAX_OBSERVATION_CHARS = 2000
@@ -45,8 +45,13 @@ class ToolUseEnvConfig(Section):
 
 
 _OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 
 
@@ -97,12 +102,14 @@ class ToolUseEnv:
         self.config, self.answer_env = config, answer_env
         builtins = {
             "calculator": Tool(
-                "calculator", "Evaluate an arithmetic expression exactly.",
+                "calculator",
+                "Evaluate an arithmetic expression exactly.",
                 {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
                 lambda arguments: calculate(str(arguments["expression"])),
             ),
             "python": Tool(
-                "python", "Run a Python program in a sandbox and return what it prints.",
+                "python",
+                "Run a Python program in a sandbox and return what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
                 self._run_python,
             ),
@@ -148,7 +155,9 @@ class ToolUseEnv:
                 continue
             observations = [{"role": "tool", "content": self.run_call(call)} for call in calls]
             penalty = -self.config.call_penalty * len(calls)
-            responses[index] = EnvResponse(reward=penalty, components={"tool_calls": penalty}, done=False, observation=observations)
+            responses[index] = EnvResponse(
+                reward=penalty, components={"tool_calls": penalty}, done=False, observation=observations
+            )
         if final:
             self.counts["final_answers"] += len(final)
             for index, response in zip(final, self.answer_env.step([requests[i] for i in final])):

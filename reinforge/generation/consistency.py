@@ -18,8 +18,9 @@ class ConsistencyError(ReinforgeError):
     """The engine's logprobs disagree with the trainer's beyond generation.max_logprob_error."""
 
 
-def mismatch_contributions(train_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
-                           norm: Normalisers) -> dict[str, torch.Tensor]:
+def mismatch_contributions(
+    train_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, norm: Normalisers
+) -> dict[str, torch.Tensor]:
     """Per-token agreement of the engine's logprobs with the trainer's over `mask_BT`, as contributions
     that sum over micro-batches like a loss's (means divide by `norm.metric_tokens`; `*_min`/`*_max`
     reduce by min/max): token_mult_prob_error = mean exp|log w_t|, gen_kl_error = the k3 estimate of
@@ -56,14 +57,20 @@ def check(error: float, threshold: float, when: str, params: SamplingParams) -> 
     if error <= threshold:
         return
     if when == "after the first refit":
-        cause = ("the engine did not take the new weights: the refit failed or its parameter names do not match "
-                 "the engine's model")
+        cause = (
+            "the engine did not take the new weights: the refit failed or its parameter names do not match "
+            "the engine's model"
+        )
     else:
-        cause = ("different dtypes or weights on the two sides, or a sampling parameter (temperature, top_p, top_k) "
-                 "applied by the engine but not by the trainer")
+        cause = (
+            "different dtypes or weights on the two sides, or a sampling parameter (temperature, top_p, top_k) "
+            "applied by the engine but not by the trainer"
+        )
         if params.top_p < 1 or params.top_k > 0:
-            cause = ("generation.top_p/top_k reshape the engine's sampling distribution while the trainer's logprobs "
-                     "cover the whole vocabulary; set top_p=1 and top_k=-1, or raise the threshold and use loss.is_correction")
+            cause = (
+                "generation.top_p/top_k reshape the engine's sampling distribution while the trainer's logprobs "
+                "cover the whole vocabulary; set top_p=1 and top_k=-1, or raise the threshold and use loss.is_correction"
+            )
     raise ConsistencyError(
         f"train/inference mismatch {when}: token_mult_prob_error={error:.4f} > generation.max_logprob_error={threshold}; "
         f"likely cause: {cause}"

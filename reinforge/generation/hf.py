@@ -30,7 +30,9 @@ class HFGenerationBackend:
             for chunk_index, start in enumerate(range(0, len(requests), self.max_batch_size)):
                 torch.manual_seed(params.seed * 1_000_003 + chunk_index)
                 chunk = requests[start : start + self.max_batch_size]
-                for (prompt_index, _), completion in zip(chunk, self._generate_chunk([ids for _, ids in chunk], params)):
+                for (prompt_index, _), completion in zip(
+                    chunk, self._generate_chunk([ids for _, ids in chunk], params)
+                ):
                     completion.prompt_index = prompt_index
                     completions[prompt_index].append(completion)
         return GenerationResult(completions=completions)
@@ -73,7 +75,11 @@ class HFGenerationBackend:
         end = next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), None)
         if end is None and params.stop_strings:
             end = next(
-                (i + 1 for i in range(len(tokens)) if any(s in self.tokenizer.decode(tokens[: i + 1]) for s in params.stop_strings)),
+                (
+                    i + 1
+                    for i in range(len(tokens))
+                    if any(s in self.tokenizer.decode(tokens[: i + 1]) for s in params.stop_strings)
+                ),
                 None,
             )
         finish_reason = "stop" if end is not None else "length"

@@ -39,7 +39,11 @@ from reinforge.training.lora_config import adapter_sync, vllm_max_lora_rank
 def max_sequence_tokens(config) -> int:
     """The longest sequence a rollout can make: the prompt, every turn, every observation between turns."""
     g = config.grpo
-    return config.data.max_prompt_tokens + g.max_turns * config.generation.max_new_tokens + (g.max_turns - 1) * g.max_observation_tokens
+    return (
+        config.data.max_prompt_tokens
+        + g.max_turns * config.generation.max_new_tokens
+        + (g.max_turns - 1) * g.max_observation_tokens
+    )
 
 
 def engine_kwargs(config) -> dict:
@@ -88,15 +92,23 @@ class VLLMGenerationBackend:
         if self.sleep_mode and not on_gpu:
             from reinforge.errors import ConfigError
 
-            raise ConfigError("generation.vllm_sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null")
+            raise ConfigError(
+                "generation.vllm_sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null"
+            )
         if block_size is not None and (block_size < 1 or (not on_gpu and block_size % 32)):
             from reinforge.errors import ConfigError
 
-            raise ConfigError(f"generation.vllm_block_size={block_size}: vLLM's CPU attention needs a multiple of 32; set 32, 64 or 128, or null")
+            raise ConfigError(
+                f"generation.vllm_block_size={block_size}: vLLM's CPU attention needs a multiple of 32; set 32, 64 or 128, or null"
+            )
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
         self.lora_enabled = lora_rank is not None
         self.adapter = None  # the LoRARequest of the adapter `load_adapter` loaded last, used by every generate
-        lora = dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1) if self.lora_enabled else {}
+        lora = (
+            dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
+            if self.lora_enabled
+            else {}
+        )
         # Before importing vllm: it reads these when its engine starts.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
@@ -157,7 +169,10 @@ class VLLMGenerationBackend:
             for index in range(len(prompt_token_ids))
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids], per_prompt, use_tqdm=False, lora_request=self.adapter
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids],
+            per_prompt,
+            use_tqdm=False,
+            lora_request=self.adapter,
         )
         completions = []
         for index, output in enumerate(outputs):

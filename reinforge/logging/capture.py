@@ -29,9 +29,29 @@ from pathlib import Path
 from typing import Iterator
 
 DEPENDENCY_LOGGERS = (
-    "vllm", "ray", "transformers", "torch", "huggingface_hub", "urllib3", "httpx", "httpx2", "httpcore",
-    "filelock", "datasets", "accelerate", "math_verify", "numba", "asyncio", "uvicorn", "fastapi", "wandb",
-    "mlflow", "git", "matplotlib", "PIL", "py.warnings",
+    "vllm",
+    "ray",
+    "transformers",
+    "torch",
+    "huggingface_hub",
+    "urllib3",
+    "httpx",
+    "httpx2",
+    "httpcore",
+    "filelock",
+    "datasets",
+    "accelerate",
+    "math_verify",
+    "numba",
+    "asyncio",
+    "uvicorn",
+    "fastapi",
+    "wandb",
+    "mlflow",
+    "git",
+    "matplotlib",
+    "PIL",
+    "py.warnings",
 )
 QUIET_ENV = {
     "TQDM_DISABLE": "1",
@@ -90,7 +110,8 @@ def detach_console_handlers() -> dict[logging.Logger, tuple[list[logging.Handler
     """Take the console handlers off the dependencies' loggers (and their existing descendants) and let
     their records propagate to the root logger. Returns each logger's handlers and propagate flag as they were."""
     names = set(DEPENDENCY_LOGGERS) | {
-        name for name in logging.root.manager.loggerDict
+        name
+        for name in logging.root.manager.loggerDict
         if any(name.startswith(dependency + ".") for dependency in DEPENDENCY_LOGGERS)
     }
     saved = {}
@@ -112,8 +133,16 @@ def write_vllm_logging_config(path: Path) -> Path:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"plain": {"format": FORMAT}},
-        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(path.resolve()), "mode": "a",
-                              "encoding": "utf-8", "formatter": "plain", "level": level}},
+        "handlers": {
+            "file": {
+                "class": "logging.FileHandler",
+                "filename": str(path.resolve()),
+                "mode": "a",
+                "encoding": "utf-8",
+                "formatter": "plain",
+                "level": level,
+            }
+        },
         "loggers": {"vllm": {"handlers": ["file"], "level": level, "propagate": False}},
     }
     config_path = path.parent / "vllm_logging.json"

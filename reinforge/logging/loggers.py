@@ -146,7 +146,9 @@ class TensorBoardLogger:
 
     def log_config(self, config: dict[str, Any]) -> None:
         text = yaml.safe_dump(config, sort_keys=False)
-        self.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()), 0)  # a Markdown code block
+        self.writer.add_text(
+            "config", "".join(f"    {line}\n" for line in text.splitlines()), 0
+        )  # a Markdown code block
         self.writer.flush()
 
     def close(self, ok: bool) -> None:
@@ -172,8 +174,10 @@ class WandbLogger:
                 settings=self.wandb.Settings(console="off", silent=True),
             )
         except self.wandb.errors.Error as exc:  # no API key, a wrong entity, no network
-            raise ConfigError(f"logging.loggers.wandb: W&B could not start a run: {exc} Or set "
-                              "logging.loggers.wandb.offline=true to write it to RUN_DIR/wandb only.") from None
+            raise ConfigError(
+                f"logging.loggers.wandb: W&B could not start a run: {exc} Or set "
+                "logging.loggers.wandb.offline=true to write it to RUN_DIR/wandb only."
+            ) from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -209,7 +213,9 @@ class MlflowLogger:
         from mlflow.entities import Metric
 
         timestamp_ms = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(name, value, timestamp_ms, step) for name, value in metrics.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(name, value, timestamp_ms, step) for name, value in metrics.items()]
+        )
 
     def log_config(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param

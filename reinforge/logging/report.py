@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
+from reinforge.config.tree import flatten
 from reinforge.data.jsonl import read_jsonl
 from reinforge.errors import DataError
-from reinforge.config.tree import flatten
 
 Rows = list[dict[str, float | None]]
 
@@ -36,43 +36,95 @@ LINE_PLOTS = [
     LinePlot("loss.png", "Loss", "loss", ("train/loss", "val/loss")),
     LinePlot("kl.png", "KL divergence to the reference policy (k3)", "KL (nats per token)", ("train/kl",)),
     LinePlot("entropy.png", "Policy entropy", "entropy (nats per token)", ("train/entropy",)),
-    LinePlot("gen_length.png", "Generation length", "tokens",
-             ("rollout/gen_len_mean", "rollout/gen_len_max", "val/gen_len_mean")),
-    LinePlot("token_mult_prob_error.png", "Train/inference mismatch", "token_mult_prob_error",
-             ("train/token_mult_prob_error",), reference=(1.0, "1 = engine and trainer agree")),
+    LinePlot(
+        "gen_length.png",
+        "Generation length",
+        "tokens",
+        ("rollout/gen_len_mean", "rollout/gen_len_max", "val/gen_len_mean"),
+    ),
+    LinePlot(
+        "token_mult_prob_error.png",
+        "Train/inference mismatch",
+        "token_mult_prob_error",
+        ("train/token_mult_prob_error",),
+        reference=(1.0, "1 = engine and trainer agree"),
+    ),
     LinePlot("tokens_per_s.png", "Throughput", "tokens per second", ("perf/tokens_per_s",)),
     LinePlot("memory.png", "Peak memory", "GiB", ("perf/peak_rss_gb", "perf/gpu_peak_memory_gb")),
 ]
 
 # (metric, which value is best or None, format) in the summary's table
 KEY_METRICS = [
-    ("val/accuracy", max, ".4g"), ("train/reward_mean", max, ".4g"), ("val/loss", min, ".4g"),
-    ("train/loss", None, ".4g"), ("train/kl", None, ".4g"), ("train/entropy", None, ".4g"),
-    ("rollout/gen_len_mean", None, ".4g"), ("train/zero_advantage_fraction", None, ".3g"),
+    ("val/accuracy", max, ".4g"),
+    ("train/reward_mean", max, ".4g"),
+    ("val/loss", min, ".4g"),
+    ("train/loss", None, ".4g"),
+    ("train/kl", None, ".4g"),
+    ("train/entropy", None, ".4g"),
+    ("rollout/gen_len_mean", None, ".4g"),
+    ("train/zero_advantage_fraction", None, ".3g"),
     ("train/token_mult_prob_error", None, ".7f"),
-    ("perf/tokens_per_s", max, ".4g"), ("perf/peak_rss_gb", None, ".3g"), ("perf/gpu_peak_memory_gb", None, ".3g"),
+    ("perf/tokens_per_s", max, ".4g"),
+    ("perf/peak_rss_gb", None, ".3g"),
+    ("perf/gpu_peak_memory_gb", None, ".3g"),
 ]
 
 CONFIG_HIGHLIGHTS = [
-    "model.name_or_path", "model.dtype", "generation.backend", "generation.max_new_tokens", "generation.temperature",
-    "training.backend", "training.num_workers", "training.global_batch_size", "training.micro_batch_size",
-    "training.lr", "training.lr_schedule", "training.warmup_steps", "loss.kl_coef", "loss.clip_eps_low",
-    "loss.clip_eps_high", "loss.aggregation", "loss.ratio_level",
+    "model.name_or_path",
+    "model.dtype",
+    "generation.backend",
+    "generation.max_new_tokens",
+    "generation.temperature",
+    "training.backend",
+    "training.num_workers",
+    "training.global_batch_size",
+    "training.micro_batch_size",
+    "training.lr",
+    "training.lr_schedule",
+    "training.warmup_steps",
+    "loss.kl_coef",
+    "loss.clip_eps_low",
+    "loss.clip_eps_high",
+    "loss.aggregation",
+    "loss.ratio_level",
 ]
 ALGORITHMS = ("grpo", "sft", "dpo", "rm")  # the algorithm's own section is shown whole
 
 # Phases in the order a step runs them; `other` is the step's time outside the named phases.
-PHASE_ORDER = ["generate", "reward", "rollout_wait", "logprobs", "reference", "train", "engine_wait", "refit", "other", "val"]
+PHASE_ORDER = [
+    "generate",
+    "reward",
+    "rollout_wait",
+    "logprobs",
+    "reference",
+    "train",
+    "engine_wait",
+    "refit",
+    "other",
+    "val",
+]
 OUTSIDE_STEP = {"val"}  # timed apart from timing/step_s (see docs/metrics.md)
-OVERLAPPED = {"generate", "reward"}  # under async rollouts: the producer's time, hidden behind the step's (not wall time)
+OVERLAPPED = {
+    "generate",
+    "reward",
+}  # under async rollouts: the producer's time, hidden behind the step's (not wall time)
 
 FIGSIZE, DPI = (8.0, 4.5), 150
 SMOOTH_ABOVE = 100  # points in a line beyond which it is drawn smoothed
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 STYLE = {
-    "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
-    "grid.linestyle": "-", "axes.titlesize": 13, "axes.titleweight": "bold", "axes.labelsize": 11,
-    "legend.fontsize": 9, "legend.frameon": False, "font.size": 10, "axes.axisbelow": True,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "grid.linestyle": "-",
+    "axes.titlesize": 13,
+    "axes.titleweight": "bold",
+    "axes.labelsize": 11,
+    "legend.fontsize": 9,
+    "legend.frameon": False,
+    "font.size": 10,
+    "axes.axisbelow": True,
 }
 
 
@@ -109,8 +161,11 @@ def write_plots(rows: Rows, out: Path) -> list[Path]:
     import matplotlib
     from cycler import cycler
 
-    figures = [("reward.png", plot_reward), *[(p.filename, partial(plot_lines, plot=p)) for p in LINE_PLOTS],
-               ("step_time.png", plot_step_time)]
+    figures = [
+        ("reward.png", plot_reward),
+        *[(p.filename, partial(plot_lines, plot=p)) for p in LINE_PLOTS],
+        ("step_time.png", plot_step_time),
+    ]
     steps = [row["step"] for row in rows]
     pad = max(0.5, 0.02 * (max(steps) - min(steps)))
     x_range = (min(steps) - pad, max(steps) + pad)  # every figure on the same step axis
@@ -146,8 +201,13 @@ def draw_line(ax, steps: list[int], values: list[float], label: str, rank: int) 
         ax.plot(steps, values, label=label, marker="o" if len(steps) <= 40 else None, markersize=4, **style)
         return
     (raw,) = ax.plot(steps, values, alpha=0.25, linewidth=0.8)
-    ax.plot(steps, moving_average(values, span=len(values) // 20), label=f"{label} (smoothed)", color=raw.get_color(),
-            **style)
+    ax.plot(
+        steps,
+        moving_average(values, span=len(values) // 20),
+        label=f"{label} (smoothed)",
+        color=raw.get_color(),
+        **style,
+    )
 
 
 def moving_average(values: list[float], span: int) -> list[float]:
@@ -186,8 +246,14 @@ def include_unit_range(ax) -> None:
 def per_task(rows: Rows, metric: str) -> list[str]:
     """`val/<task>/accuracy` for `val/accuracy` (and so on), when the run has more than one task."""
     prefix, _, name = metric.partition("/")
-    names = sorted({key for row in rows for key in row if key.startswith(prefix + "/") and key.count("/") == 2
-                    and key.endswith("/" + name)})
+    names = sorted(
+        {
+            key
+            for row in rows
+            for key in row
+            if key.startswith(prefix + "/") and key.count("/") == 2 and key.endswith("/" + name)
+        }
+    )
     return names if len(names) > 1 else []
 
 
@@ -215,8 +281,11 @@ def phase_seconds(rows: Rows) -> dict[str, list[tuple[int, float]]]:
     """Seconds per phase per step, `other` included; phases in PHASE_ORDER, then any others by name."""
     phases: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
-        named = {key[len("timing/"):-2]: value for key, value in row.items()
-                 if key.startswith("timing/") and key.endswith("_s") and value is not None}
+        named = {
+            key[len("timing/") : -2]: value
+            for key, value in row.items()
+            if key.startswith("timing/") and key.endswith("_s") and value is not None
+        }
         step_total = named.pop("step", None)
         if "rollout_wait" in named:  # async: the step waited `rollout_wait` for generation that ran alongside it
             named = {name: value for name, value in named.items() if name not in OVERLAPPED}
@@ -241,12 +310,18 @@ def plot_step_time(rows: Rows):
         heights = [0.0] * len(steps)
         for s, value in points:
             heights[index[s]] = value
-        ax.bar(steps, heights, bottom=bottom, width=0.8 if len(steps) <= 60 else 1.0, color=color, label=name,
-               linewidth=0)
+        ax.bar(
+            steps, heights, bottom=bottom, width=0.8 if len(steps) <= 60 else 1.0, color=color, label=name, linewidth=0
+        )
         bottom = [b + h for b, h in zip(bottom, heights)]
     # below the axes, so that they line up with the other figures
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(phases), 8), title="timing/<phase>_s",
-              title_fontsize=9)
+    ax.legend(
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=min(len(phases), 8),
+        title="timing/<phase>_s",
+        title_fontsize=9,
+    )
     return fig
 
 
@@ -256,8 +331,11 @@ def summary_markdown(run_dir: Path, rows: Rows, config: dict, plots: list[str]) 
     phases = {name: sum(v for _, v in points) for name, points in per_step.items()}
     total = sum(phases.values())
     lines = [f"# Run report: {run_dir.name}", ""]
-    lines += [f"{len(train_steps)} training steps (last step {max(train_steps, default=0)}); "
-              f"{format_duration(total)} in timed phases (start-up is not timed).", ""]
+    lines += [
+        f"{len(train_steps)} training steps (last step {max(train_steps, default=0)}); "
+        f"{format_duration(total)} in timed phases (start-up is not timed).",
+        "",
+    ]
     lines += ["## Config", "", "| setting | value |", "|---|---|"]
     lines += [f"| `{key}` | {json.dumps(value)} |" for key, value in config_highlights(config).items()]
     lines += ["", "## Metrics", "", "| metric | first | last | best | best at step |", "|---|---:|---:|---:|---:|"]
@@ -271,11 +349,19 @@ def summary_markdown(run_dir: Path, rows: Rows, config: dict, plots: list[str]) 
             best_cells = f"{best_value:{fmt}} | {steps[values.index(best_value)]} |"
         lines.append(f"| `{name}` | {values[0]:{fmt}} | {values[-1]:{fmt}} | {best_cells}")
     if total > 0:
-        lines += ["", "## Time per phase", "",
-                  "Sums of `timing/<phase>_s` over the steps; `other` is step time outside the named phases.", "",
-                  "| phase | total | share | mean per timed step |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Time per phase",
+            "",
+            "Sums of `timing/<phase>_s` over the steps; `other` is step time outside the named phases.",
+            "",
+            "| phase | total | share | mean per timed step |",
+            "|---|---:|---:|---:|",
+        ]
         for name, seconds in phases.items():
-            lines.append(f"| {name} | {seconds:.1f} s | {100 * seconds / total:.1f}% | {seconds / len(per_step[name]):.2f} s |")
+            lines.append(
+                f"| {name} | {seconds:.1f} s | {100 * seconds / total:.1f}% | {seconds / len(per_step[name]):.2f} s |"
+            )
         lines.append(f"| **total** | **{total:.1f} s** | 100% | |")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(name).stem}]({name})" for name in plots]

@@ -19,14 +19,25 @@ from typing import Any
 
 from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
-from reinforge.run_dir import atomic_write_text
 from reinforge.recipes.stages import Stage, stage_dir_name
+from reinforge.run_dir import atomic_write_text
 
 MARKER = "stage_complete.json"
 # Settings a finished stage may differ in: where and how it ran and was saved, and its validation,
 # which reads the weights but never changes them (GRPO's resume allows the same changes).
-IGNORED = ("logging.", "cluster.", "checkpoint.", "num_threads", "grpo.val_every", "grpo.val_benchmark",
-           "data.max_val_prompts", "data.max_val_pairs", "sft.val_every", "dpo.val_every", "rm.val_every")
+IGNORED = (
+    "logging.",
+    "cluster.",
+    "checkpoint.",
+    "num_threads",
+    "grpo.val_every",
+    "grpo.val_benchmark",
+    "data.max_val_prompts",
+    "data.max_val_pairs",
+    "sft.val_every",
+    "dpo.val_every",
+    "rm.val_every",
+)
 
 
 def stage_config(stage: Stage) -> dict[str, Any]:
@@ -75,30 +86,43 @@ def check_run_dir(run_dir: Path, stages: list[Stage]) -> dict[int, dict[str, Any
     after an unfinished one, a finished stage whose config changed, or finished weights a later stage needs
     that are gone."""
     if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_dir / "recipe.yaml").is_file():
-        raise ConfigError(f"run directory {run_dir} holds something other than a recipe's run (it has no recipe.yaml); "
-                          "choose another run_dir (--run-dir)")
+        raise ConfigError(
+            f"run directory {run_dir} holds something other than a recipe's run (it has no recipe.yaml); "
+            "choose another run_dir (--run-dir)"
+        )
     expected = {stage_dir_name(s.number, s.name) for s in stages}
     stages_dir = run_dir / "stages"
     if stages_dir.is_dir():
         for path in sorted(stages_dir.iterdir()):
             if path.is_dir() and not path.name.startswith(".") and path.name not in expected:
-                raise ConfigError(f"{path} is not a stage of this recipe (were stages renamed, reordered or removed?); "
-                                  "finish it with the recipe that made it, or use a new run_dir (--run-dir)")
+                raise ConfigError(
+                    f"{path} is not a stage of this recipe (were stages renamed, reordered or removed?); "
+                    "finish it with the recipe that made it, or use a new run_dir (--run-dir)"
+                )
     markers = {s.number: m for s in stages if (m := read_marker(s)) is not None}
     for stage in stages:
         marker = markers.get(stage.number)
         if marker is None:
             later = [s for s in stages if s.number > stage.number and s.number in markers]
             if later:
-                raise ConfigError(f"{later[0].label} is finished but {stage.label} is not: the run directory is inconsistent; "
-                                  "use a new run_dir (--run-dir)")
+                raise ConfigError(
+                    f"{later[0].label} is finished but {stage.label} is not: the run directory is inconsistent; "
+                    "use a new run_dir (--run-dir)"
+                )
             continue
         _check_unchanged(stage, marker)
     for stage in stages:
         source = stage.model_from
-        if stage.number not in markers and source is not None and source.number in markers and not source.weights.is_dir():
-            raise ConfigError(f"{source.label} is finished but its weights {source.weights} are gone, and "
-                              f"{stage.label} starts from them; use a new run_dir (--run-dir)")
+        if (
+            stage.number not in markers
+            and source is not None
+            and source.number in markers
+            and not source.weights.is_dir()
+        ):
+            raise ConfigError(
+                f"{source.label} is finished but its weights {source.weights} are gone, and "
+                f"{stage.label} starts from them; use a new run_dir (--run-dir)"
+            )
     return markers
 
 
@@ -118,8 +142,24 @@ def write_summary(run_dir: Path, markers: dict[int, dict[str, Any]]) -> Path:
     lines = []
     for number in sorted(markers):
         marker = markers[number]
-        lines.append(json.dumps({key: marker[key] for key in ("number", "stage", "algorithm", "run_dir", "weights",
-                                                              "duration_s", "finished_at", "config_sha256", "metrics")}))
+        lines.append(
+            json.dumps(
+                {
+                    key: marker[key]
+                    for key in (
+                        "number",
+                        "stage",
+                        "algorithm",
+                        "run_dir",
+                        "weights",
+                        "duration_s",
+                        "finished_at",
+                        "config_sha256",
+                        "metrics",
+                    )
+                }
+            )
+        )
     path = run_dir / "recipe.jsonl"
     atomic_write_text(path, "".join(line + "\n" for line in lines))
     return path

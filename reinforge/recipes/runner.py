@@ -25,14 +25,15 @@ from typing import Any
 
 from reinforge.errors import ReinforgeError
 from reinforge.recipes.markers import check_run_dir, write_marker, write_summary
-from reinforge.run_dir import atomic_write_text
 from reinforge.recipes.spec import load_recipe
 from reinforge.recipes.stages import POLICY_ALGORITHMS, RESUMABLE_ALGORITHMS, Stage, build_stages
+from reinforge.run_dir import atomic_write_text
 from reinforge.training.lora import save_merged
 
 
-def run_recipe(path: str | Path, overrides: list[str] = (), run_dir: str | None = None,
-               validate_only: bool = False) -> list[dict[str, Any]]:
+def run_recipe(
+    path: str | Path, overrides: list[str] = (), run_dir: str | None = None, validate_only: bool = False
+) -> list[dict[str, Any]]:
     """Run (or with `validate_only`, only check and describe) a recipe; returns the finished stages' markers."""
     path = Path(path)
     recipe = load_recipe(path)
@@ -54,14 +55,20 @@ def run_recipe(path: str | Path, overrides: list[str] = (), run_dir: str | None 
         markers[stage.number] = run_stage(stage)
         write_summary(root, markers)
     summary, last = write_summary(root, markers), markers[stages[-1].number]
-    print(f"\nrecipe finished: {len(stages)} stages; per-stage final metrics: {summary}"
-          + (f"; final model: {last['weights']}" if last["weights"] else ""))
+    print(
+        f"\nrecipe finished: {len(stages)} stages; per-stage final metrics: {summary}"
+        + (f"; final model: {last['weights']}" if last["weights"] else "")
+    )
     return [markers[n] for n in sorted(markers)]
 
 
 def run_stage(stage: Stage) -> dict[str, Any]:
     """Train one stage and mark it finished."""
-    source = f"final weights of stage {stage.model_from.number} ({stage.model_from.name})" if stage.model_from else stage.config.model.name_or_path
+    source = (
+        f"final weights of stage {stage.model_from.number} ({stage.model_from.name})"
+        if stage.model_from
+        else stage.config.model.name_or_path
+    )
     print(f"\n== {stage.label}: {stage.max_steps} steps from {source}; run directory {stage.run_dir}")
     if stage.run_dir.exists():
         if stage.algorithm in RESUMABLE_ALGORITHMS:
@@ -87,7 +94,20 @@ def run_stage(stage: Stage) -> dict[str, Any]:
 
 def plan_table(stages: list[Stage], markers: dict[int, dict[str, Any]]) -> str:
     """The stages with their key settings, one row each, as plain aligned text."""
-    header = ["#", "stage", "algorithm", "status", "steps", "max_new_tokens", "batch", "lr", "kl", "clip", "backend", "model"]
+    header = [
+        "#",
+        "stage",
+        "algorithm",
+        "status",
+        "steps",
+        "max_new_tokens",
+        "batch",
+        "lr",
+        "kl",
+        "clip",
+        "backend",
+        "model",
+    ]
     rows = [header] + [[str(s.number), s.name, s.algorithm, _status(s, markers), *key_settings(s)] for s in stages]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
@@ -99,10 +119,21 @@ def key_settings(stage: Stage) -> list[str]:
     model = f"stage {stage.model_from.number} final" if stage.model_from else c.model.name_or_path
     if stage.algorithm == "grpo":
         g = c.grpo
-        return [str(g.max_steps), str(c.generation.max_new_tokens), f"{g.num_prompts_per_step}x{g.num_generations_per_prompt}",
-                f"{c.training.lr:g}", f"{c.loss.kl_coef:g}", f"{c.loss.clip_eps_low:g}/{c.loss.clip_eps_high:g}",
-                f"{c.training.backend}x{c.training.num_workers}+{c.generation.backend}", model]
-    batch = f"{c.training.global_batch_size} seqs" if stage.algorithm == "sft" else f"{c.training.global_batch_size // 2} pairs"
+        return [
+            str(g.max_steps),
+            str(c.generation.max_new_tokens),
+            f"{g.num_prompts_per_step}x{g.num_generations_per_prompt}",
+            f"{c.training.lr:g}",
+            f"{c.loss.kl_coef:g}",
+            f"{c.loss.clip_eps_low:g}/{c.loss.clip_eps_high:g}",
+            f"{c.training.backend}x{c.training.num_workers}+{c.generation.backend}",
+            model,
+        ]
+    batch = (
+        f"{c.training.global_batch_size} seqs"
+        if stage.algorithm == "sft"
+        else f"{c.training.global_batch_size // 2} pairs"
+    )
     kl = f"beta {c.dpo.beta:g}" if stage.algorithm == "dpo" else "-"
     return [str(stage.max_steps), "-", batch, f"{c.training.lr:g}", kl, "-", c.training.backend, model]
 

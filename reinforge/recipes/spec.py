@@ -23,8 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError, model_validator
 
 from reinforge.config.loader import read_yaml_mapping
-from reinforge.config.tree import deep_merge
 from reinforge.config.section import Section
+from reinforge.config.tree import deep_merge
 from reinforge.errors import ConfigError
 from reinforge.paths import resolve_path
 
@@ -61,7 +61,9 @@ class RecipeSpec(Section):
         seen = set()
         for number, stage in enumerate(self.stages, start=1):
             if not STAGE_NAME.fullmatch(stage.name):
-                raise ValueError(f"stage {number} name {stage.name!r} must be letters, digits, '_', '-' or '.', as it names a directory")
+                raise ValueError(
+                    f"stage {number} name {stage.name!r} must be letters, digits, '_', '-' or '.', as it names a directory"
+                )
             if stage.name in seen:
                 raise ValueError(f"stage name {stage.name!r} is used twice; give every stage its own name")
             seen.add(stage.name)
@@ -112,8 +114,10 @@ def config_file(name: str, recipe_path: Path) -> Path:
     beside = recipe_path.parent / name
     path = beside if beside.is_file() else resolve_path(name)
     if not path.is_file():
-        raise ConfigError(f"config file {name} does not exist (looked beside the recipe, in the working directory "
-                          "and in the project root)")
+        raise ConfigError(
+            f"config file {name} does not exist (looked beside the recipe, in the working directory "
+            "and in the project root)"
+        )
     return path
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from reinforge.config.loader import build_config, parse_override, read_yaml_tree
-from reinforge.config.tree import deep_merge, set_dotted
 from reinforge.config.section import Section
+from reinforge.config.tree import deep_merge, set_dotted
 from reinforge.errors import ConfigError, ReinforgeError
 from reinforge.modeling import model_location
 from reinforge.paths import resolve_path
@@ -45,11 +45,11 @@ RESUMABLE_ALGORITHMS = ("grpo",)  # sft, dpo and rm have no checkpoints: an unfi
 
 @dataclass
 class Stage:
-    number: int          # 1-based, as the console says "stage k of n"
+    number: int  # 1-based, as the console says "stage k of n"
     total: int
     spec: StageSpec
-    config: Section      # the validated config the stage trains with
-    run_dir: Path        # RUN_DIR/stages/<kk>-<name>
+    config: Section  # the validated config the stage trains with
+    run_dir: Path  # RUN_DIR/stages/<kk>-<name>
     model_from: "Stage | None"  # the stage whose final weights it starts from; None: the config's model
 
     @property
@@ -104,7 +104,11 @@ def build_stages(recipe: RecipeSpec, recipe_path: Path, run_dir: Path, cli_overr
             stage_run_dir = run_dir / "stages" / stage_dir_name(number, spec.name)
             set_dotted(tree, "logging.run_dir", str(stage_run_dir))
             if previous is not None:
-                set_dotted(tree, "model.name_or_path", str(previous.run_dir / ("merged" if previous.config.model.lora else "final")))
+                set_dotted(
+                    tree,
+                    "model.name_or_path",
+                    str(previous.run_dir / ("merged" if previous.config.model.lora else "final")),
+                )
             if number < len(recipe.stages):
                 set_dotted(tree, "checkpoint.save_final", True)
             if spec.algorithm in RESUMABLE_ALGORITHMS:
@@ -119,15 +123,25 @@ def build_stages(recipe: RecipeSpec, recipe_path: Path, run_dir: Path, cli_overr
     return stages
 
 
-def _refuse_recipe_owned_keys(where: str, recipe_tree: dict, stage_tree: dict, cli_overrides: list[str], chained: bool) -> None:
+def _refuse_recipe_owned_keys(
+    where: str, recipe_tree: dict, stage_tree: dict, cli_overrides: list[str], chained: bool
+) -> None:
     """Settings the recipe sets itself may not be overridden: it would silently win over them."""
-    keys = set(dotted_keys(recipe_tree)) | set(dotted_keys(stage_tree)) | {text.partition("=")[0].strip() for text in cli_overrides}
+    keys = (
+        set(dotted_keys(recipe_tree))
+        | set(dotted_keys(stage_tree))
+        | {text.partition("=")[0].strip() for text in cli_overrides}
+    )
     if "logging.run_dir" in keys:
-        raise ConfigError(f"{where}: logging.run_dir is set by the recipe (RUN_DIR/stages/<kk>-<name>); "
-                          "remove it and set the recipe's run_dir (or --run-dir) instead")
+        raise ConfigError(
+            f"{where}: logging.run_dir is set by the recipe (RUN_DIR/stages/<kk>-<name>); "
+            "remove it and set the recipe's run_dir (or --run-dir) instead"
+        )
     if chained and "model.name_or_path" in dotted_keys(stage_tree):
-        raise ConfigError(f"{where}: model.name_or_path is set by the recipe: this stage starts from the previous "
-                          "stage's final weights; remove it (the first stage's model comes from base, config or overrides)")
+        raise ConfigError(
+            f"{where}: model.name_or_path is set by the recipe: this stage starts from the previous "
+            "stage's final weights; remove it (the first stage's model comes from base, config or overrides)"
+        )
 
 
 def _check_data_files(config: Section) -> None:

@@ -69,7 +69,7 @@ def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
         if call.prompt_ids[: len(seen)] != seen:
             contiguous = False
             break
-        between = call.prompt_ids[len(seen):]
+        between = call.prompt_ids[len(seen) :]
         response_ids += between + call.generation_ids
         mask += [0] * len(between) + [1] * len(call.generation_ids)
         logprobs += [0.0] * len(between) + list(call.logprobs)
@@ -84,8 +84,10 @@ def agent_of(record: dict[str, Any], config: AgentConfig) -> str:
     name = ref.get("name") if isinstance(ref, dict) else record.get("agent")
     name = name or config.default or (config.names()[0] if len(config.names()) == 1 else "")
     if name not in config.names():
-        raise DataError(f"a record names agent {name!r}, which is not configured (agent.python / agent.gym: "
-                        f"{', '.join(config.names())}); set agent.default or give each record an agent_ref")
+        raise DataError(
+            f"a record names agent {name!r}, which is not configured (agent.python / agent.gym: "
+            f"{', '.join(config.names())}); set agent.default or give each record an agent_ref"
+        )
     return name
 
 
@@ -116,13 +118,28 @@ class AgentRollout:
 
     MAX_ERRORS_LOGGED = 20  # per rollout
 
-    def __init__(self, server: PolicyServer, tokenizer: PreTrainedTokenizerBase, config: AgentConfig, servers: dict[str, str],
-                 errors_path: Path | None = None):
+    def __init__(
+        self,
+        server: PolicyServer,
+        tokenizer: PreTrainedTokenizerBase,
+        config: AgentConfig,
+        servers: dict[str, str],
+        errors_path: Path | None = None,
+    ):
         """`errors_path`: a JSONL file that gets the first MAX_ERRORS_LOGGED errors of each rollout (why an episode failed)."""
-        self.server, self.tokenizer, self.config, self.servers, self.errors_path = server, tokenizer, config, servers, errors_path
+        self.server, self.tokenizer, self.config, self.servers, self.errors_path = (
+            server,
+            tokenizer,
+            config,
+            servers,
+            errors_path,
+        )
         self.runners: dict[str, GymAgentRunner | PythonAgentRunner] = {
             **{name: PythonAgentRunner(name, path, config.timeout_s) for name, path in config.python.items()},
-            **{name: GymAgentRunner(name, gym.url, config.timeout_s, config.max_retries, config.backoff_s) for name, gym in config.gym.items()},
+            **{
+                name: GymAgentRunner(name, gym.url, config.timeout_s, config.max_retries, config.backoff_s)
+                for name, gym in config.gym.items()
+            },
         }
         self._metrics: dict[str, float] = {}
 
@@ -144,23 +161,38 @@ class AgentRollout:
             trajectories.append(trajectory)
             statuses.append(status)
             contiguous += [joined.contiguous] if joined else []
-        self._metrics = {**self._rollout_metrics(trajectories, episodes, statuses, elapsed),
-                         "rollout/agent_contiguous_fraction": sum(contiguous) / len(contiguous) if contiguous else 0.0,
-                         "rollout/agent_unclaimed_calls": float(unclaimed)}
+        self._metrics = {
+            **self._rollout_metrics(trajectories, episodes, statuses, elapsed),
+            "rollout/agent_contiguous_fraction": sum(contiguous) / len(contiguous) if contiguous else 0.0,
+            "rollout/agent_unclaimed_calls": float(unclaimed),
+        }
         self._log_errors(episodes, statuses)
         if "ok" not in statuses:
             first = next((e.result.error for e in episodes if e.result.error), statuses[0])
-            raise AgentRolloutError(f"none of the rollout's {len(episodes)} agent episodes can be trained on ({statuses[0]}); the first: {first}")
+            raise AgentRolloutError(
+                f"none of the rollout's {len(episodes)} agent episodes can be trained on ({statuses[0]}); the first: {first}"
+            )
         return trajectories
 
     def _log_errors(self, episodes: list[Episode], statuses: list[str]) -> None:
-        failed = [(episode, status) for episode, status in zip(episodes, statuses) if status != "ok"][: self.MAX_ERRORS_LOGGED]
+        failed = [(episode, status) for episode, status in zip(episodes, statuses) if status != "ok"][
+            : self.MAX_ERRORS_LOGGED
+        ]
         if self.errors_path is None or not failed:
             return
         with self.errors_path.open("a", encoding="utf-8") as handle:
             for episode, status in failed:
-                handle.write(json.dumps({"time": time.time(), "status": status, "error": episode.result.error,
-                                         "duration_s": round(episode.duration_s, 3)}) + "\n")
+                handle.write(
+                    json.dumps(
+                        {
+                            "time": time.time(),
+                            "status": status,
+                            "error": episode.result.error,
+                            "duration_s": round(episode.duration_s, 3),
+                        }
+                    )
+                    + "\n"
+                )
 
     def metrics(self) -> dict[str, float]:
         """The last rollout's `rollout/agent_*` and `endpoint/*` metrics."""
@@ -172,8 +204,9 @@ class AgentRollout:
         async with httpx.AsyncClient(timeout=self.config.timeout_s) as client:
             return await asyncio.gather(*(self._run_one(session, record, limit, client) for record in records))
 
-    async def _run_one(self, session: RolloutSession, record: dict[str, Any], limit: asyncio.Semaphore,
-                       client: httpx.AsyncClient) -> Episode:
+    async def _run_one(
+        self, session: RolloutSession, record: dict[str, Any], limit: asyncio.Semaphore, client: httpx.AsyncClient
+    ) -> Episode:
         runner = self.runners[agent_of(record, self.config)]
         sampling = session.sampling
         async with limit:
@@ -184,11 +217,20 @@ class AgentRollout:
                     try:
                         result = await asyncio.wait_for(runner.run(client, row), self.config.timeout_s)
                     except asyncio.TimeoutError:
-                        result = EpisodeResult("timeout", error=f"Gym agent {runner.name} did not answer within agent.timeout_s")
+                        result = EpisodeResult(
+                            "timeout", error=f"Gym agent {runner.name} did not answer within agent.timeout_s"
+                        )
                 else:
-                    context = {"model": self.server.model_name, "api_key": self.server.token or "none", "servers": dict(self.servers),
-                               "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                            "max_tokens": sampling.max_new_tokens}}
+                    context = {
+                        "model": self.server.model_name,
+                        "api_key": self.server.token or "none",
+                        "servers": dict(self.servers),
+                        "sampling": {
+                            "temperature": sampling.temperature,
+                            "top_p": sampling.top_p,
+                            "max_tokens": sampling.max_new_tokens,
+                        },
+                    }
                     result = await runner.run(self.server.episode_base_url(episode_id), record, context)
             calls = session.recorder.take_episode(episode_id) if episode_id else []
             return Episode(result, calls, time.monotonic() - started)
@@ -197,18 +239,36 @@ class AgentRollout:
         result = episode.result
         tokens = join_calls(episode.calls) if episode.calls else None
         status = episode_status(episode, tokens)
-        trajectory = Trajectory(prompt_ids=list(prompt.token_ids), response_ids=[], gen_logprobs=[], truncated=False,
-                                reward=result.reward, group=group, task=prompt.record.get("task") or agent_of(prompt.record, self.config),
-                                response_mask=[], num_turns=0, components=dict(result.components),
-                                masked=status != "ok" or result.mask_sample)
+        trajectory = Trajectory(
+            prompt_ids=list(prompt.token_ids),
+            response_ids=[],
+            gen_logprobs=[],
+            truncated=False,
+            reward=result.reward,
+            group=group,
+            task=prompt.record.get("task") or agent_of(prompt.record, self.config),
+            response_mask=[],
+            num_turns=0,
+            components=dict(result.components),
+            masked=status != "ok" or result.mask_sample,
+        )
         if tokens is not None:
-            trajectory.prompt_ids, trajectory.response_ids, trajectory.response_mask = tokens.prompt_ids, tokens.response_ids, tokens.response_mask
-            trajectory.gen_logprobs, trajectory.truncated, trajectory.num_turns = tokens.gen_logprobs, tokens.truncated, len(episode.calls)
+            trajectory.prompt_ids, trajectory.response_ids, trajectory.response_mask = (
+                tokens.prompt_ids,
+                tokens.response_ids,
+                tokens.response_mask,
+            )
+            trajectory.gen_logprobs, trajectory.truncated, trajectory.num_turns = (
+                tokens.gen_logprobs,
+                tokens.truncated,
+                len(episode.calls),
+            )
             trajectory.response_text = self.tokenizer.decode(episode.calls[-1].generation_ids, skip_special_tokens=True)
         return trajectory, status, tokens
 
-    def _rollout_metrics(self, trajectories: list[Trajectory], episodes: list[Episode], statuses: list[str],
-                         elapsed: float) -> dict[str, float]:
+    def _rollout_metrics(
+        self, trajectories: list[Trajectory], episodes: list[Episode], statuses: list[str], elapsed: float
+    ) -> dict[str, float]:
         num = len(trajectories)
         durations = [episode.duration_s for episode in episodes]
         metrics = {

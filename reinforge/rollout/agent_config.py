@@ -50,14 +50,24 @@ class AgentConfig(Section):
             (self.timeout_s > 0, "agent.timeout_s must be > 0"),
             (self.max_concurrency >= 1, "agent.max_concurrency must be >= 1"),
             (self.max_retries >= 0 and self.backoff_s >= 0, "agent.max_retries and agent.backoff_s must be >= 0"),
-            (len(names) == len(set(names)), f"agent names must be unique across agent.python and agent.gym: {sorted(names)}"),
-            (not self.default or self.default in names,
-             f"agent.default={self.default!r} is not an agent; configured: {', '.join(names) or 'none'}"),
+            (
+                len(names) == len(set(names)),
+                f"agent names must be unique across agent.python and agent.gym: {sorted(names)}",
+            ),
+            (
+                not self.default or self.default in names,
+                f"agent.default={self.default!r} is not an agent; configured: {', '.join(names) or 'none'}",
+            ),
         ]
         for name, path in self.python.items():
             checks.append((":" in path, f"agent.python.{name}={path!r} must be module:function"))
         for name, gym in self.gym.items():
-            checks.append((gym.url.startswith(("http://", "https://")), f"agent.gym.{name}.url={gym.url!r} must start with http:// or https://"))
+            checks.append(
+                (
+                    gym.url.startswith(("http://", "https://")),
+                    f"agent.gym.{name}.url={gym.url!r} must start with http:// or https://",
+                )
+            )
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

@@ -56,7 +56,9 @@ def import_agent(path: str) -> Callable[..., Any]:
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"agent {path!r}: cannot import it ({exc}); give it as module:function with the module on PYTHONPATH") from None
+        raise ConfigError(
+            f"agent {path!r}: cannot import it ({exc}); give it as module:function with the module on PYTHONPATH"
+        ) from None
     if not callable(function):
         raise ConfigError(f"agent {path!r} is not a function")
     return function
@@ -68,16 +70,26 @@ def parse_result(value: Any, where: str, sent: dict[str, Any] | None = None) -> 
     their counters as top-level fields; NeMo-RL averages them the same way)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = {"reward": value}
-    if not isinstance(value, dict) or not isinstance(value.get("reward"), (int, float)) or isinstance(value.get("reward"), bool):
-        return EpisodeResult("failed", error=f"{where} returned {str(value)[:80]!r}; return the reward, or a dict with a numeric `reward`")
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("reward"), (int, float))
+        or isinstance(value.get("reward"), bool)
+    ):
+        return EpisodeResult(
+            "failed",
+            error=f"{where} returned {str(value)[:80]!r}; return the reward, or a dict with a numeric `reward`",
+        )
     components = value.get("reward_components") or {}
     if not isinstance(components, dict) or not all(isinstance(v, (int, float)) for v in components.values()):
-        return EpisodeResult("failed", error=f"{where}: reward_components must map names to numbers, got {str(components)[:80]!r}")
+        return EpisodeResult(
+            "failed", error=f"{where}: reward_components must map names to numbers, got {str(components)[:80]!r}"
+        )
     components = verdict_components(value, sent or {})
     if not math.isfinite(float(value["reward"])):
         return EpisodeResult("failed", error=f"{where} returned a reward of {value['reward']}")
-    return EpisodeResult("ok", reward=float(value["reward"]), components=components,
-                         mask_sample=bool(value.get("mask_sample", False)))
+    return EpisodeResult(
+        "ok", reward=float(value["reward"]), components=components, mask_sample=bool(value.get("mask_sample", False))
+    )
 
 
 def stamped_row(record: dict[str, Any], temperature: float, top_p: float, max_tokens: int) -> dict[str, Any]:
@@ -104,7 +116,9 @@ class GymAgentRunner:
                 cause = f"{type(exc).__name__}: {_one_line(exc)}"
                 continue
             if response.status_code >= 400:
-                return EpisodeResult("failed", error=f"Gym agent {self.name} answered HTTP {response.status_code}: {response.text[:200]}")
+                return EpisodeResult(
+                    "failed", error=f"Gym agent {self.name} answered HTTP {response.status_code}: {response.text[:200]}"
+                )
             try:
                 body = response.json()
             except ValueError:
@@ -114,8 +128,10 @@ class GymAgentRunner:
             result.gym_output = output if isinstance(output, list) else []
             return result
         tries = f"{self.max_retries + 1} attempt{'s' if self.max_retries else ''}"
-        raise AgentServerError(f"NeMo Gym agent {self.name} at {self.url} cannot be reached after {tries}: {cause}; is it running? "
-                               f"(agent.gym.{self.name}.url)")
+        raise AgentServerError(
+            f"NeMo Gym agent {self.name} at {self.url} cannot be reached after {tries}: {cause}; is it running? "
+            f"(agent.gym.{self.name}.url)"
+        )
 
 
 class PythonAgentRunner:

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt
 from reinforge.data.tool_calls import TOOL_CALL_END  # a turn that calls a tool ends there: the observation comes next
-from reinforge.envs.base import EnvRequest, EnvResponse, Environment
+from reinforge.envs.base import Environment, EnvRequest, EnvResponse
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
 from reinforge.rollout.single_turn import generate_trajectories
@@ -57,7 +57,13 @@ class ReinforgeRollout:
     """`rollout` with its engine, tokenizer, environments and options bound: the episodes reinforge
     drives itself, behind the same call as agent rollouts (rollout/agent.py)."""
 
-    def __init__(self, engine: GenerationBackend, tokenizer: PreTrainedTokenizerBase, envs: dict[str, Environment], options: RolloutOptions):
+    def __init__(
+        self,
+        engine: GenerationBackend,
+        tokenizer: PreTrainedTokenizerBase,
+        envs: dict[str, Environment],
+        options: RolloutOptions,
+    ):
         self.engine, self.tokenizer, self.envs, self.options = engine, tokenizer, envs, options
 
     def __call__(self, prompts: list[Prompt], params: SamplingParams, timers: Timers | None = None) -> list[Trajectory]:
@@ -67,8 +73,15 @@ class ReinforgeRollout:
         return {}  # the environments report their own (env/<task>/...)
 
 
-def rollout(prompts: list[Prompt], engine: GenerationBackend, params: SamplingParams, tokenizer: PreTrainedTokenizerBase,
-            envs: dict[str, Environment], options: RolloutOptions, timers: Timers | None = None) -> list[Trajectory]:
+def rollout(
+    prompts: list[Prompt],
+    engine: GenerationBackend,
+    params: SamplingParams,
+    tokenizer: PreTrainedTokenizerBase,
+    envs: dict[str, Environment],
+    options: RolloutOptions,
+    timers: Timers | None = None,
+) -> list[Trajectory]:
     """`params.num_samples` scored trajectories per prompt, grouped by prompt, in prompt order; time in
     the engine and in the environments goes to `timers` as `generate` and `reward`."""
     timers = timers or Timers()
@@ -85,8 +98,9 @@ def rollout(prompts: list[Prompt], engine: GenerationBackend, params: SamplingPa
     active = list(range(len(trajectories)))
     for turn in range(1, options.max_turns + 1):
         with timers.time("reward"):
-            responses = _step_by_task(active, trajectories, conversations, prompts, envs, episode_ids,
-                                      last_turn=turn == options.max_turns)
+            responses = _step_by_task(
+                active, trajectories, conversations, prompts, envs, episode_ids, last_turn=turn == options.max_turns
+            )
         continuing = []
         for index, response in zip(active, responses):
             turn_rewards[index].append(response.reward)
@@ -96,7 +110,9 @@ def rollout(prompts: list[Prompt], engine: GenerationBackend, params: SamplingPa
                 continue
             trajectory = trajectories[index]
             ended_with_eos = bool(trajectory.response_ids) and trajectory.response_ids[-1] == tokenizer.eos_token_id
-            observation_ids = observation_token_ids(tokenizer, response.observation, ended_with_eos, options.max_observation_tokens)
+            observation_ids = observation_token_ids(
+                tokenizer, response.observation, ended_with_eos, options.max_observation_tokens
+            )
             trajectory.response_ids += observation_ids
             trajectory.response_mask += [0] * len(observation_ids)
             trajectory.gen_logprobs += [0.0] * len(observation_ids)
@@ -130,8 +146,15 @@ def _assistant(text: str) -> dict[str, str]:
     return {"role": "assistant", "content": text}
 
 
-def _step_by_task(indices: list[int], trajectories: list[Trajectory], conversations: list[list[dict[str, str]]],
-                  prompts: list[Prompt], envs: dict[str, Environment], episode_ids: list[str], last_turn: bool) -> list[EnvResponse]:
+def _step_by_task(
+    indices: list[int],
+    trajectories: list[Trajectory],
+    conversations: list[list[dict[str, str]]],
+    prompts: list[Prompt],
+    envs: dict[str, Environment],
+    episode_ids: list[str],
+    last_turn: bool,
+) -> list[EnvResponse]:
     """One `step` call per task environment; responses in the order of `indices`. A truncated answer is
     the trajectory's last turn too: the rollout does not continue it."""
     by_task: dict[str, list[int]] = defaultdict(list)
@@ -139,28 +162,42 @@ def _step_by_task(indices: list[int], trajectories: list[Trajectory], conversati
         by_task[trajectories[index].task].append(position)
     responses: list[EnvResponse | None] = [None] * len(indices)
     for task, positions in by_task.items():
-        requests = [EnvRequest(messages=conversations[i], record=prompts[trajectories[i].group].record, episode_id=episode_ids[i],
-                               last_turn=last_turn or trajectories[i].truncated)
-                    for i in (indices[p] for p in positions)]
+        requests = [
+            EnvRequest(
+                messages=conversations[i],
+                record=prompts[trajectories[i].group].record,
+                episode_id=episode_ids[i],
+                last_turn=last_turn or trajectories[i].truncated,
+            )
+            for i in (indices[p] for p in positions)
+        ]
         for position, response in zip(positions, envs[task].step(requests)):
             responses[position] = response
     return responses  # type: ignore[return-value]
 
 
-def _add_extra_rewards(trajectories: list[Trajectory], conversations: list[list[dict[str, str]]], prompts: list[Prompt],
-                       envs: dict[str, Environment], weights: dict[str, float]) -> None:
+def _add_extra_rewards(
+    trajectories: list[Trajectory],
+    conversations: list[list[dict[str, str]]],
+    prompts: list[Prompt],
+    envs: dict[str, Environment],
+    weights: dict[str, float],
+) -> None:
     if weights:  # the task's own reward, apart from the extras (val/<task>/task_reward_mean: accuracy alone)
         for trajectory in trajectories:
             trajectory.components["task_reward"] = trajectory.reward
     for name, weight in weights.items():
-        requests = [EnvRequest(messages=conversations[i], record=prompts[t.group].record) for i, t in enumerate(trajectories)]
+        requests = [
+            EnvRequest(messages=conversations[i], record=prompts[t.group].record) for i, t in enumerate(trajectories)
+        ]
         for trajectory, response in zip(trajectories, envs[name].step(requests)):
             trajectory.components[name] = response.reward
             trajectory.reward += weight * response.reward
 
 
-def observation_token_ids(tokenizer: PreTrainedTokenizerBase, observation: list[dict[str, str]], ended_with_eos: bool,
-                          max_tokens: int) -> list[int]:
+def observation_token_ids(
+    tokenizer: PreTrainedTokenizerBase, observation: list[dict[str, str]], ended_with_eos: bool, max_tokens: int
+) -> list[int]:
     """The tokens between the policy's turn and its next one: whatever closes the assistant message
     (unless the policy's EOS already did), the observation messages, and the next assistant header,
     all as the chat template renders them. The content is cut so that the whole fits `max_tokens`."""
@@ -169,11 +206,12 @@ def observation_token_ids(tokenizer: PreTrainedTokenizerBase, observation: list[
         return tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     before = [{"role": "user", "content": "."}, _assistant(_MARK)]
     closed = tokenizer.apply_chat_template(before, tokenize=False)
-    closing = closed[closed.index(_MARK) + len(_MARK):]
+    closing = closed[closed.index(_MARK) + len(_MARK) :]
     if ended_with_eos and tokenizer.eos_token and closing.startswith(tokenizer.eos_token):
-        closing = closing[len(tokenizer.eos_token):]
-    framed = tokenizer.apply_chat_template(before + [dict(m, content=_MARK) for m in observation], tokenize=False,
-                                           add_generation_prompt=True)[len(closed):]
+        closing = closing[len(tokenizer.eos_token) :]
+    framed = tokenizer.apply_chat_template(
+        before + [dict(m, content=_MARK) for m in observation], tokenize=False, add_generation_prompt=True
+    )[len(closed) :]
     pieces = framed.split(_MARK)  # the framing around each observation message's content
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     framing_ids = [encode(piece) for piece in [closing + pieces[0]] + pieces[1:]]

@@ -33,8 +33,13 @@ class _Request:
 
 
 class Batcher:
-    def __init__(self, engine: GenerationBackend, max_batch_size: int, batch_wait_s: float,
-                 num_waiting_hint: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        engine: GenerationBackend,
+        max_batch_size: int,
+        batch_wait_s: float,
+        num_waiting_hint: Callable[[], int] | None = None,
+    ):
         self.engine, self.max_batch_size, self.batch_wait_s = engine, max_batch_size, batch_wait_s
         self.num_waiting_hint = num_waiting_hint or (lambda: 0)
         self._cond = threading.Condition()
@@ -76,15 +81,25 @@ class Batcher:
         if waiting >= self.max_batch_size or (running_agents and waiting >= running_agents):
             return True
         now = time.monotonic()
-        return now - self._last_arrival >= self.batch_wait_s or now - self._first_arrival >= MAX_WAITS * self.batch_wait_s
+        return (
+            now - self._last_arrival >= self.batch_wait_s or now - self._first_arrival >= MAX_WAITS * self.batch_wait_s
+        )
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending or self._stopping)
                 while not self._stopping and not self._ready():
-                    self._cond.wait(timeout=max(min(self._last_arrival + self.batch_wait_s,
-                                                    self._first_arrival + MAX_WAITS * self.batch_wait_s) - time.monotonic(), 1e-4))
+                    self._cond.wait(
+                        timeout=max(
+                            min(
+                                self._last_arrival + self.batch_wait_s,
+                                self._first_arrival + MAX_WAITS * self.batch_wait_s,
+                            )
+                            - time.monotonic(),
+                            1e-4,
+                        )
+                    )
                 if self._stopping:
                     for request in self._pending:
                         request.future.set_exception(RuntimeError("the endpoint shut down before answering"))
@@ -140,4 +155,7 @@ class Batcher:
         with self._cond:
             counts, self.counts = dict(self.counts), dict.fromkeys(self.counts, 0)
         calls = counts["engine_calls"]
-        return {**{k: float(v) for k, v in counts.items()}, "mean_batch_sequences": counts["sequences"] / calls if calls else 0.0}
+        return {
+            **{k: float(v) for k, v in counts.items()},
+            "mean_batch_sequences": counts["sequences"] / calls if calls else 0.0,
+        }

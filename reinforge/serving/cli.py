@@ -25,20 +25,38 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         "vllm_model reads them). Concurrent requests are batched into the engine. See docs/agents.md.",
     )
     serve.add_argument("--model", required=True, help="Hugging Face model directory or hub id, e.g. models/tool_demo")
-    serve.add_argument("--adapter", metavar="DIR",
-                       help="a PEFT LoRA adapter trained on --model (a LoRA run's final/), merged into its weights when they load "
-                       "(for vLLM, into a temporary model directory)")
+    serve.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="a PEFT LoRA adapter trained on --model (a LoRA run's final/), merged into its weights when they load "
+        "(for vLLM, into a temporary model directory)",
+    )
     serve.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights' dtype (default: float32)")
+    serve.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights' dtype (default: float32)",
+    )
     add_bind_arguments(serve, default_port=8000)
     serve.add_argument("--model-name", default="policy", help="the model id it reports (default: policy)")
-    serve.add_argument("--max-tokens", type=int, default=256, help="completion length when a request gives none (default: 256)")
-    serve.add_argument("--max-model-len", type=int, default=None,
-                       help="context length: prompt plus completion (default: the model's max_position_embeddings)")
+    serve.add_argument(
+        "--max-tokens", type=int, default=256, help="completion length when a request gives none (default: 256)"
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length: prompt plus completion (default: the model's max_position_embeddings)",
+    )
     serve.add_argument("--max-batch-size", type=int, default=256, help="most sequences per engine call (default: 256)")
-    serve.add_argument("--batch-wait-s", type=float, default=0.02,
-                       help="how long a request waits for others to share its engine call (default: 0.02; a training run's "
-                       "endpoint waits longer, agent.endpoint.batch_wait_s)")
+    serve.add_argument(
+        "--batch-wait-s",
+        type=float,
+        default=0.02,
+        help="how long a request waits for others to share its engine call (default: 0.02; a training run's "
+        "endpoint waits longer, agent.endpoint.batch_wait_s)",
+    )
     serve.add_argument("--seed", type=int, default=0, help="seed of the engine (vLLM)")
 
 
@@ -52,8 +70,15 @@ def run_serve_command(args: argparse.Namespace) -> None:
     check_bind_address(args.host, args.allow_remote)
     token = token_from_env(args.token_env, "--token-env")
     try:
-        config = ServingConfig(host=args.host, port=args.port, allow_remote=args.allow_remote, model_name=args.model_name,
-                               max_tokens=args.max_tokens, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_s)
+        config = ServingConfig(
+            host=args.host,
+            port=args.port,
+            allow_remote=args.allow_remote,
+            model_name=args.model_name,
+            max_tokens=args.max_tokens,
+            max_batch_size=args.max_batch_size,
+            batch_wait_s=args.batch_wait_s,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc).splitlines()[-1]) from None
     model_config = ModelConfig(name_or_path=args.model, dtype=args.dtype, adapter=args.adapter)
@@ -63,15 +88,25 @@ def run_serve_command(args: argparse.Namespace) -> None:
     with ExitStack() as cleanup:
         engine, max_model_len = _engine(args, model_config, tokenizer, cleanup)
         cleanup.callback(engine.shutdown)
-        server = PolicyServer(engine, tokenizer, config, max_model_len=max_model_len, default_max_tokens=args.max_tokens,
-                              managed=False, token=token)
+        server = PolicyServer(
+            engine,
+            tokenizer,
+            config,
+            max_model_len=max_model_len,
+            default_max_tokens=args.max_tokens,
+            managed=False,
+            token=token,
+        )
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         cleanup.callback(server.stop)
         server.start()
         access = "token required" if token else "no token"
         served = args.model + (f" + adapter {args.adapter}" if args.adapter else "")
-        print(f"serving {served} as {args.model_name!r} at {server.base_url} (OpenAI-compatible; {access}); Ctrl-C stops", flush=True)
+        print(
+            f"serving {served} as {args.model_name!r} at {server.base_url} (OpenAI-compatible; {access}); Ctrl-C stops",
+            flush=True,
+        )
         stop.wait()
 
 
@@ -98,6 +133,8 @@ def _engine(args: argparse.Namespace, model_config, tokenizer, cleanup: ExitStac
 
         model_config = merged_copy(model_config, Path(cleanup.enter_context(tempfile.TemporaryDirectory())))
     location = model_location(model_config)
-    max_model_len = args.max_model_len or int(getattr(AutoConfig.from_pretrained(location), "max_position_embeddings", 4096))
+    max_model_len = args.max_model_len or int(
+        getattr(AutoConfig.from_pretrained(location), "max_position_embeddings", 4096)
+    )
     engine = VLLMGenerationBackend(model_path=location, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len)
     return engine, max_model_len

@@ -40,9 +40,11 @@ def splice(required_prefix: list[int], template: list[int], template_prefix: lis
     num_eos = template_prefix.count(eos_id)
     positions = [i for i, token in enumerate(template) if token == eos_id]
     if num_eos == 0 or len(positions) < num_eos:
-        raise DataError(f"cannot splice the history's token ids into the prompt: the rendered conversation has {len(positions)} "
-                        f"end-of-turn tokens where its earlier turns have {num_eos}; the messages after the last assistant "
-                        "message with token ids must not rewrite it")
+        raise DataError(
+            f"cannot splice the history's token ids into the prompt: the rendered conversation has {len(positions)} "
+            f"end-of-turn tokens where its earlier turns have {num_eos}; the messages after the last assistant "
+            "message with token ids must not rewrite it"
+        )
     kept = required_prefix[:-1] if required_prefix and required_prefix[-1] == eos_id else required_prefix
     return kept + [eos_id] + template[positions[num_eos - 1] + 1 :]
 
@@ -51,14 +53,25 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) for m in messages]
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], tools: list[dict] | None,
-               required_prefix: list[int] | None = None, add_generation_prompt: bool = True) -> list[int]:
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[ChatMessage],
+    tools: list[dict] | None,
+    required_prefix: list[int] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """The engine's prompt for `messages`: the rendered conversation, spliced onto the tokens of the last
     assistant message that carries them (or onto `required_prefix`)."""
     dicts = message_dicts(messages)
     template = render_ids(tokenizer, dicts, tools, add_generation_prompt)
-    carrier = next((i for i in range(len(messages) - 1, -1, -1)
-                    if messages[i].role == "assistant" and messages[i].prompt_token_ids is not None), None)
+    carrier = next(
+        (
+            i
+            for i in range(len(messages) - 1, -1, -1)
+            if messages[i].role == "assistant" and messages[i].prompt_token_ids is not None
+        ),
+        None,
+    )
     if required_prefix is None and carrier is not None:
         required_prefix = list(messages[carrier].prompt_token_ids) + list(messages[carrier].generation_token_ids or [])
     if required_prefix is None:
@@ -78,8 +91,9 @@ class ParsedGeneration:
     finish_reason: str  # "stop", "length" or "tool_calls"
 
 
-def parse_generation(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], truncated: bool,
-                     stop_strings: tuple[str, ...]) -> ParsedGeneration:
+def parse_generation(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], truncated: bool, stop_strings: tuple[str, ...]
+) -> ParsedGeneration:
     """The sampled tokens as an OpenAI assistant message: well-formed `<tool_call>` blocks become `tool_calls`
     (a malformed one stays in the content, as the model wrote it), a request's stop string is not part of the content."""
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -88,8 +102,14 @@ def parse_generation(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], t
             text = text[: -len(stop)]
             break
     calls = [call for call in parse_tool_calls(text) if isinstance(call, ToolCall)]
-    tool_calls = [{"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
-                   "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}} for call in calls]
+    tool_calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:16]}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
+        }
+        for call in calls
+    ]
     if tool_calls:
         content = text_outside_calls(text) or None
     else:

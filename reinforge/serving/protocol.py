@@ -70,16 +70,34 @@ class TokenizeRequest(_Open):
     required_prefix_token_ids: list[int] | None = None
 
 
-def completion_choice(index: int, content: str | None, tool_calls: list[dict[str, Any]] | None, finish_reason: str,
-                      prompt_ids: list[int], generation_ids: list[int], logprobs: list[float], token_strings: list[str] | None) -> dict:
+def completion_choice(
+    index: int,
+    content: str | None,
+    tool_calls: list[dict[str, Any]] | None,
+    finish_reason: str,
+    prompt_ids: list[int],
+    generation_ids: list[int],
+    logprobs: list[float],
+    token_strings: list[str] | None,
+) -> dict:
     """One `choices[i]`: the OpenAI message plus `prompt_token_ids`, `generation_token_ids`, `generation_log_probs`;
     `logprobs.content` when `token_strings` (the request asked for logprobs) is given."""
-    message = {"role": "assistant", "content": content, "tool_calls": tool_calls or None,
-               "prompt_token_ids": prompt_ids, "generation_token_ids": generation_ids, "generation_log_probs": logprobs}
+    message = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": tool_calls or None,
+        "prompt_token_ids": prompt_ids,
+        "generation_token_ids": generation_ids,
+        "generation_log_probs": logprobs,
+    }
     choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if token_strings is not None:
-        choice["logprobs"] = {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
-                                          for token, logprob in zip(token_strings, logprobs)]}
+        choice["logprobs"] = {
+            "content": [
+                {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+                for token, logprob in zip(token_strings, logprobs)
+            ]
+        }
     return choice
 
 

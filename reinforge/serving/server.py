@@ -41,10 +41,24 @@ class RolloutSession:
 class PolicyServer:
     """The OpenAI-compatible endpoint over `engine` (serving/app.py has the routes)."""
 
-    def __init__(self, engine: GenerationBackend, tokenizer: PreTrainedTokenizerBase, config: ServingConfig, *,
-                 max_model_len: int, default_max_tokens: int, managed: bool, token: str | None = None):
+    def __init__(
+        self,
+        engine: GenerationBackend,
+        tokenizer: PreTrainedTokenizerBase,
+        config: ServingConfig,
+        *,
+        max_model_len: int,
+        default_max_tokens: int,
+        managed: bool,
+        token: str | None = None,
+    ):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
-        self.max_model_len, self.default_max_tokens, self.managed, self.token = max_model_len, default_max_tokens, managed, token
+        self.max_model_len, self.default_max_tokens, self.managed, self.token = (
+            max_model_len,
+            default_max_tokens,
+            managed,
+            token,
+        )
         self.model_name = config.model_name
         self.batcher = Batcher(engine, config.max_batch_size, config.batch_wait_s, self._num_running)
         self.lock = threading.Lock()  # guards `session` against a request being admitted as it closes

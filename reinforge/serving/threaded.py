@@ -27,15 +27,19 @@ class ThreadedServer:
     def start(self) -> "ThreadedServer":
         import uvicorn
 
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False, timeout_keep_alive=30)
+        config = uvicorn.Config(
+            self.app, host=self.host, port=self.port, log_level="warning", access_log=False, timeout_keep_alive=30
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name=f"reinforge-{self.name}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise ConfigError(f"the {self.name} could not start on {self.host}:{self.port} (is the port in use?); "
-                                  "choose another port, or 0 for any free one")
+                raise ConfigError(
+                    f"the {self.name} could not start on {self.host}:{self.port} (is the port in use?); "
+                    "choose another port, or 0 for any free one"
+                )
             time.sleep(0.01)
         return self
 

@@ -44,8 +44,14 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, trainer, driver_state: dict[str, Any], config_yaml: str,
-                    models: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    trainer,
+    driver_state: dict[str, Any],
+    config_yaml: str,
+    models: dict[str, Any] | None = None,
+) -> Path:
     """Write checkpoint `step` atomically; returns its directory. `models`: backends trained beside the
     policy (PPO's critic), each saved by its `save_state` into a directory of its name."""
     final = checkpoints_dir(run_dir) / f"step_{step:08d}"
@@ -56,8 +62,11 @@ def save_checkpoint(run_dir: Path, step: int, trainer, driver_state: dict[str, A
             model.save_state(tmp / name)
         torch.save(driver_state, tmp / "driver.pt")
         (tmp / "config.yaml").write_text(config_yaml)
-        manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
-                    for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {
+            str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
+        }
         (tmp / "COMPLETE").write_text(json.dumps({"step": step, "files": manifest}, indent=1))
     return final
 
@@ -89,7 +98,9 @@ def _matches_manifest(path: Path, content: bool) -> bool:
         manifest = _manifest(path)
         if not all((path / name).stat().st_size == entry["size"] for name, entry in manifest.items()):
             return False
-        return not content or all(sha256(path / name) == entry["sha256"] for name, entry in manifest.items() if "sha256" in entry)
+        return not content or all(
+            sha256(path / name) == entry["sha256"] for name, entry in manifest.items() if "sha256" in entry
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

@@ -47,8 +47,10 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     if (checkpoint / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
         checkpoint = latest_checkpoint(checkpoint) or checkpoint
     if not verifies(checkpoint):
-        raise ReinforgeError(f"{checkpoint} is not a complete reinforge checkpoint (no COMPLETE manifest, or files that do not match its sizes and checksums); "
-                             "give RUN_DIR/checkpoints/step_N, a run directory or, with --merge, a PEFT adapter directory")
+        raise ReinforgeError(
+            f"{checkpoint} is not a complete reinforge checkpoint (no COMPLETE manifest, or files that do not match its sizes and checksums); "
+            "give RUN_DIR/checkpoints/step_N, a run directory or, with --merge, a PEFT adapter directory"
+        )
     from reinforge.config.schema import ModelConfig
     from reinforge.modeling import load_model, load_tokenizer
     from reinforge.training.lora import absolute_location, add_lora, is_adapter_key, load_adapter_state_dict
@@ -68,12 +70,16 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
             return out
         model = peft_model.merge_and_unload()
     elif merge:
-        raise ReinforgeError(f"{checkpoint} holds a whole model, not a LoRA adapter: there is nothing to merge; drop --merge")
+        raise ReinforgeError(
+            f"{checkpoint} holds a whole model, not a LoRA adapter: there is nothing to merge; drop --merge"
+        )
     else:
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [name for name in missing if not (model.config.tie_word_embeddings and name == "lm_head.weight")]
         if missing or unexpected:
-            raise ReinforgeError(f"{checkpoint}: weights do not fit {model_config.name_or_path} (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise ReinforgeError(
+                f"{checkpoint}: weights do not fit {model_config.name_or_path} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
     model = model.to(getattr(torch, model_config.dtype))
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
@@ -90,10 +96,14 @@ def merge_adapter_directory(adapter_dir: Path, out: Path, merge: bool) -> Path:
     from reinforge.training.lora import save_merged
 
     if not merge:
-        raise ReinforgeError(f"{adapter_dir} is already a PEFT adapter directory; add --merge to write the merged model")
+        raise ReinforgeError(
+            f"{adapter_dir} is already a PEFT adapter directory; add --merge to write the merged model"
+        )
     base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base:
-        raise ReinforgeError(f"{adapter_dir / 'adapter_config.json'} names no base_model_name_or_path to merge the adapter into")
+        raise ReinforgeError(
+            f"{adapter_dir / 'adapter_config.json'} names no base_model_name_or_path to merge the adapter into"
+        )
     base_config = ModelConfig(name_or_path=base)
     stored = getattr(AutoConfig.from_pretrained(model_location(base_config)), "dtype", None)
     dtype = next((name for name, value in DTYPES.items() if value == stored), "float32")

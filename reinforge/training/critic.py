@@ -51,7 +51,9 @@ class ValueHead:
         return model, peft
 
     def _micro_values(self, micro: TrainBatch, rows: list[list[int]]) -> torch.Tensor:
-        hidden_NH, _, (b_index, t_index) = trained_hidden_states(self.model, self.hidden[id(self.model)], micro, rows, self.config)
+        hidden_NH, _, (b_index, t_index) = trained_hidden_states(
+            self.model, self.hidden[id(self.model)], micro, rows, self.config
+        )
         values_N = self.model.value_head(hidden_NH).squeeze(-1).float()
         return values_N.new_zeros(micro.loss_mask.shape).index_put((b_index, t_index), values_N)
 
@@ -60,7 +62,9 @@ class ValueHead:
         """V(s_t) [B, T] on `batch.loss_mask`, 0 off it, without gradients."""
         return self._per_token(batch, self._micro_values)
 
-    def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: ValueLossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
+    def _backward(
+        self, micro: TrainBatch, rows: list[list[int]], loss_fn: ValueLossFn, norm: Normalisers
+    ) -> dict[str, torch.Tensor]:
         """The value loss's forward and backward on one micro-batch (the backend's `train_step` accumulates,
         clips and steps)."""
         loss, metrics = loss_fn(self._micro_values(micro, rows), micro, norm)
@@ -72,5 +76,10 @@ class CriticBackend(ValueHead, TorchBackend):
     """The critic in this process: `values(batch)` and `train_step(batch, value_loss_fn)`, saved and restored like a policy."""
 
     def __init__(self, model_config: ModelConfig, training_config: TrainingConfig, num_optimizer_steps: int):
-        super().__init__(model_config.model_copy(update={"lora": None}), training_config, temperature=1.0,
-                         num_optimizer_steps=num_optimizer_steps, load_reference=False)
+        super().__init__(
+            model_config.model_copy(update={"lora": None}),
+            training_config,
+            temperature=1.0,
+            num_optimizer_steps=num_optimizer_steps,
+            load_reference=False,
+        )

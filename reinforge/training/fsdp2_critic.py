@@ -19,7 +19,24 @@ from reinforge.training.fsdp2_worker import FSDP2Worker
 class FSDP2Critic(ValueHead, FSDP2Worker):
     """One critic rank: `values(batch)` (the whole batch's, on every rank) and `train_step(batch, value_loss_fn)`."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_config: ModelConfig,
-                 training_config: TrainingConfig, num_optimizer_steps: int):
-        super().__init__(rank, world_size, master_addr, master_port, model_config.model_copy(update={"lora": None}), training_config,
-                         temperature=1.0, num_optimizer_steps=num_optimizer_steps, load_reference=False)
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_config: ModelConfig,
+        training_config: TrainingConfig,
+        num_optimizer_steps: int,
+    ):
+        super().__init__(
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            model_config.model_copy(update={"lora": None}),
+            training_config,
+            temperature=1.0,
+            num_optimizer_steps=num_optimizer_steps,
+            load_reference=False,
+        )

@@ -44,8 +44,12 @@ from reinforge.training.micro_batching import HiddenStates, Prompts, plan_micro_
 from reinforge.training.torch_backend import PolicyPasses, build_optimizer
 
 
-def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
-                offload_policy: OffloadPolicy | None = None) -> PreTrainedModel:
+def shard_model(
+    model: PreTrainedModel,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None = None,
+) -> PreTrainedModel:
     """FSDP2 on each decoder layer, then the root (embeddings, final norm and the tied lm_head).
 
     Gradients are SUM-reduced: the loss is already divided by the global token count, so FSDP2's
@@ -64,15 +68,24 @@ def shard_model(model: PreTrainedModel, mesh: DeviceMesh, mp_policy: MixedPrecis
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return replace(batch, **{f.name: value.to(device) for f in fields(batch) if isinstance(value := getattr(batch, f.name), torch.Tensor)})
+    return replace(
+        batch,
+        **{
+            f.name: value.to(device) for f in fields(batch) if isinstance(value := getattr(batch, f.name), torch.Tensor)
+        },
+    )
 
 
-def reduce_metrics(totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+def reduce_metrics(
+    totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], device: torch.device
+) -> dict[str, float]:
     """Sum `totals` and take the max/min of `extremes` over ranks (every rank has the same names)."""
     result = {}
-    for names, op in ((sorted(totals), dist.ReduceOp.SUM),
-                      (sorted(n for n in extremes if n.endswith("_max")), dist.ReduceOp.MAX),
-                      (sorted(n for n in extremes if n.endswith("_min")), dist.ReduceOp.MIN)):
+    for names, op in (
+        (sorted(totals), dist.ReduceOp.SUM),
+        (sorted(n for n in extremes if n.endswith("_max")), dist.ReduceOp.MAX),
+        (sorted(n for n in extremes if n.endswith("_min")), dist.ReduceOp.MIN),
+    ):
         if not names:
             continue
         values = torch.stack([(totals | extremes)[n].float().to(device) for n in names])
@@ -119,17 +132,24 @@ class FSDP2Worker(PolicyPasses):
         else:
             self.device = torch.device("cpu")
         dist.init_process_group(
-            "nccl" if on_gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+            "nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
         )
         mesh = init_device_mesh(self.device.type, (world_size,))
         # fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32
         mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_config.dtype], reduce_dtype=torch.float32)
         if training_config.cpu_offload and not on_gpu:
-            raise ConfigError("training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, so set it to false")
+            raise ConfigError(
+                "training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, so set it to false"
+            )
         # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
         offload_policy = CPUOffloadPolicy() if training_config.cpu_offload else None
         fp32_config = model_config.model_copy(update={"dtype": "float32"})
-        policy, self.peft = self._load_trained_model(fp32_config)  # with LoRA: PEFT's adapters injected, the rest frozen
+        policy, self.peft = self._load_trained_model(
+            fp32_config
+        )  # with LoRA: PEFT's adapters injected, the rest frozen
         if training_config.activation_checkpointing:
             enable_activation_checkpointing(policy)  # before sharding: FSDP2 wraps the checkpointed layers
         if training_config.compile:
@@ -142,7 +162,9 @@ class FSDP2Worker(PolicyPasses):
             reference = load_model(fp32_config).requires_grad_(False)
             if training_config.compile:
                 compile_decoder_layers(reference)
-            self.reference = shard_model(reference if offload_policy else reference.to(self.device), mesh, mp_policy, offload_policy).eval()
+            self.reference = shard_model(
+                reference if offload_policy else reference.to(self.device), mesh, mp_policy, offload_policy
+            ).eval()
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.trainable, training_config, num_optimizer_steps)
@@ -155,7 +177,9 @@ class FSDP2Worker(PolicyPasses):
 
     def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
         """The contiguous rows of `rank` (this one's by default); equal shares keep the ranks' collectives in step."""
-        assert len(batch) % self.world_size == 0, f"batch of {len(batch)} rows does not split over {self.world_size} ranks"
+        assert len(batch) % self.world_size == 0, (
+            f"batch of {len(batch)} rows does not split over {self.world_size} ranks"
+        )
         size = len(batch) // self.world_size
         rank = self.rank if rank is None else rank
         return rank * size, (rank + 1) * size
@@ -167,13 +191,18 @@ class FSDP2Worker(PolicyPasses):
         lengths = batch.attention_mask.sum(dim=1).tolist()
         prompts = Prompts.of(batch, self.config)
         shares = [self._share(batch, rank) for rank in range(self.world_size)]
-        plans = [plan_micro_batches(lengths[start:end], self.config, prompts and prompts.slice(start, end)) for start, end in shares]
+        plans = [
+            plan_micro_batches(lengths[start:end], self.config, prompts and prompts.slice(start, end))
+            for start, end in shares
+        ]
         share_batch = batch.slice(*shares[self.rank])
         for rows in split_to(plans[self.rank], max(len(plan) for plan in plans)):
             micro, local_rows, indices = select_micro_batch(share_batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
 
-    def _per_token(self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]) -> torch.Tensor:
+    def _per_token(
+        self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]
+    ) -> torch.Tensor:
         """`compute(micro, rows)` ([b, t] per micro-batch of this rank's share) assembled into the whole
         batch's [B, T] on every rank (a collective), 0 off `batch.loss_mask`."""
         start, end = self._share(batch)
@@ -226,7 +255,9 @@ class FSDP2Worker(PolicyPasses):
         """The LoRA adapter in PEFT's format: every rank gathers the adapter's tensors, rank 0 writes them."""
         adapter = gather(adapter_state_dict(self.model))
         if self.rank == 0:  # PEFT's names are the PeftModel's: the Hugging Face model's under base_model.model
-            self.peft.save_pretrained(path, state_dict={f"base_model.model.{name}": tensor for name, tensor in adapter.items()})
+            self.peft.save_pretrained(
+                path, state_dict={f"base_model.model.{name}": tensor for name, tensor in adapter.items()}
+            )
         dist.barrier()
 
     def memory(self) -> dict[str, float]:
@@ -254,8 +285,13 @@ class FSDP2Worker(PolicyPasses):
     def load_state(self, path: str) -> None:
         state = self._state()
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=self.state_options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self.state_options,
+        )
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=False))
 
     def shutdown(self) -> None:

@@ -42,15 +42,19 @@ def check_lora(model_config) -> None:
     if lora is None:
         return
     if lora.quantize_base != "none" and not torch.cuda.is_available():
-        raise ConfigError(f"model.lora.quantize_base={lora.quantize_base} (QLoRA) needs a CUDA GPU for bitsandbytes' 4-bit "
-                          "kernels; set it to none on this machine")
+        raise ConfigError(
+            f"model.lora.quantize_base={lora.quantize_base} (QLoRA) needs a CUDA GPU for bitsandbytes' 4-bit "
+            "kernels; set it to none on this machine"
+        )
     if lora.target_modules == LINEAR_TARGETS:
         return
     names = linear_module_names(model_config)
     missing = [name for name in lora.target_modules if name not in names]
     if missing:
-        raise ConfigError(f"model.lora.target_modules: {missing[0]!r} is not a linear module of {model_config.name_or_path}; "
-                          f"its linear modules are {', '.join(sorted(names))} (or use all-linear)")
+        raise ConfigError(
+            f"model.lora.target_modules: {missing[0]!r} is not a linear module of {model_config.name_or_path}; "
+            f"its linear modules are {', '.join(sorted(names))} (or use all-linear)"
+        )
 
 
 def linear_module_names(model_config) -> set[str]:
@@ -61,7 +65,11 @@ def linear_module_names(model_config) -> set[str]:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model_config.trust_remote_code)
     head = skeleton.get_output_embeddings()
-    return {name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear) and module is not head}
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, module in skeleton.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
 
 
 def add_lora(model: torch.nn.Module, lora: LoraConfig, base_name: str, task_type: str = "CAUSAL_LM"):
@@ -70,8 +78,14 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, base_name: str, task_type
     saves the classification head, whole (its `modules_to_save`), and never adapts it."""
     import peft
 
-    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type=task_type,
-                             target_modules=lora.target_modules)
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        bias="none",
+        task_type=task_type,
+        target_modules=lora.target_modules,
+    )
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:  # a target the model lacks (check_lora catches it before any run directory is made)
@@ -88,7 +102,7 @@ def inner_model(model: torch.nn.Module) -> torch.nn.Module:
 @contextmanager
 def adapter_disabled(peft_model) -> Iterator[None]:
     """The base model's outputs from the same modules: the reference policy of a LoRA run."""
-    with (peft_model.disable_adapter() if peft_model is not None else nullcontext()):
+    with peft_model.disable_adapter() if peft_model is not None else nullcontext():
         yield
 
 
@@ -128,8 +142,10 @@ def load_adapter_state_dict(model: torch.nn.Module, state: dict[str, torch.Tenso
     missing, unexpected = inner_model(model).load_state_dict(state, strict=False)
     missing = [name for name in missing if is_adapter_key(name)]
     if missing or unexpected:
-        raise ConfigError(f"the checkpoint's adapter does not fit this model's (missing {missing[:2]}, unexpected {unexpected[:2]}); "
-                          "resume with the same model.lora")
+        raise ConfigError(
+            f"the checkpoint's adapter does not fit this model's (missing {missing[:2]}, unexpected {unexpected[:2]}); "
+            "resume with the same model.lora"
+        )
 
 
 def load_policy(model_config, dtype: str | None = None):
@@ -147,8 +163,12 @@ def load_policy(model_config, dtype: str | None = None):
 
         from reinforge.modeling import DTYPES
 
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPES[config.dtype],
-                                          bnb_4bit_use_double_quant=True)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=DTYPES[config.dtype],
+            bnb_4bit_use_double_quant=True,
+        )
     model = load_model(config, quantization_config=quantization)
     if quantization is not None:
         from peft import prepare_model_for_kbit_training

@@ -36,7 +36,9 @@ def adapter_sync(config) -> bool:
     """Whether a run's engine takes the adapter itself (vLLM's LoRA) rather than the merged weights: `model.lora.sync`
     with `auto` resolved (adapter with vLLM, merged with the HF engine). `config` is the run's `Config`."""
     lora = config.model.lora
-    return lora is not None and (lora.sync == "adapter" or (lora.sync == "auto" and config.generation.backend == "vllm"))
+    return lora is not None and (
+        lora.sync == "adapter" or (lora.sync == "auto" and config.generation.backend == "vllm")
+    )
 
 
 def vllm_max_lora_rank(rank: int) -> int:

@@ -33,14 +33,27 @@ from torch.utils.checkpoint import checkpoint
 
 from reinforge.config.schema import TrainingConfig
 from reinforge.data.batch import TrainBatch
-from reinforge.data.packing import (RowLayout, padded_layout, prompt_keys, row_layout, rows_by_token_budget, sequence_rows,
-                                    shared_prompt_rows)
+from reinforge.data.packing import (
+    RowLayout,
+    padded_layout,
+    prompt_keys,
+    row_layout,
+    rows_by_token_budget,
+    sequence_rows,
+    shared_prompt_rows,
+)
 from reinforge.errors import ConfigError
 from reinforge.training.segment_attention import forward_layout
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
 # Config attributes of models that scale or soft-cap the logits after the LM head (Gemma, Cohere, Granite, ...)
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+)
 
 
 @dataclass
@@ -75,7 +88,9 @@ def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prom
     def rows_of(start: int, end: int) -> tuple[list[list[int]], list[int]]:
         part = lengths[start:end]
         if prompts is not None:
-            rows, widths = shared_prompt_rows(part, prompts.lengths[start:end], prompts.keys[start:end], config.micro_batch_tokens)
+            rows, widths = shared_prompt_rows(
+                part, prompts.lengths[start:end], prompts.keys[start:end], config.micro_batch_tokens
+            )
         else:
             rows = sequence_rows(part, config.sequence_packing)
             widths = [sum(part[i] for i in row) for row in rows]
@@ -83,7 +98,9 @@ def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prom
 
     if config.micro_batch_tokens is not None:
         return rows_by_token_budget(*rows_of(0, len(lengths)), config.micro_batch_tokens)
-    return [rows_of(start, start + config.micro_batch_size)[0] for start in range(0, len(lengths), config.micro_batch_size)]
+    return [
+        rows_of(start, start + config.micro_batch_size)[0] for start in range(0, len(lengths), config.micro_batch_size)
+    ]
 
 
 def split_to(plan: MicroBatchPlan, count: int) -> MicroBatchPlan:
@@ -120,10 +137,16 @@ class HiddenStates:
     after its forward, so the head's full weight is there when `micro_batch_logprobs` applies it."""
 
     def __init__(self, model: torch.nn.Module):
-        scaled = [name for name in LOGIT_TRANSFORMS if getattr(model.config.get_text_config(), name, None) not in (None, 1, 1.0)]
+        scaled = [
+            name
+            for name in LOGIT_TRANSFORMS
+            if getattr(model.config.get_text_config(), name, None) not in (None, 1, 1.0)
+        ]
         if scaled:
-            raise ConfigError(f"{model.config.model_type} transforms its logits after the LM head ({', '.join(scaled)}), which the "
-                              "chunked LM head of the GRPO backends does not do yet; use a model without it (Qwen, Llama, Mistral)")
+            raise ConfigError(
+                f"{model.config.model_type} transforms its logits after the LM head ({', '.join(scaled)}), which the "
+                "chunked LM head of the GRPO backends does not do yet; use a model without it (Qwen, Llama, Mistral)"
+            )
         self.value: torch.Tensor | None = None
         model.get_decoder().register_forward_hook(self._catch)
 
@@ -149,7 +172,9 @@ class LayoutCache:
         self.num_tokens = 0  # laid out in all the kept layouts
         self.num_built = 0
 
-    def get(self, input_ids_BT: torch.Tensor, lengths: list[int], rows: list[list[int]], prompt_lengths: list[int] | None) -> RowLayout:
+    def get(
+        self, input_ids_BT: torch.Tensor, lengths: list[int], rows: list[list[int]], prompt_lengths: list[int] | None
+    ) -> RowLayout:
         input_ids_BT = input_ids_BT.cpu()
         digest = hashlib.blake2b(input_ids_BT.numpy().tobytes(), digest_size=16)
         digest.update(repr((input_ids_BT.shape, lengths, rows, prompt_lengths)).encode())
@@ -157,7 +182,9 @@ class LayoutCache:
         if key in self.layouts:
             self.layouts.move_to_end(key)
             return self.layouts[key]
-        layout = self.layouts[key] = row_layout(input_ids_BT, lengths, rows, 0, prompt_lengths)  # the pad token is never attended to nor read
+        layout = self.layouts[key] = row_layout(
+            input_ids_BT, lengths, rows, 0, prompt_lengths
+        )  # the pad token is never attended to nor read
         self.num_built += 1
         self.num_tokens += layout.num_real_tokens
         while self.num_tokens > self.max_tokens and len(self.layouts) > 1:
@@ -165,7 +192,9 @@ class LayoutCache:
         return layout
 
 
-LAYOUTS = LayoutCache()  # one per process: the policy, its reference, a critic and a teacher read the same micro-batches
+LAYOUTS = (
+    LayoutCache()
+)  # one per process: the policy, its reference, a critic and a teacher read the same micro-batches
 
 
 def micro_batch_layout(micro: TrainBatch, rows: list[list[int]], config: TrainingConfig) -> RowLayout:
@@ -177,8 +206,9 @@ def micro_batch_layout(micro: TrainBatch, rows: list[list[int]], config: Trainin
     return layout.to(micro.input_ids.device)
 
 
-def head_chunk(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor,
-               temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def head_chunk(
+    lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N] of the targets under softmax(lm_head(hidden) / temperature), and the entropies [N]
     of those distributions (no gradient): the formulas of torch_backend's token_logprobs and token_entropy.
     Targets [N, K] (several token ids per position) give logprobs [N, K]."""
@@ -200,8 +230,14 @@ def compiled_head_chunk() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     return torch.compile(head_chunk)
 
 
-def chunked_head(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
-                 chunk_tokens: int, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_head(
+    lm_head: torch.nn.Module,
+    hidden_NH: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    compile: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`head_chunk` over `chunk_tokens` tokens at a time; with gradients each chunk is checkpointed, so
     only one chunk's [chunk, V] logits exist at once in the forward and in the backward pass."""
     head = compiled_head_chunk() if compile else head_chunk
@@ -216,26 +252,42 @@ def chunked_head(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: t
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def micro_batch_logprobs(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
-                         config: TrainingConfig, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch_logprobs(
+    model: torch.nn.Module,
+    hidden: HiddenStates,
+    micro: TrainBatch,
+    rows: list[list[int]],
+    config: TrainingConfig,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BT, entropy_BT) of a micro-batch, each [B, T] like `micro.loss_mask` and 0 off it;
     `rows` index the micro-batch's sequences. Differentiable when gradients are enabled."""
     logprobs_BT, entropy_BT, _ = micro_batch_logprobs_at(model, hidden, micro, rows, config, temperature, None)
     return logprobs_BT, entropy_BT
 
 
-def micro_batch_logprobs_at(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
-                            config: TrainingConfig, temperature: float,
-                            ids_BTK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def micro_batch_logprobs_at(
+    model: torch.nn.Module,
+    hidden: HiddenStates,
+    micro: TrainBatch,
+    rows: list[list[int]],
+    config: TrainingConfig,
+    temperature: float,
+    ids_BTK: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`micro_batch_logprobs`, and with `ids_BTK` [B, T, K] (token ids per position) the logprobs [B, T, K]
     of those ids at each position on `micro.loss_mask` (0 off it), from the same chunked head."""
     hidden_NH, targets, (b_index, t_index) = trained_hidden_states(model, hidden, micro, rows, config)
     lm_head = model.get_output_embeddings()
     if ids_BTK is not None:  # column 0 the sampled token, then the K ids
         targets = torch.cat([targets.unsqueeze(1), ids_BTK[b_index, t_index]], dim=1)
-    logprobs, entropy_N = chunked_head(lm_head, hidden_NH, targets, temperature, config.logprob_chunk_tokens, config.compile)
+    logprobs, entropy_N = chunked_head(
+        lm_head, hidden_NH, targets, temperature, config.logprob_chunk_tokens, config.compile
+    )
     shape = micro.loss_mask.shape
-    logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put((b_index, t_index), logprobs if ids_BTK is None else logprobs[:, 0])
+    logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put(
+        (b_index, t_index), logprobs if ids_BTK is None else logprobs[:, 0]
+    )
     entropy_BT = torch.zeros(shape, device=micro.loss_mask.device).index_put((b_index, t_index), entropy_N)
     if ids_BTK is None:
         return logprobs_BT, entropy_BT, None
@@ -243,12 +295,15 @@ def micro_batch_logprobs_at(model: torch.nn.Module, hidden: HiddenStates, micro:
     return logprobs_BT, entropy_BT, at_ids_BTK
 
 
-def trained_hidden_states(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
-                          config: TrainingConfig) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def trained_hidden_states(
+    model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]], config: TrainingConfig
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The decoder's hidden states [N, H] that predict the N tokens on `micro.loss_mask` (in its packed,
     prompt-sharing or padded layout), those tokens' ids [N], and their (row, column) indices in the micro-batch."""
     layout = micro_batch_layout(micro, rows, config)
-    forward_layout(model, layout, logits_to_keep=1)  # the LM head on one position per row: `hidden` has what the head needs
+    forward_layout(
+        model, layout, logits_to_keep=1
+    )  # the LM head on one position per row: `hidden` has what the head needs
     hidden_RWH = hidden.take()
     b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
     assert bool((t_index > 0).all()), "column 0 is in the loss mask"

@@ -30,9 +30,17 @@ SEGMENT_ATTENTION = "reinforge_segments"
 
 
 @torch.compiler.disable  # a Python loop over buckets of varying count and shape: a graph break, not recompiles
-def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      attention_segments: list[SegmentBucket] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def segment_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attention_segments: list[SegmentBucket] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [R, Hq, W, D], key and value [R, Hkv, W, D];
     returns [R, W, Hq, D]. Positions in no segment (a row's padding) get zeros."""
     assert attention_segments is not None, "segment attention needs the layout's attention_segments (forward_layout)"
@@ -50,7 +58,9 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         v = value_flat[bucket.key_index].transpose(1, 2)
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scaling).transpose(1, 2)  # [N, Q, Hq, D]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scaling).transpose(
+            1, 2
+        )  # [N, Q, Hq, D]
         positions.append(bucket.query_index[bucket.query_valid])
         outputs.append(attended[bucket.query_valid])
     output = query_flat.new_zeros(query_flat.shape).index_copy(0, torch.cat(positions), torch.cat(outputs))
@@ -64,8 +74,19 @@ def forward_layout(model: torch.nn.Module, layout: RowLayout, **kwargs):
     """`model`'s output for a layout already on the model's device (`RowLayout.to`); keyword arguments
     go to the model (`logits_to_keep`)."""
     if layout.segments is None:
-        return model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
-                     use_cache=False, **kwargs)
+        return model(
+            input_ids=layout.input_ids,
+            position_ids=layout.position_ids,
+            attention_mask=layout.attention_mask,
+            use_cache=False,
+            **kwargs,
+        )
     with attention_implementation(model.config, SEGMENT_ATTENTION):
-        return model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=None, use_cache=False,
-                     attention_segments=layout.segments, **kwargs)
+        return model(
+            input_ids=layout.input_ids,
+            position_ids=layout.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            attention_segments=layout.segments,
+            **kwargs,
+        )

@@ -14,11 +14,18 @@ import torch
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import load_model
-from reinforge.training.micro_batching import HiddenStates, Prompts, plan_micro_batches, select_micro_batch, trained_hidden_states
+from reinforge.training.micro_batching import (
+    HiddenStates,
+    Prompts,
+    plan_micro_batches,
+    select_micro_batch,
+    trained_hidden_states,
+)
 
 
-def topk_head(lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
-              k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def topk_head(
+    lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprobs [N] of the targets, top-k ids [N, k], their logprobs [N, k]) under softmax(lm_head(hidden) / temperature)."""
     logp_NV = torch.log_softmax(lm_head(hidden_NH).float() / temperature, dim=-1)
     topk_logprobs_NK, topk_ids_NK = logp_NV.topk(k, dim=-1) if k else (logp_NV[:, :0], logp_NV[:, :0].long())
@@ -41,13 +48,20 @@ class Teacher:
         prompts = Prompts.of(batch, self.config)
         for rows in plan_micro_batches(batch.attention_mask.sum(dim=1).tolist(), self.config, prompts):
             micro, local_rows, indices = select_micro_batch(batch, rows)
-            hidden_NH, targets_N, (b_index, t_index) = trained_hidden_states(self.model, self.hidden, micro, local_rows, self.config)
+            hidden_NH, targets_N, (b_index, t_index) = trained_hidden_states(
+                self.model, self.hidden, micro, local_rows, self.config
+            )
             rows_N = torch.tensor(indices, dtype=torch.long)[b_index]
             chunk = self.config.logprob_chunk_tokens
             for start in range(0, len(targets_N), chunk):
                 part = slice(start, start + chunk)
-                logprobs_N, top_ids_NK, top_logprobs_NK = topk_head(self.model.get_output_embeddings(), hidden_NH[part],
-                                                                     targets_N[part], self.temperature, k)
+                logprobs_N, top_ids_NK, top_logprobs_NK = topk_head(
+                    self.model.get_output_embeddings(), hidden_NH[part], targets_N[part], self.temperature, k
+                )
                 where = (rows_N[part], t_index[part])
-                logprobs_BT[where], ids_BTK[where], topk_BTK[where] = logprobs_N.cpu(), top_ids_NK.cpu(), top_logprobs_NK.cpu()
+                logprobs_BT[where], ids_BTK[where], topk_BTK[where] = (
+                    logprobs_N.cpu(),
+                    top_ids_NK.cpu(),
+                    top_logprobs_NK.cpu(),
+                )
         return logprobs_BT, ids_BTK, topk_BTK

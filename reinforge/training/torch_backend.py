@@ -23,9 +23,22 @@ from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
 from reinforge.training.base import LossFn
-from reinforge.training.lora import adapter_disabled, adapter_state_dict, load_adapter_state_dict, load_policy, merge_lora_weights, scaling
-from reinforge.training.micro_batching import (HiddenStates, Prompts, micro_batch_logprobs, micro_batch_logprobs_at, plan_micro_batches,
-                                              select_micro_batch)
+from reinforge.training.lora import (
+    adapter_disabled,
+    adapter_state_dict,
+    load_adapter_state_dict,
+    load_policy,
+    merge_lora_weights,
+    scaling,
+)
+from reinforge.training.micro_batching import (
+    HiddenStates,
+    Prompts,
+    micro_batch_logprobs,
+    micro_batch_logprobs_at,
+    plan_micro_batches,
+    select_micro_batch,
+)
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -42,17 +55,30 @@ def build_optimizer(
         weight_decay=config.weight_decay,
     )
     scheduler = get_scheduler(
-        SCHEDULES[config.lr_schedule], optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max(num_optimizer_steps, 1)
+        SCHEDULES[config.lr_schedule],
+        optimizer,
+        num_warmup_steps=config.warmup_steps,
+        num_training_steps=max(num_optimizer_steps, 1),
     )
     return optimizer, scheduler
 
 
-def backward_micro_batch(model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]],
-                         loss_fn: LossFn, norm: Normalisers, config: TrainingConfig, temperature: float) -> dict[str, torch.Tensor]:
+def backward_micro_batch(
+    model: torch.nn.Module,
+    hidden: HiddenStates,
+    micro: TrainBatch,
+    rows: list[list[int]],
+    loss_fn: LossFn,
+    norm: Normalisers,
+    config: TrainingConfig,
+    temperature: float,
+) -> dict[str, torch.Tensor]:
     """Forward, loss and backward of one micro-batch (`rows` index its sequences); returns its detached
     metric contributions (summable over micro-batches, like the loss), the policy's entropy included.
     The loss function sees logprobs on `micro.loss_mask` and 0 elsewhere."""
-    logprobs_BT, entropy_BT, topk_BTK = micro_batch_logprobs_at(model, hidden, micro, rows, config, temperature, micro.teacher_topk_ids)
+    logprobs_BT, entropy_BT, topk_BTK = micro_batch_logprobs_at(
+        model, hidden, micro, rows, config, temperature, micro.teacher_topk_ids
+    )
     if topk_BTK is not None:  # on-policy distillation's top-k KL reads the policy's logprobs at the teacher's ids
         micro = replace(micro, topk_logprobs=topk_BTK)
     loss, metrics = loss_fn(logprobs_BT, micro, norm)
@@ -61,7 +87,9 @@ def backward_micro_batch(model: torch.nn.Module, hidden: HiddenStates, micro: Tr
     return {name: value.detach() for name, value in metrics.items()}
 
 
-def accumulate_metrics(totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+def accumulate_metrics(
+    totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]
+) -> None:
     """Add one micro-batch's metric contributions: sums, and max/min for `*_max`/`*_min`."""
     for name, value in metrics.items():
         value = value.detach().float()
@@ -101,8 +129,12 @@ class PolicyPasses:
         model = self.reference if reference and self.peft is None else self.model
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
         with adapter_disabled(self.peft if reference else None):
-            return self._per_token(batch, lambda micro, rows: micro_batch_logprobs(model, self.hidden[id(model)], micro, rows,
-                                                                                   self.config, self.temperature)[0])
+            return self._per_token(
+                batch,
+                lambda micro, rows: micro_batch_logprobs(
+                    model, self.hidden[id(model)], micro, rows, self.config, self.temperature
+                )[0],
+            )
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on a global batch: accumulate, clip by the global norm, step, advance the schedule."""
@@ -123,9 +155,13 @@ class PolicyPasses:
             accumulate_metrics(totals, extremes, self._backward(micro, rows, loss_fn, norm))
         return self._reduce_metrics(totals, extremes)
 
-    def _backward(self, micro: TrainBatch, rows: list[list[int]], loss_fn: LossFn, norm: Normalisers) -> dict[str, torch.Tensor]:
+    def _backward(
+        self, micro: TrainBatch, rows: list[list[int]], loss_fn: LossFn, norm: Normalisers
+    ) -> dict[str, torch.Tensor]:
         """Forward, loss and backward of one micro-batch; its summable metric contributions."""
-        return backward_micro_batch(self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm, self.config, self.temperature)
+        return backward_micro_batch(
+            self.model, self.hidden[id(self.model)], micro, rows, loss_fn, norm, self.config, self.temperature
+        )
 
 
 class TorchBackend(PolicyPasses):
@@ -169,7 +205,9 @@ class TorchBackend(PolicyPasses):
             micro, local_rows, indices = select_micro_batch(batch, rows)
             yield indices, micro, local_rows
 
-    def _per_token(self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]) -> torch.Tensor:
+    def _per_token(
+        self, batch: TrainBatch, compute: Callable[[TrainBatch, list[list[int]]], torch.Tensor]
+    ) -> torch.Tensor:
         """`compute(micro, rows)` ([b, t] per micro-batch) assembled into [B, T], 0 off `batch.loss_mask`."""
         out = torch.zeros_like(batch.loss_mask)
         for indices, micro, rows in self._micro_batches(batch):

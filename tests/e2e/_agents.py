@@ -17,9 +17,14 @@ def boxed_reward(text: str | None, answer: str) -> float:
 def answer(base_url, record, model, sampling):
     """One call; reward 1 for the right boxed answer, with a `boxed` component."""
     policy = OpenAI(base_url=base_url, api_key="none", max_retries=0)
-    completion = policy.chat.completions.create(model=model, messages=[{"role": "user", "content": record["prompt"]}], **sampling)
+    completion = policy.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": record["prompt"]}], **sampling
+    )
     text = completion.choices[0].message.content
-    return {"reward": boxed_reward(text, record["answer"]), "reward_components": {"boxed": float("\\boxed{" in (text or ""))}}
+    return {
+        "reward": boxed_reward(text, record["answer"]),
+        "reward_components": {"boxed": float("\\boxed{" in (text or ""))},
+    }
 
 
 _EPISODES = itertools.count()  # next() is atomic under the GIL
@@ -39,8 +44,12 @@ def unruly(base_url, record, model, sampling):
         return "a reward"
     if kind == 2:
         policy = OpenAI(base_url=base_url, api_key="none", max_retries=0)
-        policy.chat.completions.create(model=model, messages=[{"role": "user", "content": record["prompt"]}], **sampling)
-        policy.chat.completions.create(model=model, messages=[{"role": "user", "content": "A new conversation."}], **sampling)
+        policy.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": record["prompt"]}], **sampling
+        )
+        policy.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "A new conversation."}], **sampling
+        )
         return 0.5
     result = answer(base_url, record, model, sampling)
     return {**result, "mask_sample": kind == 5}
@@ -49,5 +58,7 @@ def unruly(base_url, record, model, sampling):
 def cold(base_url, record, model):
     """Asks for another temperature than the run's: the endpoint refuses, so every episode fails."""
     policy = OpenAI(base_url=base_url, api_key="none", max_retries=0)
-    policy.chat.completions.create(model=model, messages=[{"role": "user", "content": record["prompt"]}], temperature=0.5)
+    policy.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": record["prompt"]}], temperature=0.5
+    )
     return 1.0

@@ -15,13 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def cli_server(arguments: list[str], log_path: Path, env: dict | None = None, timeout_s: float = 90.0, port: int | None = None):
+def cli_server(
+    arguments: list[str], log_path: Path, env: dict | None = None, timeout_s: float = 90.0, port: int | None = None
+):
     """`reinforge ARGUMENTS --port P` (a free port unless given) in its own process, once its /health answers;
     yields (url, process, log file)."""
     port = port or free_port("127.0.0.1")
     log = log_path.open("w+")
-    process = subprocess.Popen([sys.executable, "-m", "reinforge.cli", *arguments, "--port", str(port)], cwd=ROOT,
-                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reinforge.cli", *arguments, "--port", str(port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

@@ -20,8 +20,14 @@ from reinforge.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "training.global_batch_size=32",
-         "training.micro_batch_size=32", "data.max_val_prompts=16", "checkpoint.save_final=false"]
+SMALL = [
+    "grpo.num_prompts_per_step=8",
+    "grpo.num_generations_per_prompt=4",
+    "training.global_batch_size=32",
+    "training.micro_batch_size=32",
+    "data.max_val_prompts=16",
+    "checkpoint.save_final=false",
+]
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -32,13 +38,23 @@ def test_the_agent_demo_learns_to_call_its_calculator(tmp_path):
     """configs/grpo_agent_demo.yaml, shortened: reinforge's simple agent drives every episode through the
     endpoint, the calculator is the tool_use environment served the NeMo Gym way; greedy, the tool demo
     model never calls its tool at first."""
-    config = load_config(ROOT / "configs" / "grpo_agent_demo.yaml", [
-        "grpo.max_steps=6", "grpo.val_every=0", "data.max_val_prompts=32", "checkpoint.save_final=false",
-        f"logging.run_dir={tmp_path / 'run'}"])
+    config = load_config(
+        ROOT / "configs" / "grpo_agent_demo.yaml",
+        [
+            "grpo.max_steps=6",
+            "grpo.val_every=0",
+            "data.max_val_prompts=32",
+            "checkpoint.save_final=false",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
     result = grpo.train(config)
     first, *steps = rows(result.run_dir)
     last = steps[-1]
-    assert result.last_val_accuracy >= result.first_val_accuracy + 0.15, (result.first_val_accuracy, result.last_val_accuracy)
+    assert result.last_val_accuracy >= result.first_val_accuracy + 0.15, (
+        result.first_val_accuracy,
+        result.last_val_accuracy,
+    )
     assert first["val/tool_use/tool_result_correct_mean"] == 0 and last["val/tool_use/tool_result_correct_mean"] >= 0.5
     early = sum(r["train/tool_use/tool_result_correct_mean"] for r in steps[:2]) / 2
     late = sum(r["train/tool_use/tool_result_correct_mean"] for r in steps[-2:]) / 2
@@ -50,14 +66,26 @@ def test_the_agent_demo_learns_to_call_its_calculator(tmp_path):
 
 def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
-    config = load_config(ROOT / "configs" / "grpo_demo.yaml", [
-        *SMALL, "grpo.max_steps=2", "grpo.val_every=0", "grpo.rollout=agent", "agent.python.unruly=_agents:unruly",
-        "agent.timeout_s=3", f"logging.run_dir={tmp_path / 'run'}"])
+    config = load_config(
+        ROOT / "configs" / "grpo_demo.yaml",
+        [
+            *SMALL,
+            "grpo.max_steps=2",
+            "grpo.val_every=0",
+            "grpo.rollout=agent",
+            "agent.python.unruly=_agents:unruly",
+            "agent.timeout_s=3",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
     result = grpo.train(config)
     steps = rows(result.run_dir)[1:]
     assert len(steps) == 2
     for row in steps:
-        fractions = {kind: row[f"rollout/agent_{kind}_fraction"] for kind in ("ok", "failed", "timeout", "noncontiguous", "no_calls")}
+        fractions = {
+            kind: row[f"rollout/agent_{kind}_fraction"]
+            for kind in ("ok", "failed", "timeout", "noncontiguous", "no_calls")
+        }
         assert all(value > 0 for value in fractions.values()), fractions
         assert row["rollout/agent_mask_sample_fraction"] > 0
         masked = 1 - fractions["ok"] + row["rollout/agent_mask_sample_fraction"]
@@ -73,30 +101,55 @@ def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_g
 
 
 def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(ROOT / "configs" / "grpo_demo.yaml"), *SMALL,
-               "grpo.max_steps=2", "grpo.val_every=0", "data.val_path=null", "grpo.rollout=agent",
-               f"logging.run_dir={tmp_path / 'run'}", "checkpoint.save_every=1", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        str(ROOT / "configs" / "grpo_demo.yaml"),
+        *SMALL,
+        "grpo.max_steps=2",
+        "grpo.val_every=0",
+        "data.val_path=null",
+        "grpo.rollout=agent",
+        f"logging.run_dir={tmp_path / 'run'}",
+        "checkpoint.save_every=1",
+        *overrides,
+    ]
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def assert_one_line_and_an_untouched_run_dir(process: subprocess.CompletedProcess, run_dir: Path, *needles: str) -> None:
+def assert_one_line_and_an_untouched_run_dir(
+    process: subprocess.CompletedProcess, run_dir: Path, *needles: str
+) -> None:
     assert process.returncode == 2, process.stderr
     errors = [line for line in process.stderr.splitlines() if line.startswith("reinforge: error:")]
     assert len(errors) == 1 and "Traceback" not in process.stderr, process.stderr
     for needle in needles:
         assert needle in errors[0], errors[0]
-    assert (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").exists() and not (run_dir / "final").exists()
+    assert (
+        (run_dir / "config.yaml").is_file()
+        and not (run_dir / "checkpoints").exists()
+        and not (run_dir / "final").exists()
+    )
     assert not (run_dir / "metrics.jsonl").exists() or not rows(run_dir)  # no step half logged
 
 
 def test_an_agent_that_can_never_succeed_stops_the_run_with_the_endpoints_one_line(tmp_path):
     process = run_cli(tmp_path, "agent.python.cold=_agents:cold")
-    assert_one_line_and_an_untouched_run_dir(process, tmp_path / "run", "none of the rollout's 32 agent episodes",
-                                             "temperature=0.5 differs from the run's temperature=1.0")
+    assert_one_line_and_an_untouched_run_dir(
+        process,
+        tmp_path / "run",
+        "none of the rollout's 32 agent episodes",
+        "temperature=0.5 differs from the run's temperature=1.0",
+    )
 
 
 def test_a_gym_agent_server_that_is_down_is_retried_then_named_in_one_line(tmp_path):
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     process = run_cli(tmp_path, f"agent.gym.weather.url={url}", "agent.max_retries=2", "agent.backoff_s=0.1")
-    assert_one_line_and_an_untouched_run_dir(process, tmp_path / "run", f"NeMo Gym agent weather at {url} cannot be reached after 3 attempts")
+    assert_one_line_and_an_untouched_run_dir(
+        process, tmp_path / "run", f"NeMo Gym agent weather at {url} cannot be reached after 3 attempts"
+    )

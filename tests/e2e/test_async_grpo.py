@@ -17,14 +17,31 @@ from reinforge.paths import PROJECT_ROOT
 # One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("ray")
 
-ARGS = ["grpo.max_steps=4", "grpo.num_prompts_per_step=4", "training.global_batch_size=32", "training.micro_batch_size=32",
-        "generation.max_new_tokens=32", "data.max_val_prompts=8", "grpo.val_every=2", "checkpoint.save_final=false",
-        "cluster.num_threads=1"]
+ARGS = [
+    "grpo.max_steps=4",
+    "grpo.num_prompts_per_step=4",
+    "training.global_batch_size=32",
+    "training.micro_batch_size=32",
+    "generation.max_new_tokens=32",
+    "data.max_val_prompts=8",
+    "grpo.val_every=2",
+    "checkpoint.save_final=false",
+    "cluster.num_threads=1",
+]
 
 
 def command(run_dir, *extra):
-    return [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
-            *ARGS, *extra, f"logging.run_dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
+        *ARGS,
+        *extra,
+        f"logging.run_dir={run_dir}",
+    ]
 
 
 def run(run_dir, *extra):

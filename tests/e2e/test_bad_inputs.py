@@ -10,8 +10,21 @@ from reinforge.cli import main
 from reinforge.paths import PROJECT_ROOT
 
 CONFIGS = PROJECT_ROOT / "configs"
-BAD_FILES = ["latin1.jsonl", "empty.jsonl", "broken.jsonl", "list.jsonl", "number_prompt.jsonl", "chat_string.jsonl",
-             "pair_number.jsonl", "pairs_broken.jsonl", "latin1.yaml", "recipe_latin1.yaml", "a_file", "run_latin1", "answers.jsonl"]
+BAD_FILES = [
+    "latin1.jsonl",
+    "empty.jsonl",
+    "broken.jsonl",
+    "list.jsonl",
+    "number_prompt.jsonl",
+    "chat_string.jsonl",
+    "pair_number.jsonl",
+    "pairs_broken.jsonl",
+    "latin1.yaml",
+    "recipe_latin1.yaml",
+    "a_file",
+    "run_latin1",
+    "answers.jsonl",
+]
 LATIN1 = '{"prompt": "caf\xe9 costs 3 dollars", "answer": "3"}\n'.encode("latin-1")  # not UTF-8
 
 
@@ -41,42 +54,116 @@ def grpo(*overrides):
 
 
 CASES = {
-    "grpo: a prompt file that is not UTF-8": (lambda d: grpo(f"data.train_path={d}/latin1.jsonl"), "latin1.jsonl:1: not UTF-8 text"),
+    "grpo: a prompt file that is not UTF-8": (
+        lambda d: grpo(f"data.train_path={d}/latin1.jsonl"),
+        "latin1.jsonl:1: not UTF-8 text",
+    ),
     "grpo: an empty prompt file": (lambda d: grpo(f"data.train_path={d}/empty.jsonl"), "holds no records"),
-    "grpo: a malformed JSONL line": (lambda d: grpo(f"data.train_path={d}/broken.jsonl"), "broken.jsonl:2: malformed JSON"),
-    "grpo: a line that is not an object": (lambda d: grpo(f"data.train_path={d}/list.jsonl"), "expected a JSON object per line"),
-    "grpo: a prompt of the wrong type": (lambda d: grpo(f"data.train_path={d}/number_prompt.jsonl"), "prompt must be a string"),
-    "sft: messages of the wrong type": (lambda d: ["sft", "--config", str(CONFIGS / "sft_demo.yaml"), f"data.train_path={d}/chat_string.jsonl"],
-                                        "`messages` must be a list"),
-    "dpo: a reply of the wrong type": (lambda d: ["dpo", "--config", str(CONFIGS / "dpo_demo.yaml"), f"data.train_path={d}/pair_number.jsonl"],
-                                       "must be strings"),
-    "grpo: a run directory below a file": (lambda d: grpo(f"logging.run_dir={d}/a_file/run"), "cannot create the run directory"),
-    "grpo: a config file that is not UTF-8": (lambda d: ["grpo", "--config", f"{d}/latin1.yaml"], "latin1.yaml is not UTF-8 text"),
+    "grpo: a malformed JSONL line": (
+        lambda d: grpo(f"data.train_path={d}/broken.jsonl"),
+        "broken.jsonl:2: malformed JSON",
+    ),
+    "grpo: a line that is not an object": (
+        lambda d: grpo(f"data.train_path={d}/list.jsonl"),
+        "expected a JSON object per line",
+    ),
+    "grpo: a prompt of the wrong type": (
+        lambda d: grpo(f"data.train_path={d}/number_prompt.jsonl"),
+        "prompt must be a string",
+    ),
+    "sft: messages of the wrong type": (
+        lambda d: ["sft", "--config", str(CONFIGS / "sft_demo.yaml"), f"data.train_path={d}/chat_string.jsonl"],
+        "`messages` must be a list",
+    ),
+    "dpo: a reply of the wrong type": (
+        lambda d: ["dpo", "--config", str(CONFIGS / "dpo_demo.yaml"), f"data.train_path={d}/pair_number.jsonl"],
+        "must be strings",
+    ),
+    "grpo: a run directory below a file": (
+        lambda d: grpo(f"logging.run_dir={d}/a_file/run"),
+        "cannot create the run directory",
+    ),
+    "grpo: a config file that is not UTF-8": (
+        lambda d: ["grpo", "--config", f"{d}/latin1.yaml"],
+        "latin1.yaml is not UTF-8 text",
+    ),
     "grpo: a missing config file": (lambda d: ["grpo", "--config", f"{d}/none.yaml"], "none.yaml"),
     "grpo: a value of the wrong type": (lambda d: grpo("grpo.max_steps=many"), "grpo.max_steps"),
     "grpo: an unknown key": (lambda d: grpo("grpo.max_stepz=3"), "did you mean grpo.max_steps"),
     "grpo: an unknown value": (lambda d: grpo("generation.backend=tgi"), "generation.backend"),
-    "sft: a chat file that is not UTF-8": (lambda d: ["sft", "--config", str(CONFIGS / "sft_demo.yaml"), f"data.train_path={d}/latin1.jsonl"],
-                                           "latin1.jsonl:1: not UTF-8 text"),
-    "dpo: a pair file that is not UTF-8": (lambda d: ["dpo", "--config", str(CONFIGS / "dpo_demo.yaml"), f"data.train_path={d}/latin1.jsonl"],
-                                           "latin1.jsonl:1: not UTF-8 text"),
-    "rm: a malformed pair line": (lambda d: ["rm", "--config", str(CONFIGS / "rm_demo.yaml"), f"data.train_path={d}/pairs_broken.jsonl"],
-                                  "pairs_broken.jsonl:1: malformed JSON"),
-    "recipe: a recipe file that is not UTF-8": (lambda d: ["recipe", f"{d}/recipe_latin1.yaml"], "recipe_latin1.yaml is not UTF-8 text"),
-    "curriculum prefilter: prompts not UTF-8": (lambda d: ["curriculum", "prefilter", "--config", str(CONFIGS / "grpo_demo.yaml"),
-                                                           "--out", f"{d}/run", f"data.train_path={d}/latin1.jsonl"], "not UTF-8 text"),
-    "eval: an output directory below a file": (lambda d: ["eval", "--model", "models/demo", "--benchmark", "gsm8k", "--k", "1",
-                                                          "--limit", "2", "--backend", "hf", "--output", f"{d}/a_file/out"],
-                                               "a_file is a file, not a directory"),
-    "eval: a model that does not exist": (lambda d: ["eval", "--model", f"{d}/no_model", "--benchmark", "gsm8k", "--k", "1"], "no_model"),
-    "env score: answers that are not UTF-8": (lambda d: ["env", "score", "--env", "math", "--input", f"{d}/latin1.jsonl",
-                                                         "--output", f"{d}/run/out.jsonl"], "latin1.jsonl:1: not UTF-8 text"),
-    "env score: an output below a file": (lambda d: ["env", "score", "--env", "math", "--input", f"{d}/answers.jsonl",
-                                                     "--output", f"{d}/a_file/out.jsonl"], "a_file"),
+    "sft: a chat file that is not UTF-8": (
+        lambda d: ["sft", "--config", str(CONFIGS / "sft_demo.yaml"), f"data.train_path={d}/latin1.jsonl"],
+        "latin1.jsonl:1: not UTF-8 text",
+    ),
+    "dpo: a pair file that is not UTF-8": (
+        lambda d: ["dpo", "--config", str(CONFIGS / "dpo_demo.yaml"), f"data.train_path={d}/latin1.jsonl"],
+        "latin1.jsonl:1: not UTF-8 text",
+    ),
+    "rm: a malformed pair line": (
+        lambda d: ["rm", "--config", str(CONFIGS / "rm_demo.yaml"), f"data.train_path={d}/pairs_broken.jsonl"],
+        "pairs_broken.jsonl:1: malformed JSON",
+    ),
+    "recipe: a recipe file that is not UTF-8": (
+        lambda d: ["recipe", f"{d}/recipe_latin1.yaml"],
+        "recipe_latin1.yaml is not UTF-8 text",
+    ),
+    "curriculum prefilter: prompts not UTF-8": (
+        lambda d: [
+            "curriculum",
+            "prefilter",
+            "--config",
+            str(CONFIGS / "grpo_demo.yaml"),
+            "--out",
+            f"{d}/run",
+            f"data.train_path={d}/latin1.jsonl",
+        ],
+        "not UTF-8 text",
+    ),
+    "eval: an output directory below a file": (
+        lambda d: [
+            "eval",
+            "--model",
+            "models/demo",
+            "--benchmark",
+            "gsm8k",
+            "--k",
+            "1",
+            "--limit",
+            "2",
+            "--backend",
+            "hf",
+            "--output",
+            f"{d}/a_file/out",
+        ],
+        "a_file is a file, not a directory",
+    ),
+    "eval: a model that does not exist": (
+        lambda d: ["eval", "--model", f"{d}/no_model", "--benchmark", "gsm8k", "--k", "1"],
+        "no_model",
+    ),
+    "env score: answers that are not UTF-8": (
+        lambda d: ["env", "score", "--env", "math", "--input", f"{d}/latin1.jsonl", "--output", f"{d}/run/out.jsonl"],
+        "latin1.jsonl:1: not UTF-8 text",
+    ),
+    "env score: an output below a file": (
+        lambda d: [
+            "env",
+            "score",
+            "--env",
+            "math",
+            "--input",
+            f"{d}/answers.jsonl",
+            "--output",
+            f"{d}/a_file/out.jsonl",
+        ],
+        "a_file",
+    ),
     "report: metrics that are not UTF-8": (lambda d: ["report", f"{d}/run_latin1"], "metrics.jsonl:1: not UTF-8 text"),
     "report: a directory without a run": (lambda d: ["report", f"{d}/a_file"], "metrics.jsonl does not exist"),
-    "convert: a directory that is no checkpoint": (lambda d: ["convert", f"{d}/run_latin1", "--out", f"{d}/run"],
-                                                   "is not a complete reinforge checkpoint"),
+    "convert: a directory that is no checkpoint": (
+        lambda d: ["convert", f"{d}/run_latin1", "--out", f"{d}/run"],
+        "is not a complete reinforge checkpoint",
+    ),
 }
 
 
@@ -90,7 +177,10 @@ def test_a_bad_input_is_one_error_line_and_leaves_no_directory(case, files, caps
     captured = capsys.readouterr()
     assert status == 2, (case, captured.err[-2000:])
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("reinforge: error: ") and message in lines[0], (case, captured.err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("reinforge: error: ") and message in lines[0], (
+        case,
+        captured.err[-2000:],
+    )
     assert "Traceback" not in captured.out + captured.err
     assert not (files / "run").exists(), case
     assert sorted(p.name for p in files.iterdir()) == sorted(BAD_FILES), case  # nothing made beside the bad files

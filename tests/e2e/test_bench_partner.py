@@ -12,11 +12,31 @@ import pytest
 from reinforge.paths import PROJECT_ROOT
 
 
-@pytest.mark.skipif(importlib.util.find_spec("trl") is not None, reason="TRL is installed: its side does not die at import")
+@pytest.mark.skipif(
+    importlib.util.find_spec("trl") is not None, reason="TRL is installed: its side does not die at import"
+)
 def test_the_benchmark_stops_with_the_trl_sides_import_error_when_trl_is_missing():
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "bench/grpo_vs_trl.py", "--steps", "1", "--models", "demo", "--async-models", "",
-                             "--json", "/dev/null"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "bench/grpo_vs_trl.py",
+            "--steps",
+            "1",
+            "--models",
+            "demo",
+            "--async-models",
+            "",
+            "--json",
+            "/dev/null",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and time.monotonic() - start < 60
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("bench/grpo_vs_trl.py: the trl side failed: ModuleNotFoundError: No module named"), result.stderr[-2000:]
+    assert last.startswith("bench/grpo_vs_trl.py: the trl side failed: ModuleNotFoundError: No module named"), (
+        result.stderr[-2000:]
+    )

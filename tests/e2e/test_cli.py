@@ -12,13 +12,21 @@ from reinforge.cli import parse_args
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "grpo_demo.yaml"
 SMALL = [
-    "grpo.max_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.val_every=0",
-    "training.global_batch_size=8", "training.micro_batch_size=8", "data.max_val_prompts=8", "generation.max_new_tokens=24",
+    "grpo.max_steps=2",
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.val_every=0",
+    "training.global_batch_size=8",
+    "training.micro_batch_size=8",
+    "data.max_val_prompts=8",
+    "generation.max_new_tokens=24",
 ]
 
 
 def reinforge(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "reinforge.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "reinforge.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
 
 
 def assert_one_line_error(result, pattern):
@@ -35,7 +43,9 @@ def test_misspelled_key_exits_nonzero_with_did_you_mean_and_no_traceback():
 
 
 def test_missing_dataset_file_is_a_one_line_error(tmp_path):
-    result = reinforge("grpo", "--config", DEMO, f"data.train_path={tmp_path / 'nope.jsonl'}", f"logging.run_dir={tmp_path / 'run'}")
+    result = reinforge(
+        "grpo", "--config", DEMO, f"data.train_path={tmp_path / 'nope.jsonl'}", f"logging.run_dir={tmp_path / 'run'}"
+    )
     assert_one_line_error(result, "nope.jsonl does not exist")
     assert not (tmp_path / "run").exists()
 
@@ -67,12 +77,15 @@ def test_saved_config_reproduces_the_run(tmp_path):
     assert len(deterministic("run")) == 3  # step 0 validation, steps 1 and 2
 
 
-@pytest.mark.parametrize("argv, overrides", [
-    (["recipe", "r.yaml", "--run-dir", "d", "a.b=1", "c=2"], ["a.b=1", "c=2"]),
-    (["recipe", "r.yaml", "a.b=1", "--run-dir", "d", "c=2"], ["a.b=1", "c=2"]),
-    (["recipe", "--run-dir", "d", "r.yaml", "a.b=1", "c=2"], ["a.b=1", "c=2"]),
-    (["grpo", "a.b=1", "--config", "x.yaml", "c=2"], ["a.b=1", "c=2"]),
-])
+@pytest.mark.parametrize(
+    "argv, overrides",
+    [
+        (["recipe", "r.yaml", "--run-dir", "d", "a.b=1", "c=2"], ["a.b=1", "c=2"]),
+        (["recipe", "r.yaml", "a.b=1", "--run-dir", "d", "c=2"], ["a.b=1", "c=2"]),
+        (["recipe", "--run-dir", "d", "r.yaml", "a.b=1", "c=2"], ["a.b=1", "c=2"]),
+        (["grpo", "a.b=1", "--config", "x.yaml", "c=2"], ["a.b=1", "c=2"]),
+    ],
+)
 def test_overrides_may_follow_an_option_after_the_positionals_and_keep_their_order(argv, overrides):
     args = parse_args(argv)
     assert args.overrides == overrides
@@ -80,8 +93,11 @@ def test_overrides_may_follow_an_option_after_the_positionals_and_keep_their_ord
 
 
 def test_an_unknown_option_or_a_stray_word_is_still_refused(capsys):
-    for argv in (["recipe", "r.yaml", "--run-dir", "d", "--bogus"], ["recipe", "r.yaml", "--run-dir", "d", "stray"],
-                 ["report", "run", "a=1"]):
+    for argv in (
+        ["recipe", "r.yaml", "--run-dir", "d", "--bogus"],
+        ["recipe", "r.yaml", "--run-dir", "d", "stray"],
+        ["report", "run", "a=1"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(argv)
         assert exit_info.value.code == 2

@@ -19,24 +19,60 @@ from reinforge.training.convert import convert
 
 def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path):
     run = tmp_path / "run"
-    grpo = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
-            "grpo.max_steps=1", "checkpoint.save_every=1", "grpo.num_prompts_per_step=4", "training.global_batch_size=32",
-            "training.micro_batch_size=32", "data.max_val_prompts=4", f"logging.run_dir={run}"]
+    grpo = [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
+        "grpo.max_steps=1",
+        "checkpoint.save_every=1",
+        "grpo.num_prompts_per_step=4",
+        "training.global_batch_size=32",
+        "training.micro_batch_size=32",
+        "data.max_val_prompts=4",
+        f"logging.run_dir={run}",
+    ]
     assert subprocess.run(grpo, capture_output=True, timeout=600).returncode == 0
     out = tmp_path / "hf"
-    result = subprocess.run([sys.executable, "-m", "reinforge.cli", "convert", str(run / "checkpoints" / "step_00000001"),
-                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "convert",
+            str(run / "checkpoints" / "step_00000001"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     converted = AutoModelForCausalLM.from_pretrained(out).state_dict()
     final = AutoModelForCausalLM.from_pretrained(run / "final").state_dict()
     assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
     assert (out / "tokenizer_config.json").is_file()
-    again = subprocess.run([sys.executable, "-m", "reinforge.cli", "convert", str(run), "--out", str(out)],
-                           capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 2 and "already exists" in again.stderr
-    merged = subprocess.run([sys.executable, "-m", "reinforge.cli", "convert", str(run), "--out", str(tmp_path / "merged"), "--merge"],
-                            capture_output=True, text=True, timeout=300)
-    assert merged.returncode == 2 and "holds a whole model, not a LoRA adapter" in merged.stderr and not (tmp_path / "merged").exists()
+    merged = subprocess.run(
+        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--out", str(tmp_path / "merged"), "--merge"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        merged.returncode == 2
+        and "holds a whole model, not a LoRA adapter" in merged.stderr
+        and not (tmp_path / "merged").exists()
+    )
 
 
 def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(tmp_path, capsys):
@@ -44,31 +80,48 @@ def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(
     too; on the trained policy's greedy answers to validation prompts the merged models' logprobs equal the adapter
     model's (PEFT's, on the base) to fp32's rounding: 8 units in the last place of the largest logit (~20 here: 1.9e-5;
     measured up to 1.0e-5), against > 1e-3 between the adapter model and its base."""
-    overrides = ["grpo.max_steps=2", "checkpoint.save_every=2", "grpo.num_prompts_per_step=4", "training.global_batch_size=32",
-                 "training.micro_batch_size=32", "data.max_val_prompts=4", f"logging.run_dir={tmp_path / 'run'}"]
+    overrides = [
+        "grpo.max_steps=2",
+        "checkpoint.save_every=2",
+        "grpo.num_prompts_per_step=4",
+        "training.global_batch_size=32",
+        "training.micro_batch_size=32",
+        "data.max_val_prompts=4",
+        f"logging.run_dir={tmp_path / 'run'}",
+    ]
     run = grpo.train(load_config(PROJECT_ROOT / "configs" / "grpo_lora_demo.yaml", overrides)).run_dir
     checkpoint = run / "checkpoints" / "step_00000002"
     assert main(["convert", str(checkpoint), "--out", str(tmp_path / "merged_checkpoint"), "--merge"]) == 0
     convert(checkpoint, tmp_path / "adapter")
     convert(run / "final", tmp_path / "merged_final", merge=True)
-    converted, final = (load_file(directory / "adapter_model.safetensors") for directory in (tmp_path / "adapter", run / "final"))
+    converted, final = (
+        load_file(directory / "adapter_model.safetensors") for directory in (tmp_path / "adapter", run / "final")
+    )
     assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
 
     demo = PROJECT_ROOT / "models" / "demo"
     adapter_model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo), run / "final").eval()
     tokenizer = AutoTokenizer.from_pretrained(demo)
-    prompts = [json.loads(line)["prompt"] for line in (PROJECT_ROOT / "data" / "demo" / "val.jsonl").read_text().splitlines()[:8]]
+    prompts = [
+        json.loads(line)["prompt"]
+        for line in (PROJECT_ROOT / "data" / "demo" / "val.jsonl").read_text().splitlines()[:8]
+    ]
     sequences = []
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         with torch.no_grad():
             sequences.append((ids.shape[1], adapter_model.generate(input_ids=ids, max_new_tokens=32, do_sample=False)))
 
     def answer_logprobs(model):
         with torch.no_grad():
-            return torch.cat([torch.log_softmax(model(input_ids=ids).logits[0, n - 1 : -1], -1).gather(-1, ids[0, n:, None])[:, 0]
-                              for n, ids in sequences])
+            return torch.cat(
+                [
+                    torch.log_softmax(model(input_ids=ids).logits[0, n - 1 : -1], -1).gather(-1, ids[0, n:, None])[:, 0]
+                    for n, ids in sequences
+                ]
+            )
 
     expected = answer_logprobs(adapter_model)
     with torch.no_grad():
@@ -79,11 +132,15 @@ def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(
         model = AutoModelForCausalLM.from_pretrained(tmp_path / merged).eval()
         assert not any(".lora_" in name for name in model.state_dict())
         assert (answer_logprobs(model) - expected).abs().max() <= tolerance, merged
-    assert (answer_logprobs(AutoModelForCausalLM.from_pretrained(demo)) - expected).abs().max() > 1e-3  # the adapter moved the policy
+    assert (
+        answer_logprobs(AutoModelForCausalLM.from_pretrained(demo)) - expected
+    ).abs().max() > 1e-3  # the adapter moved the policy
 
     capsys.readouterr()
-    for source, out, message in [(run / "final", tmp_path / "new", "already a PEFT adapter directory; add --merge"),
-                                 (checkpoint, tmp_path / "adapter", "already exists")]:
+    for source, out, message in [
+        (run / "final", tmp_path / "new", "already a PEFT adapter directory; add --merge"),
+        (checkpoint, tmp_path / "adapter", "already exists"),
+    ]:
         assert main(["convert", str(source), "--out", str(out)]) == 2
         stderr = capsys.readouterr().err
         assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr

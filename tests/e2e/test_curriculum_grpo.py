@@ -18,14 +18,25 @@ from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "grpo_curriculum_demo.yaml"
 NUM_PROMPTS = 40
-ARGS = ["grpo.num_prompts_per_step=4", "training.global_batch_size=32", "training.micro_batch_size=32",
-        "generation.max_new_tokens=40", "generation.num_probe_prompts=2", "data.val_path=null", "cluster.num_threads=1",
-        "checkpoint.save_final=false", "checkpoint.save_every=2", "checkpoint.resume=auto",
-        "curriculum.num_steps=4"]  # the schedule must not follow grpo.max_steps, which the resumed run raises
+ARGS = [
+    "grpo.num_prompts_per_step=4",
+    "training.global_batch_size=32",
+    "training.micro_batch_size=32",
+    "generation.max_new_tokens=40",
+    "generation.num_probe_prompts=2",
+    "data.val_path=null",
+    "cluster.num_threads=1",
+    "checkpoint.save_final=false",
+    "checkpoint.save_every=2",
+    "checkpoint.resume=auto",
+    "curriculum.num_steps=4",
+]  # the schedule must not follow grpo.max_steps, which the resumed run raises
 
 
 def run(train_path, run_dir, max_steps):
-    config = load_config(CONFIG, [*ARGS, f"data.train_path={train_path}", f"grpo.max_steps={max_steps}", f"logging.run_dir={run_dir}"])
+    config = load_config(
+        CONFIG, [*ARGS, f"data.train_path={train_path}", f"grpo.max_steps={max_steps}", f"logging.run_dir={run_dir}"]
+    )
     return grpo.train(config).run_dir
 
 
@@ -36,10 +47,15 @@ def rows(run_dir):
 
 def test_a_curriculum_run_logs_its_schedule_and_resumes_to_the_same_metrics_without_resampling(tmp_path):
     train_path = tmp_path / "train.jsonl"
-    train_path.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "train.jsonl")[:NUM_PROMPTS]))
+    train_path.write_text(
+        "".join(json.dumps(r) + "\n" for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "train.jsonl")[:NUM_PROMPTS])
+    )
     reference = run(train_path, tmp_path / "uninterrupted", max_steps=4)
 
-    pass_rates = [json.loads(line)["pass_rate"] for line in (reference / "curriculum" / "pass_rates.jsonl").read_text().splitlines()]
+    pass_rates = [
+        json.loads(line)["pass_rate"]
+        for line in (reference / "curriculum" / "pass_rates.jsonl").read_text().splitlines()
+    ]
     assert len(pass_rates) == NUM_PROMPTS
     expected = rows(reference)
     assert [row["step"] for row in expected] == [1, 2, 3, 4]
@@ -47,7 +63,9 @@ def test_a_curriculum_run_logs_its_schedule_and_resumes_to_the_same_metrics_with
     for row in expected:
         assert row["curriculum/num_prompts_kept"] == sum(rate < 0.75 for rate in pass_rates)
         assert 0 <= row["curriculum/batch_pass_rate_mean"] < 0.75
-    assert expected[0]["curriculum/batch_pass_rate_mean"] > expected[-1]["curriculum/batch_pass_rate_mean"]  # easy to hard
+    assert (
+        expected[0]["curriculum/batch_pass_rate_mean"] > expected[-1]["curriculum/batch_pass_rate_mean"]
+    )  # easy to hard
 
     split = run(train_path, tmp_path / "stopped", max_steps=2)
     stored = split / "curriculum" / "pass_rates.jsonl"
@@ -61,9 +79,25 @@ def test_offline_prefilter_writes_records_whose_pass_rates_a_progressive_run_use
     records = read_jsonl(PROJECT_ROOT / "data" / "demo" / "train.jsonl")[:8]
     source, out = tmp_path / "train.jsonl", tmp_path / "rated.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = subprocess.run([sys.executable, "-m", "reinforge.cli", "curriculum", "prefilter", "--config", str(CONFIG),
-                             "--out", str(out), "--keep-all", f"data.train_path={source}", "cluster.num_threads=1"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "curriculum",
+            "prefilter",
+            "--config",
+            str(CONFIG),
+            "--out",
+            str(out),
+            "--keep-all",
+            f"data.train_path={source}",
+            "cluster.num_threads=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rated = read_jsonl(out)
     assert [{k: v for k, v in r.items() if k != "pass_rate"} for r in rated] == records
@@ -71,5 +105,7 @@ def test_offline_prefilter_writes_records_whose_pass_rates_a_progressive_run_use
 
     config = load_config(CONFIG, [*ARGS, f"data.train_path={out}"])
     prompts = [Prompt(record=r, messages=[], token_ids=[]) for r in rated]
-    sampler, metrics = build_prompt_sampler(config, prompts, None, None, {}, tmp_path / "run")  # no engine: nothing sampled
+    sampler, metrics = build_prompt_sampler(
+        config, prompts, None, None, {}, tmp_path / "run"
+    )  # no engine: nothing sampled
     assert metrics["curriculum/num_prompts_kept"] == sum(r["pass_rate"] < 0.75 for r in rated) == len(sampler.prompts)

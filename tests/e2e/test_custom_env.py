@@ -18,11 +18,30 @@ def doc_example(tmp_path):
 
 def test_the_documented_environment_scores_a_file_through_env_score(tmp_path):
     env = doc_example(tmp_path)
-    records = [{"response": "short answer", "max_words": 3}, {"response": "a much too long answer here", "max_words": 3}]
+    records = [
+        {"response": "short answer", "max_words": 3},
+        {"response": "a much too long answer here", "max_words": 3},
+    ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = subprocess.run([sys.executable, "-m", "reinforge.cli", "env", "score", "--env", "word_limit_env:WordLimitEnv",
-                             "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
-                            capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "env",
+            "score",
+            "--env",
+            "word_limit_env:WordLimitEnv",
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     scored = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in scored] == [1.0, 0.0]
@@ -42,7 +61,23 @@ def test_a_custom_task_is_built_from_env_custom_and_a_bad_path_is_one_line(tmp_p
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "WordLimitEnv", result.stderr
     (tmp_path / "one.jsonl").write_text(json.dumps({"response": "x", "max_words": 1}) + "\n")
-    bad = subprocess.run([sys.executable, "-m", "reinforge.cli", "env", "score", "--env", "word_limit_env:Nope",
-                          "--input", str(tmp_path / "one.jsonl"), "--output", str(tmp_path / "o.jsonl")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "env",
+            "score",
+            "--env",
+            "word_limit_env:Nope",
+            "--input",
+            str(tmp_path / "one.jsonl"),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "word_limit_env:Nope" in bad.stderr, bad.stderr

@@ -12,12 +12,29 @@ from reinforge.cli import main
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "distill_demo.yaml"
-SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "training.global_batch_size=32",
-         "training.micro_batch_size=32", "generation.max_new_tokens=40", "checkpoint.save_final=false", "cluster.num_threads=1"]
+SMALL = [
+    "grpo.num_prompts_per_step=8",
+    "grpo.num_generations_per_prompt=4",
+    "training.global_batch_size=32",
+    "training.micro_batch_size=32",
+    "generation.max_new_tokens=40",
+    "checkpoint.save_final=false",
+    "cluster.num_threads=1",
+]
 
 
 def distill(run_dir, *overrides, **kwargs):
-    command = [sys.executable, "-m", "reinforge.cli", "distill", "--config", str(CONFIG), *SMALL, *overrides, f"logging.run_dir={run_dir}"]
+    command = [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "distill",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        *overrides,
+        f"logging.run_dir={run_dir}",
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, **kwargs)
 
 
@@ -33,13 +50,33 @@ def test_distilling_the_stronger_teacher_raises_validation_accuracy(tmp_path):
     first, last = metrics[0]["val/accuracy"], metrics[-1]["val/accuracy"]
     assert last >= first + 0.1, (first, last)
     steps = [row for row in metrics if row["step"] > 0]
-    assert all(row["train/distill_topk_kl"] > 0 and row["train/distill_reverse_kl"] > 0 and "timing/teacher_s" in row for row in steps)
+    assert all(
+        row["train/distill_topk_kl"] > 0 and row["train/distill_reverse_kl"] > 0 and "timing/teacher_s" in row
+        for row in steps
+    )
 
 
 def resume_args(run_dir):
-    return [sys.executable, "-m", "reinforge.cli", "distill", "--config", str(CONFIG), *SMALL, "grpo.num_prompts_per_step=4",
-            "training.global_batch_size=16", "training.micro_batch_size=16", "grpo.max_steps=4", "grpo.val_every=2", "data.max_val_prompts=8", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-            "checkpoint.resume=auto", "distill.loss=reverse_kl", f"logging.run_dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "distill",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        "grpo.num_prompts_per_step=4",
+        "training.global_batch_size=16",
+        "training.micro_batch_size=16",
+        "grpo.max_steps=4",
+        "grpo.val_every=2",
+        "data.max_val_prompts=8",
+        "checkpoint.save_every=1",
+        "checkpoint.keep_last=2",
+        "checkpoint.resume=auto",
+        "distill.loss=reverse_kl",
+        f"logging.run_dir={run_dir}",
+    ]
 
 
 def test_a_distillation_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_never_killed(tmp_path):
@@ -55,18 +92,24 @@ def one_line_error(capsys, run_dir, *overrides):
     return lines[0]
 
 
-def test_a_teacher_with_another_tokenizer_or_a_task_without_a_teacher_is_a_one_line_error_before_any_run_directory(tmp_path, capsys):
+def test_a_teacher_with_another_tokenizer_or_a_task_without_a_teacher_is_a_one_line_error_before_any_run_directory(
+    tmp_path, capsys
+):
     """models/tool_demo's tokenizer has the demo's 449 tokens plus its tool-call tokens (488)."""
     other = one_line_error(capsys, tmp_path / "a", "distill.teachers=[{name_or_path: models/tool_demo}]")
     assert "models/tool_demo has another tokenizer" in other and "488 vs 449 tokens" in other
-    orphan = one_line_error(capsys, tmp_path / "b", "distill.teachers=[{name_or_path: models/demo_teacher, tasks: [code]}]")
+    orphan = one_line_error(
+        capsys, tmp_path / "b", "distill.teachers=[{name_or_path: models/demo_teacher, tasks: [code]}]"
+    )
     assert "no teacher scores task math" in orphan
-    two_defaults = one_line_error(capsys, tmp_path / "c", "distill.teachers=[{name_or_path: models/demo_teacher}, {name_or_path: models/demo}]")
+    two_defaults = one_line_error(
+        capsys, tmp_path / "c", "distill.teachers=[{name_or_path: models/demo_teacher}, {name_or_path: models/demo}]"
+    )
     assert "at most one may be the default teacher" in two_defaults
-    assert "loss.kl_in_reward is GRPO's reward shaping" in one_line_error(capsys, tmp_path / "d", "loss.kl_in_reward=true",
-                                                                          "loss.kl_coef=0.01")
+    assert "loss.kl_in_reward is GRPO's reward shaping" in one_line_error(
+        capsys, tmp_path / "d", "loss.kl_in_reward=true", "loss.kl_coef=0.01"
+    )
     assert not any((tmp_path / name).exists() for name in "abcd")
-
 
 
 def test_a_teacher_of_another_size_with_the_students_tokenizer_distils(tmp_path, capsys):
@@ -74,12 +117,27 @@ def test_a_teacher_of_another_size_with_the_students_tokenizer_distils(tmp_path,
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     student = PROJECT_ROOT / "models" / "demo"
-    shape = Qwen2Config.from_pretrained(student).to_dict() | {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                                               "layer_types": ["full_attention"] * 2}
+    shape = Qwen2Config.from_pretrained(student).to_dict() | {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["full_attention"] * 2,
+    }
     Qwen2ForCausalLM(Qwen2Config(**shape)).save_pretrained(tmp_path / "teacher")
     AutoTokenizer.from_pretrained(student).save_pretrained(tmp_path / "teacher")
-    status = main(["distill", "--config", str(CONFIG), *SMALL, f"distill.teachers=[{{name_or_path: {tmp_path / 'teacher'}}}]",
-                   "grpo.max_steps=1", "grpo.val_every=0", "data.max_val_prompts=4", f"logging.run_dir={tmp_path / 'run'}"])
+    status = main(
+        [
+            "distill",
+            "--config",
+            str(CONFIG),
+            *SMALL,
+            f"distill.teachers=[{{name_or_path: {tmp_path / 'teacher'}}}]",
+            "grpo.max_steps=1",
+            "grpo.val_every=0",
+            "data.max_val_prompts=4",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ]
+    )
     assert status == 0, capsys.readouterr().err
     step = rows(tmp_path / "run")[-1]
     assert step["train/distill_topk_kl"] > 1.0  # a random teacher is far from the student

@@ -14,9 +14,23 @@ from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "dpo_demo.yaml"
 REQUIRED = [
-    "train/loss", "train/dpo_loss", "train/sft_loss", "train/reward_margin", "train/preference_accuracy", "train/chosen_reward",
-    "train/rejected_reward", "train/chosen_logp", "train/rejected_logp", "train/logp_accuracy", "train/grad_norm", "train/lr",
-    "train/epoch", "timing/step_s", "timing/reference_s", "timing/train_s", "perf/tokens_per_s",
+    "train/loss",
+    "train/dpo_loss",
+    "train/sft_loss",
+    "train/reward_margin",
+    "train/preference_accuracy",
+    "train/chosen_reward",
+    "train/rejected_reward",
+    "train/chosen_logp",
+    "train/rejected_logp",
+    "train/logp_accuracy",
+    "train/grad_norm",
+    "train/lr",
+    "train/epoch",
+    "timing/step_s",
+    "timing/reference_s",
+    "timing/train_s",
+    "perf/tokens_per_s",
 ]
 
 
@@ -26,7 +40,9 @@ def read_rows(run_dir):
 
 def test_dpo_on_the_demo_pairs_raises_the_held_out_margin_and_preference_accuracy(tmp_path):
     config = load_recipe_config(
-        dpo.DPORunConfig, CONFIG, ["dpo.max_steps=12", "dpo.val_every=0", "data.max_val_pairs=64", f"logging.run_dir={tmp_path / 'run'}"]
+        dpo.DPORunConfig,
+        CONFIG,
+        ["dpo.max_steps=12", "dpo.val_every=0", "data.max_val_pairs=64", f"logging.run_dir={tmp_path / 'run'}"],
     )
     result = dpo.train(config)
     rows = read_rows(result.run_dir)
@@ -39,7 +55,10 @@ def test_dpo_on_the_demo_pairs_raises_the_held_out_margin_and_preference_accurac
     first, last = result.first_val, result.last_val
     assert last["val/reward_margin"] > first["val/reward_margin"] + 0.05, (first, last)
     assert last["val/preference_accuracy"] >= first["val/preference_accuracy"] + 0.2, (first, last)
-    assert last["val/logp_accuracy"] > first["val/logp_accuracy"] + 0.2, (first, last)  # the policy itself now prefers the chosen replies
+    assert last["val/logp_accuracy"] > first["val/logp_accuracy"] + 0.2, (
+        first,
+        last,
+    )  # the policy itself now prefers the chosen replies
     assert last["val/chosen_reward"] > last["val/rejected_reward"]
     # the run directory's config.yaml reproduces the run
     assert load_recipe_config(dpo.DPORunConfig, result.run_dir / "config.yaml").dpo == config.dpo
@@ -52,11 +71,21 @@ def test_precomputed_reference_logprobs_give_the_same_run_as_a_frozen_reference_
     pairs = (PROJECT_ROOT / "data" / "demo" / "preference_train.jsonl").read_text().splitlines()[:24]
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(pairs) + "\n")
-    common = ["dpo.max_steps=3", "dpo.val_every=0", "data.val_path=null", f"data.train_path={data}", "checkpoint.save_final=false",
-              "training.global_batch_size=16", "training.micro_batch_size=8", "dpo.sft_weight=0.5"]
+    common = [
+        "dpo.max_steps=3",
+        "dpo.val_every=0",
+        "data.val_path=null",
+        f"data.train_path={data}",
+        "checkpoint.save_final=false",
+        "training.global_batch_size=16",
+        "training.micro_batch_size=8",
+        "dpo.sft_weight=0.5",
+    ]
     losses = {}
     for mode in ("per_batch", "precompute"):
-        config = load_recipe_config(dpo.DPORunConfig, CONFIG, common + [f"dpo.reference={mode}", f"logging.run_dir={tmp_path / mode}"])
+        config = load_recipe_config(
+            dpo.DPORunConfig, CONFIG, common + [f"dpo.reference={mode}", f"logging.run_dir={tmp_path / mode}"]
+        )
         losses[mode] = [(row["train/loss"], row["train/reward_margin"]) for row in read_rows(dpo.train(config).run_dir)]
     assert len(losses["precompute"]) == 3
     for (loss_a, margin_a), (loss_b, margin_b) in zip(losses["per_batch"], losses["precompute"]):
@@ -64,7 +93,11 @@ def test_precomputed_reference_logprobs_give_the_same_run_as_a_frozen_reference_
 
 
 def test_the_dpo_command_reports_config_errors_on_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "reinforge.cli", "dpo", "--config", str(CONFIG), "dpo.betta=0.2"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "reinforge.cli", "dpo", "--config", str(CONFIG), "dpo.betta=0.2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "reinforge: error: unknown config key dpo.betta; did you mean dpo.beta?"

@@ -11,8 +11,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-
 from _servers import cli_server
-from reinforge.cluster.network import free_port
+
 from reinforge.data.jsonl import read_jsonl
 from reinforge.envs.base import EnvRequest, EnvResponse, Tool
 from reinforge.envs.http_client import EnvServerError, RemoteEnvConfig, RemoteEnvironment
@@ -67,17 +64,34 @@ def math500_requests(num_records: int) -> tuple[list[EnvRequest], list[EnvReques
 def remote(url: str, token: str | None = TOKEN, **overrides) -> RemoteEnvironment:
     config = RemoteEnvConfig(**{"url": url, "timeout_s": 30.0, "backoff_s": 0.2, **overrides})
     return RemoteEnvironment(
-        config.url, token=token, timeout_s=config.timeout_s, max_retries=config.max_retries,
-        backoff_s=config.backoff_s, batch_size=config.batch_size,
+        config.url,
+        token=token,
+        timeout_s=config.timeout_s,
+        max_retries=config.max_retries,
+        backoff_s=config.backoff_s,
+        batch_size=config.batch_size,
     )
 
 
 @contextlib.contextmanager
 def math_server(tmp_path: Path, *extra_args: str):
     """`reinforge env serve --env math` in its own process; yields (url, process)."""
-    arguments = ["env", "serve", "--env", "math", "--token-env", "REINFORGE_TEST_SERVER_TOKEN",
-                 "--max-request-bytes", str(MAX_REQUEST_BYTES), *extra_args]
-    with cli_server(arguments, tmp_path / "server.log", env={**os.environ, "REINFORGE_TEST_SERVER_TOKEN": TOKEN}) as (url, process, log):
+    arguments = [
+        "env",
+        "serve",
+        "--env",
+        "math",
+        "--token-env",
+        "REINFORGE_TEST_SERVER_TOKEN",
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+        *extra_args,
+    ]
+    with cli_server(arguments, tmp_path / "server.log", env={**os.environ, "REINFORGE_TEST_SERVER_TOKEN": TOKEN}) as (
+        url,
+        process,
+        log,
+    ):
         yield url, process
         log.seek(0)
         assert TOKEN not in log.read(), "the server must never log its token"
@@ -119,7 +133,9 @@ def test_50_concurrent_requests_score_exactly_like_the_in_process_env(math_url):
     with ThreadPoolExecutor(max_workers=len(batches)) as pool:
         answered = [r for responses in pool.map(score, batches) for r in responses]
     elapsed = time.perf_counter() - began
-    print(f"\n50 concurrent POST /verify (3 trajectories each): {elapsed:.2f} s, {len(batches) / elapsed:.0f} requests/s")
+    print(
+        f"\n50 concurrent POST /verify (3 trajectories each): {elapsed:.2f} s, {len(batches) / elapsed:.0f} requests/s"
+    )
 
     assert as_dicts(answered) == as_dicts(expected)
     rewards = {id(r): response.reward for r, response in zip(requests, answered)}
@@ -144,7 +160,11 @@ def test_requests_without_the_token_get_401_and_health_stays_open(math_url):
 
 def test_an_oversize_body_gets_413_and_a_non_json_one_415(math_url):
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    huge = {"requests": [{"messages": [{"role": "assistant", "content": "x" * MAX_REQUEST_BYTES}], "record": {"answer": "1"}}]}
+    huge = {
+        "requests": [
+            {"messages": [{"role": "assistant", "content": "x" * MAX_REQUEST_BYTES}], "record": {"answer": "1"}}
+        ]
+    }
     response = httpx.post(f"{math_url}/verify", json=huge, headers=auth)
     assert response.status_code == 413 and "limit of 1000000 bytes" in response.json()["detail"]
 
@@ -158,7 +178,9 @@ def test_an_oversize_body_gets_413_and_a_non_json_one_415(math_url):
     assert streamed.status_code == 413
 
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/octet-stream"):
-        response = httpx.post(f"{math_url}/verify", content=b'{"requests": []}', headers={**auth, "Content-Type": content_type})
+        response = httpx.post(
+            f"{math_url}/verify", content=b'{"requests": []}', headers={**auth, "Content-Type": content_type}
+        )
         assert response.status_code == 415 and content_type in response.json()["detail"]
 
 
@@ -212,13 +234,16 @@ class CalculatorEnv:
         integer = {"type": "integer"}
         self.tools = {
             "add": Tool(
-                name="add", description="Add two integers.",
+                name="add",
+                description="Add two integers.",
                 parameters={"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]},
                 run=self._add,
             ),
             "wait": Tool(
-                name="wait", description="Wait some seconds, then say so.",
-                parameters={"type": "object", "properties": {"seconds": {"type": "number"}}}, run=self._wait,
+                name="wait",
+                description="Wait some seconds, then say so.",
+                parameters={"type": "object", "properties": {"seconds": {"type": "number"}}},
+                run=self._wait,
             ),
         }
 
@@ -236,7 +261,11 @@ class CalculatorEnv:
         for request in requests:
             right = request.messages[-1]["content"].strip() == str(request.record["answer"])
             observation = None if right else [{"role": "user", "content": "Not quite; use the add tool."}]
-            responses.append(EnvResponse(reward=float(right), components={"exact": float(right)}, done=right, observation=observation))
+            responses.append(
+                EnvResponse(
+                    reward=float(right), components={"exact": float(right)}, done=right, observation=observation
+                )
+            )
         return responses
 
     def metrics(self) -> dict[str, float]:
@@ -251,7 +280,9 @@ def served_in_thread(env):
     """`build_app(env)` under uvicorn in a thread, on a socket bound here (no port race)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(env, token=None, max_request_bytes=MAX_REQUEST_BYTES), log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(env, token=None, max_request_bytes=MAX_REQUEST_BYTES), log_level="warning")
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -267,13 +298,18 @@ def served_in_thread(env):
 def test_tools_are_listed_and_called_over_http():
     with served_in_thread(CalculatorEnv()) as url:
         env = remote(url, token=None)
-        assert {name: tool.parameters["required"] for name, tool in env.tools.items() if name == "add"} == {"add": ["a", "b"]}
+        assert {name: tool.parameters["required"] for name, tool in env.tools.items() if name == "add"} == {
+            "add": ["a", "b"]
+        }
         assert env.tools["add"].description == "Add two integers."
         assert env.tools["add"].run({"a": 2, "b": 40}) == "42"
         with pytest.raises(ValueError, match=r"HTTP 400: tool 'add' rejected its arguments: a and b must be integers"):
             env.tools["add"].run({"a": "2", "b": 40})
         missing = httpx.post(f"{url}/tools/multiply", json={"arguments": {}})
-        assert missing.status_code == 404 and missing.json()["detail"] == "no tool 'multiply'; this environment has: add, wait"
+        assert (
+            missing.status_code == 404
+            and missing.json()["detail"] == "no tool 'multiply'; this environment has: add, wait"
+        )
 
         right = EnvRequest(messages=[{"role": "assistant", "content": "42"}], record={"answer": 42})
         wrong = EnvRequest(messages=[{"role": "assistant", "content": "41"}], record={"answer": 42})

@@ -24,8 +24,9 @@ SHORT = ["--max-new-tokens", "16"]  # the demo model never answers these benchma
 
 
 def reinforge(*args):
-    return subprocess.run([sys.executable, "-m", "reinforge.cli", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "reinforge.cli", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def read_outputs(directory: Path):
@@ -46,8 +47,22 @@ def assert_metrics_match_samples(summary, samples, n, k):
 
 
 def test_gsm8k_with_hf_writes_pass_at_1_and_pass_at_4_and_every_sample(tmp_path):
-    result = reinforge("eval", "--model", "models/demo", "--benchmark", "gsm8k", "--k", 4, "--limit", 20,
-                       "--backend", "hf", "--output", tmp_path / "gsm8k", *SHORT)
+    result = reinforge(
+        "eval",
+        "--model",
+        "models/demo",
+        "--benchmark",
+        "gsm8k",
+        "--k",
+        4,
+        "--limit",
+        20,
+        "--backend",
+        "hf",
+        "--output",
+        tmp_path / "gsm8k",
+        *SHORT,
+    )
     assert result.returncode == 0, result.stderr
     summary, samples = read_outputs(tmp_path / "gsm8k")
     assert summary["benchmark"] == "gsm8k" and summary["num_prompts"] == 20 and summary["num_samples_per_prompt"] == 4
@@ -59,8 +74,24 @@ def test_gsm8k_with_hf_writes_pass_at_1_and_pass_at_4_and_every_sample(tmp_path)
 
 
 def test_humaneval_samples_run_in_the_code_sandbox(tmp_path):
-    result = reinforge("eval", "--model", "models/demo", "--benchmark", "humaneval", "--k", 1, "--n", 2, "--limit", 2,
-                       "--backend", "hf", "--output", tmp_path / "humaneval", *SHORT)
+    result = reinforge(
+        "eval",
+        "--model",
+        "models/demo",
+        "--benchmark",
+        "humaneval",
+        "--k",
+        1,
+        "--n",
+        2,
+        "--limit",
+        2,
+        "--backend",
+        "hf",
+        "--output",
+        tmp_path / "humaneval",
+        *SHORT,
+    )
     assert result.returncode == 0, result.stderr
     summary, samples = read_outputs(tmp_path / "humaneval")
     assert summary["env"]["samples"] == 4 and summary["env"]["sandbox_errors"] == 0  # every sample was run
@@ -72,8 +103,22 @@ def test_humaneval_samples_run_in_the_code_sandbox(tmp_path):
 
 
 def test_gsm8k_with_vllm_writes_the_same_outputs(tmp_path):
-    result = reinforge("eval", "--model", "models/demo", "--benchmark", "gsm8k", "--k", 2, "--limit", 4, "--backend", "vllm",
-                       "--output", tmp_path / "vllm", *SHORT)
+    result = reinforge(
+        "eval",
+        "--model",
+        "models/demo",
+        "--benchmark",
+        "gsm8k",
+        "--k",
+        2,
+        "--limit",
+        4,
+        "--backend",
+        "vllm",
+        "--output",
+        tmp_path / "vllm",
+        *SHORT,
+    )
     assert result.returncode == 0, result.stderr
     summary, samples = read_outputs(tmp_path / "vllm")
     assert summary["backend"] == "vllm" and len(samples) == 8
@@ -94,7 +139,9 @@ def test_unknown_benchmark_is_a_one_line_error(tmp_path):
 
 
 def test_missing_model_path_is_a_one_line_error(tmp_path):
-    result = reinforge("eval", "--model", tmp_path / "no_model", "--benchmark", "gsm8k", "--k", 1, "--output", tmp_path / "out")
+    result = reinforge(
+        "eval", "--model", tmp_path / "no_model", "--benchmark", "gsm8k", "--k", 1, "--output", tmp_path / "out"
+    )
     assert_one_line_error(result, "no such directory")
     assert not (tmp_path / "out").exists()
 
@@ -116,8 +163,13 @@ def envs():
 
 
 def rewards(env, items, responses):
-    requests = [EnvRequest(messages=[{"role": "user", "content": item.prompt}, {"role": "assistant", "content": response}],
-                           record=item.record) for item, response in zip(items, responses)]
+    requests = [
+        EnvRequest(
+            messages=[{"role": "user", "content": item.prompt}, {"role": "assistant", "content": response}],
+            record=item.record,
+        )
+        for item, response in zip(items, responses)
+    ]
     return [response.reward for response in env.step(requests)]
 
 
@@ -125,12 +177,17 @@ def rewards(env, items, responses):
 def test_math_benchmarks_score_their_boxed_gold_answer_one_and_ask_for_a_box(envs, name):
     items = load_benchmark(name, limit=5)
     assert all(item.prompt.endswith(MATH_SUFFIX) for item in items)
-    assert rewards(envs["math"], items, [f"So the answer is \\boxed{{{item.record['answer']}}}." for item in items]) == [1.0] * 5
+    assert (
+        rewards(envs["math"], items, [f"So the answer is \\boxed{{{item.record['answer']}}}." for item in items])
+        == [1.0] * 5
+    )
     assert rewards(envs["math"], items, ["The answer is \\boxed{100001}."] * 5) == [0.0] * 5
 
 
 def test_humaneval_canonical_solutions_score_one_in_the_sandbox(envs):
-    rows = [json.loads(line) for line in (ROOT / "data/benchmarks/humaneval/HumanEval.jsonl").read_text().splitlines()[:4]]
+    rows = [
+        json.loads(line) for line in (ROOT / "data/benchmarks/humaneval/HumanEval.jsonl").read_text().splitlines()[:4]
+    ]
     items = load_benchmark("humaneval", limit=4)
     assert all(row["prompt"].rstrip() in item.prompt and "```python" in item.prompt for row, item in zip(rows, items))
     whole_function = [f"```python\n{row['prompt']}{row['canonical_solution']}```" for row in rows]
@@ -141,20 +198,32 @@ def test_humaneval_canonical_solutions_score_one_in_the_sandbox(envs):
 def test_mbpp_reference_code_scores_one_and_the_prompt_shows_only_the_first_test(envs):
     rows = json.loads((ROOT / "data/benchmarks/mbpp/sanitized-mbpp.json").read_text())[:4]
     items = load_benchmark("mbpp", limit=4)
-    assert all(row["test_list"][0] in item.prompt and row["test_list"][1] not in item.prompt for row, item in zip(rows, items))
+    assert all(
+        row["test_list"][0] in item.prompt and row["test_list"][1] not in item.prompt for row, item in zip(rows, items)
+    )
     assert rewards(envs["code"], items, [f"```python\n{row['code']}\n```" for row in rows]) == [1.0] * 4
 
 
 def test_ifeval_records_are_scored_by_their_instructions(envs):
-    item = next(item for item in load_benchmark("ifeval", limit=5) if item.record["instruction_id_list"] == ["punctuation:no_comma"])
-    assert rewards(envs["ifeval"], [item, item], ["Hark a journey to Kyoto awaits thee.", "Hark, a journey awaits."]) == [1.0, 0.0]
+    item = next(
+        item
+        for item in load_benchmark("ifeval", limit=5)
+        if item.record["instruction_id_list"] == ["punctuation:no_comma"]
+    )
+    assert rewards(
+        envs["ifeval"], [item, item], ["Hark a journey to Kyoto awaits thee.", "Hark, a journey awaits."]
+    ) == [1.0, 0.0]
 
 
 def test_a_run_directory_is_evaluated_through_its_final_model(tmp_path):
     (tmp_path / "run" / "final").mkdir(parents=True)
     (tmp_path / "run" / "final" / "config.json").write_text("{}")
-    assert resolve_model(ModelConfig(name_or_path=str(tmp_path / "run"))).name_or_path == str(tmp_path / "run" / "final")
-    assert Path(resolve_model(ModelConfig(name_or_path="models/demo")).name_or_path).resolve() == ROOT / "models" / "demo"
+    assert resolve_model(ModelConfig(name_or_path=str(tmp_path / "run"))).name_or_path == str(
+        tmp_path / "run" / "final"
+    )
+    assert (
+        Path(resolve_model(ModelConfig(name_or_path="models/demo")).name_or_path).resolve() == ROOT / "models" / "demo"
+    )
 
 
 def test_a_training_checkpoint_is_refused_with_a_pointer_to_final(tmp_path):

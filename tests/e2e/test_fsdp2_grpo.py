@@ -15,8 +15,17 @@ from reinforge.paths import PROJECT_ROOT
 # One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("ray")
 
-COMMAND = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
-           "training.backend=fsdp2", "training.num_workers=2", "grpo.val_every=0"]
+COMMAND = [
+    sys.executable,
+    "-m",
+    "reinforge.cli",
+    "grpo",
+    "--config",
+    str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
+    "training.backend=fsdp2",
+    "training.num_workers=2",
+    "grpo.val_every=0",
+]
 
 
 def worker_pids(pattern: str) -> list[int]:
@@ -51,7 +60,12 @@ def read_metrics(run_dir):
 def one_process_first_step(tmp_path_factory):
     """The first step's metrics of the same run on the torch backend in one process."""
     run_dir = tmp_path_factory.mktemp("torch")
-    single = COMMAND[:6] + ["grpo.max_steps=1", "grpo.val_every=0", "data.max_val_prompts=1", f"logging.run_dir={run_dir}"]
+    single = COMMAND[:6] + [
+        "grpo.max_steps=1",
+        "grpo.val_every=0",
+        "data.max_val_prompts=1",
+        f"logging.run_dir={run_dir}",
+    ]
     result = subprocess.run(single, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_metrics(run_dir)[1]
@@ -65,24 +79,40 @@ def assert_first_step_matches(one: dict, two: dict) -> None:
 
 
 def test_grpo_on_two_fsdp2_ranks_matches_one_process_and_raises_accuracy(tmp_path, one_process_first_step):
-    result = subprocess.run(COMMAND + ["grpo.max_steps=12", f"logging.run_dir={tmp_path / 'fsdp2'}"], capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        COMMAND + ["grpo.max_steps=12", f"logging.run_dir={tmp_path / 'fsdp2'}"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "fsdp2")
-    assert rows[-1]["val/accuracy"] >= rows[0]["val/accuracy"] + 0.05, (rows[0]["val/accuracy"], rows[-1]["val/accuracy"])
+    assert rows[-1]["val/accuracy"] >= rows[0]["val/accuracy"] + 0.05, (
+        rows[0]["val/accuracy"],
+        rows[-1]["val/accuracy"],
+    )
     assert (tmp_path / "fsdp2" / "final" / "model.safetensors").is_file()
     assert_first_step_matches(one_process_first_step, rows[1])
 
 
 def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftovers(tmp_path):
-    run = subprocess.Popen(COMMAND + ["grpo.max_steps=200", f"logging.run_dir={tmp_path / 'run'}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        COMMAND + ["grpo.max_steps=200", f"logging.run_dir={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
         time.sleep(0.5)
     victims = [pid for pid in worker_pids("ray::FSDP2Worker") if run.pid in ancestors(pid)]  # this run's ranks
     assert len(victims) == 2, victims
-    ours = [pid for pid in worker_pids("ray::") + worker_pids("raylet") + worker_pids("gcs_server") if run.pid in ancestors(pid)]
+    ours = [
+        pid
+        for pid in worker_pids("ray::") + worker_pids("raylet") + worker_pids("gcs_server")
+        if run.pid in ancestors(pid)
+    ]
     assert len(ours) >= 4, ours  # the ranks, the engines' actors, raylet, GCS
     os.kill(victims[1], signal.SIGKILL)
     killed_at = time.time()
@@ -100,18 +130,27 @@ def test_a_killed_training_worker_ends_the_run_with_a_clear_error_and_no_leftove
 def test_a_setting_only_a_worker_can_check_is_its_one_line_error(tmp_path):
     """FSDP2's CPU offload needs a GPU, which only the rank's own process can see: the ConfigError its
     __init__ raises reaches the user as that one line, not as Ray's ActorDiedError traceback."""
-    run = subprocess.run(COMMAND + ["training.cpu_offload=true", f"logging.run_dir={tmp_path / 'run'}"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        COMMAND + ["training.cpu_offload=true", f"logging.run_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 2, run.stderr[-3000:]
     lines = run.stderr.strip().splitlines()  # Ray may warn on stderr too; the error is the last line, and the only one
-    assert "Traceback" not in run.stderr and sum(line.startswith("reinforge: error") for line in lines) == 1, run.stderr[-3000:]
-    assert lines[-1] == ("reinforge: error: training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, "
-                        "so set it to false")
+    assert "Traceback" not in run.stderr and sum(line.startswith("reinforge: error") for line in lines) == 1, (
+        run.stderr[-3000:]
+    )
+    assert lines[-1] == (
+        "reinforge: error: training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, "
+        "so set it to false"
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_nodes_and_matches_one_process(
-        tmp_path, one_process_first_step):
+    tmp_path, one_process_first_step
+):
     """Ranks and verifier workers on both nodes of a real two-node Ray cluster; the first step equals one
     process's (that 2 ranks learn is the test above's: its run differs from this one only in placement)."""
     from ray.cluster_utils import Cluster
@@ -120,7 +159,12 @@ def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_no
     try:
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
-        command = COMMAND + ["grpo.max_steps=3", "env.num_workers=2", f"cluster.address={cluster.address}", f"logging.run_dir={tmp_path / 'run'}"]
+        command = COMMAND + [
+            "grpo.max_steps=3",
+            "env.num_workers=2",
+            f"cluster.address={cluster.address}",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
     finally:
@@ -136,14 +180,21 @@ def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_no
 def test_fsdp2_ranks_refit_a_vllm_engine_split_or_colocated(tmp_path, colocate):
     """The issue's command at a smaller size: two FSDP2 ranks train, a vLLM engine in its own Ray actor
     (with its own resources, or sharing rank 0's) generates, and every refit reaches it."""
-    command = COMMAND + ["generation.backend=vllm", f"cluster.colocate={colocate}", "grpo.max_steps=2",
-                         "cluster.num_threads=1",  # the driver's torch threads: it only scores here
-                         "data.max_val_prompts=16", f"logging.run_dir={tmp_path / 'run'}"]
+    command = COMMAND + [
+        "generation.backend=vllm",
+        f"cluster.colocate={colocate}",
+        "grpo.max_steps=2",
+        "cluster.num_threads=1",  # the driver's torch threads: it only scores here
+        "data.max_val_prompts=16",
+        f"logging.run_dir={tmp_path / 'run'}",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [0, 1, 2]
     # the engine's logprobs of its own samples agree with the trainer's after each refit
-    assert all(row["train/token_mult_prob_error"] <= 1.01 for row in rows[1:]), [row["train/token_mult_prob_error"] for row in rows[1:]]
+    assert all(row["train/token_mult_prob_error"] <= 1.01 for row in rows[1:]), [
+        row["train/token_mult_prob_error"] for row in rows[1:]
+    ]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert all(row["perf/training[1]/peak_rss_gb"] > 0.1 for row in rows[1:])  # each rank reports its memory

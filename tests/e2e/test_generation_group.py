@@ -29,7 +29,10 @@ def config(*overrides: str):
 def test_an_engine_in_a_ray_actor_takes_new_weights_and_matches_the_trainer():
     run = config()
     tokenizer = load_tokenizer(run.model)
-    prompts = [render_prompt(r, tokenizer, "prompt", None, True) for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "val.jsonl")[:4]]
+    prompts = [
+        render_prompt(r, tokenizer, "prompt", None, True)
+        for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "val.jsonl")[:4]
+    ]
     model = load_model(run.model).eval()
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
@@ -41,13 +44,19 @@ def test_an_engine_in_a_ray_actor_takes_new_weights_and_matches_the_trainer():
         engine.update_weights(model.state_dict().items())
         result = engine.generate([p.token_ids for p in prompts], SamplingParams(max_new_tokens=30, temperature=0.0))
         for prompt, completions in zip(prompts, result.completions):
-            expected = model.generate(torch.tensor([prompt.token_ids]), max_new_tokens=30, do_sample=False)[0, len(prompt.token_ids):]
+            expected = model.generate(torch.tensor([prompt.token_ids]), max_new_tokens=30, do_sample=False)[
+                0, len(prompt.token_ids) :
+            ]
             assert completions[0].token_ids == expected.tolist()[: len(completions[0].token_ids)]
         engine.shutdown()
         # a setting the engine's constructor refuses reaches the caller as that ConfigError (the worker's setup
         # call carries it), not as Ray's ActorDiedError, and the group's actors and placement group are released
-        with pytest.raises(ConfigError, match=r"^generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"):
-            GenerationGroup(config("generation.vllm_block_size=48"), num_cpus_per_engine=1, num_gpus_per_engine=0, share_with=None)
+        with pytest.raises(
+            ConfigError, match=r"^generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"
+        ):
+            GenerationGroup(
+                config("generation.vllm_block_size=48"), num_cpus_per_engine=1, num_gpus_per_engine=0, share_with=None
+            )
         deadline = time.monotonic() + 15  # Ray frees a removed placement group's resources asynchronously
         while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
             time.sleep(0.2)

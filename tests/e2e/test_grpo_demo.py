@@ -10,9 +10,20 @@ from reinforge.config import load_config
 from reinforge.paths import PROJECT_ROOT
 
 REQUIRED = [
-    "train/reward_mean", "train/reward_std", "train/loss", "train/kl", "train/clip_fraction", "train/entropy",
-    "train/grad_norm", "rollout/gen_len_mean", "rollout/truncated_fraction", "timing/generate_s", "timing/train_s",
-    "timing/step_s", "perf/tokens_per_s", "train/token_mult_prob_error",
+    "train/reward_mean",
+    "train/reward_std",
+    "train/loss",
+    "train/kl",
+    "train/clip_fraction",
+    "train/entropy",
+    "train/grad_norm",
+    "rollout/gen_len_mean",
+    "rollout/truncated_fraction",
+    "timing/generate_s",
+    "timing/train_s",
+    "timing/step_s",
+    "perf/tokens_per_s",
+    "train/token_mult_prob_error",
 ]
 
 
@@ -33,7 +44,10 @@ def test_grpo_on_the_demo_model_raises_reward_and_accuracy(tmp_path):
     early = sum(r["train/reward_mean"] for r in steps[:4]) / 4
     late = sum(r["train/reward_mean"] for r in steps[-4:]) / 4
     assert late > early, (early, late)
-    assert result.last_val_accuracy >= result.first_val_accuracy + 0.05, (result.first_val_accuracy, result.last_val_accuracy)
+    assert result.last_val_accuracy >= result.first_val_accuracy + 0.05, (
+        result.first_val_accuracy,
+        result.last_val_accuracy,
+    )
     # the trained policy is a Hugging Face model that loads the ordinary way and differs from the start
     trained = AutoModelForCausalLM.from_pretrained(result.run_dir / "final")
     start = AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo")

@@ -16,12 +16,23 @@ MIXED = PROJECT_ROOT / "tests" / "data" / "mixed_math_code.jsonl"
 
 
 def test_a_batch_mixing_math_and_code_trains_with_per_task_metrics(tmp_path):
-    config = load_config(PROJECT_ROOT / "configs" / "grpo_demo.yaml", [
-        f"data.train_path={MIXED}", f"data.val_path={MIXED}", "grpo.num_prompts_per_step=16", "training.global_batch_size=128",
-        "training.micro_batch_size=64", "grpo.max_steps=2", "grpo.val_every=0", "generation.max_new_tokens=32",
-        "checkpoint.save_final=false", f"logging.run_dir={tmp_path / 'run'}",
-        "grpo.val_benchmarks=[gsm8k,humaneval]", "grpo.val_benchmark_limit=4",
-    ])
+    config = load_config(
+        PROJECT_ROOT / "configs" / "grpo_demo.yaml",
+        [
+            f"data.train_path={MIXED}",
+            f"data.val_path={MIXED}",
+            "grpo.num_prompts_per_step=16",
+            "training.global_batch_size=128",
+            "training.micro_batch_size=64",
+            "grpo.max_steps=2",
+            "grpo.val_every=0",
+            "generation.max_new_tokens=32",
+            "checkpoint.save_final=false",
+            f"logging.run_dir={tmp_path / 'run'}",
+            "grpo.val_benchmarks=[gsm8k,humaneval]",
+            "grpo.val_benchmark_limit=4",
+        ],
+    )
     result = grpo.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     val, steps = rows[0], rows[1:]

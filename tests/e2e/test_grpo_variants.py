@@ -10,16 +10,33 @@ from reinforge.algorithms import grpo
 from reinforge.config import load_config
 from reinforge.paths import PROJECT_ROOT
 
-COMMON = ["train/reward_mean", "train/loss", "train/pg_loss", "train/clip_fraction", "train/grad_norm",
-          "train/advantage_mean", "train/advantage_std", "rollout/gen_len_mean", "timing/step_s"]
+COMMON = [
+    "train/reward_mean",
+    "train/loss",
+    "train/pg_loss",
+    "train/clip_fraction",
+    "train/grad_norm",
+    "train/advantage_mean",
+    "train/advantage_std",
+    "rollout/gen_len_mean",
+    "timing/step_s",
+]
 
 # method -> (overrides beyond the small shared ones, metrics only that method logs); GDPO: tests/e2e/test_reasoning_control.py
 VARIANTS = {
     # answers of the demo model are ~30 tokens: a 32-token limit truncates most (in step 2 here, all of them),
     # so overlong filtering has work to do
-    "dapo": (["generation.max_new_tokens=32"],
-             ["rollout/dynamic_sampling_rounds", "rollout/num_dropped_groups", "rollout/dropped_group_fraction",
-              "rollout/num_trained_groups", "rollout/overlong_penalty_mean", "rollout/overlong_filtered_fraction"]),
+    "dapo": (
+        ["generation.max_new_tokens=32"],
+        [
+            "rollout/dynamic_sampling_rounds",
+            "rollout/num_dropped_groups",
+            "rollout/dropped_group_fraction",
+            "rollout/num_trained_groups",
+            "rollout/overlong_penalty_mean",
+            "rollout/overlong_filtered_fraction",
+        ],
+    ),
     "gspo": ([], []),
     "dr_grpo": ([], []),
     "rloo": (["training.global_batch_size=64"], []),  # one on-policy optimizer step per rollout, as in the config
@@ -35,9 +52,19 @@ def test_each_grpo_variant_config_trains_two_steps_with_finite_metrics(method, t
     config = load_config(
         PROJECT_ROOT / "configs" / f"{method}_demo.yaml",
         # one torch thread: on a shared 2-core machine, two threads per process wait on each other (6x slower)
-        ["grpo.max_steps=2", "grpo.val_every=0", "data.max_val_prompts=16", "grpo.num_prompts_per_step=8",
-         "training.global_batch_size=32", "training.micro_batch_size=32", "generation.num_probe_prompts=2",
-         "cluster.num_threads=1", "checkpoint.save_final=false", f"logging.run_dir={tmp_path / 'run'}", *overrides],
+        [
+            "grpo.max_steps=2",
+            "grpo.val_every=0",
+            "data.max_val_prompts=16",
+            "grpo.num_prompts_per_step=8",
+            "training.global_batch_size=32",
+            "training.micro_batch_size=32",
+            "generation.num_probe_prompts=2",
+            "cluster.num_threads=1",
+            "checkpoint.save_final=false",
+            f"logging.run_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
     )
     result = grpo.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -77,11 +104,24 @@ def check_method(method: str, row: dict[str, float], config) -> None:
 def test_a_kl_penalty_in_the_reward_is_zero_until_the_policy_moves(tmp_path):
     """loss.kl_in_reward with k1: at step 1 the old policy is the reference, so every penalty is exactly 0;
     at step 2 (after two updates) it is not."""
-    config = load_config(PROJECT_ROOT / "configs" / "grpo_demo.yaml",
-                         ["grpo.max_steps=2", "grpo.val_every=0", "data.val_path=null", "grpo.num_prompts_per_step=8",
-                          "training.global_batch_size=32", "training.micro_batch_size=32", "generation.num_probe_prompts=2",
-                          "cluster.num_threads=1", "checkpoint.save_final=false", "loss.kl_in_reward=true", "loss.kl_coef=0.05",
-                          "loss.kl_estimator=k1", f"logging.run_dir={tmp_path / 'run'}"])
+    config = load_config(
+        PROJECT_ROOT / "configs" / "grpo_demo.yaml",
+        [
+            "grpo.max_steps=2",
+            "grpo.val_every=0",
+            "data.val_path=null",
+            "grpo.num_prompts_per_step=8",
+            "training.global_batch_size=32",
+            "training.micro_batch_size=32",
+            "generation.num_probe_prompts=2",
+            "cluster.num_threads=1",
+            "checkpoint.save_final=false",
+            "loss.kl_in_reward=true",
+            "loss.kl_coef=0.05",
+            "loss.kl_estimator=k1",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
     rows = [json.loads(line) for line in (grpo.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert rows[0]["train/kl_reward_penalty_mean"] == 0.0  # train/kl is not: it is measured during the updates

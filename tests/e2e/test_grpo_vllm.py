@@ -16,9 +16,18 @@ pytestmark = pytest.mark.xdist_group("ray")
 
 def test_grpo_with_vllm_raises_reward_and_logs_refit_and_consistency(tmp_path):
     command = [
-        sys.executable, "-m", "reinforge.cli", "grpo", "--config", PROJECT_ROOT / "configs" / "grpo_demo.yaml",
-        "generation.backend=vllm", "grpo.max_steps=12", "grpo.val_every=0", "checkpoint.save_every=8",
-        "checkpoint.keep_last=0", "checkpoint.resume=auto",
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        PROJECT_ROOT / "configs" / "grpo_demo.yaml",
+        "generation.backend=vllm",
+        "grpo.max_steps=12",
+        "grpo.val_every=0",
+        "checkpoint.save_every=8",
+        "checkpoint.keep_last=0",
+        "checkpoint.resume=auto",
     ]
     rows = run(command, tmp_path / "run")
     steps = rows[1:]
@@ -29,7 +38,10 @@ def test_grpo_with_vllm_raises_reward_and_logs_refit_and_consistency(tmp_path):
     early = sum(r["train/reward_mean"] for r in steps[:4]) / 4
     late = sum(r["train/reward_mean"] for r in steps[-4:]) / 4
     assert late > early, (early, late)
-    assert rows[-1]["val/accuracy"] >= rows[0]["val/accuracy"] + 0.05, (rows[0]["val/accuracy"], rows[-1]["val/accuracy"])
+    assert rows[-1]["val/accuracy"] >= rows[0]["val/accuracy"] + 0.05, (
+        rows[0]["val/accuracy"],
+        rows[-1]["val/accuracy"],
+    )
 
     # A crash after step 8's checkpoint: the same run directory without what came after it. The same
     # command resumes from step 8 (a fresh engine refitted with the checkpoint's weights) and must
@@ -43,7 +55,9 @@ def test_grpo_with_vllm_raises_reward_and_logs_refit_and_consistency(tmp_path):
 
 
 def run(command, run_dir):
-    result = subprocess.run(list(map(str, command + [f"logging.run_dir={run_dir}"])), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        list(map(str, command + [f"logging.run_dir={run_dir}"])), capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

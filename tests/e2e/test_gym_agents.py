@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from _servers import cli_server
+
 from reinforge.algorithms import grpo
 from reinforge.cluster.network import free_port
 from reinforge.config import load_config
@@ -30,49 +30,87 @@ from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig
 pytestmark = pytest.mark.xdist_group("gym")
 
 ROOT = Path(__file__).resolve().parents[2]
-POLICY_PORT = free_port("127.0.0.1")  # Gym's model server calls this port: reinforge serve's, then the GRPO run's endpoint
+POLICY_PORT = free_port(
+    "127.0.0.1"
+)  # Gym's model server calls this port: reinforge serve's, then the GRPO run's endpoint
 
 
 def agent(resources: str) -> dict:
-    return {"responses_api_agents": {"simple_agent": {
-        "entrypoint": "app.py", "resources_server": {"type": "resources_servers", "name": resources},
-        "model_server": {"type": "responses_api_models", "name": "policy_model"}}}}
+    return {
+        "responses_api_agents": {
+            "simple_agent": {
+                "entrypoint": "app.py",
+                "resources_server": {"type": "resources_servers", "name": resources},
+                "model_server": {"type": "responses_api_models", "name": "policy_model"},
+            }
+        }
+    }
 
 
 @pytest.fixture(scope="module")
 def gym(tmp_path_factory):
     """Gym's servers, reinforge's tool_use resources server; yields ({instance: url}, multireward rows)."""
     logs = tmp_path_factory.mktemp("gym")
-    with cli_server(["env", "serve", "--protocol", "gym", "--env", "tool_use", "tool_use.tools=[calculator]"], logs / "calculator.log") as (calc, _, _):
+    with cli_server(
+        ["env", "serve", "--protocol", "gym", "--env", "tool_use", "tool_use.tools=[calculator]"],
+        logs / "calculator.log",
+    ) as (calc, _, _):
         config = {
-            "multireward": {"resources_servers": {"example_tool_call_multireward": {"entrypoint": "app.py", "domain": "agent"}}},
-            "calculator": {"resources_servers": {"reinforge_tool_use": {"entrypoint": "app.py", "domain": "agent",
-                                                                       "host": "127.0.0.1", "port": int(calc.rsplit(":", 1)[1])}}},
+            "multireward": {
+                "resources_servers": {"example_tool_call_multireward": {"entrypoint": "app.py", "domain": "agent"}}
+            },
+            "calculator": {
+                "resources_servers": {
+                    "reinforge_tool_use": {
+                        "entrypoint": "app.py",
+                        "domain": "agent",
+                        "host": "127.0.0.1",
+                        "port": int(calc.rsplit(":", 1)[1]),
+                    }
+                }
+            },
             "weather_agent": agent("multireward"),
             "calculator_agent": agent("calculator"),
-            "policy_model": {"responses_api_models": {"vllm_model": {
-                "entrypoint": "app.py", "base_url": f"http://127.0.0.1:{POLICY_PORT}/v1", "api_key": "none", "model": "policy",
-                "return_token_id_information": True, "uses_reasoning_parser": False}}},
+            "policy_model": {
+                "responses_api_models": {
+                    "vllm_model": {
+                        "entrypoint": "app.py",
+                        "base_url": f"http://127.0.0.1:{POLICY_PORT}/v1",
+                        "api_key": "none",
+                        "model": "policy",
+                        "return_token_id_information": True,
+                        "uses_reasoning_parser": False,
+                    }
+                }
+            },
         }
         with gym_servers(config, logs, external=("calculator",)) as urls:
             site = Path(gym_python()).parents[1] / "lib"
-            data = next(site.glob("python3*/site-packages/resources_servers/example_tool_call_multireward/data/example.jsonl"))
+            data = next(
+                site.glob("python3*/site-packages/resources_servers/example_tool_call_multireward/data/example.jsonl")
+            )
             yield urls, read_jsonl(data)
 
 
 def tool_rows(count: int) -> list[dict]:
-    return [{**row, "agent_ref": {"type": "responses_api_agents", "name": "calculator_agent"}}
-            for row in read_jsonl(ROOT / "data" / "tool_demo" / "val.jsonl")[:count]]
+    return [
+        {**row, "agent_ref": {"type": "responses_api_agents", "name": "calculator_agent"}}
+        for row in read_jsonl(ROOT / "data" / "tool_demo" / "val.jsonl")[:count]
+    ]
 
 
 def test_gyms_simple_agent_scores_with_reinforges_tool_env_as_the_in_process_env_does(gym, tmp_path):
     urls, _ = gym
     local = ToolUseEnv(ToolUseEnvConfig(tools=["calculator"]), answer_env=MathEnv())
-    with cli_server(["serve", "--model", "models/tool_demo", "--max-tokens", "48"], tmp_path / "serve.log", port=POLICY_PORT):
+    with cli_server(
+        ["serve", "--model", "models/tool_demo", "--max-tokens", "48"], tmp_path / "serve.log", port=POLICY_PORT
+    ):
         results = []
         for row in tool_rows(12):
             params = {**row["responses_create_params"], "temperature": 1.0, "top_p": 1.0, "max_output_tokens": 48}
-            answer = httpx.post(f"{urls['calculator_agent']}/run", json={**row, "responses_create_params": params}, timeout=120)
+            answer = httpx.post(
+                f"{urls['calculator_agent']}/run", json={**row, "responses_create_params": params}, timeout=120
+            )
             assert answer.status_code == 200, answer.text
             results.append((row, answer.json()))
     called = 0
@@ -85,23 +123,42 @@ def test_gyms_simple_agent_scores_with_reinforges_tool_env_as_the_in_process_env
         carrying = [item for item in output if item.get("generation_token_ids")]
         assert carrying and all(len(i["generation_token_ids"]) == len(i["generation_log_probs"]) for i in carrying)
         for before, after in zip(carrying, carrying[1:]):  # reinforge's splice: each call extends the one before
-            assert after["prompt_token_ids"][: len(before["prompt_token_ids"]) + len(before["generation_token_ids"])] == \
-                before["prompt_token_ids"] + before["generation_token_ids"]
+            assert (
+                after["prompt_token_ids"][: len(before["prompt_token_ids"]) + len(before["generation_token_ids"])]
+                == before["prompt_token_ids"] + before["generation_token_ids"]
+            )
     assert called, "the tool demo model called its calculator in none of 12 episodes"
 
 
 def test_grpo_trains_on_episodes_gyms_simple_agent_drives(gym, tmp_path):
     urls, weather = gym
-    rows = [{**row, "task": "weather", "agent_ref": {"type": "responses_api_agents", "name": "weather_agent"}} for row in weather[:4]]
+    rows = [
+        {**row, "task": "weather", "agent_ref": {"type": "responses_api_agents", "name": "weather_agent"}}
+        for row in weather[:4]
+    ]
     rows += tool_rows(4)
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = load_config(ROOT / "configs" / "grpo_demo.yaml", [
-        "model.name_or_path=models/tool_demo", f"data.train_path={train}", "data.val_path=null", "grpo.max_steps=3",
-        "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "training.global_batch_size=32",
-        "training.micro_batch_size=32", "grpo.max_turns=3", "grpo.rollout=agent", f"agent.endpoint.port={POLICY_PORT}",
-        f"agent.gym.weather_agent.url={urls['weather_agent']}", f"agent.gym.calculator_agent.url={urls['calculator_agent']}",
-        "checkpoint.save_final=false", f"logging.run_dir={tmp_path / 'run'}"])
+    config = load_config(
+        ROOT / "configs" / "grpo_demo.yaml",
+        [
+            "model.name_or_path=models/tool_demo",
+            f"data.train_path={train}",
+            "data.val_path=null",
+            "grpo.max_steps=3",
+            "grpo.num_prompts_per_step=8",
+            "grpo.num_generations_per_prompt=4",
+            "training.global_batch_size=32",
+            "training.micro_batch_size=32",
+            "grpo.max_turns=3",
+            "grpo.rollout=agent",
+            f"agent.endpoint.port={POLICY_PORT}",
+            f"agent.gym.weather_agent.url={urls['weather_agent']}",
+            f"agent.gym.calculator_agent.url={urls['calculator_agent']}",
+            "checkpoint.save_final=false",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
     result = grpo.train(config)
     steps = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps] == [1, 2, 3]

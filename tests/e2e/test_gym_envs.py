@@ -40,22 +40,52 @@ pytestmark = pytest.mark.xdist_group("gym")
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "gym-test-token-91c4"
-WEATHER_TOOL = {"type": "function", "name": "get_weather", "strict": True, "description": "",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                               "additionalProperties": False}}
-WEATHER_ROW = {"responses_create_params": {"input": [{"role": "developer", "content": "You help."},
-                                                     {"role": "user", "content": "what's it like in sf?"}],
-                                           "tools": [WEATHER_TOOL]},
-               "expected_call": {"name": "get_weather", "arguments": {"city": "San Francisco"}}, "task": "weather"}
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "strict": True,
+    "description": "",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+WEATHER_ROW = {
+    "responses_create_params": {
+        "input": [{"role": "developer", "content": "You help."}, {"role": "user", "content": "what's it like in sf?"}],
+        "tools": [WEATHER_TOOL],
+    },
+    "expected_call": {"name": "get_weather", "arguments": {"city": "San Francisco"}},
+    "task": "weather",
+}
 COUNTER_TOOLS = [
-    {"type": "function", "name": "increment_counter", "strict": True, "description": "",
-     "parameters": {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"], "additionalProperties": False}},
-    {"type": "function", "name": "get_counter_value", "strict": True, "description": "",
-     "parameters": {"type": "object", "properties": {}, "required": [], "additionalProperties": False}},
+    {
+        "type": "function",
+        "name": "increment_counter",
+        "strict": True,
+        "description": "",
+        "parameters": {
+            "type": "object",
+            "properties": {"count": {"type": "integer"}},
+            "required": ["count"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "type": "function",
+        "name": "get_counter_value",
+        "strict": True,
+        "description": "",
+        "parameters": {"type": "object", "properties": {}, "required": [], "additionalProperties": False},
+    },
 ]
 GYM_CONFIG = {
     "weather": {"resources_servers": {"example_single_tool_call": {"entrypoint": "app.py", "domain": "agent"}}},
-    "multireward": {"resources_servers": {"example_tool_call_multireward": {"entrypoint": "app.py", "domain": "agent"}}},
+    "multireward": {
+        "resources_servers": {"example_tool_call_multireward": {"entrypoint": "app.py", "domain": "agent"}}
+    },
     "counter": {"resources_servers": {"example_session_state_mgmt": {"entrypoint": "app.py", "domain": "agent"}}},
 }
 
@@ -80,7 +110,9 @@ class Episode:
 
     def turn(self, text: str, last_turn: bool = False) -> EnvRequest:
         self.messages.append(assistant(text))
-        return EnvRequest(messages=list(self.messages), record=self.row, episode_id=self.episode_id, last_turn=last_turn)
+        return EnvRequest(
+            messages=list(self.messages), record=self.row, episode_id=self.episode_id, last_turn=last_turn
+        )
 
     def observe(self, response) -> None:
         assert not response.done
@@ -105,12 +137,21 @@ def test_a_correct_call_gets_the_tools_output_then_reward_one(gym_urls):
     episode = Episode(WEATHER_ROW, "e-correct")
     (response,) = env.step([episode.turn(f"Let me look.\n{SF_CALL}")])
     assert response.observation == [
-        {"role": "tool", "content": '{"city":"San Francisco","weather_description":"The weather in San Francisco is cold."}'}
+        {
+            "role": "tool",
+            "content": '{"city":"San Francisco","weather_description":"The weather in San Francisco is cold."}',
+        }
     ]
     episode.observe(response)
     (verdict,) = env.step([episode.turn("It is cold in San Francisco.")])
     assert (verdict.done, verdict.reward, verdict.components, verdict.mask_sample) == (True, 1.0, {}, False)
-    assert env.metrics() == {"seed_calls": 1.0, "tool_calls": 1.0, "tool_errors": 0.0, "verify_calls": 1.0, "masked": 0.0}
+    assert env.metrics() == {
+        "seed_calls": 1.0,
+        "tool_calls": 1.0,
+        "tool_errors": 0.0,
+        "verify_calls": 1.0,
+        "masked": 0.0,
+    }
     assert env.metrics()["seed_calls"] == 0.0  # counters since the last call
     env.close()
 
@@ -120,14 +161,27 @@ def test_no_call_an_unlisted_tool_or_a_malformed_call_score_what_gym_says(gym_ur
     (no_call,) = env.step([Episode(WEATHER_ROW, "e-none").turn("It is probably foggy.")])
     assert (no_call.done, no_call.reward) == (True, 0.0)
     unlisted, malformed = Episode(WEATHER_ROW, "e-unlisted"), Episode(WEATHER_ROW, "e-malformed")
-    responses = env.step([unlisted.turn(call("get_forecast", {"city": "SF"})), malformed.turn('<tool_call>{"name": "get_weather",</tool_call>')])
-    assert responses[0].observation == [{"role": "tool", "content": "error: unknown tool 'get_forecast'; tools: get_weather"}]
+    responses = env.step(
+        [
+            unlisted.turn(call("get_forecast", {"city": "SF"})),
+            malformed.turn('<tool_call>{"name": "get_weather",</tool_call>'),
+        ]
+    )
+    assert responses[0].observation == [
+        {"role": "tool", "content": "error: unknown tool 'get_forecast'; tools: get_weather"}
+    ]
     assert responses[1].observation[0]["content"].startswith("error: the tool call is not valid JSON")
     unlisted.observe(responses[0])
     malformed.observe(responses[1])
     verdicts = env.step([unlisted.turn("Foggy."), malformed.turn("Foggy.")])
     assert [v.reward for v in verdicts] == [0.0, 0.0]  # neither output holds a get_weather call
-    assert env.metrics() == {"seed_calls": 3.0, "tool_calls": 2.0, "tool_errors": 2.0, "verify_calls": 3.0, "masked": 0.0}
+    assert env.metrics() == {
+        "seed_calls": 3.0,
+        "tool_calls": 2.0,
+        "tool_errors": 2.0,
+        "verify_calls": 3.0,
+        "masked": 0.0,
+    }
     env.close()
 
 
@@ -144,14 +198,17 @@ def test_a_tools_http_error_is_its_output_as_in_gyms_simple_agent(gym_urls):
     env.close()
 
 
-@pytest.mark.parametrize("turns, reward, components", [
-    ([SF_CALL], 3.0, {"correctness": 1.0, "schema_valid": 1.0, "format": 1.0}),
-    ([SF_CALL, "It is sunny."], 2.0, {"correctness": 1.0, "schema_valid": 1.0, "format": 0.0}),
-    ([f"Sure!\n{SF_CALL}"], 2.0, {"correctness": 1.0, "schema_valid": 1.0, "format": 0.0}),
-    ([call("get_weather", {"city": "Paris"})], 2.0, {"correctness": 0.0, "schema_valid": 1.0, "format": 1.0}),
-    ([call("get_weather", {})], 1.0, {"correctness": 0.0, "schema_valid": 0.0, "format": 1.0}),
-    (["Sunny, I guess."], 0.0, {"correctness": 0.0, "schema_valid": 0.0, "format": 0.0}),
-])
+@pytest.mark.parametrize(
+    "turns, reward, components",
+    [
+        ([SF_CALL], 3.0, {"correctness": 1.0, "schema_valid": 1.0, "format": 1.0}),
+        ([SF_CALL, "It is sunny."], 2.0, {"correctness": 1.0, "schema_valid": 1.0, "format": 0.0}),
+        ([f"Sure!\n{SF_CALL}"], 2.0, {"correctness": 1.0, "schema_valid": 1.0, "format": 0.0}),
+        ([call("get_weather", {"city": "Paris"})], 2.0, {"correctness": 0.0, "schema_valid": 1.0, "format": 1.0}),
+        ([call("get_weather", {})], 1.0, {"correctness": 0.0, "schema_valid": 0.0, "format": 1.0}),
+        (["Sunny, I guess."], 0.0, {"correctness": 0.0, "schema_valid": 0.0, "format": 0.0}),
+    ],
+)
 def test_multireward_components_come_back_as_the_servers_reward_components(gym_urls, turns, reward, components):
     """A one-turn episode ends at its last turn (the call is not run); a two-turn one calls the tool first."""
     env = gym_env(gym_urls["multireward"])
@@ -167,17 +224,29 @@ def test_multireward_components_come_back_as_the_servers_reward_components(gym_u
 
 def test_each_episode_keeps_its_own_session_cookie_when_episodes_interleave(gym_urls):
     env = gym_env(gym_urls["counter"])
-    row_a = {"responses_create_params": {"input": "add 1 then add 2 then get the count", "tools": COUNTER_TOOLS},
-             "initial_count": 3, "expected_count": 6}
-    row_b = {"responses_create_params": {"input": "add 5", "tools": COUNTER_TOOLS}, "initial_count": 10, "expected_count": 15}
+    row_a = {
+        "responses_create_params": {"input": "add 1 then add 2 then get the count", "tools": COUNTER_TOOLS},
+        "initial_count": 3,
+        "expected_count": 6,
+    }
+    row_b = {
+        "responses_create_params": {"input": "add 5", "tools": COUNTER_TOOLS},
+        "initial_count": 10,
+        "expected_count": 15,
+    }
     a, b = Episode(row_a, "e-a"), Episode(row_b, "e-b")
     first = env.step([a.turn(call("increment_counter", {"count": 1})), b.turn(call("increment_counter", {"count": 5}))])
     assert [r.observation for r in first] == [[{"role": "tool", "content": '{"success":true}'}]] * 2
     a.observe(first[0])
     b.observe(first[1])
-    second = env.step([b.turn("Done."), a.turn(call("increment_counter", {"count": 2}) + call("get_counter_value", {}))])
+    second = env.step(
+        [b.turn("Done."), a.turn(call("increment_counter", {"count": 2}) + call("get_counter_value", {}))]
+    )
     assert (second[0].done, second[0].reward) == (True, 1.0)  # 10 + 5: B's session alone
-    assert second[1].observation == [{"role": "tool", "content": '{"success":true}'}, {"role": "tool", "content": '{"count":6}'}]
+    assert second[1].observation == [
+        {"role": "tool", "content": '{"success":true}'},
+        {"role": "tool", "content": '{"count":6}'},
+    ]
     a.observe(second[1])
     (verdict,) = env.step([a.turn("The count is 6.")])
     assert verdict.reward == 1.0  # 3 + 1 + 2
@@ -186,10 +255,16 @@ def test_each_episode_keeps_its_own_session_cookie_when_episodes_interleave(gym_
 
 def test_a_row_the_server_rejects_fails_at_once_with_its_answer(gym_urls):
     env = gym_env(gym_urls["counter"], max_retries=3, backoff_s=10.0)  # a retry would take 10 s
-    row = {"responses_create_params": {"input": "add 1", "tools": COUNTER_TOOLS}, "expected_count": 1}  # no initial_count
+    row = {
+        "responses_create_params": {"input": "add 1", "tools": COUNTER_TOOLS},
+        "expected_count": 1,
+    }  # no initial_count
     began = time.monotonic()
-    with pytest.raises(GymServerError, match=rf"^NeMo Gym resources server {gym_urls['counter']} rejected POST /seed_session: "
-                                             r"HTTP 422: .*initial_count"):
+    with pytest.raises(
+        GymServerError,
+        match=rf"^NeMo Gym resources server {gym_urls['counter']} rejected POST /seed_session: "
+        r"HTTP 422: .*initial_count",
+    ):
         env.step([Episode(row, "e-rejected").turn("1")])
     assert time.monotonic() - began < 5
     env.close()
@@ -216,7 +291,9 @@ def test_a_rendered_prompt_with_a_system_message_before_the_rows_input_is_scored
     prompt = render_prompt(row, tokenizer, "prompt", "You are terse.", use_chat_template=True)
     assert prompt.messages[0] == {"role": "system", "content": "You are terse."}
     env = gym_env(gym_urls["multireward"])
-    (verdict,) = env.step([EnvRequest(messages=prompt.messages + [assistant(SF_CALL)], record=row, episode_id="e-sys", last_turn=True)])
+    (verdict,) = env.step(
+        [EnvRequest(messages=prompt.messages + [assistant(SF_CALL)], record=row, episode_id="e-sys", last_turn=True)]
+    )
     assert verdict.reward == 3.0  # no message item: the system and user messages are not in the output
     env.close()
 
@@ -229,7 +306,9 @@ def test_a_server_that_is_down_fails_after_its_retries_with_one_line_naming_it()
         env.step([Episode(WEATHER_ROW, "e-down").turn(SF_CALL)])
     elapsed = time.monotonic() - began
     message = str(error.value)
-    assert message.startswith(f"NeMo Gym resources server {url} failed POST /seed_session after 3 attempts: ConnectError")
+    assert message.startswith(
+        f"NeMo Gym resources server {url} failed POST /seed_session after 3 attempts: ConnectError"
+    )
     assert "\n" not in message and 0.6 <= elapsed < 5  # waited 0.2 + 0.4 s between the attempts
     env.close()
 
@@ -243,13 +322,17 @@ def test_a_server_gone_mid_episode_fails_its_verify_and_the_launcher_left_nothin
     port = int(urls["weather"].rsplit(":", 1)[1])
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the server still listens after gym_servers exited"
-    with pytest.raises(GymServerError, match=rf"^NeMo Gym resources server {urls['weather']} failed POST /verify after 2 attempts"):
+    with pytest.raises(
+        GymServerError, match=rf"^NeMo Gym resources server {urls['weather']} failed POST /verify after 2 attempts"
+    ):
         env.step([episode.turn("Cold.")])
     env.close()
 
 
 def test_a_gym_server_that_cannot_start_is_one_error_with_its_log(tmp_path):
-    bad_domain = {"weather": {"resources_servers": {"example_single_tool_call": {"entrypoint": "app.py", "domain": "weather"}}}}
+    bad_domain = {
+        "weather": {"resources_servers": {"example_single_tool_call": {"entrypoint": "app.py", "domain": "weather"}}}
+    }
     began = time.monotonic()
     with pytest.raises(GymLaunchError) as error:
         with gym_servers(bad_domain, tmp_path):
@@ -259,7 +342,9 @@ def test_a_gym_server_that_cannot_start_is_one_error_with_its_log(tmp_path):
     assert f"last lines of {tmp_path / 'weather.log'}: " in message and "domain" in message and "\n" not in message
     assert time.monotonic() - began < 60
     with pytest.raises(GymLaunchError, match="port must be an integer, got 'eighty'"):
-        with gym_servers({"weather": {"resources_servers": {"example_single_tool_call": {"port": "eighty"}}}}, tmp_path):
+        with gym_servers(
+            {"weather": {"resources_servers": {"example_single_tool_call": {"port": "eighty"}}}}, tmp_path
+        ):
             pass
     with pytest.raises(GymLaunchError, match="example_nope/app.py does not exist"):
         with gym_servers({"x": {"resources_servers": {"example_nope": {}}}}, tmp_path):
@@ -274,22 +359,50 @@ def test_a_missing_gym_virtualenv_says_to_run_make_gym_venv(tmp_path, monkeypatc
 
 # reinforge's environments as NeMo Gym resources servers
 
-CALCULATOR_ROW = {"responses_create_params": {"input": [{"role": "user", "content": "What is 57 + 34 - 49?"}],
-                                              "tools": [{"type": "function", "name": "calculator",
-                                                         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}]},
-                  "answer": "42"}
+CALCULATOR_ROW = {
+    "responses_create_params": {
+        "input": [{"role": "user", "content": "What is 57 + 34 - 49?"}],
+        "tools": [
+            {
+                "type": "function",
+                "name": "calculator",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+            }
+        ],
+    },
+    "answer": "42",
+}
 
 
 def gym_verify_body(final_answer: str) -> dict:
     """A Gym verify request as simple_agent posts it: the row, and a Responses object with a calculator call, its output and the answer."""
     output = [
-        {"type": "function_call", "call_id": "call_1", "name": "calculator", "arguments": '{"expression": "57 + 34 - 49"}', "status": "completed"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "calculator",
+            "arguments": '{"expression": "57 + 34 - 49"}',
+            "status": "completed",
+        },
         {"type": "function_call_output", "call_id": "call_1", "output": "42"},
-        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-         "content": [{"type": "output_text", "text": final_answer, "annotations": []}]},
+        {
+            "type": "message",
+            "id": "msg_1",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": final_answer, "annotations": []}],
+        },
     ]
-    response = {"id": "resp_1", "created_at": 0, "model": "policy", "object": "response", "output": output,
-                "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+    response = {
+        "id": "resp_1",
+        "created_at": 0,
+        "model": "policy",
+        "object": "response",
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
     return {**CALCULATOR_ROW, "response": response}
 
 
@@ -300,8 +413,24 @@ def tool_use_gym_server(log_dir: Path, token: str | None):
     log = (log_dir / f"server_{port}.log").open("w+")
     token_args = ["--token-env", "REINFORGE_TEST_GYM_TOKEN"] if token else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "reinforge.cli", "env", "serve", "--protocol", "gym", "--env", "tool_use", "--port", str(port), *token_args],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "REINFORGE_TEST_GYM_TOKEN": token or ""},
+        [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "env",
+            "serve",
+            "--protocol",
+            "gym",
+            "--env",
+            "tool_use",
+            "--port",
+            str(port),
+            *token_args,
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "REINFORGE_TEST_GYM_TOKEN": token or ""},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -331,7 +460,9 @@ def tool_use_gym_url(tmp_path_factory):
 def post(url: str, route: str, body, token: str | None = TOKEN) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if isinstance(body, bytes):
-        return httpx.post(f"{url}{route}", content=body, headers={**headers, "Content-Type": "application/json"}, timeout=30)
+        return httpx.post(
+            f"{url}{route}", content=body, headers={**headers, "Content-Type": "application/json"}, timeout=30
+        )
     return httpx.post(f"{url}{route}", json=body, headers=headers, timeout=30)
 
 
@@ -344,13 +475,28 @@ def test_the_gym_protocol_server_seeds_calls_tools_and_verifies(tool_use_gym_url
     assert bad.status_code == 400 and bad.json()["detail"].startswith("tool 'calculator' rejected its arguments: ")
     right = post(url, "/verify", gym_verify_body("So it is \\boxed{42}.")).json()
     # tool_use's counters are fields of their own, not reward_components: they do not sum to the reward
-    assert right == {**gym_verify_body("So it is \\boxed{42}."), "reward": 1.0, "mask_sample": False, "failure_kind": None,
-                     "failure_reason": None, "num_tool_calls": 1.0, "tool_result_correct": 1.0}
+    assert right == {
+        **gym_verify_body("So it is \\boxed{42}."),
+        "reward": 1.0,
+        "mask_sample": False,
+        "failure_kind": None,
+        "failure_reason": None,
+        "num_tool_calls": 1.0,
+        "tool_result_correct": 1.0,
+    }
     wrong = post(url, "/verify", gym_verify_body("So it is \\boxed{41}.")).json()
     assert (wrong["reward"], wrong["num_tool_calls"], wrong["tool_result_correct"]) == (0.0, 1.0, 1.0)
     assert "reward_components" not in wrong
-    metrics = post(url, "/aggregate_metrics", {"verify_responses": [{**right, "_ng_task_index": 0, "_ng_rollout_index": 0},
-                                                                    {**wrong, "_ng_task_index": 0, "_ng_rollout_index": 1}]}).json()
+    metrics = post(
+        url,
+        "/aggregate_metrics",
+        {
+            "verify_responses": [
+                {**right, "_ng_task_index": 0, "_ng_rollout_index": 0},
+                {**wrong, "_ng_task_index": 0, "_ng_rollout_index": 1},
+            ]
+        },
+    ).json()
     assert metrics["key_metrics"] == {"mean/reward": 0.5}
     assert post(url, "/close_session", {}).json() == {}
 
@@ -363,15 +509,26 @@ def test_the_gym_protocol_server_guards_and_names_the_bad_field(tool_use_gym_url
     no_response = {key: value for key, value in gym_verify_body("42").items() if key != "response"}
     for body, detail in [
         (no_response, "bad request: response: Field required"),
-        ({**gym_verify_body("42"), "response": {"output": "text"}}, "bad request: response.output: Input should be a valid list"),
-        ({**gym_verify_body("42"), "responses_create_params": {"tools": []}}, "bad request: responses_create_params.input: Field required"),
+        (
+            {**gym_verify_body("42"), "response": {"output": "text"}},
+            "bad request: response.output: Input should be a valid list",
+        ),
+        (
+            {**gym_verify_body("42"), "responses_create_params": {"tools": []}},
+            "bad request: responses_create_params.input: Field required",
+        ),
         (b'{"responses_create_params": ', "bad request: the body is not valid JSON"),
-        ({**gym_verify_body("42"), "responses_create_params": {"input": [{"type": "web_search_call"}]}}, "Responses item not supported"),
+        (
+            {**gym_verify_body("42"), "responses_create_params": {"input": [{"type": "web_search_call"}]}},
+            "Responses item not supported",
+        ),
     ]:
         response = post(url, "/verify", body)
         assert response.status_code == 422 and response.json()["detail"].startswith(detail), response.text
     assert post(url, "/seed_session", [1, 2]).status_code == 422
-    wrong_type = httpx.post(f"{url}/verify", content=b"{}", headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "text/plain"})
+    wrong_type = httpx.post(
+        f"{url}/verify", content=b"{}", headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "text/plain"}
+    )
     assert wrong_type.status_code == 415
 
 

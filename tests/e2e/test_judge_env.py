@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 import httpx
-from pydantic import ValidationError
-
 import pytest
+from pydantic import ValidationError
 
 from reinforge.cluster.network import free_port
 from reinforge.envs.base import EnvRequest
@@ -79,7 +78,9 @@ def fake_judge_app():
             verdict = "Final: [[11]]"
         else:
             verdict = "Draft [[5]]. Final: " + ("[[10]]" if reference in response else "[[0]]")
-        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}]}
+        return {
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}]
+        }
 
     return app
 
@@ -88,7 +89,9 @@ def fake_judge_app():
 def server_process(command, health_url, startup_timeout_s, env=None):
     """Run `command` in its own process group until the block ends; yields (process, startup seconds)."""
     start = time.monotonic()
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     output = []  # drained in a thread so a chatty server never blocks on a full pipe
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
     reader.start()
@@ -96,12 +99,18 @@ def server_process(command, health_url, startup_timeout_s, env=None):
         while True:
             if process.poll() is not None:
                 reader.join(5)
-                raise RuntimeError(f"{command[:3]} exited with {process.returncode}:\n" + b"".join(output[-40:]).decode(errors="replace"))
+                raise RuntimeError(
+                    f"{command[:3]} exited with {process.returncode}:\n"
+                    + b"".join(output[-40:]).decode(errors="replace")
+                )
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(health_url, timeout=1).status_code == 200:
                     break
             if time.monotonic() - start > startup_timeout_s:
-                raise RuntimeError(f"{command[:3]} not healthy after {startup_timeout_s} s:\n" + b"".join(output[-40:]).decode(errors="replace"))
+                raise RuntimeError(
+                    f"{command[:3]} not healthy after {startup_timeout_s} s:\n"
+                    + b"".join(output[-40:]).decode(errors="replace")
+                )
             time.sleep(0.2)
         yield process, time.monotonic() - start
     finally:
@@ -128,7 +137,10 @@ def judge_url():
 
 
 def request(question, response, answer="42"):
-    return EnvRequest(messages=[{"role": "user", "content": question}, {"role": "assistant", "content": response}], record={"answer": answer})
+    return EnvRequest(
+        messages=[{"role": "user", "content": question}, {"role": "assistant", "content": response}],
+        record={"answer": answer},
+    )
 
 
 def chat_env(url, **overrides):
@@ -140,17 +152,21 @@ def test_config_errors_name_the_field_and_the_fix():
     JudgeEnvConfig()  # the default section is valid: the fields a mode needs are checked when the env is built
     with pytest.raises(ConfigError, match="env.judge.model must be set when env.judge.mode=chat"):
         JudgeEnv(JudgeEnvConfig(url="http://127.0.0.1:1/v1"))
-    with pytest.raises(ValidationError, match="placeholder {answer}.*{question}, {response}, {reference}, {conversation}"):
+    with pytest.raises(
+        ValidationError, match="placeholder {answer}.*{question}, {response}, {reference}, {conversation}"
+    ):
         JudgeEnvConfig(prompt_template="Grade {answer}")
     with pytest.raises(ValidationError, match="has 2 groups; it needs exactly one"):
         JudgeEnvConfig(score_pattern=r"(\d+)/(\d+)")
     with pytest.raises(ValidationError, match="must be the base URL"):
         JudgeEnvConfig(url="http://127.0.0.1:8000/v1/chat/completions")
-    JudgeEnvConfig(prompt_template="JSON like {{\"score\": N}} for {response}")  # doubled braces are literal
+    JudgeEnvConfig(prompt_template='JSON like {{"score": N}} for {response}')  # doubled braces are literal
 
 
 def test_the_rubric_is_filled_in_exactly_and_the_last_score_in_range_becomes_the_reward(judge_url):
-    env = chat_env(judge_url, system_prompt="You are a strict grader.", failure_reward=0.25, temperature=0.0, max_tokens=64)
+    env = chat_env(
+        judge_url, system_prompt="You are a strict grader.", failure_reward=0.25, temperature=0.0, max_tokens=64
+    )
     before = len(httpx.get(f"{judge_url}/received").json())
     requests = [
         request("What is 6 x 7?", "6 x 7 = 42"),
@@ -176,7 +192,10 @@ def test_the_rubric_is_filled_in_exactly_and_the_last_score_in_range_becomes_the
         assert (body["model"], body["temperature"], body["max_tokens"], len(body["messages"])) == ("judge", 0.0, 64, 2)
     metrics = env.metrics()
     assert {k: metrics[k] for k in ("unparseable", "judge_errors", "retries", "calls")} == {
-        "unparseable": 2.0, "judge_errors": 0.0, "retries": 0.0, "calls": 4.0,
+        "unparseable": 2.0,
+        "judge_errors": 0.0,
+        "retries": 0.0,
+        "calls": 4.0,
     }
     assert 0 < metrics["latency_s_mean"] <= metrics["latency_s_max"] < 5
     assert env.metrics()["calls"] == 0.0  # counters reset on read
@@ -203,7 +222,9 @@ def test_an_http_503_is_retried_with_backoff_until_it_succeeds(judge_url):
 
 def test_a_judge_that_keeps_failing_raises_an_error_naming_the_url_and_the_cause(judge_url):
     env = chat_env(judge_url, max_retries=2)
-    with pytest.raises(JudgeError, match=re.escape(f"{judge_url}/v1/chat/completions") + r".*HTTP 503.*after 3 attempts"):
+    with pytest.raises(
+        JudgeError, match=re.escape(f"{judge_url}/v1/chat/completions") + r".*HTTP 503.*after 3 attempts"
+    ):
         env.step([request("q", "42"), request("q", "42 FLAKY-99")])
     assert env.metrics()["judge_errors"] == 1.0
     env.close()
@@ -220,7 +241,9 @@ def test_a_client_error_is_not_retried(judge_url):
 def test_a_judge_slower_than_timeout_s_is_retried_then_raises_in_bounded_time(judge_url):
     env = chat_env(judge_url, timeout_s=0.5, max_retries=2)
     start = time.monotonic()
-    with pytest.raises(JudgeError, match=re.escape(judge_url) + r".*ReadTimeout: no answer within timeout_s=0.5.*after 3 attempts"):
+    with pytest.raises(
+        JudgeError, match=re.escape(judge_url) + r".*ReadTimeout: no answer within timeout_s=0.5.*after 3 attempts"
+    ):
         env.step([request("q", "SLEEP")])
     elapsed = time.monotonic() - start
     assert 1.5 <= elapsed < 4  # 3 attempts x 0.5 s + backoffs 0.05 + 0.1
@@ -265,8 +288,15 @@ def reward_model_dir(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen2ForSequenceClassification(config)
     with torch.no_grad():
@@ -279,23 +309,44 @@ def reward_model_dir(tmp_path_factory):
 def reward_model_requests():
     """Seven conversations of different lengths (so batches are padded), one of two turns."""
     requests = [request(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}. " * (i + 1)) for i in range(6)]
-    requests.append(EnvRequest(messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2 + 2?"},
-        {"role": "assistant", "content": "4"},
-    ], record={}))
+    requests.append(
+        EnvRequest(
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "4"},
+            ],
+            record={},
+        )
+    )
     return requests
 
 
 def test_reward_model_over_http_in_batches_equals_the_model_in_process(reward_model_dir):
     port = free_port("127.0.0.1")
-    command = [sys.executable, "-m", "reinforge.envs.reward_model_server", str(reward_model_dir), "--port", str(port), "--batch-size", "3"]
+    command = [
+        sys.executable,
+        "-m",
+        "reinforge.envs.reward_model_server",
+        str(reward_model_dir),
+        "--port",
+        str(port),
+        "--batch-size",
+        "3",
+    ]
     requests = reward_model_requests()
     with server_process(command, f"http://127.0.0.1:{port}/health", 120):
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
         assert health == {"status": "ok", "model": str(reward_model_dir)}
-        assert httpx.post(f"http://127.0.0.1:{port}/score", json={"conversations": [[{"role": "user"}]]}).status_code == 422
-        remote = JudgeEnv(JudgeEnvConfig(mode="reward_model", url=f"http://127.0.0.1:{port}", batch_size=2, max_concurrency=2))
+        assert (
+            httpx.post(f"http://127.0.0.1:{port}/score", json={"conversations": [[{"role": "user"}]]}).status_code
+            == 422
+        )
+        remote = JudgeEnv(
+            JudgeEnvConfig(mode="reward_model", url=f"http://127.0.0.1:{port}", batch_size=2, max_concurrency=2)
+        )
         remote_scores = [r.reward for r in remote.step(requests)]
         assert remote.metrics()["calls"] == 4.0  # 7 conversations, 2 per call
         remote.close()
@@ -309,9 +360,11 @@ def test_reward_model_over_http_in_batches_equals_the_model_in_process(reward_mo
     assert max(abs(s) for s in local_scores) > 0.1  # scores of order 1: the tolerance means something
     assert len(set(local_scores)) == len(local_scores)
 
-    sigmoid = JudgeEnv(JudgeEnvConfig(mode="local", local_model_path=str(reward_model_dir), reward_model_transform="sigmoid"))
+    sigmoid = JudgeEnv(
+        JudgeEnvConfig(mode="local", local_model_path=str(reward_model_dir), reward_model_transform="sigmoid")
+    )
     for response, score in zip(sigmoid.step(requests), local_scores):
-        assert response.reward == pytest.approx(1 / (1 + 2.718281828459045 ** -score), abs=1e-12)
+        assert response.reward == pytest.approx(1 / (1 + 2.718281828459045**-score), abs=1e-12)
         assert response.info["reward_model_score"] == pytest.approx(score, abs=1e-5)
 
 
@@ -322,9 +375,26 @@ def test_reward_model_over_http_in_batches_equals_the_model_in_process(reward_mo
 def vllm_url():
     port = free_port("127.0.0.1")
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(DEMO), "--served-model-name", "demo",
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-        "--enforce-eager", "--seed", "0", "--distributed-executor-backend", "uni",  # no separate worker process to start
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(DEMO),
+        "--served-model-name",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--distributed-executor-backend",
+        "uni",  # no separate worker process to start
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     with server_process(command, f"http://127.0.0.1:{port}/health", 300, env=env) as (_, startup_s):
@@ -334,15 +404,25 @@ def vllm_url():
 
 def demo_requests():
     records = [json.loads(line) for line in (ROOT / "data" / "demo" / "val.jsonl").read_text().splitlines()[:4]]
-    return [request(record["prompt"], f"The answer is \\boxed{{{record['answer']}}}.", record["answer"]) for record in records]
+    return [
+        request(record["prompt"], f"The answer is \\boxed{{{record['answer']}}}.", record["answer"])
+        for record in records
+    ]
 
 
 def test_a_vllm_judge_round_trips_and_its_answers_parse_or_count_as_unparseable(vllm_url):
     # The demo model answers its own word problems with \boxed{N}: ask it the question and read N.
-    boxed = JudgeEnv(JudgeEnvConfig(
-        mode="chat", url=vllm_url, model="demo", prompt_template="{question}", score_pattern=r"\\boxed\{(\d+)\}",
-        max_score=1000, max_tokens=48,
-    ))
+    boxed = JudgeEnv(
+        JudgeEnvConfig(
+            mode="chat",
+            url=vllm_url,
+            model="demo",
+            prompt_template="{question}",
+            score_pattern=r"\\boxed\{(\d+)\}",
+            max_score=1000,
+            max_tokens=48,
+        )
+    )
     responses = boxed.step(demo_requests())
     parsed = 0
     for response in responses:
@@ -369,4 +449,6 @@ if __name__ == "__main__":  # the deterministic judge, as its own process: pytho
     import uvicorn
 
     # Shut down within 1 s of SIGTERM even with a SLEEP request in flight.
-    uvicorn.run(fake_judge_app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", timeout_graceful_shutdown=1)
+    uvicorn.run(
+        fake_judge_app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", timeout_graceful_shutdown=1
+    )

@@ -6,9 +6,9 @@ import sys
 
 import peft
 import torch
+from _kill import assert_resumes_like_a_run_never_killed
 from transformers import AutoModelForCausalLM
 
-from _kill import assert_resumes_like_a_run_never_killed
 from reinforge.algorithms import grpo
 from reinforge.config import load_config
 from reinforge.paths import PROJECT_ROOT
@@ -27,33 +27,63 @@ def test_grpo_with_lora_raises_reward_and_accuracy_and_leaves_an_adapter(tmp_pat
     early = sum(r["train/reward_mean"] for r in steps[:4]) / 4
     late = sum(r["train/reward_mean"] for r in steps[-4:]) / 4
     assert late > early, (early, late)
-    assert result.last_val_accuracy >= result.first_val_accuracy + 0.05, (result.first_val_accuracy, result.last_val_accuracy)
+    assert result.last_val_accuracy >= result.first_val_accuracy + 0.05, (
+        result.first_val_accuracy,
+        result.last_val_accuracy,
+    )
     assert all(r["train/token_mult_prob_error"] < 1.001 and r["train/kl"] >= 0 for r in steps)
     assert steps[-1]["train/kl"] > 0  # the reference (adapters off) differs from the policy
     # final/ is a PEFT adapter on the demo model; loaded the ordinary way, it is the trained policy, not the base
     final = result.run_dir / "final"
     assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo")
-    trained = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo"), final)
+    trained = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo"), final
+    )
     ids = torch.tensor([[1, 30, 31, 32, 33, 34]])
     assert not torch.allclose(trained(input_ids=ids).logits, base(input_ids=ids).logits)
     # a run started from the base plus that adapter (model.adapter, merged at load) begins where this one ended
-    onward = load_config(CONFIG, ["grpo.max_steps=0", "model.lora=null", f"model.adapter={final}", f"logging.run_dir={tmp_path / 'onward'}"])
+    onward = load_config(
+        CONFIG,
+        ["grpo.max_steps=0", "model.lora=null", f"model.adapter={final}", f"logging.run_dir={tmp_path / 'onward'}"],
+    )
     assert grpo.train(onward).first_val_accuracy == result.last_val_accuracy
 
 
-RESUME = ["grpo.max_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.resume=auto", "grpo.num_prompts_per_step=4",
-          "training.global_batch_size=32", "training.micro_batch_size=32", "generation.max_new_tokens=40", "data.max_val_prompts=8",
-          "grpo.val_every=2", "checkpoint.save_final=false", "cluster.num_threads=1"]
+RESUME = [
+    "grpo.max_steps=4",
+    "checkpoint.save_every=1",
+    "checkpoint.keep_last=2",
+    "checkpoint.resume=auto",
+    "grpo.num_prompts_per_step=4",
+    "training.global_batch_size=32",
+    "training.micro_batch_size=32",
+    "generation.max_new_tokens=40",
+    "data.max_val_prompts=8",
+    "grpo.val_every=2",
+    "checkpoint.save_final=false",
+    "cluster.num_threads=1",
+]
 
 
 def command(run_dir):
-    return [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(CONFIG), *RESUME, f"logging.run_dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        str(CONFIG),
+        *RESUME,
+        f"logging.run_dir={run_dir}",
+    ]
 
 
 def test_a_lora_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_never_killed(tmp_path):
     assert_resumes_like_a_run_never_killed(command, tmp_path, step=2)
-    checkpoint = torch.load(tmp_path / "killed" / "checkpoints" / "step_00000004" / "trainer" / "state.pt", weights_only=False)
+    checkpoint = torch.load(
+        tmp_path / "killed" / "checkpoints" / "step_00000004" / "trainer" / "state.pt", weights_only=False
+    )
     assert all("lora_" in name for name in checkpoint["model"])  # the adapter only: small
 
 
@@ -62,14 +92,19 @@ def test_a_recipe_of_lora_stages_chains_them_through_the_merged_models(tmp_path)
     merged in), and so does the recipe's last model."""
     from reinforge.recipes.runner import run_recipe
 
-    markers = run_recipe(PROJECT_ROOT / "configs" / "recipes" / "demo_progressive.yaml", ["model.lora.rank=8", "training.lr=1e-3",
-                         "grpo.max_steps=1"], run_dir=str(tmp_path / "recipe"))
+    markers = run_recipe(
+        PROJECT_ROOT / "configs" / "recipes" / "demo_progressive.yaml",
+        ["model.lora.rank=8", "training.lr=1e-3", "grpo.max_steps=1"],
+        run_dir=str(tmp_path / "recipe"),
+    )
     stages = sorted((tmp_path / "recipe" / "stages").iterdir())
     assert [m["weights"] for m in markers] == [str(stage / "merged") for stage in stages]
     second = json.loads((stages[1] / "stage_complete.json").read_text())
     assert second["config"]["model"]["name_or_path"] == str(stages[0] / "merged")
     # merged/ is stage 1's base with its adapter: the same outputs as PEFT's model of the two
     ids = torch.tensor([[1, 30, 31, 32, 33, 34]])
-    with_adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo"), stages[0] / "final")
+    with_adapter = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo"), stages[0] / "final"
+    )
     merged = AutoModelForCausalLM.from_pretrained(stages[0] / "merged")
     assert (with_adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() <= 1e-5

@@ -22,8 +22,21 @@ LORA_VLLM = ["generation.backend=vllm", "model.lora.rank=16", "training.lr=1e-3"
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_grpo_with_lora_and_vllm_agrees_with_the_trainer_at_every_step(tmp_path, sync):
     run_dir = tmp_path / sync
-    command = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(DEMO), *LORA_VLLM, f"model.lora.sync={sync}",
-               "grpo.max_steps=3", "grpo.val_every=0", "data.max_val_prompts=8", "checkpoint.save_final=false", f"logging.run_dir={run_dir}"]
+    command = [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        str(DEMO),
+        *LORA_VLLM,
+        f"model.lora.sync={sync}",
+        "grpo.max_steps=3",
+        "grpo.val_every=0",
+        "data.max_val_prompts=8",
+        "checkpoint.save_final=false",
+        f"logging.run_dir={run_dir}",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
@@ -54,18 +67,31 @@ def refit_and_probe(run_dir, out_path):
     torch.manual_seed(0)
     config = load_config(DEMO, [*LORA_VLLM, "generation.vllm_block_size=32"])
     tokenizer = load_tokenizer(config.model)
-    prompts = [render_prompt(r, tokenizer, "prompt", None, True) for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "val.jsonl")[:8]]
+    prompts = [
+        render_prompt(r, tokenizer, "prompt", None, True)
+        for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "val.jsonl")[:8]
+    ]
     sampling = lambda seed: SamplingParams(max_new_tokens=40, temperature=1.0, num_samples=4, seed=seed)
-    backend = lambda model: TorchBackend(model, TrainingConfig(micro_batch_size=32, global_batch_size=32, lr=1e-2), temperature=1.0,
-                                         num_optimizer_steps=10, load_reference=False)
+    backend = lambda model: TorchBackend(
+        model,
+        TrainingConfig(micro_batch_size=32, global_batch_size=32, lr=1e-2),
+        temperature=1.0,
+        num_optimizer_steps=10,
+        load_reference=False,
+    )
     trainer, base = backend(config.model), backend(config.model.model_copy(update={"lora": None}))
     engine = VLLMGenerationBackend(**engine_kwargs(config))
     errors = {"start": consistency.probe(prompts, engine, trainer, tokenizer, sampling(0))}
     for step in (1, 2):
         trajectories = generate_trajectories(prompts, engine, sampling(step), tokenizer)
-        batch = collate(trajectories, [1.0 if i % 2 else -1.0 for i in range(len(trajectories))], tokenizer.pad_token_id)
+        batch = collate(
+            trajectories, [1.0 if i % 2 else -1.0 for i in range(len(trajectories))], tokenizer.pad_token_id
+        )
         batch.old_logprobs = trainer.logprobs(batch)
-        trainer.train_step(batch, lambda lp, micro, norm: ((-(lp * micro.loss_mask).sum(1) * micro.advantages).sum() / norm.num_tokens, {}))
+        trainer.train_step(
+            batch,
+            lambda lp, micro, norm: ((-(lp * micro.loss_mask).sum(1) * micro.advantages).sum() / norm.num_tokens, {}),
+        )
         refit(engine, trainer, config, run_dir)
         errors[f"refit {step}"] = consistency.probe(prompts, engine, trainer, tokenizer, sampling(10 + step))
     errors["base vs adapter"] = consistency.probe(prompts, engine, base, tokenizer, sampling(20))

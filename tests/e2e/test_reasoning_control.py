@@ -30,10 +30,22 @@ from reinforge.recipes.stages import build_stages
 
 CONFIGS = PROJECT_ROOT / "configs"
 ON, OFF = "compliance_rate/thinking_on", "compliance_rate/thinking_off"
-SFT_OVERRIDES = ["sft.max_steps=120", "training.global_batch_size=16", "training.lr=2e-3", "training.warmup_steps=5",
-                 "data.val_fraction=0", "num_threads=1"]
-GRPO_OVERRIDES = ["grpo.max_steps=3", "grpo.val_every=0", "grpo.num_prompts_per_step=16", "data.max_val_prompts=64",
-                  "cluster.num_threads=1", "checkpoint.save_final=false"]
+SFT_OVERRIDES = [
+    "sft.max_steps=120",
+    "training.global_batch_size=16",
+    "training.lr=2e-3",
+    "training.warmup_steps=5",
+    "data.val_fraction=0",
+    "num_threads=1",
+]
+GRPO_OVERRIDES = [
+    "grpo.max_steps=3",
+    "grpo.val_every=0",
+    "grpo.num_prompts_per_step=16",
+    "data.max_val_prompts=64",
+    "cluster.num_threads=1",
+    "checkpoint.save_final=false",
+]
 
 
 def greedy_compliance(model_dir, num_prompts: int) -> dict[str, float]:
@@ -44,10 +56,20 @@ def greedy_compliance(model_dir, num_prompts: int) -> dict[str, float]:
     engine = HFGenerationBackend(load_model(config), tokenizer, max_batch_size=num_prompts)
     records = read_jsonl(PROJECT_ROOT / "data" / "demo" / "reasoning_val.jsonl")[:num_prompts]
     prompts = [render_prompt(record, tokenizer, "prompt", None, use_chat_template=True) for record in records]
-    result = engine.generate([p.token_ids for p in prompts], SamplingParams(max_new_tokens=64, temperature=0.0, num_samples=1))
+    result = engine.generate(
+        [p.token_ids for p in prompts], SamplingParams(max_new_tokens=64, temperature=0.0, num_samples=1)
+    )
     env = FormatEnv(FormatEnvConfig())
-    env.step([EnvRequest(messages=p.messages + [{"role": "assistant", "content": tokenizer.decode(c.token_ids, skip_special_tokens=True)}],
-                         record=p.record) for p, (c,) in zip(prompts, result.completions)])
+    env.step(
+        [
+            EnvRequest(
+                messages=p.messages
+                + [{"role": "assistant", "content": tokenizer.decode(c.token_ids, skip_special_tokens=True)}],
+                record=p.record,
+            )
+            for p, (c,) in zip(prompts, result.completions)
+        ]
+    )
     return env.metrics()
 
 
@@ -55,11 +77,14 @@ def greedy_compliance(model_dir, num_prompts: int) -> dict[str, float]:
 def chain(tmp_path_factory):
     """The SFT run, then the GRPO run started from its final model; both real, in this process."""
     root = tmp_path_factory.mktemp("reasoning_control")
-    sft_config = load_recipe_config(sft.SFTRunConfig, CONFIGS / "reasoning_sft_demo.yaml",
-                                    SFT_OVERRIDES + [f"logging.run_dir={root / 'sft'}"])
+    sft_config = load_recipe_config(
+        sft.SFTRunConfig, CONFIGS / "reasoning_sft_demo.yaml", SFT_OVERRIDES + [f"logging.run_dir={root / 'sft'}"]
+    )
     sft_run = sft.train(sft_config).run_dir
-    grpo_config = load_config(CONFIGS / "reasoning_grpo_demo.yaml",
-                              GRPO_OVERRIDES + [f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={root / 'grpo'}"])
+    grpo_config = load_config(
+        CONFIGS / "reasoning_grpo_demo.yaml",
+        GRPO_OVERRIDES + [f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={root / 'grpo'}"],
+    )
     grpo_run = grpo.train(grpo_config).run_dir
     rows = [json.loads(line) for line in (grpo_run / "metrics.jsonl").read_text().splitlines()]
     return sft_run, grpo_run, rows
@@ -109,8 +134,11 @@ def test_gdpo_normalises_the_math_and_format_rewards_apart_from_the_sft_model(ch
     0.5 x format), each normalised in its group, the sum whitened over the trained tokens (mean 0, std 1);
     the policy keeps the switch it started with."""
     sft_run, _, _ = chain
-    config = load_config(CONFIGS / "gdpo_demo.yaml", GRPO_OVERRIDES + ["grpo.max_steps=2", f"model.name_or_path={sft_run / 'final'}",
-                                                                       f"logging.run_dir={tmp_path / 'gdpo'}"])
+    config = load_config(
+        CONFIGS / "gdpo_demo.yaml",
+        GRPO_OVERRIDES
+        + ["grpo.max_steps=2", f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={tmp_path / 'gdpo'}"],
+    )
     assert config.grpo.decoupled_normalization and config.env.extra_rewards == {"format": 0.5}
     rows = [json.loads(line) for line in (grpo.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows[1:]:

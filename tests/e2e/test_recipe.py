@@ -15,12 +15,17 @@ import yaml
 from safetensors.torch import load_file
 
 from reinforge.cli import main
-from reinforge.recipes.runner import run_recipe
 from reinforge.paths import PROJECT_ROOT
+from reinforge.recipes.runner import run_recipe
 
 RECIPE = PROJECT_ROOT / "configs" / "recipes" / "demo_progressive.yaml"
-SHORTER = ["grpo.max_steps=2", "grpo.num_prompts_per_step=4", "training.global_batch_size=16", "training.micro_batch_size=16",
-           "data.max_val_prompts=8"]
+SHORTER = [
+    "grpo.max_steps=2",
+    "grpo.num_prompts_per_step=4",
+    "training.global_batch_size=16",
+    "training.micro_batch_size=16",
+    "data.max_val_prompts=8",
+]
 STAGES = ["01-short", "02-medium", "03-long"]
 
 
@@ -43,7 +48,11 @@ def assert_same_tensors(a, b):
 
 
 def files_state(directory):
-    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +95,9 @@ def test_a_recipe_killed_in_stage_2_resumes_there_with_the_metrics_of_a_run_neve
     deadline = time.time() + 300
     while process.poll() is None and time.time() < deadline:
         # a checkpoint renamed into place (its temporary directory holds COMPLETE a moment before: the fsync)
-        if checkpoints.is_dir() and any(p.name.startswith("step_") and (p / "COMPLETE").is_file() for p in checkpoints.iterdir()):
+        if checkpoints.is_dir() and any(
+            p.name.startswith("step_") and (p / "COMPLETE").is_file() for p in checkpoints.iterdir()
+        ):
             process.send_signal(signal.SIGKILL)
             break
         time.sleep(0.002)
@@ -103,7 +114,9 @@ def test_a_recipe_killed_in_stage_2_resumes_there_with_the_metrics_of_a_run_neve
     # then removed step 1's): either way stage 2 resumes from its own checkpoint instead of starting over
     assert re.search(r"resumed from step_0000000[12]\b", rerun.stdout), rerun.stdout[-2000:]
     assert files_state(run_dir / "stages" / "01-short") == stage_1, "stage 1 was run again"
-    stage_2_start = yaml.safe_load((run_dir / "stages" / "02-medium" / "config.yaml").read_text())["model"]["name_or_path"]
+    stage_2_start = yaml.safe_load((run_dir / "stages" / "02-medium" / "config.yaml").read_text())["model"][
+        "name_or_path"
+    ]
     assert_same_tensors(weights(PROJECT_ROOT / stage_2_start), stage_1_final)
     # Stage 1 ran in the same process history in both runs: bitwise equal. The stages after it ran here in a
     # process that had not trained stage 1 first, and CPU kernels then round differently (about 1e-7
@@ -122,7 +135,9 @@ def test_rerunning_with_a_finished_stage_changed_is_refused_naming_stage_and_set
     before = files_state(run_dir)
     assert main(command(run_dir, "training.lr=3e-4")[3:]) == 2  # in-process: refused before anything loads
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("reinforge: error: stage 1 of 3 (short, grpo) is finished with training.lr=0.0001")
+    assert len(lines) == 1 and lines[0].startswith(
+        "reinforge: error: stage 1 of 3 (short, grpo) is finished with training.lr=0.0001"
+    )
     assert "new run_dir" in lines[0]
     assert files_state(run_dir) == before
 
@@ -139,7 +154,8 @@ def test_an_sft_then_grpo_recipe_starts_an_unfinished_sft_stage_over_and_chains_
         f"                training.global_batch_size: 8, training.warmup_steps: 0, num_threads: 1}}\n"
         f"  - name: rl\n    config: {PROJECT_ROOT / 'configs' / 'grpo_demo.yaml'}\n"
         f"    overrides: {{grpo.max_steps: 1, grpo.num_prompts_per_step: 2, grpo.num_generations_per_prompt: 4,\n"
-        f"                training.global_batch_size: 8, training.micro_batch_size: 8, data.max_val_prompts: 4, cluster.num_threads: 1}}\n")
+        f"                training.global_batch_size: 8, training.micro_batch_size: 8, data.max_val_prompts: 4, cluster.num_threads: 1}}\n"
+    )
     leftover = tmp_path / "run" / "stages" / "01-sft"  # as a killed run leaves it
     leftover.mkdir(parents=True)
     (tmp_path / "run" / "recipe.yaml").write_text(recipe.read_text())

@@ -10,16 +10,34 @@ import time
 
 from reinforge.paths import PROJECT_ROOT
 
-ARGS = ["grpo.max_steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=2", "checkpoint.resume=auto",
-        "grpo.num_prompts_per_step=4", "training.global_batch_size=32", "training.micro_batch_size=32",
-        "generation.max_new_tokens=40", "data.max_val_prompts=8", "grpo.val_every=2", "checkpoint.save_final=false",
-        "cluster.num_threads=1"]
+ARGS = [
+    "grpo.max_steps=5",
+    "checkpoint.save_every=1",
+    "checkpoint.keep_last=2",
+    "checkpoint.resume=auto",
+    "grpo.num_prompts_per_step=4",
+    "training.global_batch_size=32",
+    "training.micro_batch_size=32",
+    "generation.max_new_tokens=40",
+    "data.max_val_prompts=8",
+    "grpo.val_every=2",
+    "checkpoint.save_final=false",
+    "cluster.num_threads=1",
+]
 
 
 def command(run_dir, max_steps: int = 5):
     args = [arg if not arg.startswith("grpo.max_steps=") else f"grpo.max_steps={max_steps}" for arg in ARGS]
-    return [sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
-            *args, f"logging.run_dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
+        *args,
+        f"logging.run_dir={run_dir}",
+    ]
 
 
 def comparable(run_dir):
@@ -50,9 +68,13 @@ def test_a_run_killed_at_random_moments_resumes_to_the_same_metrics(tmp_path):
 
     def after_random_delay():
         return time.time() - started[0] > rng_delay
+
     kills = 0
     # 1: mid-save, the moment a checkpoint's temporary directory appears
-    assert kill_when(run, lambda: checkpoints.is_dir() and any(p.name.endswith(".tmp") for p in checkpoints.iterdir())) == -9
+    assert (
+        kill_when(run, lambda: checkpoints.is_dir() and any(p.name.endswith(".tmp") for p in checkpoints.iterdir()))
+        == -9
+    )
     kills += 1
     # 2 and 3: at random moments of the resumed runs (start-up, generation, training or saving)
     for _ in range(2):
@@ -71,13 +93,23 @@ def test_a_run_killed_at_random_moments_resumes_to_the_same_metrics(tmp_path):
 
 def test_resuming_with_another_model_is_refused_naming_the_setting(tmp_path):
     run = tmp_path / "run"
-    short = command(run)[:-len(ARGS) - 1] + ["grpo.max_steps=1", "checkpoint.save_every=1", "checkpoint.resume=auto",
-                                               "grpo.num_prompts_per_step=4", "training.global_batch_size=32",
-                                               "training.micro_batch_size=32", "data.max_val_prompts=4", f"logging.run_dir={run}"]
+    short = command(run)[: -len(ARGS) - 1] + [
+        "grpo.max_steps=1",
+        "checkpoint.save_every=1",
+        "checkpoint.resume=auto",
+        "grpo.num_prompts_per_step=4",
+        "training.global_batch_size=32",
+        "training.micro_batch_size=32",
+        "data.max_val_prompts=4",
+        f"logging.run_dir={run}",
+    ]
     assert subprocess.run(short, capture_output=True, timeout=600).returncode == 0
     other = subprocess.run(short + ["training.lr=3e-4"], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2
-    assert other.stderr.strip().splitlines()[-1].startswith("reinforge: error: cannot resume from") and "training.lr" in other.stderr
+    assert (
+        other.stderr.strip().splitlines()[-1].startswith("reinforge: error: cannot resume from")
+        and "training.lr" in other.stderr
+    )
 
 
 def test_a_corrupted_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(tmp_path):
@@ -94,6 +126,9 @@ def test_a_corrupted_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_o
         handle.write(b"\x00" * 64)
     resumed = subprocess.run(command(run, max_steps=4), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"checkpoint {newest} does not match its COMPLETE manifest's checksums (corrupt); skipping it" in resumed.stdout + resumed.stderr
+    assert (
+        f"checkpoint {newest} does not match its COMPLETE manifest's checksums (corrupt); skipping it"
+        in resumed.stdout + resumed.stderr
+    )
     assert "resumed from step_00000002" in resumed.stdout + resumed.stderr
     assert comparable(run) == comparable(reference)

@@ -18,13 +18,22 @@ NUM_VAL_PAIRS = 100
 
 
 def test_reward_model_learns_the_demo_preferences_and_scores_them_the_same_through_the_judge_env(tmp_path):
-    config = load_recipe_config(rm.RMRunConfig, CONFIG, [
-        "rm.max_steps=50", "rm.val_every=0", f"data.max_val_pairs={NUM_VAL_PAIRS}", f"logging.run_dir={tmp_path / 'run'}",
-    ])
+    config = load_recipe_config(
+        rm.RMRunConfig,
+        CONFIG,
+        [
+            "rm.max_steps=50",
+            "rm.val_every=0",
+            f"data.max_val_pairs={NUM_VAL_PAIRS}",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
     result = rm.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(51))
-    assert all(key in rows[-1] for key in ("train/loss", "train/preference_accuracy", "train/reward_margin", "train/grad_norm"))
+    assert all(
+        key in rows[-1] for key in ("train/loss", "train/preference_accuracy", "train/reward_margin", "train/grad_norm")
+    )
     first, last = result.first_val, result.last_val
     assert last["val/preference_accuracy"] >= first["val/preference_accuracy"] + 0.2, (first, last)
     assert last["val/loss"] < first["val/loss"] and last["val/reward_margin"] > first["val/reward_margin"]
@@ -35,7 +44,10 @@ def test_reward_model_learns_the_demo_preferences_and_scores_them_the_same_throu
     judge = JudgeEnv(JudgeEnvConfig(mode="local", local_model_path=str(final), batch_size=16))
 
     def rewards(reply: str) -> list[float]:
-        requests = [EnvRequest(messages=r.messages + [{"role": "assistant", "content": getattr(r, reply)}], record={}) for r in records]
+        requests = [
+            EnvRequest(messages=r.messages + [{"role": "assistant", "content": getattr(r, reply)}], record={})
+            for r in records
+        ]
         return [response.reward for response in judge.step(requests)]
 
     chosen, rejected = rewards("chosen"), rewards("rejected")

@@ -13,19 +13,36 @@ from reinforge.config.recipe_loader import load_recipe_config
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "sft_demo.yaml"
-REQUIRED = ["train/loss", "train/grad_norm", "train/lr", "train/num_trained_tokens", "timing/step_s",
-            "perf/tokens_per_s", "perf/packing_efficiency"]
+REQUIRED = [
+    "train/loss",
+    "train/grad_norm",
+    "train/lr",
+    "train/num_trained_tokens",
+    "timing/step_s",
+    "perf/tokens_per_s",
+    "perf/packing_efficiency",
+]
 
 
 def reinforge(*args: str, cwd=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "reinforge.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "reinforge.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600
+    )
 
 
 def test_sft_on_the_demo_chats_lowers_the_validation_loss(tmp_path):
     run_dir = tmp_path / "run"
-    result = reinforge("sft", "--config", str(CONFIG), "sft.max_steps=30", "sft.val_every=15", "num_threads=1",
-                       f"logging.run_dir={run_dir}", cwd=tmp_path)
+    result = reinforge(
+        "sft",
+        "--config",
+        str(CONFIG),
+        "sft.max_steps=30",
+        "sft.val_every=15",
+        "num_threads=1",
+        f"logging.run_dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -45,14 +62,19 @@ def test_sft_on_the_demo_chats_lowers_the_validation_loss(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert model.config.vocab_size == len(tokenizer)
     saved = load_recipe_config(SFTRunConfig, run_dir / "config.yaml")
-    assert saved == load_recipe_config(SFTRunConfig, CONFIG, ["sft.max_steps=30", "sft.val_every=15", "num_threads=1", f"logging.run_dir={run_dir}"])
+    assert saved == load_recipe_config(
+        SFTRunConfig, CONFIG, ["sft.max_steps=30", "sft.val_every=15", "num_threads=1", f"logging.run_dir={run_dir}"]
+    )
 
 
 def test_sft_config_mistakes_are_one_line_errors_with_exit_status_2(tmp_path, capsys):
     for overrides, message in [
         (["sft.max_step=3"], "unknown config key sft.max_step; did you mean sft.max_steps?"),
         (["training.micro_batch_size=8"], "training.micro_batch_size does not apply to sft"),
-        (["training.micro_batch_tokens=4096"], "training.micro_batch_tokens does not apply to sft; set sft.micro_batch_tokens"),
+        (
+            ["training.micro_batch_tokens=4096"],
+            "training.micro_batch_tokens does not apply to sft; set sft.micro_batch_tokens",
+        ),
         (["training.sequence_packing=false"], "training.sequence_packing does not apply to sft; set sft.packing"),
         (["sft.micro_batch_tokens=100"], "sft.micro_batch_tokens=100 < data.max_seq_len=256"),
         (["data.val_path=data/demo/sft.jsonl"], "data.val_path and data.val_fraction are both set"),

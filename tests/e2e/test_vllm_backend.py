@@ -2,15 +2,14 @@
 
 One engine per module: vLLM sets up process-wide state, so the engine lives in this process once."""
 
-import torch
-
 import pytest
+import torch
 
 from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import collate
-from reinforge.errors import ConfigError
-from reinforge.data.prompts import render_prompt
 from reinforge.data.jsonl import read_jsonl
+from reinforge.data.prompts import render_prompt
+from reinforge.errors import ConfigError
 from reinforge.generation import consistency
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.vllm_backend import VLLMGenerationBackend
@@ -46,14 +45,21 @@ def engine():
 
 
 def test_a_block_size_the_cpu_kernel_cannot_take_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"):
+    with pytest.raises(
+        ConfigError, match=r"generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"
+    ):
         VLLMGenerationBackend(MODEL.name_or_path, dtype="float32", seed=0, max_model_len=256, block_size=48)
 
 
 def make_trainer(lr=3e-3):
     torch.manual_seed(0)
-    return TorchBackend(MODEL, TrainingConfig(micro_batch_size=32, global_batch_size=32, lr=lr), temperature=1.0,
-                        num_optimizer_steps=10, load_reference=False)
+    return TorchBackend(
+        MODEL,
+        TrainingConfig(micro_batch_size=32, global_batch_size=32, lr=lr),
+        temperature=1.0,
+        num_optimizer_steps=10,
+        load_reference=False,
+    )
 
 
 def sampling(seed=0, **kwargs):
@@ -62,7 +68,7 @@ def sampling(seed=0, **kwargs):
 
 def greedy_hf(model, prompt_ids, max_new_tokens=40):
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_vllm_logprobs_match_the_trainer_before_and_after_three_refits(engine, prompts, tokenizer):
@@ -72,10 +78,15 @@ def test_vllm_logprobs_match_the_trainer_before_and_after_three_refits(engine, p
     for refit in range(3):
         # a real optimizer step moves the weights, then the engine takes them in place
         trajectories = generate_trajectories(prompts, engine, sampling(seed=refit + 1), tokenizer)
-        batch = collate(trajectories, [1.0 if i % 2 else -1.0 for i in range(len(trajectories))], tokenizer.pad_token_id)
+        batch = collate(
+            trajectories, [1.0 if i % 2 else -1.0 for i in range(len(trajectories))], tokenizer.pad_token_id
+        )
         batch.old_logprobs = trainer.logprobs(batch)
         before = batch.old_logprobs
-        trainer.train_step(batch, lambda lp, micro, norm: ((-(lp * micro.loss_mask).sum(1) * micro.advantages).sum() / norm.num_tokens, {}))
+        trainer.train_step(
+            batch,
+            lambda lp, micro, norm: ((-(lp * micro.loss_mask).sum(1) * micro.advantages).sum() / norm.num_tokens, {}),
+        )
         assert (trainer.logprobs(batch) - before).abs().max() > 1e-3, "the optimizer step should move the policy"
         engine.update_weights(trainer.named_weights())
         errors.append(consistency.probe(prompts, engine, trainer, tokenizer, sampling(seed=10 + refit)))
@@ -97,13 +108,17 @@ def test_after_a_weight_change_vllm_greedy_equals_the_trainers_greedy(engine, pr
     for prompt, completions in zip(prompts, result.completions):
         expected = greedy_hf(trainer.model, prompt.token_ids)
         assert completions[0].token_ids == expected[: len(completions[0].token_ids)]
-        differs_from_original += completions[0].token_ids != greedy_hf(original, prompt.token_ids)[: len(completions[0].token_ids)]
+        differs_from_original += (
+            completions[0].token_ids != greedy_hf(original, prompt.token_ids)[: len(completions[0].token_ids)]
+        )
     assert differs_from_original > 0, "the weight change should change some greedy answer"
 
 
 def test_stop_strings_and_eos_end_completions_and_are_kept(engine, prompts, tokenizer):
     engine.update_weights(make_trainer().named_weights())
-    result = engine.generate([prompts[0].token_ids], SamplingParams(max_new_tokens=40, temperature=0.0, stop_strings=("=",)))
+    result = engine.generate(
+        [prompts[0].token_ids], SamplingParams(max_new_tokens=40, temperature=0.0, stop_strings=("=",))
+    )
     completion = result.completions[0][0]
     assert completion.finish_reason == "stop" and tokenizer.decode(completion.token_ids).endswith("=")
     eos = engine.generate([prompts[0].token_ids], SamplingParams(max_new_tokens=60, temperature=0.0)).completions[0][0]

@@ -111,8 +111,14 @@ def test_gdpo_weights_scale_each_normalised_component_and_one_component_is_grpo_
     """Weight 0 on f leaves c's normalised advantages [0.866, 0.866, -0.866, -0.866], whitened to [1, 1, -1, -1];
     one component alone is its group advantage, whitened."""
     c, f = torch.tensor([[1.0, 1.0, 0.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]])
-    torch.testing.assert_close(decoupled_advantages(torch.stack([c, f]), torch.tensor([1.0, 0.0]), mean_baseline),
-                               torch.tensor([[1.0, 1.0, -1.0, -1.0]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        decoupled_advantages(torch.stack([c, f]), torch.tensor([1.0, 0.0]), mean_baseline),
+        torch.tensor([[1.0, 1.0, -1.0, -1.0]]),
+        atol=1e-5,
+        rtol=0,
+    )
     rewards = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0]])
-    torch.testing.assert_close(decoupled_advantages(rewards[None], torch.tensor([1.0]), mean_baseline),
-                               batch_whiten(group_advantages(rewards, mean_baseline, normalize_std=True)))
+    torch.testing.assert_close(
+        decoupled_advantages(rewards[None], torch.tensor([1.0]), mean_baseline),
+        batch_whiten(group_advantages(rewards, mean_baseline, normalize_std=True)),
+    )

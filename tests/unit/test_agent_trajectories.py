@@ -2,11 +2,11 @@
 
 import pytest
 
+from reinforge.generation.base import SamplingParams
 from reinforge.rollout.agent import Episode, claim_gym_calls, episode_status, join_calls
 from reinforge.rollout.agent_runners import EpisodeResult, parse_result, stamped_row
 from reinforge.serving.recorder import CallRecorder, RecordedCall
 from reinforge.serving.server import RolloutSession
-from reinforge.generation.base import SamplingParams
 
 
 def call(prompt, generation, truncated=False):
@@ -56,9 +56,21 @@ def test_a_gym_episode_is_trusted_only_if_every_call_it_reports_was_made_by_the_
     session = RolloutSession(sampling=SamplingParams(max_new_tokens=8))
     session.recorder.record(call([1, 2], [3, 4]), None)
     session.recorder.record(call([1, 2, 3, 4, 7], [5]), None)
-    output = [{"type": "function_call", "prompt_token_ids": [1, 2], "generation_token_ids": [3, 4], "generation_log_probs": [0.0, 0.0]},
-              {"type": "function_call_output", "output": "7"},
-              {"type": "message", "prompt_token_ids": [1, 2, 3, 4, 7], "generation_token_ids": [5], "generation_log_probs": [-9.0]}]
+    output = [
+        {
+            "type": "function_call",
+            "prompt_token_ids": [1, 2],
+            "generation_token_ids": [3, 4],
+            "generation_log_probs": [0.0, 0.0],
+        },
+        {"type": "function_call_output", "output": "7"},
+        {
+            "type": "message",
+            "prompt_token_ids": [1, 2, 3, 4, 7],
+            "generation_token_ids": [5],
+            "generation_log_probs": [-9.0],
+        },
+    ]
     calls = claim_gym_calls(session, output)
     assert [c.generation_ids for c in calls] == [[3, 4], [5]]
     assert calls[1].logprobs == pytest.approx([-0.1])  # the endpoint's, not what the agent reported
@@ -71,7 +83,14 @@ def test_an_agents_return_value_is_a_reward_or_a_dict_with_one():
     assert parse_result(1, "a").reward == 1.0
     full = parse_result({"reward": 2.0, "reward_components": {"correct": 1.0, "format": 1.0}, "mask_sample": True}, "a")
     assert (full.status, full.components, full.mask_sample) == ("ok", {"correct": 1.0, "format": 1.0}, True)
-    for bad in (None, "1", {"score": 1}, {"reward": True}, {"reward": float("nan")}, {"reward": 1, "reward_components": {"a": "x"}}):
+    for bad in (
+        None,
+        "1",
+        {"score": 1},
+        {"reward": True},
+        {"reward": float("nan")},
+        {"reward": 1, "reward_components": {"a": "x"}},
+    ):
         assert parse_result(bad, "agent x").status == "failed"
     assert "agent x returned" in parse_result(None, "agent x").error
 
@@ -80,13 +99,29 @@ def test_the_numbers_a_verifier_adds_to_the_row_are_components_and_the_rows_own_
     """Gym's multi-reward servers give each component as a field too; a row field (e.g. a count the
     verifier compares against) is not a component; flags and texts are not either."""
     row = {"responses_create_params": {"input": "hi"}, "expected_count": 3, "answer": "42"}
-    verdict = {**row, "reward": 1.0, "num_tool_calls": 1, "tool_result_correct": 1.0, "mask_sample": False,
-               "failure_kind": None, "reward_components": {"correct": 1.0}}
-    assert parse_result(verdict, "gym", sent=row).components == {"num_tool_calls": 1.0, "tool_result_correct": 1.0, "correct": 1.0}
+    verdict = {
+        **row,
+        "reward": 1.0,
+        "num_tool_calls": 1,
+        "tool_result_correct": 1.0,
+        "mask_sample": False,
+        "failure_kind": None,
+        "reward_components": {"correct": 1.0},
+    }
+    assert parse_result(verdict, "gym", sent=row).components == {
+        "num_tool_calls": 1.0,
+        "tool_result_correct": 1.0,
+        "correct": 1.0,
+    }
 
 
 def test_a_gym_row_is_stamped_with_the_rollouts_sampling_and_left_unchanged():
     row = {"responses_create_params": {"input": "hi", "temperature": 0.3}, "answer": "1"}
     stamped = stamped_row(row, temperature=1.0, top_p=1.0, max_tokens=48)
-    assert stamped["responses_create_params"] == {"input": "hi", "temperature": 1.0, "top_p": 1.0, "max_output_tokens": 48}
+    assert stamped["responses_create_params"] == {
+        "input": "hi",
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "max_output_tokens": 48,
+    }
     assert row["responses_create_params"]["temperature"] == 0.3

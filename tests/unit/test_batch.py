@@ -4,8 +4,24 @@ from reinforge.data.batch import Trajectory, collate
 
 
 def test_loss_mask_covers_response_tokens_only_never_prompt_or_padding():
-    short = Trajectory(prompt_ids=[5, 6], response_ids=[7, 8], gen_logprobs=[-0.1, -0.2], truncated=False, reward=1.0, group=0, task="math")
-    long = Trajectory(prompt_ids=[5, 6, 9], response_ids=[7, 8], gen_logprobs=[-0.3, -0.4], truncated=True, reward=0.0, group=0, task="math")
+    short = Trajectory(
+        prompt_ids=[5, 6],
+        response_ids=[7, 8],
+        gen_logprobs=[-0.1, -0.2],
+        truncated=False,
+        reward=1.0,
+        group=0,
+        task="math",
+    )
+    long = Trajectory(
+        prompt_ids=[5, 6, 9],
+        response_ids=[7, 8],
+        gen_logprobs=[-0.3, -0.4],
+        truncated=True,
+        reward=0.0,
+        group=0,
+        task="math",
+    )
     batch = collate([short, long], advantages=[0.5, -0.5], pad_token_id=0)
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 0], [5, 6, 9, 7, 8]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]

@@ -38,9 +38,15 @@ def test_dependency_logs_go_to_the_file_and_reinforge_output_to_the_terminal(tmp
     assert stderr[1].endswith("ray console handler restored") and len(stderr) == 2
 
     log = (tmp_path / "logs" / "dependencies.log").read_text()
-    for line in ["The following generation flags are not valid and may be ignored: ['temperature']",
-                 "WARNING ray.util [pid ", "ray driver warning", "UserWarning: a dependency's warning",
-                 "C-level write to fd 2\n", "child process stderr\n", "python-level stderr\n"]:
+    for line in [
+        "The following generation flags are not valid and may be ignored: ['temperature']",
+        "WARNING ray.util [pid ",
+        "ray driver warning",
+        "UserWarning: a dependency's warning",
+        "C-level write to fd 2\n",
+        "child process stderr\n",
+        "python-level stderr\n",
+    ]:
         assert line in log, line
     assert "reinforge: error" not in log and "reward 0.500" not in log
 
@@ -48,8 +54,10 @@ def test_dependency_logs_go_to_the_file_and_reinforge_output_to_the_terminal(tmp
 def test_vllm_processes_log_to_the_file_through_their_logging_config(tmp_path, monkeypatch):
     """A process started inside the context configures vLLM's logging as vLLM's engine does
     (LoggingConfig from the environment), and its INFO records land in the file."""
-    child = ("from vllm.config.logging import LoggingConfig; from vllm.logger import configure_logging, init_logger; "
-             "configure_logging(LoggingConfig()); init_logger('vllm.v1.engine.core').info('engine core started')")
+    child = (
+        "from vllm.config.logging import LoggingConfig; from vllm.logger import configure_logging, init_logger; "
+        "configure_logging(LoggingConfig()); init_logger('vllm.v1.engine.core').info('engine core started')"
+    )
     # vLLM's own default level, INFO (an in-process engine earlier in this pytest process sets WARNING)
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     with capture_dependency_logs(tmp_path) as path:
@@ -71,7 +79,12 @@ def test_loggers_environment_and_fd2_are_restored_on_exit(tmp_path, capfd):
         assert os.environ["TQDM_DISABLE"] == "1"
         os.write(2, b"inside\n")
     os.write(2, b"outside\n")
-    assert (list(hf_logger.handlers), hf_logger.propagate, list(root.handlers), os.environ.get("TQDM_DISABLE")) == before
+    assert (
+        list(hf_logger.handlers),
+        hf_logger.propagate,
+        list(root.handlers),
+        os.environ.get("TQDM_DISABLE"),
+    ) == before
     assert capfd.readouterr().err == "outside\n"
     assert path.read_text() == "inside\n"
 

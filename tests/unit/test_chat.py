@@ -46,7 +46,9 @@ def test_token_ids_are_the_chat_templates_rendering(tokenizer):
 
 
 def test_every_assistant_turn_is_trained_and_no_other_message(tokenizer):
-    record = chat(("system", "be brief"), ("user", "one"), ("assistant", "first"), ("user", "two"), ("assistant", "second"))
+    record = chat(
+        ("system", "be brief"), ("user", "one"), ("assistant", "first"), ("user", "two"), ("assistant", "second")
+    )
     example = render_chat(record, tokenizer)
     assert trained_spans(example, tokenizer) == ["first<|im_end|>", "second<|im_end|>"]
     assert example.num_trained_tokens == len(tokenizer("first<|im_end|>second<|im_end|>")["input_ids"])
@@ -55,7 +57,9 @@ def test_every_assistant_turn_is_trained_and_no_other_message(tokenizer):
 def test_the_system_prompt_goes_first_unless_the_chat_has_one(tokenizer):
     added = render_chat(chat(("user", "hi"), ("assistant", "ok")), tokenizer, system_prompt="be brief")
     assert tokenizer.decode(added.token_ids).startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user")
-    kept = render_chat(chat(("system", "mine"), ("user", "hi"), ("assistant", "ok")), tokenizer, system_prompt="be brief")
+    kept = render_chat(
+        chat(("system", "mine"), ("user", "hi"), ("assistant", "ok")), tokenizer, system_prompt="be brief"
+    )
     assert "be brief" not in tokenizer.decode(kept.token_ids)
     assert trained_spans(added, tokenizer) == trained_spans(kept, tokenizer) == ["ok<|im_end|>"]
 

@@ -16,8 +16,15 @@ from test_torch_backend import loss_fn, make_backend, make_batch
 
 from reinforge.algorithms.losses import token_mean
 from reinforge.errors import ConfigError
-from reinforge.training.checkpoint import (check_compatible, is_complete, latest_checkpoint, load_driver_state, prune, save_checkpoint,
-                                           verifies)
+from reinforge.training.checkpoint import (
+    check_compatible,
+    is_complete,
+    latest_checkpoint,
+    load_driver_state,
+    prune,
+    save_checkpoint,
+    verifies,
+)
 
 
 def weights(backend):
@@ -84,7 +91,11 @@ def test_pruning_keeps_the_newest_and_the_best(tiny_model_dir, tmp_path):
     for step in range(1, 6):
         save_checkpoint(tmp_path, step, backend, {"step": step}, "")
     prune(tmp_path, keep_last=2, best_step=2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000004", "step_00000005"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000005",
+    ]
 
 
 def test_a_checkpoint_whose_content_was_corrupted_keeps_its_sizes_but_fails_its_checksums(tiny_model_dir, tmp_path):
@@ -96,7 +107,10 @@ def test_a_checkpoint_whose_content_was_corrupted_keeps_its_sizes_but_fails_its_
         save_checkpoint(tmp_path, step, backend, {"step": step}, "")
     newest = tmp_path / "checkpoints" / "step_00000002"
     manifest = json.loads((newest / "COMPLETE").read_text())["files"]
-    assert manifest["trainer/state.pt"]["sha256"] == hashlib.sha256((newest / "trainer" / "state.pt").read_bytes()).hexdigest()
+    assert (
+        manifest["trainer/state.pt"]["sha256"]
+        == hashlib.sha256((newest / "trainer" / "state.pt").read_bytes()).hexdigest()
+    )
     with open(newest / "trainer" / "state.pt", "r+b") as handle:
         handle.seek(2000)
         chunk = handle.read(64)
@@ -108,7 +122,10 @@ def test_a_checkpoint_whose_content_was_corrupted_keeps_its_sizes_but_fails_its_
     assert warnings == [f"checkpoint {newest} does not match its COMPLETE manifest's checksums (corrupt); skipping it"]
 
     older = tmp_path / "checkpoints" / "step_00000001"
-    sizes_only = {"step": 1, "files": {name: entry["size"] for name, entry in json.loads((older / "COMPLETE").read_text())["files"].items()}}
+    sizes_only = {
+        "step": 1,
+        "files": {name: entry["size"] for name, entry in json.loads((older / "COMPLETE").read_text())["files"].items()},
+    }
     (older / "COMPLETE").write_text(json.dumps(sizes_only))
     assert verifies(older)
 
@@ -122,7 +139,9 @@ def saving_forever(backend, run_dir, start_step: int) -> None:
         prune(run_dir, keep_last=2, best_step=None)
 
 
-def test_saves_killed_at_20_random_moments_never_leave_a_checkpoint_that_verifies_but_does_not_load(tiny_model_dir, tmp_path):
+def test_saves_killed_at_20_random_moments_never_leave_a_checkpoint_that_verifies_but_does_not_load(
+    tiny_model_dir, tmp_path
+):
     """A forked child saves checkpoints back to back (each save, then pruning to 2) and is SIGKILLed 20 times at
     moments spread uniformly over a save's duration (measured first), a fresh child each time starting after
     the newest step. After every kill: some checkpoint verifies; the newest that does loads (weights, AdamW

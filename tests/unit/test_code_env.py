@@ -38,7 +38,8 @@ HUMANEVAL = [json.loads(line) for line in (BENCHMARKS / "humaneval" / "HumanEval
 MBPP = json.loads((BENCHMARKS / "mbpp" / "sanitized-mbpp.json").read_text())
 MUTANT_EXCEPTIONS = {
     # MBPP 82 and 85 compare with math.isclose(rel_tol=0.001) on values in the thousands: + 1 is inside it.
-    ("mbpp", 82, "off_by_one"), ("mbpp", 85, "off_by_one"),
+    ("mbpp", 82, "off_by_one"),
+    ("mbpp", 85, "off_by_one"),
     # The dropped last line is `return False` / `return None` (the implicit None passes `assert not ...`
     # or `== None`), or unreachable.
     *(("mbpp", task_id, "drop_last_line") for task_id in (9, 20, 160, 223, 395, 627, 803, 804)),
@@ -48,7 +49,9 @@ REFERENCE_LIMITS = SandboxLimits(wall_time_s=60.0, cpu_time_s=60.0)
 
 
 def request(response: str, record: dict) -> EnvRequest:
-    return EnvRequest(messages=[{"role": "user", "content": "Write it."}, {"role": "assistant", "content": response}], record=record)
+    return EnvRequest(
+        messages=[{"role": "user", "content": "Write it."}, {"role": "assistant", "content": response}], record=record
+    )
 
 
 def as_model_answer(program: str) -> str:
@@ -65,7 +68,11 @@ def env():
 def mbpp_function(record: dict) -> str:
     """The function the first assert calls, among those the reference defines."""
     defined = {node.name for node in ast.parse(record["code"]).body if isinstance(node, ast.FunctionDef)}
-    calls = [node.func.id for node in ast.walk(ast.parse(record["test_list"][0])) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    calls = [
+        node.func.id
+        for node in ast.walk(ast.parse(record["test_list"][0]))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
     return next(name for name in calls if name in defined)
 
 
@@ -142,7 +149,10 @@ def test_mutated_solutions_score_zero():
 
 # --- partial credit and result parsing ------------------------------------------------------------
 
-DOUBLING = {"task_id": "doubling", "tests": ["assert f(1) == 2", "assert f(2) == 4", "assert f(3) == 7", "assert f(4) == 8"]}
+DOUBLING = {
+    "task_id": "doubling",
+    "tests": ["assert f(1) == 2", "assert f(2) == 4", "assert f(3) == 7", "assert f(4) == 8"],
+}
 
 
 def test_partial_credit_is_the_fraction_of_asserts_that_pass():
@@ -185,19 +195,26 @@ def test_tests_that_ran_before_a_timeout_still_count():
 
 def test_a_program_that_passes_and_then_hangs_gets_partial_credit_but_no_binary_reward():
     """A non-daemon thread keeps the interpreter from exiting after all 4 tests passed."""
-    program = as_model_answer("import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
-                              "def f(x):\n    return 2 * x")
+    program = as_model_answer(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\ndef f(x):\n    return 2 * x"
+    )
     record = {"task_id": "doubling", "tests": ["assert f(1) == 2", "assert f(2) == 4"]}
     sandbox = SandboxLimits(wall_time_s=1.0)
-    with CodeEnv(CodeEnvConfig(sandbox=sandbox)) as binary, CodeEnv(CodeEnvConfig(sandbox=sandbox, partial_credit=True)) as partial:
+    with (
+        CodeEnv(CodeEnvConfig(sandbox=sandbox)) as binary,
+        CodeEnv(CodeEnvConfig(sandbox=sandbox, partial_credit=True)) as partial,
+    ):
         responses = [env.step([request(program, record)])[0] for env in (binary, partial)]
-    assert [(r.reward, r.info["status"], r.info["passed"]) for r in responses] == [(0.0, "timeout", 2), (1.0, "timeout", 2)]
+    assert [(r.reward, r.info["status"], r.info["passed"]) for r in responses] == [
+        (0.0, "timeout", 2),
+        (1.0, "timeout", 2),
+    ]
 
 
 def test_printed_junk_and_fake_result_lines_do_not_change_the_score():
     program = as_model_answer(
         "import sys\n"
-        "print('{\"step\": 5, \"ok\": true, \"error\": \"\"}')\n"
+        'print(\'{"step": 5, "ok": true, "error": ""}\')\n'
         "sys.stdout.write('no newline at the end' * 100)\n"
         "sys.stderr.write('noise')\n"
         "def f(x):\n    print('called', x, end='')\n    return 2 * x"
@@ -213,10 +230,19 @@ def test_a_program_that_exits_early_or_reads_stdin_passes_nothing():
 
 
 def test_mbpp_test_imports_and_setup_code_run_around_the_program():
-    record = {"task_id": 1, "test_imports": ["import math"], "test_setup_code": "VALUE = math.pi",
-              "test_list": ["assert math.isclose(area(1), VALUE)"]}
+    record = {
+        "task_id": 1,
+        "test_imports": ["import math"],
+        "test_setup_code": "VALUE = math.pi",
+        "test_list": ["assert math.isclose(area(1), VALUE)"],
+    }
     with CodeEnv(CodeEnvConfig()) as env:
-        assert env.step([request(as_model_answer("import math\ndef area(r):\n    return math.pi * r * r"), record)])[0].reward == 1.0
+        assert (
+            env.step([request(as_model_answer("import math\ndef area(r):\n    return math.pi * r * r"), record)])[
+                0
+            ].reward
+            == 1.0
+        )
 
 
 def test_a_response_without_code_scores_zero_without_a_run_and_is_counted():
@@ -269,8 +295,11 @@ def test_hostile_programs_are_contained_and_score_zero(tmp_path, monkeypatch):
     }
     add = "\ndef add(a, b):\n    return a + b\n"
     record = {"task_id": "add", "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
-    config = CodeEnvConfig(num_parallel=len(attacks), partial_credit=True,
-                           sandbox=SandboxLimits(wall_time_s=3.0, cpu_time_s=3.0, memory_mb=512, max_processes=32))
+    config = CodeEnvConfig(
+        num_parallel=len(attacks),
+        partial_credit=True,
+        sandbox=SandboxLimits(wall_time_s=3.0, cpu_time_s=3.0, memory_mb=512, max_processes=32),
+    )
     sandbox_processes_before = _live_processes_of_sandbox_uids()
     start = time.monotonic()
     with CodeEnv(config) as env:

@@ -8,7 +8,9 @@ from reinforge.errors import ConfigError
 
 
 def test_misspelled_override_names_the_nearest_valid_key():
-    with pytest.raises(ConfigError, match=r"unknown config key grpo.num_generatoins; did you mean grpo.num_generations_per_prompt\?"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key grpo.num_generatoins; did you mean grpo.num_generations_per_prompt\?"
+    ):
         load_config(None, ["grpo.num_generatoins=4"])
 
 
@@ -27,7 +29,9 @@ def test_override_values_are_type_checked():
 
 
 def test_overrides_parse_numbers_booleans_nulls_and_keep_strings():
-    config = load_config(None, ["training.lr=1e-4", "grpo.normalize_std=false", "loss.dual_clip_c=null", "model.name_or_path=123"])
+    config = load_config(
+        None, ["training.lr=1e-4", "grpo.normalize_std=false", "loss.dual_clip_c=null", "model.name_or_path=123"]
+    )
     assert config.training.lr == 1e-4
     assert config.grpo.normalize_std is False
     assert config.loss.dual_clip_c is None
@@ -35,9 +39,14 @@ def test_overrides_parse_numbers_booleans_nulls_and_keep_strings():
 
 
 def test_batch_sizes_that_do_not_divide_say_field_reason_and_fix():
-    with pytest.raises(ConfigError, match=r"training.global_batch_size=100 does not divide the rollout batch .* = 128\); set it to a divisor of 128"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.global_batch_size=100 does not divide the rollout batch .* = 128\); set it to a divisor of 128",
+    ):
         load_config(None, ["training.global_batch_size=100"])
-    with pytest.raises(ConfigError, match=r"training.micro_batch_size=48 does not divide training.global_batch_size=128"):
+    with pytest.raises(
+        ConfigError, match=r"training.micro_batch_size=48 does not divide training.global_batch_size=128"
+    ):
         load_config(None, ["training.micro_batch_size=48"])
 
 
@@ -45,13 +54,21 @@ def test_lora_sync_settings_the_engine_cannot_take_are_one_line_errors():
     from reinforge.generation.vllm_backend import engine_kwargs
     from reinforge.training.lora_config import VLLM_LORA_RANKS, vllm_max_lora_rank
 
-    with pytest.raises(ConfigError, match=r"^model.lora.sync=adapter needs generation.backend=vllm \(the hf engine has no LoRA support\); set model.lora.sync=merged"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.lora.sync=adapter needs generation.backend=vllm \(the hf engine has no LoRA support\); set model.lora.sync=merged",
+    ):
         load_config(None, ["model.lora.rank=8", "model.lora.sync=adapter"])
     with pytest.raises(ConfigError, match=r"model.lora.rank=600 is above vLLM's largest LoRA rank \(512\)"):
         load_config(None, ["model.lora.rank=600", "generation.backend=vllm"])
     # auto: vLLM takes the adapter, rounded up to a rank it accepts; the HF engine takes merged weights
     assert engine_kwargs(load_config(None, ["model.lora.rank=12", "generation.backend=vllm"]))["lora_rank"] == 12
-    assert engine_kwargs(load_config(None, ["model.lora.rank=12", "generation.backend=vllm", "model.lora.sync=merged"]))["lora_rank"] is None
+    assert (
+        engine_kwargs(load_config(None, ["model.lora.rank=12", "generation.backend=vllm", "model.lora.sync=merged"]))[
+            "lora_rank"
+        ]
+        is None
+    )
     assert [vllm_max_lora_rank(r) for r in (1, 2, 12, 16, 300, 512)] == [1, 8, 16, 16, 320, 512]
     from vllm.config.lora import MaxLoRARanks
 
@@ -74,7 +91,18 @@ def test_saved_config_loads_back_equal(tmp_path):
 
 def test_fixed_top_level_sections_exist():
     assert set(Config.model_fields) == {
-        "seed", "model", "data", "generation", "training", "grpo", "loss", "env", "curriculum", "agent", "cluster", "checkpoint",
+        "seed",
+        "model",
+        "data",
+        "generation",
+        "training",
+        "grpo",
+        "loss",
+        "env",
+        "curriculum",
+        "agent",
+        "cluster",
+        "checkpoint",
         "logging",
     }
 

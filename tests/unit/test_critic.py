@@ -2,8 +2,6 @@
 equal the padded one-batch computation, its gradient accumulates to the one-batch gradient, it fits
 returns, and a checkpoint round trip repeats the next step exactly."""
 
-from functools import partial
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,7 +23,9 @@ def ragged_batch(num_rows=8, seed=0) -> CriticBatch:
         num_response = int(torch.randint(1, 11, (1,), generator=gen))
         response = torch.randint(2, 64, (num_response,), generator=gen).tolist()
         mask = [1, 0, 0] + [1] * (num_response - 3) if row == 3 and num_response > 4 else None
-        trajectories.append(Trajectory(prompt, response, [0.0] * num_response, False, 0.0, row // 2, "math", response_mask=mask))
+        trajectories.append(
+            Trajectory(prompt, response, [0.0] * num_response, False, 0.0, row // 2, "math", response_mask=mask)
+        )
     batch = collate(trajectories, [0.0] * num_rows, pad_token_id=0)
     batch = CriticBatch(**vars(batch))
     batch.returns = torch.randn(batch.loss_mask.shape, generator=gen) * batch.loss_mask
@@ -38,7 +38,9 @@ def make_critic(model_dir, **training) -> CriticBackend:
     config = TrainingConfig(**{"micro_batch_size": 8, "global_batch_size": 8, "lr": 1e-2, **training})
     critic = CriticBackend(ModelConfig(name_or_path=str(model_dir)), config, num_optimizer_steps=10)
     with torch.no_grad():  # a non-zero head, so that values (and the trunk's gradients) are not all 0
-        critic.model.value_head.weight.copy_(torch.randn(critic.model.value_head.weight.shape, generator=torch.Generator().manual_seed(3)))
+        critic.model.value_head.weight.copy_(
+            torch.randn(critic.model.value_head.weight.shape, generator=torch.Generator().manual_seed(3))
+        )
     return critic
 
 
@@ -49,12 +51,18 @@ def padded_values(critic: CriticBackend, batch: CriticBatch) -> torch.Tensor:
     return torch.nn.functional.pad(values[:, :-1], (1, 0)) * batch.loss_mask
 
 
-LAYOUTS = [dict(sequence_packing=False, share_prompts=False), dict(sequence_packing=True, share_prompts=False),
-           dict(sequence_packing=True, share_prompts=True), dict(micro_batch_size=2, sequence_packing=True, share_prompts=False),
-           dict(micro_batch_tokens=24, sequence_packing=True, share_prompts=True)]
+LAYOUTS = [
+    dict(sequence_packing=False, share_prompts=False),
+    dict(sequence_packing=True, share_prompts=False),
+    dict(sequence_packing=True, share_prompts=True),
+    dict(micro_batch_size=2, sequence_packing=True, share_prompts=False),
+    dict(micro_batch_tokens=24, sequence_packing=True, share_prompts=True),
+]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["padded", "packed", "shared_prompts", "micro_batches_of_2", "token_budget_24"])
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=["padded", "packed", "shared_prompts", "micro_batches_of_2", "token_budget_24"]
+)
 def test_values_in_every_micro_batch_layout_equal_the_padded_one_batch_values(tiny_model_dir, layout):
     batch = ragged_batch()
     critic = make_critic(tiny_model_dir, **layout)
@@ -67,8 +75,11 @@ def test_values_in_every_micro_batch_layout_equal_the_padded_one_batch_values(ti
 
 
 def test_a_new_critic_values_everything_at_zero(tiny_model_dir):
-    critic = CriticBackend(ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(micro_batch_size=8, global_batch_size=8),
-                           num_optimizer_steps=1)
+    critic = CriticBackend(
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        TrainingConfig(micro_batch_size=8, global_batch_size=8),
+        num_optimizer_steps=1,
+    )
     assert critic.values(ragged_batch()).abs().max() == 0
 
 

@@ -9,8 +9,13 @@ import torch
 
 from reinforge.config import load_config
 from reinforge.config.schema import EnvConfig, ModelConfig
-from reinforge.data.curriculum import (ProgressiveSampler, build_prompt_sampler, gaussian_targets, prefilter_setup,
-                                       record_pass_rates)
+from reinforge.data.curriculum import (
+    ProgressiveSampler,
+    build_prompt_sampler,
+    gaussian_targets,
+    prefilter_setup,
+    record_pass_rates,
+)
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
 from reinforge.envs.registry import build_envs
@@ -30,7 +35,9 @@ def config_with(*overrides: str):
 
 def fake_prompts(pass_rates: list[float]) -> list[Prompt]:
     """Prompts that only carry an id and a pass rate (the sampler never looks at the tokens)."""
-    return [Prompt(record={"id": i, "pass_rate": rate}, messages=[], token_ids=[i]) for i, rate in enumerate(pass_rates)]
+    return [
+        Prompt(record={"id": i, "pass_rate": rate}, messages=[], token_ids=[i]) for i, rate in enumerate(pass_rates)
+    ]
 
 
 def sampler_for(pass_rates, batch_size, **kwargs) -> ProgressiveSampler:
@@ -115,8 +122,11 @@ def test_records_with_pass_rates_build_the_progressive_sampler_without_sampling(
     sampler, metrics = build_prompt_sampler(config, prompts, None, None, {}, tmp_path)
     assert isinstance(sampler, ProgressiveSampler)
     assert [p.record["id"] for p in sampler.prompts] == [0, 1, 4]  # 0.75 and 1.0 are at or above the threshold
-    assert metrics == {"curriculum/num_prompts_kept": 3, "curriculum/prefilter_dropped_fraction": 0.4,
-                       "curriculum/kept_pass_rate_mean": 0.25}
+    assert metrics == {
+        "curriculum/num_prompts_kept": 3,
+        "curriculum/prefilter_dropped_fraction": 0.4,
+        "curriculum/kept_pass_rate_mean": 0.25,
+    }
     assert not (tmp_path / "curriculum").exists()
 
 
@@ -170,7 +180,9 @@ def test_the_prefilter_on_the_demo_model_drops_easy_prompts_and_is_read_back_not
     assert metrics["curriculum/num_prompts_kept"] == len(kept)
     assert metrics["curriculum/prefilter_dropped_fraction"] == 1 - len(kept) / NUM_PROMPTS
 
-    again, again_metrics = build_prompt_sampler(config, prompts, None, tokenizer, envs, tmp_path)  # no engine: read back
+    again, again_metrics = build_prompt_sampler(
+        config, prompts, None, tokenizer, envs, tmp_path
+    )  # no engine: read back
     assert again.prompts == kept and again_metrics == metrics
     other = config_with("curriculum.prefilter_samples=4")
     with pytest.raises(AssertionError, match="needs the engine"):  # other settings: the stored rates are not reused

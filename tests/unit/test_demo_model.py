@@ -27,7 +27,12 @@ def test_committed_model_loads_as_a_small_qwen2_without_custom_code():
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
     config = model.config
     assert config.model_type == "qwen2"
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (128, 4, 2, 2)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
+        128,
+        4,
+        2,
+        2,
+    )
     assert config.hidden_size // config.num_attention_heads == 64  # a head size vLLM's CPU attention supports
     assert config.tie_word_embeddings
     assert model.dtype == torch.float32
@@ -74,14 +79,25 @@ def test_every_data_line_has_prompt_answer_and_task_and_splits_are_disjoint():
 
 def test_quick_build_produces_a_loadable_model_that_generates(tmp_path):
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "build_demo_model.py"), "--quick",
-         "--out-model", str(tmp_path / "model"), "--out-data", str(tmp_path / "data")],
-        check=True, capture_output=True, timeout=120)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "build_demo_model.py"),
+            "--quick",
+            "--out-model",
+            str(tmp_path / "model"),
+            "--out-data",
+            str(tmp_path / "data"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     prompt = read_jsonl(tmp_path / "data" / "val.jsonl")[0]["prompt"]
-    input_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              return_tensors="pt", return_dict=True)["input_ids"]
+    input_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     output = model.generate(input_ids, max_new_tokens=4, do_sample=False)
     assert output.shape == (1, input_ids.shape[1] + 4) or output[0, -1] == tokenizer.eos_token_id
     assert (tmp_path / "model" / "README.md").exists()

@@ -55,10 +55,14 @@ def test_topk_kl_over_the_whole_vocabulary_is_the_exact_kl_and_its_gradient_is_q
     p, q = teacher.exp(), student.exp()
     forward = topk_kl(student, teacher, "forward")
     assert forward.item() == pytest.approx((p * (teacher - student)).sum().item(), abs=1e-6)
-    assert forward.item() == pytest.approx(torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="sum").item(), abs=1e-6)
+    assert forward.item() == pytest.approx(
+        torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="sum").item(), abs=1e-6
+    )
     forward.sum().backward()
     torch.testing.assert_close(logits.grad, (q - p).detach(), atol=1e-6, rtol=0)
-    assert topk_kl(student, teacher, "reverse").item() == pytest.approx((q * (student - teacher)).sum().item(), abs=1e-6)
+    assert topk_kl(student, teacher, "reverse").item() == pytest.approx(
+        (q * (student - teacher)).sum().item(), abs=1e-6
+    )
 
 
 def test_the_topk_loss_is_kl_coef_times_the_token_mean_of_the_kl_and_nothing_else_without_reward_weight():
@@ -85,7 +89,9 @@ def ragged(num_rows=8, vocab=64, seed=0):
             prompt = torch.randint(2, vocab, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen).tolist()
         answer = torch.randint(2, vocab, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen).tolist()
         mask = [1, 0, 0] + [1] * (len(answer) - 3) if row == 3 and len(answer) > 3 else None
-        trajectories.append(Trajectory(prompt, answer, [0.0] * len(answer), False, 0.0, row // 2, "math", response_mask=mask))
+        trajectories.append(
+            Trajectory(prompt, answer, [0.0] * len(answer), False, 0.0, row // 2, "math", response_mask=mask)
+        )
     batch = collate(trajectories, [0.0] * num_rows, pad_token_id=0)
     batch.teacher_topk_ids = torch.randint(0, vocab, (*batch.loss_mask.shape, K), generator=gen)
     batch.teacher_topk_logprobs = torch.log_softmax(torch.randn(*batch.loss_mask.shape, K, generator=gen), dim=-1)
@@ -103,8 +109,14 @@ def topk_loss(logprobs_BT, micro, norm):
     return kl, {"loss": kl.detach()}
 
 
-@pytest.mark.parametrize("training", [{"sequence_packing": False, "micro_batch_size": 3}, {"sequence_packing": True, "micro_batch_size": 8},
-                                      {"sequence_packing": True, "share_prompts": True, "micro_batch_tokens": 24}])
+@pytest.mark.parametrize(
+    "training",
+    [
+        {"sequence_packing": False, "micro_batch_size": 3},
+        {"sequence_packing": True, "micro_batch_size": 8},
+        {"sequence_packing": True, "share_prompts": True, "micro_batch_tokens": 24},
+    ],
+)
 def test_the_students_logprobs_at_the_teachers_ids_give_the_full_vocabulary_loss_and_gradient(tiny_model_dir, training):
     """Padded, packed and prompt-sharing token-budget micro-batches: the top-k KL's value and gradient through
     the chunked head (logprob_chunk_tokens=4, several chunks) equal those of one padded forward with full logits."""
@@ -117,8 +129,13 @@ def test_the_students_logprobs_at_the_teachers_ids_give_the_full_vocabulary_loss
     expected.backward()
     expected_gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    backend = TorchBackend(ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(global_batch_size=8, logprob_chunk_tokens=4, **training),
-                           temperature=TEMPERATURE, num_optimizer_steps=1, load_reference=False)
+    backend = TorchBackend(
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        TrainingConfig(global_batch_size=8, logprob_chunk_tokens=4, **training),
+        temperature=TEMPERATURE,
+        num_optimizer_steps=1,
+        load_reference=False,
+    )
     backend.optimizer.zero_grad(set_to_none=True)
     metrics = backend.accumulate_gradients(batch, topk_loss)
     gradient = torch.cat([p.grad.flatten() for p in backend.model.parameters()])
@@ -130,8 +147,11 @@ def test_the_students_logprobs_at_the_teachers_ids_give_the_full_vocabulary_loss
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_teacher_scores_the_sampled_tokens_and_its_top_k_as_a_full_vocabulary_forward(tiny_model_dir, packing):
     batch = ragged()
-    teacher = Teacher(ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(sequence_packing=packing, micro_batch_size=3,
-                                                                                     logprob_chunk_tokens=5), TEMPERATURE)
+    teacher = Teacher(
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        TrainingConfig(sequence_packing=packing, micro_batch_size=3, logprob_chunk_tokens=5),
+        TEMPERATURE,
+    )
     logprobs_BT, ids_BTK, topk_BTK = teacher.score(batch, K)
     with torch.no_grad():
         logp_BTV = full_vocab_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir), batch)
@@ -139,7 +159,9 @@ def test_the_teacher_scores_the_sampled_tokens_and_its_top_k_as_a_full_vocabular
     sampled = logp_BTV.gather(-1, batch.input_ids.unsqueeze(-1)).squeeze(-1) * mask
     torch.testing.assert_close(logprobs_BT, sampled, atol=1e-5, rtol=0)
     torch.testing.assert_close(topk_BTK, logp_BTV.topk(K, dim=-1).values * mask.unsqueeze(-1), atol=1e-5, rtol=0)
-    torch.testing.assert_close(topk_BTK, logp_BTV.gather(-1, ids_BTK) * mask.unsqueeze(-1), atol=1e-5, rtol=0)  # the ids are theirs
+    torch.testing.assert_close(
+        topk_BTK, logp_BTV.gather(-1, ids_BTK) * mask.unsqueeze(-1), atol=1e-5, rtol=0
+    )  # the ids are theirs
     assert (ids_BTK[mask == 0] == 0).all() and (logprobs_BT[mask == 0] == 0).all()
 
 
@@ -153,10 +175,19 @@ def test_each_answer_is_scored_by_the_teacher_of_its_task(tiny_model_dir, tmp_pa
     torch.manual_seed(1)
     Qwen2ForCausalLM(Qwen2Config.from_pretrained(tiny_model_dir)).save_pretrained(tmp_path / "other")
     a, b = str(tiny_model_dir), str(tmp_path / "other")
-    config = DistillRunConfig.model_validate({"distill": {"loss": "topk_kl", "topk": K,
-                                                          "teachers": [{"name_or_path": a, "tasks": ["code"]}, {"name_or_path": b}]}})
+    config = DistillRunConfig.model_validate(
+        {
+            "distill": {
+                "loss": "topk_kl",
+                "topk": K,
+                "teachers": [{"name_or_path": a, "tasks": ["code"]}, {"name_or_path": b}],
+            }
+        }
+    )
     batch = ragged()
-    trajectories = [Trajectory([], [], [], False, 0.0, 0, "code" if row in (1, 4, 5) else "math") for row in range(len(batch))]
+    trajectories = [
+        Trajectory([], [], [], False, 0.0, 0, "code" if row in (1, 4, 5) else "math") for row in range(len(batch))
+    ]
     training = TrainingConfig(micro_batch_size=3)
     teachers = {path: Teacher(ModelConfig(name_or_path=path), training, TEMPERATURE) for path in (a, b)}
     scored = score_with_teachers(batch, trajectories, teachers, config.distill)

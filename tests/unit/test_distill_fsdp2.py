@@ -19,8 +19,17 @@ pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 def run_rank(rank, world_size, port, model_dir, out_dir):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    worker = FSDP2Worker(rank, world_size, "127.0.0.1", port, ModelConfig(name_or_path=str(model_dir)), TRAINING,
-                         temperature=TEMPERATURE, num_optimizer_steps=10, load_reference=False)
+    worker = FSDP2Worker(
+        rank,
+        world_size,
+        "127.0.0.1",
+        port,
+        ModelConfig(name_or_path=str(model_dir)),
+        TRAINING,
+        temperature=TEMPERATURE,
+        num_optimizer_steps=10,
+        load_reference=False,
+    )
     metrics = [worker.train_step(ragged(), topk_loss) for _ in range(NUM_STEPS)]
     weights = dict(worker.named_weights())
     torch.save({"metrics": metrics, "weights": weights if rank == 0 else None}, out_dir / f"rank{rank}.pt")
@@ -30,8 +39,13 @@ def run_rank(rank, world_size, port, model_dir, out_dir):
 def test_two_fsdp2_ranks_train_the_topk_kl_as_the_torch_backend_does(tiny_model_dir, tmp_path):
     two = launch(2, tiny_model_dir, tmp_path, target=run_rank)
     torch.manual_seed(0)
-    backend = TorchBackend(ModelConfig(name_or_path=str(tiny_model_dir)), TRAINING, temperature=TEMPERATURE,
-                           num_optimizer_steps=10, load_reference=False)
+    backend = TorchBackend(
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        TRAINING,
+        temperature=TEMPERATURE,
+        num_optimizer_steps=10,
+        load_reference=False,
+    )
     for step in range(NUM_STEPS):
         metrics = backend.train_step(ragged(), topk_loss)
         assert metrics["loss"] > 0

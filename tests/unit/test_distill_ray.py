@@ -3,7 +3,7 @@ same scores (sampled-token logprobs, top-k ids and logprobs) as the teacher in t
 
 import ray
 import torch
-from test_distill import K, TEMPERATURE, ragged
+from test_distill import TEMPERATURE, K, ragged
 
 from reinforge.cluster import worker_group
 from reinforge.cluster.teacher_group import TeacherGroup
@@ -12,7 +12,11 @@ from reinforge.training.teacher import Teacher
 
 
 def test_a_teacher_in_a_ray_actor_scores_as_the_teacher_in_process(tiny_model_dir):
-    model, training, cluster = ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(micro_batch_size=3), ClusterConfig()
+    model, training, cluster = (
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        TrainingConfig(micro_batch_size=3),
+        ClusterConfig(),
+    )
     batch = ragged()
     worker_group.start_ray(cluster, 1)
     try:

@@ -25,11 +25,29 @@ def scored_rounds(math_env, rounds):
         calls.append(round_index)
         trajectories = []
         for group, (gold, answers) in enumerate(rounds[round_index]):
-            requests = [EnvRequest(messages=[{"role": "user", "content": "?"}, {"role": "assistant", "content": f"The answer is {a}."}],
-                                   record={"answer": gold}) for a in answers]
+            requests = [
+                EnvRequest(
+                    messages=[
+                        {"role": "user", "content": "?"},
+                        {"role": "assistant", "content": f"The answer is {a}."},
+                    ],
+                    record={"answer": gold},
+                )
+                for a in answers
+            ]
             for answer, response in zip(answers, math_env.step(requests)):
-                trajectories.append(Trajectory(prompt_ids=[1], response_ids=[2], gen_logprobs=[0.0], truncated=False,
-                                               reward=response.reward, group=group, task="math", response_text=answer))
+                trajectories.append(
+                    Trajectory(
+                        prompt_ids=[1],
+                        response_ids=[2],
+                        gen_logprobs=[0.0],
+                        truncated=False,
+                        reward=response.reward,
+                        group=group,
+                        task="math",
+                        response_text=answer,
+                    )
+                )
         return trajectories
 
     return rollout_round, calls
@@ -50,8 +68,12 @@ def test_groups_with_equal_rewards_are_dropped_and_more_prompts_are_sampled_unti
     assert [t.response_text for t in trajectories] == ["78", "12", "10", "9", "3", "12"]
     assert [t.reward for t in trajectories] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
     assert [t.group for t in trajectories] == [0, 0, 1, 1, 2, 2]  # renumbered across rounds
-    assert metrics == {"rollout/dynamic_sampling_rounds": 2, "rollout/num_dropped_groups": 3,
-                       "rollout/dropped_group_fraction": 0.5, "rollout/num_trained_groups": 3}
+    assert metrics == {
+        "rollout/dynamic_sampling_rounds": 2,
+        "rollout/num_dropped_groups": 3,
+        "rollout/dropped_group_fraction": 0.5,
+        "rollout/num_trained_groups": 3,
+    }
 
 
 def test_the_surplus_of_the_last_round_is_discarded(math_env):
@@ -70,8 +92,12 @@ def test_when_the_extra_rounds_run_out_the_step_trains_on_the_groups_it_has(math
     trajectories, metrics = fill_with_informative_groups(rollout_round, num_groups=2, group_size=2, max_extra_rounds=1)
     assert calls == [0, 1]
     assert [t.response_text for t in trajectories] == ["7", "8"]
-    assert metrics == {"rollout/dynamic_sampling_rounds": 2, "rollout/num_dropped_groups": 3,
-                       "rollout/dropped_group_fraction": 0.75, "rollout/num_trained_groups": 1}
+    assert metrics == {
+        "rollout/dynamic_sampling_rounds": 2,
+        "rollout/num_dropped_groups": 3,
+        "rollout/dropped_group_fraction": 0.75,
+        "rollout/num_trained_groups": 1,
+    }
 
 
 def test_without_any_informative_group_nothing_is_trained(math_env):

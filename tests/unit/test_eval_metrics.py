@@ -59,12 +59,12 @@ def test_mean_pass_at_k_averages_over_prompts():
 
 
 def test_majority_vote_ignores_whitespace_and_skips_missing_answers():
-    """"7" gets 3 votes (indices 1, 3, 4; " 7" is "7"), "12" gets 2: the winner's first sample is 1."""
+    """ "7" gets 3 votes (indices 1, 3, 4; " 7" is "7"), "12" gets 2: the winner's first sample is 1."""
     assert majority_vote(["12", "7", "1 2", "7", " 7", None]) == 1
 
 
 def test_majority_vote_breaks_ties_by_the_answer_seen_first():
-    """"5" and "3" have 2 votes each; "5" appears first (index 0)."""
+    """ "5" and "3" have 2 votes each; "5" appears first (index 0)."""
     assert majority_vote(["5", "3", "3", "5"]) == 0
     assert majority_vote(["3", "5", "5", "3"]) == 0
 
@@ -78,9 +78,18 @@ def test_maj_at_k_votes_over_the_first_k_of_n_samples_only():
     """n=5, k=3. Prompt 1: first 3 answers 4, 4, 3 -> "4" wins (wrong; gold 3) although "3" leads over
     all 5 -> 0. Prompt 2: 3, 5, 5 -> "5" wins, correct -> 1. Prompt 3: None, 2, None -> "2" wins alone,
     wrong -> 0. Prompt 4: no answer among the first 3 -> 0. maj@3 = 1/4."""
-    answers = [["4", "4", "3", "3", "3"], ["3", "5", "5", "9", "9"], [None, "2", None, "8", "8"], [None, None, None, "1", "1"]]
-    correct = [[False, False, True, True, True], [False, True, True, False, False], [False, False, False, True, True],
-               [False, False, False, True, True]]
+    answers = [
+        ["4", "4", "3", "3", "3"],
+        ["3", "5", "5", "9", "9"],
+        [None, "2", None, "8", "8"],
+        [None, None, None, "1", "1"],
+    ]
+    correct = [
+        [False, False, True, True, True],
+        [False, True, True, False, False],
+        [False, False, False, True, True],
+        [False, False, False, True, True],
+    ]
     assert maj_at_k(answers, correct, 3) == pytest.approx(0.25)
 
 

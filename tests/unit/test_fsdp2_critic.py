@@ -46,12 +46,23 @@ def script(critic, batch, gathered_grads, save, load):
 def run_critic_rank(rank, world_size, port, model_dir, out_dir):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    critic = FSDP2Critic(rank, world_size, "127.0.0.1", port, ModelConfig(name_or_path=str(model_dir)), TrainingConfig(**TRAINING),
-                         num_optimizer_steps=10)
+    critic = FSDP2Critic(
+        rank,
+        world_size,
+        "127.0.0.1",
+        port,
+        ModelConfig(name_or_path=str(model_dir)),
+        TrainingConfig(**TRAINING),
+        num_optimizer_steps=10,
+    )
     state = str(out_dir / "critic_state")  # each rank writes its shards
-    result = script(critic, ragged_batch(),
-                    lambda c: {name: p.grad.full_tensor().cpu() for name, p in c.model.named_parameters() if p.grad is not None},
-                    save=lambda c: c.save_state(state), load=lambda c: c.load_state(state))
+    result = script(
+        critic,
+        ragged_batch(),
+        lambda c: {name: p.grad.full_tensor().cpu() for name, p in c.model.named_parameters() if p.grad is not None},
+        save=lambda c: c.save_state(state),
+        load=lambda c: c.load_state(state),
+    )
     result["weights"] = dict(critic.named_weights())
     torch.save(result, out_dir / f"rank{rank}.pt")
     critic.shutdown()
@@ -62,9 +73,16 @@ def runs(tiny_model_dir, tmp_path_factory):
     """(the two ranks' results, the torch critic's)."""
     two = launch(2, tiny_model_dir, tmp_path_factory.mktemp("fsdp2_critic"), target=run_critic_rank)
     torch.manual_seed(0)
-    critic = CriticBackend(ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(**TRAINING), num_optimizer_steps=10)
-    one = script(critic, ragged_batch(),
-                 lambda c: {name: p.grad.clone() for name, p in c.model.named_parameters() if p.grad is not None}, None, None)
+    critic = CriticBackend(
+        ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(**TRAINING), num_optimizer_steps=10
+    )
+    one = script(
+        critic,
+        ragged_batch(),
+        lambda c: {name: p.grad.clone() for name, p in c.model.named_parameters() if p.grad is not None},
+        None,
+        None,
+    )
     one["weights"] = dict(critic.named_weights())
     return two, one
 
@@ -86,7 +104,9 @@ def test_two_critic_ranks_give_the_torch_critics_gradients_and_updated_weights(r
     assert one["grads"].keys() == two[0]["grads"].keys() and "value_head.weight" in one["grads"]
     assert one["grads"]["model.layers.0.mlp.up_proj.weight"].abs().max() > 0  # the trunk learns through the head
     for name, grad in one["grads"].items():
-        torch.testing.assert_close(two[0]["grads"][name], grad, atol=1e-5 * max(1.0, grad.abs().max().item()), rtol=0, msg=name)
+        torch.testing.assert_close(
+            two[0]["grads"][name], grad, atol=1e-5 * max(1.0, grad.abs().max().item()), rtol=0, msg=name
+        )
     assert one["weights"].keys() == two[0]["weights"].keys()
     for name, weight in one["weights"].items():
         torch.testing.assert_close(two[0]["weights"][name], weight, atol=1e-5, rtol=0, msg=name)

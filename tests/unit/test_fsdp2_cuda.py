@@ -23,9 +23,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def run(model_dir, dtype="float32", **training):
     """Logprobs, NUM_STEPS train steps and the final weights of one FSDP2 rank on the GPU."""
     torch.manual_seed(0)
-    worker = FSDP2Worker(0, 1, "127.0.0.1", free_port(), ModelConfig(name_or_path=str(model_dir), dtype=dtype),
-                         TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-3, **training),
-                         temperature=0.7, num_optimizer_steps=10, load_reference=True)
+    worker = FSDP2Worker(
+        0,
+        1,
+        "127.0.0.1",
+        free_port(),
+        ModelConfig(name_or_path=str(model_dir), dtype=dtype),
+        TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-3, **training),
+        temperature=0.7,
+        num_optimizer_steps=10,
+        load_reference=True,
+    )
     try:
         assert worker.device.type == "cuda"
         batch = make_batch()
@@ -56,7 +64,12 @@ def test_fp32_on_the_gpu_matches_the_cpu_backend(tiny_model_dir, cpu, compile_la
     assert metrics[0]["clip_fraction"] > 0 and metrics[0]["kl"] > 0
     for step in range(NUM_STEPS):
         for name in ("loss", "kl", "entropy", "grad_norm"):
-            assert abs(metrics[step][name] - cpu[1][step][name]) <= 1e-5, (name, step, metrics[step][name], cpu[1][step][name])
+            assert abs(metrics[step][name] - cpu[1][step][name]) <= 1e-5, (
+                name,
+                step,
+                metrics[step][name],
+                cpu[1][step][name],
+            )
     for name, weight in weights.items():
         torch.testing.assert_close(weight, cpu[2][name], atol=1e-4, rtol=0)
 
@@ -65,7 +78,9 @@ def test_bf16_on_the_gpu_stays_within_bf16_rounding_of_fp32(tiny_model_dir, cpu)
     logprobs, metrics, _ = run(tiny_model_dir, dtype="bfloat16")
     difference = (logprobs - cpu[0]).abs()[make_batch().loss_mask > 0]
     print("bf16 logprobs |d| mean, max:", float(difference.mean()), float(difference.max()))
-    assert difference.max() > 0, "bf16 compute gave fp32's logprobs bit for bit: the mixed-precision policy is not applied"
+    assert difference.max() > 0, (
+        "bf16 compute gave fp32's logprobs bit for bit: the mixed-precision policy is not applied"
+    )
     assert difference.mean() <= 0.01 and difference.max() <= 0.1
     assert abs(metrics[0]["loss"] - cpu[1][0]["loss"]) <= 0.01 * max(1.0, abs(cpu[1][0]["loss"]))
 

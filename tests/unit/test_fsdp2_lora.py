@@ -32,15 +32,29 @@ def run_lora_rank(rank, world_size, port, model_dir, out_dir):
     """NUM_STEPS steps, checkpoint and adapter export; then one more step, back to the checkpoint, the same step again."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    worker = FSDP2Worker(rank, world_size, "127.0.0.1", port, ModelConfig(name_or_path=str(model_dir), lora=LORA), TRAINING,
-                         temperature=0.7, num_optimizer_steps=10, load_reference=True)
+    worker = FSDP2Worker(
+        rank,
+        world_size,
+        "127.0.0.1",
+        port,
+        ModelConfig(name_or_path=str(model_dir), lora=LORA),
+        TRAINING,
+        temperature=0.7,
+        num_optimizer_steps=10,
+        load_reference=True,
+    )
     batch = make_batch()
     perturb(batch, worker.logprobs(batch), worker.logprobs(batch, reference=True))
     metrics = [worker.train_step(batch, LOSS) for _ in range(NUM_STEPS)]
     worker.save_state(str(out_dir / "state"))
     worker.save_adapter(out_dir / "adapter")
-    result = {"metrics": metrics, "weights": dict(worker.named_weights()), "logprobs": worker.logprobs(batch),
-              "reference": worker.logprobs(batch, reference=True), "num_optimized": sum(len(g["params"]) for g in worker.optimizer.param_groups)}
+    result = {
+        "metrics": metrics,
+        "weights": dict(worker.named_weights()),
+        "logprobs": worker.logprobs(batch),
+        "reference": worker.logprobs(batch, reference=True),
+        "num_optimized": sum(len(g["params"]) for g in worker.optimizer.param_groups),
+    }
     result["next"] = worker.train_step(batch, LOSS), dict(worker.named_weights())
     worker.load_state(str(out_dir / "state"))
     result["next_after_load"] = worker.train_step(batch, LOSS), dict(worker.named_weights())
@@ -60,8 +74,13 @@ def runs(tiny_model_dir, tmp_path_factory):
 
 def torch_backend(model_dir) -> TorchBackend:
     torch.manual_seed(0)
-    return TorchBackend(ModelConfig(name_or_path=str(model_dir), lora=LORA), TRAINING, temperature=0.7, num_optimizer_steps=10,
-                        load_reference=True)
+    return TorchBackend(
+        ModelConfig(name_or_path=str(model_dir), lora=LORA),
+        TRAINING,
+        temperature=0.7,
+        num_optimizer_steps=10,
+        load_reference=True,
+    )
 
 
 def test_two_ranks_train_the_adapter_as_one_rank_and_the_single_process_backend_do(runs, tiny_model_dir):
@@ -81,12 +100,20 @@ def test_two_ranks_train_the_adapter_as_one_rank_and_the_single_process_backend_
         for result in (one, two[0]):
             torch.testing.assert_close(result["weights"][name], weight, atol=1e-5, rtol=0)
         assert name.endswith("proj.weight") == bool((weight - initial[name]).abs().max() > 0), name
-    assert one["num_optimized"] == two[0]["num_optimized"] == len(backend.trainable) == 2 * 7 * 2  # A and B of 7 linears in each of 2 layers
+    assert (
+        one["num_optimized"] == two[0]["num_optimized"] == len(backend.trainable) == 2 * 7 * 2
+    )  # A and B of 7 linears in each of 2 layers
 
 
 def test_the_reference_is_the_base_model_with_the_adapters_off(runs, tiny_model_dir):
     two, _ = runs[2]
-    base = TorchBackend(ModelConfig(name_or_path=str(tiny_model_dir)), TRAINING, temperature=0.7, num_optimizer_steps=10, load_reference=False)
+    base = TorchBackend(
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        TRAINING,
+        temperature=0.7,
+        num_optimizer_steps=10,
+        load_reference=False,
+    )
     expected = base.logprobs(make_batch())
     torch.testing.assert_close(two[0]["reference"], expected, atol=1e-6, rtol=0)
     assert (two[0]["logprobs"] - expected).abs().max() > 1e-3  # the trained policy is not the base
@@ -100,7 +127,9 @@ def test_the_exported_adapter_loads_in_peft_as_the_merged_policy(runs, tiny_mode
         torch.testing.assert_close(merged[name], weight, atol=1e-6, rtol=0)
 
 
-def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_restores_them_exactly(runs, tiny_model_dir, tmp_path):
+def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_restores_them_exactly(
+    runs, tiny_model_dir, tmp_path
+):
     two, out_dir = runs[2]
     state = policy_state_dict(out_dir / "state")  # what reinforge convert reads
     assert set(state) == set(adapter_state_dict(torch_backend(tiny_model_dir).model))  # the torch backend's names

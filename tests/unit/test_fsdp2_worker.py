@@ -35,10 +35,17 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
     torch.set_num_threads(1)
     torch.manual_seed(0)
     worker = FSDP2Worker(
-        rank, world_size, "127.0.0.1", port,
+        rank,
+        world_size,
+        "127.0.0.1",
+        port,
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-3, activation_checkpointing=activation_checkpointing),
-        temperature=0.7, num_optimizer_steps=10, load_reference=True,
+        TrainingConfig(
+            micro_batch_size=2, global_batch_size=8, lr=1e-3, activation_checkpointing=activation_checkpointing
+        ),
+        temperature=0.7,
+        num_optimizer_steps=10,
+        load_reference=True,
     )
     batch = make_batch()
     logprobs = worker.logprobs(batch)
@@ -61,7 +68,10 @@ def launch(world_size, model_dir, out_dir, *args, target=run_rank, timeout_s=120
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
-    processes = [context.Process(target=target, args=(rank, world_size, port, model_dir, out_dir, *args)) for rank in range(world_size)]
+    processes = [
+        context.Process(target=target, args=(rank, world_size, port, model_dir, out_dir, *args))
+        for rank in range(world_size)
+    ]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout_s

@@ -17,13 +17,22 @@ def config(*overrides: str):
 
 
 def trajectory(reward: float, components: dict[str, float], num_tokens: int = 2, group: int = 0) -> Trajectory:
-    return Trajectory(prompt_ids=[5], response_ids=[7] * num_tokens, gen_logprobs=[0.0] * num_tokens, truncated=False,
-                      reward=reward, group=group, task="math", components=components)
+    return Trajectory(
+        prompt_ids=[5],
+        response_ids=[7] * num_tokens,
+        gen_logprobs=[0.0] * num_tokens,
+        truncated=False,
+        reward=reward,
+        group=group,
+        task="math",
+        components=components,
+    )
 
 
 def test_gdpo_components_are_the_task_reward_and_each_extra_reward_with_its_weight():
-    assert reward_components([trajectory(1.5, {"task_reward": 1.0, "format": 1.0})], config("env.extra_rewards={format: 0.5}")) == (
-        ["task_reward", "format"], [1.0, 0.5])
+    assert reward_components(
+        [trajectory(1.5, {"task_reward": 1.0, "format": 1.0})], config("env.extra_rewards={format: 0.5}")
+    ) == (["task_reward", "format"], [1.0, 0.5])
 
 
 def test_gdpo_takes_an_agents_components_when_they_sum_to_the_reward_else_the_reward_alone():
@@ -40,16 +49,25 @@ def test_gdpo_step_advantages_normalise_the_components_and_whiten_by_tokens():
     0.353553) / 4 = 0.176777, var (3 x 0.176777^2 + 0.530330^2) / 4 = 0.09375, std 0.306186:
     whitened [0.577350, -1.732051]. GRPO on the summed rewards [1, 0.5] (+-0.353553 / 0.353553) then token
     whitening gives the same here; a third component would not."""
-    trajectories = [trajectory(1.0, {"task_reward": 1.0, "format": 0.0}, 3), trajectory(0.5, {"task_reward": 0.0, "format": 1.0}, 1)]
+    trajectories = [
+        trajectory(1.0, {"task_reward": 1.0, "format": 0.0}, 3),
+        trajectory(0.5, {"task_reward": 0.0, "format": 1.0}, 1),
+    ]
     batch = collate(trajectories, [0.0, 0.0], 0)
     rewards_PG = torch.tensor([[1.0, 0.5]])
     gdpo = config("env.extra_rewards={format: 0.5}", "grpo.decoupled_normalization=true")
     advantages, metrics = step_advantages(trajectories, rewards_PG, [], batch, gdpo)
     torch.testing.assert_close(advantages, torch.tensor([[0.577350, -1.732051]]), atol=1e-5, rtol=0)
     assert metrics == {"train/num_reward_components": 2.0}
-    by_sequences = config("env.extra_rewards={format: 0.5}", "grpo.decoupled_normalization=true", "grpo.whiten_over=sequences")
-    torch.testing.assert_close(step_advantages(trajectories, rewards_PG, [], batch, by_sequences)[0], torch.tensor([[1.0, -1.0]]),
-                               atol=1e-5, rtol=0)
+    by_sequences = config(
+        "env.extra_rewards={format: 0.5}", "grpo.decoupled_normalization=true", "grpo.whiten_over=sequences"
+    )
+    torch.testing.assert_close(
+        step_advantages(trajectories, rewards_PG, [], batch, by_sequences)[0],
+        torch.tensor([[1.0, -1.0]]),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_the_kl_penalty_in_the_reward_is_kl_coef_times_the_sequence_sum_of_the_estimate():
@@ -66,13 +84,16 @@ def test_the_kl_penalty_in_the_reward_is_kl_coef_times_the_sequence_sum_of_the_e
     assert torch.equal(kl_reward_penalties(batch, config()), torch.zeros(2))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["loss.policy_loss=cispo", "loss.dual_clip_c=3"], "loss.dual_clip_c does not apply to loss.policy_loss=cispo"),
-    (["loss.kl_in_reward=true", "loss.kl_coef=0"], "loss.kl_in_reward=true has no penalty to put in the reward"),
-    (["grpo.decoupled_normalization=true", "grpo.whiten_advantages=true"], "already whitens the advantages"),
-    (["loss.clip_eps_low=1.0"], "loss.clip_eps_low must be < 1"),
-    (["loss.kl_estimator=k4"], "loss.kl_estimator"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss.policy_loss=cispo", "loss.dual_clip_c=3"], "loss.dual_clip_c does not apply to loss.policy_loss=cispo"),
+        (["loss.kl_in_reward=true", "loss.kl_coef=0"], "loss.kl_in_reward=true has no penalty to put in the reward"),
+        (["grpo.decoupled_normalization=true", "grpo.whiten_advantages=true"], "already whitens the advantages"),
+        (["loss.clip_eps_low=1.0"], "loss.clip_eps_low must be < 1"),
+        (["loss.kl_estimator=k4"], "loss.kl_estimator"),
+    ],
+)
 def test_bad_loss_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ReinforgeError, match=message) as raised:
         config(*overrides)

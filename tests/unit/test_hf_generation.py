@@ -20,7 +20,10 @@ MODEL = ModelConfig(name_or_path=str(PROJECT_ROOT / "models" / "demo"))
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = load_tokenizer(MODEL)
-    prompts = [render_prompt(r, tokenizer, "prompt", None, True) for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "val.jsonl")[:4]]
+    prompts = [
+        render_prompt(r, tokenizer, "prompt", None, True)
+        for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "val.jsonl")[:4]
+    ]
     return HFGenerationBackend(load_model(MODEL), tokenizer, max_batch_size=6), tokenizer, prompts
 
 
@@ -29,7 +32,9 @@ def test_completions_stop_at_eos_or_stop_string_and_record_truncation(setup):
     done = engine.generate([prompts[0].token_ids], SamplingParams(max_new_tokens=60, temperature=0.0)).completions[0][0]
     assert done.finish_reason == "stop" and done.token_ids[-1] == tokenizer.eos_token_id
     assert tokenizer.eos_token_id not in done.token_ids[:-1]
-    cut = engine.generate([prompts[0].token_ids], SamplingParams(max_new_tokens=60, temperature=0.0, stop_strings=("=",))).completions[0][0]
+    cut = engine.generate(
+        [prompts[0].token_ids], SamplingParams(max_new_tokens=60, temperature=0.0, stop_strings=("=",))
+    ).completions[0][0]
     assert cut.finish_reason == "stop" and tokenizer.decode(cut.token_ids).endswith("=")
     short = engine.generate([prompts[0].token_ids], SamplingParams(max_new_tokens=3, temperature=0.0)).completions[0][0]
     assert short.finish_reason == "length" and len(short.token_ids) == 3
@@ -42,7 +47,9 @@ def test_samples_are_grouped_by_prompt_seeded_and_chunked(setup):
     again = engine.generate(ids, SamplingParams(max_new_tokens=40, num_samples=4, seed=3))
     assert [len(group) for group in first.completions] == [4, 4, 4, 4]
     assert all(c.prompt_index == i for i, group in enumerate(first.completions) for c in group)
-    assert [[c.token_ids for c in g] for g in first.completions] == [[c.token_ids for c in g] for g in again.completions]
+    assert [[c.token_ids for c in g] for g in first.completions] == [
+        [c.token_ids for c in g] for g in again.completions
+    ]
 
 
 def test_reported_logprobs_are_those_of_the_tempered_sampling_distribution(setup):

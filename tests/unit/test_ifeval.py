@@ -126,7 +126,7 @@ def test_an_empty_paragraph_between_dividers_fails():
 
 def test_the_nth_paragraph_must_start_with_the_word_and_the_paragraph_count_must_match():
     kwargs = {"num_paragraphs": 3, "nth_paragraph": 2, "first_word": "Summary"}
-    assert follows("length_constraints:nth_paragraph_first_word", "Intro.\n\n\"summary, then.\n\nEnd.", **kwargs)
+    assert follows("length_constraints:nth_paragraph_first_word", 'Intro.\n\n"summary, then.\n\nEnd.', **kwargs)
     assert not follows("length_constraints:nth_paragraph_first_word", "Intro.\n\nIn summary.\n\nEnd.", **kwargs)
     assert not follows("length_constraints:nth_paragraph_first_word", "Intro.\n\nSummary here.", **kwargs)
 
@@ -351,9 +351,7 @@ def test_the_response_is_the_last_assistant_message():
 
 def test_repeat_prompt_falls_back_to_the_records_prompt():
     env = IfEvalEnv(IfEvalConfig(reward="all"))
-    [response] = env.step(
-        [request("Say hi. Hi!", ["combination:repeat_prompt"], [{}], prompt="Say hi.")]
-    )
+    [response] = env.step([request("Say hi. Hi!", ["combination:repeat_prompt"], [{}], prompt="Say hi.")])
     assert response.reward == 1.0
 
 

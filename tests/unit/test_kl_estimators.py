@@ -29,6 +29,7 @@ def gradient(objective, theta: torch.Tensor) -> torch.Tensor:
 
 def exact_kl_gradients(theta, log_q):
     """grad KL(pi || q) = grad sum pi (log pi - log q);  grad KL(q || pi) = grad sum q (log q - log pi)."""
+
     def log_pi():
         return torch.log_softmax(theta, -1)
 
@@ -55,7 +56,9 @@ def test_in_the_loss_k1_has_no_expected_gradient_k2_that_of_reverse_kl_k3_that_o
     theta, log_q = distributions(seed)
     reverse, forward = exact_kl_gradients(theta, log_q)
     assert reverse.abs().max() > 1e-2 and (reverse - forward).abs().max() > 1e-2  # the two KLs' gradients differ here
-    torch.testing.assert_close(loss_term_gradient(KL_ESTIMATORS["k1"], theta, log_q), torch.zeros(V, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        loss_term_gradient(KL_ESTIMATORS["k1"], theta, log_q), torch.zeros(V, dtype=torch.float64), atol=1e-12, rtol=0
+    )
     torch.testing.assert_close(loss_term_gradient(KL_ESTIMATORS["k2"], theta, log_q), reverse, atol=1e-12, rtol=0)
     torch.testing.assert_close(loss_term_gradient(KL_ESTIMATORS["k3"], theta, log_q), forward, atol=1e-12, rtol=0)
 
@@ -88,11 +91,27 @@ def test_grpo_loss_adds_the_chosen_estimator_and_measures_it_without_training_on
     logp = torch.tensor([[-1.0]], requires_grad=True)
     common = dict(aggregate=token_mean, eps_low=0.2, eps_high=0.2, ref_logprobs_BT=torch.tensor([[-2.0]]))
     for name, expected in {"k1": 1.0, "k2": 0.5, "k3": 0.367879}.items():
-        loss, metrics = grpo_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1), Normalisers(1, 1), kl_coef=0.5,
-                                  kl_estimator=KL_ESTIMATORS[name], **common)
+        loss, metrics = grpo_loss(
+            logp,
+            logp.detach(),
+            torch.zeros(1),
+            torch.ones(1, 1),
+            Normalisers(1, 1),
+            kl_coef=0.5,
+            kl_estimator=KL_ESTIMATORS[name],
+            **common,
+        )
         assert abs(loss.item() - 0.5 * expected) < 1e-5 and abs(metrics["kl"].item() - expected) < 1e-5
-        loss, metrics = grpo_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1), Normalisers(1, 1), kl_coef=0.0,
-                                  kl_estimator=KL_ESTIMATORS[name], **common)
+        loss, metrics = grpo_loss(
+            logp,
+            logp.detach(),
+            torch.zeros(1),
+            torch.ones(1, 1),
+            Normalisers(1, 1),
+            kl_coef=0.0,
+            kl_estimator=KL_ESTIMATORS[name],
+            **common,
+        )
         assert loss.item() == 0.0 and abs(metrics["kl"].item() - expected) < 1e-5
         (grad,) = torch.autograd.grad(loss, logp, allow_unused=True, materialize_grads=True)
         assert grad.abs().max() == 0.0

@@ -3,14 +3,14 @@ the MLflow file store, metrics.jsonl."""
 
 import json
 import struct
-from contextlib import nullcontext
 import sys
+from contextlib import nullcontext
 
 import pytest
 
 from reinforge.config import Config
-from reinforge.errors import ConfigError
 from reinforge.config.tree import flatten
+from reinforge.errors import ConfigError
 from reinforge.logging.loggers import LoggersConfig, MetricLogger, check_backends
 
 STEPS = {
@@ -88,7 +88,8 @@ def test_wandb_offline_run_file_holds_the_history_config_name_and_tags(tmp_path,
     assert (run.project, run.display_name, list(run.tags)) == ("p", "grpo-7", ["demo", "cpu"])
     history = [
         {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
-        for r in records if r.WhichOneof("record_type") == "history"
+        for r in records
+        if r.WhichOneof("record_type") == "history"
     ]
     logged = [{k: v for k, v in row.items() if not k.startswith("_")} | {"step": row["_step"]} for row in history]
     assert logged == [
@@ -98,7 +99,9 @@ def test_wandb_offline_run_file_holds_the_history_config_name_and_tags(tmp_path,
     ]
     config = {
         "/".join(item.nested_key) or item.key: json.loads(item.value_json)
-        for r in records if r.WhichOneof("record_type") == "config" for item in r.config.update
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
     }
     assert config["model"]["name_or_path"] == "models/demo"
     (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]

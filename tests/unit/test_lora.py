@@ -31,9 +31,13 @@ def make_batch(num_rows=8, group_size=4, seed=0):
 
 def lora_backend(model_dir, lora=LORA, load_reference=False) -> TorchBackend:
     torch.manual_seed(0)
-    return TorchBackend(ModelConfig(name_or_path=str(model_dir), lora=lora),
-                        TrainingConfig(micro_batch_size=4, global_batch_size=8, lr=1e-2, micro_batch_tokens=40),
-                        temperature=TEMPERATURE, num_optimizer_steps=10, load_reference=load_reference)
+    return TorchBackend(
+        ModelConfig(name_or_path=str(model_dir), lora=lora),
+        TrainingConfig(micro_batch_size=4, global_batch_size=8, lr=1e-2, micro_batch_tokens=40),
+        temperature=TEMPERATURE,
+        num_optimizer_steps=10,
+        load_reference=load_reference,
+    )
 
 
 def randomise_adapters(backend: TorchBackend) -> dict[str, torch.Tensor]:
@@ -49,7 +53,9 @@ def randomise_adapters(backend: TorchBackend) -> dict[str, torch.Tensor]:
 def peft_reference(model_dir, adapters: dict[str, torch.Tensor]):
     """PEFT's own LoRA model on the same base weights and adapters, called the ordinary way."""
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules="all-linear", lora_dropout=0.0))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules="all-linear", lora_dropout=0.0)
+    )
     missing, unexpected = model.get_base_model().load_state_dict(adapters, strict=False)
     assert not unexpected and not [name for name in missing if "lora_" in name]
     return model
@@ -68,7 +74,9 @@ def test_a_fresh_adapter_leaves_the_policy_equal_to_the_base_model(tiny_model_di
         expected = plain_logprobs(base, batch)
     assert (backend.logprobs(batch) - expected).abs().max() <= 1e-5
     assert all(("lora_" in name) == parameter.requires_grad for name, parameter in backend.model.named_parameters())
-    assert {id(p) for group in backend.optimizer.param_groups for p in group["params"]} == {id(p) for p in backend.trainable}
+    assert {id(p) for group in backend.optimizer.param_groups for p in group["params"]} == {
+        id(p) for p in backend.trainable
+    }
 
 
 def test_logprobs_and_gradients_equal_pefts_own_on_the_same_weights(tiny_model_dir):
@@ -109,13 +117,20 @@ def test_the_merged_refit_weights_are_pefts_merge_and_unload(tiny_model_dir):
     # computed afresh from the base: the backend's own base weights are untouched
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
     state = backend.model.state_dict()
-    assert torch.equal(state["model.layers.0.self_attn.q_proj.base_layer.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(
+        state["model.layers.0.self_attn.q_proj.base_layer.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_merge_lora_weights_by_hand():
     """W = [[1, 0], [0, 1]], A = [[1, 2]] (r = 1), B = [[1], [0]], scale 0.5: W + 0.5 B A = [[1.5, 1], [0, 1]]."""
-    state = {"m.base_layer.weight": torch.eye(2), "m.base_layer.bias": torch.ones(2), "m.lora_A.default.weight": torch.tensor([[1.0, 2.0]]),
-             "m.lora_B.default.weight": torch.tensor([[1.0], [0.0]]), "norm.weight": torch.ones(2)}
+    state = {
+        "m.base_layer.weight": torch.eye(2),
+        "m.base_layer.bias": torch.ones(2),
+        "m.lora_A.default.weight": torch.tensor([[1.0, 2.0]]),
+        "m.lora_B.default.weight": torch.tensor([[1.0], [0.0]]),
+        "norm.weight": torch.ones(2),
+    }
     merged = merge_lora_weights(state, 0.5)
     assert set(merged) == {"m.weight", "m.bias", "norm.weight"}
     assert torch.equal(merged["m.weight"], torch.tensor([[1.5, 1.0], [0.0, 1.0]]))

@@ -68,8 +68,16 @@ def test_grpo_loss_with_kl_matches_hand_computed_value():
     logp = torch.tensor([[math.log(0.5), math.log(0.5)]])
     ref = torch.tensor([[math.log(0.25), math.log(0.5)]])
     loss, metrics = grpo_loss(
-        logp, logp.clone(), torch.tensor([1.0]), torch.ones(1, 2), Normalisers(2, 1),
-        aggregate=token_mean, eps_low=0.2, eps_high=0.2, kl_coef=0.1, ref_logprobs_BT=ref,
+        logp,
+        logp.clone(),
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        Normalisers(2, 1),
+        aggregate=token_mean,
+        eps_low=0.2,
+        eps_high=0.2,
+        kl_coef=0.1,
+        ref_logprobs_BT=ref,
     )
     torch.testing.assert_close(loss, torch.tensor(-0.990343), atol=1e-6, rtol=0)
     torch.testing.assert_close(metrics["kl"], torch.tensor(0.193147 / 2), atol=1e-6, rtol=0)
@@ -84,7 +92,15 @@ def test_masked_positions_never_change_the_loss():
     kwargs = dict(aggregate=token_mean, eps_low=0.2, eps_high=0.2, kl_coef=0.05)
     base, _ = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, Normalisers(6, 2), ref_logprobs_BT=ref, **kwargs)
     noise = torch.randn(2, 5, generator=gen) * 100 * (1 - mask)
-    moved, _ = grpo_loss(logp + noise, old - noise, torch.tensor([1.0, -1.0]), mask, Normalisers(6, 2), ref_logprobs_BT=ref + noise, **kwargs)
+    moved, _ = grpo_loss(
+        logp + noise,
+        old - noise,
+        torch.tensor([1.0, -1.0]),
+        mask,
+        Normalisers(6, 2),
+        ref_logprobs_BT=ref + noise,
+        **kwargs,
+    )
     torch.testing.assert_close(base, moved)
 
 
@@ -111,8 +127,17 @@ def test_sequence_mask_drops_sequences_whose_geometric_mean_ratio_is_out_of_boun
 def test_importance_weights_scale_the_policy_gradient_term_only():
     """ratio 1, A = +1, weights [2, 0.5]: pg per token = [-2, -0.5]; token mean = -1.25; KL (0 here) unweighted."""
     logp = torch.zeros(1, 2)
-    loss, _ = grpo_loss(logp, logp.clone(), torch.tensor([1.0]), torch.ones(1, 2), Normalisers(2, 1),
-                        aggregate=token_mean, eps_low=0.2, eps_high=0.2, is_weights_BT=torch.tensor([[2.0, 0.5]]))
+    loss, _ = grpo_loss(
+        logp,
+        logp.clone(),
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        Normalisers(2, 1),
+        aggregate=token_mean,
+        eps_low=0.2,
+        eps_high=0.2,
+        is_weights_BT=torch.tensor([[2.0, 0.5]]),
+    )
     assert loss.item() == -1.25
 
 
@@ -136,8 +161,17 @@ def test_gspo_loss_clips_whole_sequences_and_spreads_the_gradient_over_their_tok
     old = torch.zeros(2, 3)
     logp = torch.tensor([[0.1, -0.1, 0.0], [0.6, 0.6, 0.6]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, metrics = grpo_loss(logp, old, torch.tensor([1.0, 1.0]), mask, Normalisers(num_tokens=5, num_sequences=2),
-                              aggregate=sequence_mean, log_ratio=sequence_log_ratio, eps_low=0.2, eps_high=0.28)
+    loss, metrics = grpo_loss(
+        logp,
+        old,
+        torch.tensor([1.0, 1.0]),
+        mask,
+        Normalisers(num_tokens=5, num_sequences=2),
+        aggregate=sequence_mean,
+        log_ratio=sequence_log_ratio,
+        eps_low=0.2,
+        eps_high=0.28,
+    )
     torch.testing.assert_close(loss, torch.tensor(-1.14))
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, -0.25, 0.0], [0.0, 0.0, 0.0]]))
@@ -161,14 +195,21 @@ def test_micro_batch_losses_sum_to_the_global_batch_loss_for_every_variant():
     mask = (torch.rand(4, 6, generator=gen) > 0.3).float()
     advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
     norm = Normalisers(num_tokens=int(mask.sum()), num_sequences=4)
-    variants = [(token_mean, token_log_ratio), (constant_normaliser(6), token_log_ratio), (sequence_mean, sequence_log_ratio)]
+    variants = [
+        (token_mean, token_log_ratio),
+        (constant_normaliser(6), token_log_ratio),
+        (sequence_mean, sequence_log_ratio),
+    ]
     for aggregate, log_ratio in variants:
         kwargs = dict(aggregate=aggregate, log_ratio=log_ratio, eps_low=0.2, eps_high=0.28)
         whole_logp = logp.clone().requires_grad_(True)
         whole, _ = grpo_loss(whole_logp, old, advantages, mask, norm, **kwargs)
         whole.backward()
         split_logp = logp.clone().requires_grad_(True)
-        parts = [grpo_loss(split_logp[s:s + 2], old[s:s + 2], advantages[s:s + 2], mask[s:s + 2], norm, **kwargs)[0] for s in (0, 2)]
+        parts = [
+            grpo_loss(split_logp[s : s + 2], old[s : s + 2], advantages[s : s + 2], mask[s : s + 2], norm, **kwargs)[0]
+            for s in (0, 2)
+        ]
         sum(parts).backward()
         torch.testing.assert_close(sum(parts), whole)
         torch.testing.assert_close(split_logp.grad, whole_logp.grad)
@@ -184,8 +225,17 @@ def test_cispo_keeps_the_gradient_of_tokens_whose_weight_is_clipped():
 
     def loss_and_gradient(policy_gradient):
         logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]])).requires_grad_()
-        loss, metrics = grpo_loss(logp, old, advantages.view(1, 3), torch.ones(1, 3), Normalisers(3, 1), aggregate=token_mean,
-                                  eps_low=0.2, eps_high=0.28, policy_gradient=policy_gradient)
+        loss, metrics = grpo_loss(
+            logp,
+            old,
+            advantages.view(1, 3),
+            torch.ones(1, 3),
+            Normalisers(3, 1),
+            aggregate=token_mean,
+            eps_low=0.2,
+            eps_high=0.28,
+            policy_gradient=policy_gradient,
+        )
         return loss, metrics, torch.autograd.grad(loss, logp)[0]
 
     loss, metrics, grad = loss_and_gradient(cispo_policy_gradient)

@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from reinforge.algorithms.losses import Normalisers
+from reinforge.algorithms.sft import nll_loss
 from reinforge.data.chat import ChatExample, render_chat
 from reinforge.data.packing import collate_examples, dense_mask, first_fit_decreasing, group_rows, micro_batches
-from reinforge.paths import PROJECT_ROOT
-from reinforge.algorithms.sft import nll_loss
 from reinforge.modeling import enable_activation_checkpointing
+from reinforge.paths import PROJECT_ROOT
 
 DEMO = PROJECT_ROOT / "models" / "demo"
 
@@ -45,7 +45,9 @@ def test_positions_restart_for_every_example_and_padding_is_never_trained():
 
 
 def test_micro_batches_hold_every_example_once_within_the_token_budget():
-    examples = [ChatExample(token_ids=list(range(100, 100 + n)), loss_mask=[0] + [1] * (n - 1)) for n in (7, 3, 9, 5, 2, 6, 4)]
+    examples = [
+        ChatExample(token_ids=list(range(100, 100 + n)), loss_mask=[0] + [1] * (n - 1)) for n in (7, 3, 9, 5, 2, 6, 4)
+    ]
     for pack in (True, False):
         batches = micro_batches(examples, max_row_tokens=10, max_batch_tokens=20, pad_token_id=0, pack=pack)
         assert all(b.layout.num_slots <= 20 and b.layout.input_ids.shape[1] <= 10 for b in batches)
@@ -75,7 +77,9 @@ def loss_and_gradient(model, batches):
 
 
 @pytest.mark.parametrize("attn_implementation, checkpointing", [("sdpa", False), ("eager", False), ("sdpa", True)])
-def test_packed_and_unpacked_batches_give_the_same_loss_and_gradients(demo_examples, attn_implementation, checkpointing):
+def test_packed_and_unpacked_batches_give_the_same_loss_and_gradients(
+    demo_examples, attn_implementation, checkpointing
+):
     """Packed: segment attention (with activation checkpointing, in the recompute too); unpacked: the
     model's own attention over one padded example per row."""
     examples, pad_id = demo_examples
@@ -85,7 +89,10 @@ def test_packed_and_unpacked_batches_give_the_same_loss_and_gradients(demo_examp
         model.train()
     packed = micro_batches(examples, max_row_tokens=256, max_batch_tokens=512, pad_token_id=pad_id, pack=True)
     unpacked = micro_batches(examples, max_row_tokens=256, max_batch_tokens=512, pad_token_id=pad_id, pack=False)
-    assert max(len(b.layout.input_ids) for b in packed) < len(examples) and max(b.layout.input_ids.shape[1] for b in packed) > 100
+    assert (
+        max(len(b.layout.input_ids) for b in packed) < len(examples)
+        and max(b.layout.input_ids.shape[1] for b in packed) > 100
+    )
     packed_loss, packed_grad = loss_and_gradient(model, packed)
     unpacked_loss, unpacked_grad = loss_and_gradient(model, unpacked)
     assert packed_loss == pytest.approx(unpacked_loss, abs=1e-5)

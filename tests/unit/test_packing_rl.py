@@ -21,7 +21,15 @@ from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import Trajectory, collate
 from reinforge.data.packing import dense_mask, row_layout, sequence_rows, shared_prompt_rows
 from reinforge.paths import PROJECT_ROOT
-from reinforge.training.micro_batching import LAYOUTS, LayoutCache, Prompts, chunked_head, plan_micro_batches, select_micro_batch, split_to
+from reinforge.training.micro_batching import (
+    LAYOUTS,
+    LayoutCache,
+    Prompts,
+    chunked_head,
+    plan_micro_batches,
+    select_micro_batch,
+    split_to,
+)
 from reinforge.training.torch_backend import TorchBackend, token_entropy, token_logprobs
 
 TEMPERATURE = 0.7
@@ -39,8 +47,18 @@ def ragged_batch(num_rows=12, seed=0):
         mask = None
         if row % 3 == 0 and num_response >= 5:
             mask = [1, 1, 0, 0] + [1] * (num_response - 4)  # tokens 2-3 of the answer came from the environment
-        trajectories.append(Trajectory(ids[:num_prompt], ids[num_prompt:], [0.0] * num_response, False, 0.0, row // 4,
-                                       "math", response_mask=mask))
+        trajectories.append(
+            Trajectory(
+                ids[:num_prompt],
+                ids[num_prompt:],
+                [0.0] * num_response,
+                False,
+                0.0,
+                row // 4,
+                "math",
+                response_mask=mask,
+            )
+        )
     batch = collate(trajectories, torch.randn(num_rows, generator=gen).tolist(), pad_token_id=0)
     noise = 0.3 * torch.randn(batch.loss_mask.shape, generator=gen)
     return batch, noise
@@ -49,13 +67,26 @@ def ragged_batch(num_rows=12, seed=0):
 def make_backend(model_dir, **training):
     torch.manual_seed(0)
     config = TrainingConfig(global_batch_size=12, lr=1e-3, **{"micro_batch_size": 12, **training})
-    return TorchBackend(ModelConfig(name_or_path=str(model_dir)), config, temperature=TEMPERATURE, num_optimizer_steps=10,
-                        load_reference=False)
+    return TorchBackend(
+        ModelConfig(name_or_path=str(model_dir)),
+        config,
+        temperature=TEMPERATURE,
+        num_optimizer_steps=10,
+        load_reference=False,
+    )
 
 
 def loss_fn(logprobs, micro, norm):
-    return grpo_loss(logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask, norm, aggregate=token_mean,
-                     eps_low=0.2, eps_high=0.28)
+    return grpo_loss(
+        logprobs,
+        micro.old_logprobs,
+        micro.advantages,
+        micro.loss_mask,
+        norm,
+        aggregate=token_mean,
+        eps_low=0.2,
+        eps_high=0.28,
+    )
 
 
 def reference(model_dir, batch):
@@ -121,14 +152,25 @@ def test_a_packed_layout_holds_several_sequences_per_row_with_restarting_positio
     assert torch.equal(shared.input_ids, layout.input_ids) and torch.equal(dense_mask(shared), expected)
 
 
-@pytest.mark.parametrize("packing, attention, checkpointing", [(True, "sdpa", False), (True, "eager", False), (True, "sdpa", True),
-                                                            (False, "sdpa", False), (False, "eager", True)])
-def test_packed_and_unpacked_micro_batches_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, expected, packing, attention,
-                                                                                         checkpointing):
+@pytest.mark.parametrize(
+    "packing, attention, checkpointing",
+    [
+        (True, "sdpa", False),
+        (True, "eager", False),
+        (True, "sdpa", True),
+        (False, "sdpa", False),
+        (False, "eager", True),
+    ],
+)
+def test_packed_and_unpacked_micro_batches_give_the_reference_logprobs_loss_and_gradient(
+    tiny_model_dir, expected, packing, attention, checkpointing
+):
     """Activation checkpointing recomputes each layer in the backward pass, after the forward pass that
     chose segment attention for the packed layout has returned: the recompute must attend the same way."""
     batch, reference_results = expected
-    backend = make_backend(tiny_model_dir, sequence_packing=packing, micro_batch_size=4, activation_checkpointing=checkpointing)
+    backend = make_backend(
+        tiny_model_dir, sequence_packing=packing, micro_batch_size=4, activation_checkpointing=checkpointing
+    )
     backend.model.set_attn_implementation(attention)
     if packing:  # the test must see rows that hold more than one sequence
         assert any(len(rows) < 4 for rows in plan_micro_batches(batch.attention_mask.sum(1).tolist(), backend.config))
@@ -191,10 +233,13 @@ def test_ranks_split_their_micro_batches_to_the_same_count():
     assert split_to([[[0, 1, 2]]], 2) == [[[0]], [[1, 2]]]
 
 
-@pytest.mark.parametrize("override, message", [
-    (["training.micro_batch_tokens=0"], "training.micro_batch_tokens=0 must be >= 1, or null"),
-    (["training.logprob_chunk_tokens=0"], "training.logprob_chunk_tokens=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["training.micro_batch_tokens=0"], "training.micro_batch_tokens=0 must be >= 1, or null"),
+        (["training.logprob_chunk_tokens=0"], "training.logprob_chunk_tokens=0 must be >= 1"),
+    ],
+)
 def test_bad_micro_batching_settings_are_one_line_errors(override, message):
     from reinforge.config import load_config
     from reinforge.errors import ConfigError
@@ -209,13 +254,24 @@ def fsdp2_rank(rank, port, model_dir, out_dir, micro_batch_tokens):
 
     torch.set_num_threads(1)
     training = TrainingConfig(global_batch_size=12, micro_batch_size=12, lr=1e-3, micro_batch_tokens=micro_batch_tokens)
-    worker = FSDP2Worker(rank, 2, "127.0.0.1", port, ModelConfig(name_or_path=str(model_dir)), training,
-                         temperature=TEMPERATURE, num_optimizer_steps=10, load_reference=False)
+    worker = FSDP2Worker(
+        rank,
+        2,
+        "127.0.0.1",
+        port,
+        ModelConfig(name_or_path=str(model_dir)),
+        training,
+        temperature=TEMPERATURE,
+        num_optimizer_steps=10,
+        load_reference=False,
+    )
     batch, noise = ragged_batch()
     logprobs = worker.logprobs(batch)
     batch.old_logprobs = logprobs + noise * batch.loss_mask
     metrics = worker.train_step(batch, loss_fn)
-    torch.save({"logprobs": logprobs, "metrics": metrics, "weights": dict(worker.named_weights())}, out_dir / f"rank{rank}.pt")
+    torch.save(
+        {"logprobs": logprobs, "metrics": metrics, "weights": dict(worker.named_weights())}, out_dir / f"rank{rank}.pt"
+    )
     worker.shutdown()
 
 
@@ -230,7 +286,9 @@ def test_fsdp2_ranks_with_unequal_token_budget_plans_train_like_one_process(tiny
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
-    processes = [context.Process(target=fsdp2_rank, args=(rank, port, tiny_model_dir, tmp_path, 32)) for rank in range(2)]
+    processes = [
+        context.Process(target=fsdp2_rank, args=(rank, port, tiny_model_dir, tmp_path, 32)) for rank in range(2)
+    ]
     for process in processes:
         process.start()
     for process in processes:
@@ -255,15 +313,22 @@ def test_fsdp2_ranks_with_unequal_token_budget_plans_train_like_one_process(tiny
 
 
 def run_bench(script, *args, timeout_s):
-    completed = subprocess.run([sys.executable, str(PROJECT_ROOT / "bench" / script), *args], capture_output=True,
-                               text=True, timeout=timeout_s, cwd=PROJECT_ROOT)
+    completed = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=PROJECT_ROOT,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(Path(args[args.index("--json") + 1]).read_text())
 
 
 def test_the_gpu_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     """bench/gpu_training_mfu.py is meant for a GPU; --tiny runs the same FSDP2 path on CPU (~7 s)."""
-    result = run_bench("gpu_training_mfu.py", "--tiny", "--steps", "1", "--json", str(tmp_path / "out.json"), timeout_s=120)
+    result = run_bench(
+        "gpu_training_mfu.py", "--tiny", "--steps", "1", "--json", str(tmp_path / "out.json"), timeout_s=120
+    )
     assert result["median_step_s"] > 0 and result["train_step_flops"] > 0 and result["sequence_packing"]
 
 
@@ -278,8 +343,12 @@ def grouped_batch(seed=1):
             response = torch.randint(2, 64, (int(torch.randint(1, 13, (1,), generator=gen)),), generator=gen).tolist()
             if group == 0 and sample == 3:
                 response = list(trajectories[-1].response_ids)
-            mask = [1, 1, 0, 0] + [1] * (len(response) - 4) if group == 2 and sample == 1 and len(response) >= 5 else None
-            trajectories.append(Trajectory(prompt, response, [0.0] * len(response), False, 0.0, group, "math", response_mask=mask))
+            mask = (
+                [1, 1, 0, 0] + [1] * (len(response) - 4) if group == 2 and sample == 1 and len(response) >= 5 else None
+            )
+            trajectories.append(
+                Trajectory(prompt, response, [0.0] * len(response), False, 0.0, group, "math", response_mask=mask)
+            )
     batch = collate(trajectories, torch.randn(len(trajectories), generator=gen).tolist(), pad_token_id=0)
     return batch, 0.3 * torch.randn(batch.loss_mask.shape, generator=gen)
 
@@ -295,14 +364,25 @@ def test_a_shared_prompt_row_holds_the_prompt_once_and_keeps_each_answer_to_itse
     expected = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
     assert dense_mask(layout).int().tolist() == expected
     # as segments: the first sequence whole (4 queries, 4 keys); answer [9] (1 query, the prompt + itself)
-    shapes = sorted((int(b.query_valid[n].sum()), int(b.key_valid[n].sum())) for b in layout.segments for n in range(len(b.query_valid)))
+    shapes = sorted(
+        (int(b.query_valid[n].sum()), int(b.key_valid[n].sum()))
+        for b in layout.segments
+        for n in range(len(b.query_valid))
+    )
     assert shapes == [(1, 3), (4, 4)]
     # different prompts are not shared: causal within each sequence, nothing across (a padded second row too)
-    layout = row_layout(torch.tensor([[5, 6, 7], [5, 4, 9], [3, 3, 0]]), [3, 3, 2], [[0, 1], [2]], pad_token_id=0,
-                        prompt_lengths_B=[2, 2, 1])
+    layout = row_layout(
+        torch.tensor([[5, 6, 7], [5, 4, 9], [3, 3, 0]]),
+        [3, 3, 2],
+        [[0, 1], [2]],
+        pad_token_id=0,
+        prompt_lengths_B=[2, 2, 1],
+    )
     assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]
     causal = torch.ones(3, 3, dtype=torch.bool).tril()
-    expected = torch.block_diag(causal, causal, torch.ones(2, 2, dtype=torch.bool).tril(), torch.zeros(4, 4, dtype=torch.bool))
+    expected = torch.block_diag(
+        causal, causal, torch.ones(2, 2, dtype=torch.bool).tril(), torch.zeros(4, 4, dtype=torch.bool)
+    )
     assert torch.equal(dense_mask(layout), expected)
 
 
@@ -320,10 +400,18 @@ def test_the_planner_shares_a_prompt_among_as_many_samples_as_the_token_budget_a
     assert rows == [[0, 2], [1, 3]] and widths == [20, 11]
 
 
-@pytest.mark.parametrize("training, attention", [({}, "sdpa"), ({}, "eager"), ({"micro_batch_tokens": 40}, "sdpa"),
-                                                 ({"micro_batch_size": 5}, "sdpa"), ({"activation_checkpointing": True}, "sdpa"),
-                                                 ({"activation_checkpointing": True}, "eager"),
-                                                 ({"activation_checkpointing": True, "compile": True}, "sdpa")])
+@pytest.mark.parametrize(
+    "training, attention",
+    [
+        ({}, "sdpa"),
+        ({}, "eager"),
+        ({"micro_batch_tokens": 40}, "sdpa"),
+        ({"micro_batch_size": 5}, "sdpa"),
+        ({"activation_checkpointing": True}, "sdpa"),
+        ({"activation_checkpointing": True}, "eager"),
+        ({"activation_checkpointing": True, "compile": True}, "sdpa"),
+    ],
+)
 def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model_dir, training, attention):
     """Budgets that split a prompt's samples over rows and micro-batches too; eager attention takes the
     mask as additive scores."""
@@ -338,7 +426,9 @@ def test_shared_prompts_give_the_reference_logprobs_loss_and_gradient(tiny_model
     slots = 0
     for rows in plan:
         micro, local_rows, indices = select_micro_batch(batch, rows)
-        layout = row_layout(micro.input_ids, [lengths[i] for i in indices], local_rows, 0, micro.prompt_lengths.tolist())
+        layout = row_layout(
+            micro.input_ids, [lengths[i] for i in indices], local_rows, 0, micro.prompt_lengths.tolist()
+        )
         slots += layout.num_slots
     assert slots < sum(lengths)  # fewer positions computed than the sequences' tokens: prompts were shared
     assert_matches_reference(backend, batch, reference_results)

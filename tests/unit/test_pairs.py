@@ -29,7 +29,9 @@ def test_micro_batches_of_one_pair_give_the_gradient_and_metrics_of_the_whole_ba
     pairs = load_pairs(PAIRS, tokenizer, tokenize, PreferenceDataConfig())[:6]
     if recipe == "dpo":
         reference = load_model(DEMO)
-        ref_N2 = dpo.reply_logprobs(reference, pairs, 12, tokenizer.pad_token_id) - 0.5  # a reference that differs from the policy
+        ref_N2 = (
+            dpo.reply_logprobs(reference, pairs, 12, tokenizer.pad_token_id) - 0.5
+        )  # a reference that differs from the policy
 
         def make_loss(model):
             return dpo.make_micro_loss(model, pairs, ref_N2, dpo.DPOConfig(beta=0.3, sft_weight=0.7))

@@ -4,8 +4,14 @@ import pytest
 import torch
 
 from reinforge.algorithms.losses import Normalisers
-from reinforge.algorithms.ppo_losses import (clipped_value_loss, explained_variance, gae, masked_mean_std, terminal_rewards,
-                                             whiten_tokens)
+from reinforge.algorithms.ppo_losses import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    masked_mean_std,
+    terminal_rewards,
+    whiten_tokens,
+)
 
 
 def test_gae_on_four_tokens_matches_the_hand_computed_recursion():
@@ -77,8 +83,10 @@ def test_value_loss_of_micro_batches_sums_to_the_whole_batch():
     mask = (torch.rand(6, 5, generator=gen) > 0.3).float()
     norm = Normalisers(num_tokens=int(mask.sum()), num_sequences=6)
     whole, _ = clipped_value_loss(values, old, returns, mask, norm, clip=0.2)
-    parts = sum(clipped_value_loss(values[s : s + 2], old[s : s + 2], returns[s : s + 2], mask[s : s + 2], norm, clip=0.2)[0]
-                for s in range(0, 6, 2))
+    parts = sum(
+        clipped_value_loss(values[s : s + 2], old[s : s + 2], returns[s : s + 2], mask[s : s + 2], norm, clip=0.2)[0]
+        for s in range(0, 6, 2)
+    )
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
 
 
@@ -88,7 +96,9 @@ def test_whitening_and_explained_variance_use_the_valid_tokens_only():
     returns' mean explains 0; padding (value 100) changes nothing."""
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     returns = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 100.0]])
-    assert explained_variance(returns, torch.tensor([[1.0, 2.0, 100.0], [3.0, 3.0, 100.0]]), mask).item() == pytest.approx(0.85)
+    assert explained_variance(
+        returns, torch.tensor([[1.0, 2.0, 100.0], [3.0, 3.0, 100.0]]), mask
+    ).item() == pytest.approx(0.85)
     assert explained_variance(returns, torch.full((2, 3), 2.5), mask).item() == pytest.approx(0.0)
     whitened = whiten_tokens(returns, mask)
     mean, std = masked_mean_std(whitened, mask)

@@ -8,9 +8,9 @@ import torch
 
 from reinforge.algorithms import ppo
 from reinforge.algorithms.ppo_config import PPORunConfig
+from reinforge.algorithms.rollout_source import RolloutBatch
 from reinforge.config.recipe_loader import load_recipe_config
 from reinforge.config.schema import ModelConfig
-from reinforge.algorithms.rollout_source import RolloutBatch
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers
 from reinforge.training.critic import CriticBackend
@@ -24,20 +24,38 @@ def rollouts() -> RolloutBatch:
     for row in range(8):
         prompt = torch.randint(2, 64, (3 + row // 2,), generator=gen).tolist()
         response = torch.randint(2, 64, (2 + row % 5,), generator=gen).tolist()
-        trajectories.append(Trajectory(prompt, response, [0.0] * len(response), False, float(row % 2), row // 2, "math"))
+        trajectories.append(
+            Trajectory(prompt, response, [0.0] * len(response), False, float(row % 2), row // 2, "math")
+        )
     return RolloutBatch(step=1, trajectories=trajectories, metrics={}, policy_version=0)
 
 
 def step(model_dir, *overrides: str) -> tuple[dict[str, float], bool, TorchBackend, CriticBackend]:
     """One step of a fresh policy and critic on `rollouts()`: (metrics without timings, whether the policy changed,
     the policy's trainer, the critic)."""
-    config = load_recipe_config(PPORunConfig, None, [
-        f"model.name_or_path={model_dir}", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
-        "training.global_batch_size=4", "training.micro_batch_size=4", "training.lr=1e-3", "ppo.critic_lr=1e-2", *overrides])
+    config = load_recipe_config(
+        PPORunConfig,
+        None,
+        [
+            f"model.name_or_path={model_dir}",
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=2",
+            "training.global_batch_size=4",
+            "training.micro_batch_size=4",
+            "training.lr=1e-3",
+            "ppo.critic_lr=1e-2",
+            *overrides,
+        ],
+    )
     trainer = fresh_policy(config)
     learner = ppo.ppo_learner(config, trainer, SimpleNamespace(pad_token_id=0), cleanup=None)
     metrics, trained = learner.train_on_batch(1, rollouts(), Timers())
-    return {k: v for k, v in metrics.items() if not k.startswith(("timing/", "perf/"))}, trained, trainer, learner.models["critic"]
+    return (
+        {k: v for k, v in metrics.items() if not k.startswith(("timing/", "perf/"))},
+        trained,
+        trainer,
+        learner.models["critic"],
+    )
 
 
 def fresh_policy(config) -> TorchBackend:
@@ -53,7 +71,9 @@ def test_the_critic_before_or_after_the_actor_gives_the_same_step(tiny_model_dir
     first, trained, trainer, critic = step(tiny_model_dir, "ppo.critic_first=true")
     second, _, other_trainer, other_critic = step(tiny_model_dir, "ppo.critic_first=false")
     assert trained and first == second
-    assert first["train/num_optimizer_steps"] == 2 and first["train/critic_num_optimizer_steps"] == 2  # 8 rollouts, batches of 4
+    assert (
+        first["train/num_optimizer_steps"] == 2 and first["train/critic_num_optimizer_steps"] == 2
+    )  # 8 rollouts, batches of 4
     assert torch.equal(weights(trainer.model), weights(other_trainer.model))
     assert torch.equal(weights(critic.model), weights(other_critic.model))
 

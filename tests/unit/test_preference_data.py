@@ -39,7 +39,10 @@ def write_jsonl(path, records):
 
 
 def test_collated_pairs_put_chosen_rows_first_and_train_only_on_reply_tokens():
-    pairs = [TokenizedPair([5, 6, 7], [5, 8], num_prompt_tokens=1), TokenizedPair([5, 9], [5, 9, 9, 9], num_prompt_tokens=1)]
+    pairs = [
+        TokenizedPair([5, 6, 7], [5, 8], num_prompt_tokens=1),
+        TokenizedPair([5, 9], [5, 9, 9, 9], num_prompt_tokens=1),
+    ]
     batch = collate_pairs(pairs, pad_token_id=0)
     assert len(batch) == 2
     assert batch.input_ids.tolist() == [[5, 6, 7, 0], [5, 9, 0, 0], [5, 8, 0, 0], [5, 9, 9, 9]]
@@ -59,28 +62,36 @@ def test_policy_tokens_are_the_generation_prompt_then_the_reply_and_eos(tokenize
 def test_reward_model_tokens_are_the_whole_conversation_as_the_scorer_renders_it(tokenizer):
     pair = tokenize_for_reward_model(RECORD, tokenizer)
     for reply, ids in ((RECORD.chosen, pair.chosen_ids), (RECORD.rejected, pair.rejected_ids)):
-        text = tokenizer.apply_chat_template(RECORD.messages + [{"role": "assistant", "content": reply}], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            RECORD.messages + [{"role": "assistant", "content": reply}], tokenize=False
+        )
         assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(pair.chosen_ids[pair.num_prompt_tokens :]) == RECORD.chosen + "<|im_end|>\n"
 
 
 def test_a_pair_may_give_a_whole_conversation_or_a_prompt_with_the_system_prompt(tmp_path):
     conversation = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "1 + 1?"}]
-    path = write_jsonl(tmp_path / "pairs.jsonl", [
-        {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"},
-        {"messages": conversation, "chosen": "2", "rejected": "3"},
-    ])
+    path = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"},
+            {"messages": conversation, "chosen": "2", "rejected": "3"},
+        ],
+    )
     first, second = read_preference_records(str(path), system_prompt="Think.")
     assert first.messages == [{"role": "system", "content": "Think."}, {"role": "user", "content": "2 + 2?"}]
     assert second.messages == conversation  # used as it is: no second system prompt
     assert (second.chosen, second.rejected) == ("2", "3")
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"prompt": "2 + 2?", "chosen": "4"}, "record has no rejected field"),
-    ({"chosen": "4", "rejected": "5"}, "pair 1: needs a `prompt` string or a non-empty `messages` list"),
-    ({"prompt": "2 + 2?", "chosen": ["4"], "rejected": "5"}, "pair 1: `chosen` and `rejected` must be strings"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"prompt": "2 + 2?", "chosen": "4"}, "record has no rejected field"),
+        ({"chosen": "4", "rejected": "5"}, "pair 1: needs a `prompt` string or a non-empty `messages` list"),
+        ({"prompt": "2 + 2?", "chosen": ["4"], "rejected": "5"}, "pair 1: `chosen` and `rejected` must be strings"),
+    ],
+)
 def test_malformed_pairs_are_one_line_errors_naming_the_pair(tmp_path, record, message):
     path = write_jsonl(tmp_path / "pairs.jsonl", [record])
     with pytest.raises(DataError, match=message):
@@ -88,10 +99,13 @@ def test_malformed_pairs_are_one_line_errors_naming_the_pair(tmp_path, record, m
 
 
 def test_pairs_longer_than_max_length_are_dropped_and_none_left_is_an_error(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "pairs.jsonl", [
-        {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"},
-        {"prompt": "2 + 2?", "chosen": "4 " * 50, "rejected": "5"},
-    ])
+    path = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"},
+            {"prompt": "2 + 2?", "chosen": "4 " * 50, "rejected": "5"},
+        ],
+    )
     short = len(tokenize_for_policy(read_preference_records(str(path), None)[0], tokenizer).chosen_ids)
     kept = load_pairs(str(path), tokenizer, tokenize_for_policy, PreferenceDataConfig(max_length=short))
     assert len(kept) == 1
@@ -100,7 +114,9 @@ def test_pairs_longer_than_max_length_are_dropped_and_none_left_is_an_error(tmp_
 
 
 def test_demo_configs_load_and_unknown_keys_suggest_the_nearest_key_of_their_own_tree():
-    config = load_recipe_config(DPORunConfig, PROJECT_ROOT / "configs" / "dpo_demo.yaml", ["dpo.beta=0.2", "model.name_or_path=123"])
+    config = load_recipe_config(
+        DPORunConfig, PROJECT_ROOT / "configs" / "dpo_demo.yaml", ["dpo.beta=0.2", "model.name_or_path=123"]
+    )
     assert config.dpo.beta == 0.2 and config.model.name_or_path == "123"  # a string field keeps "123" a string
     assert load_recipe_config(RMRunConfig, PROJECT_ROOT / "configs" / "rm_demo.yaml").logging.run_dir == "runs/rm_demo"
     with pytest.raises(ConfigError, match="unknown config key dpo.betaa; did you mean dpo.beta?"):
@@ -109,13 +125,19 @@ def test_demo_configs_load_and_unknown_keys_suggest_the_nearest_key_of_their_own
         load_recipe_config(RMRunConfig, None, ["rm.max_step=3"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["training.micro_batch_size=3"], "count sequences, two per pair"),
-    (["training.global_batch_size=12", "training.micro_batch_size=8"], "does not divide training.global_batch_size=12"),
-    (["training.backend=fsdp2"], "preference training runs in one process"),
-    (["dpo.beta=0"], "dpo.beta must be > 0"),
-    (["dpo.max_steps=-1"], "dpo.max_steps must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.micro_batch_size=3"], "count sequences, two per pair"),
+        (
+            ["training.global_batch_size=12", "training.micro_batch_size=8"],
+            "does not divide training.global_batch_size=12",
+        ),
+        (["training.backend=fsdp2"], "preference training runs in one process"),
+        (["dpo.beta=0"], "dpo.beta must be > 0"),
+        (["dpo.max_steps=-1"], "dpo.max_steps must be >= 0"),
+    ],
+)
 def test_inconsistent_dpo_settings_are_rejected_at_load_time_with_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_recipe_config(DPORunConfig, None, overrides)

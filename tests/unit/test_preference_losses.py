@@ -25,10 +25,19 @@ def test_dpo_loss_matches_hand_computed_values():
     chosen_logp = (-1 - 4) / 2 = -2.5; rejected_logp = (-3 - 2) / 2 = -2.5.
     d loss / d pi_c(pair 1) = -beta * sigmoid(-margin) / num_pairs = -0.5 * sigmoid(-1) / 2 = -0.067235."""
     chosen = torch.tensor([-1.0, -4.0], requires_grad=True)
-    loss, metrics = dpo_loss(chosen, torch.tensor([-3.0, -2.0]), torch.tensor([-2.0, -3.0]), torch.tensor([-2.0, -4.0]), 2, beta=0.5)
+    loss, metrics = dpo_loss(
+        chosen, torch.tensor([-3.0, -2.0]), torch.tensor([-2.0, -3.0]), torch.tensor([-2.0, -4.0]), 2, beta=0.5
+    )
     torch.testing.assert_close(loss, torch.tensor(1.007337), atol=1e-6, rtol=0)
-    expected = {"loss": 1.007337, "reward_margin": -0.25, "preference_accuracy": 0.5, "chosen_reward": 0.0,
-                "rejected_reward": 0.25, "chosen_logp": -2.5, "rejected_logp": -2.5}
+    expected = {
+        "loss": 1.007337,
+        "reward_margin": -0.25,
+        "preference_accuracy": 0.5,
+        "chosen_reward": 0.0,
+        "rejected_reward": 0.25,
+        "chosen_logp": -2.5,
+        "rejected_logp": -2.5,
+    }
     assert {name: round(float(value), 6) for name, value in metrics.items()} == expected
     loss.backward()
     torch.testing.assert_close(chosen.grad[0], torch.tensor(-0.067235), atol=1e-6, rtol=0)
@@ -48,7 +57,11 @@ def test_bradley_terry_loss_matches_hand_computed_values():
     loss = (0.313262 + 0.974077) / 2 = 0.643669; reward_margin = 0.25; accuracy 1/2; chosen 1.0, rejected 0.75."""
     loss, metrics = bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.5]), 2)
     assert {name: round(float(value), 6) for name, value in metrics.items()} == {
-        "loss": 0.643669, "reward_margin": 0.25, "preference_accuracy": 0.5, "chosen_reward": 1.0, "rejected_reward": 0.75,
+        "loss": 0.643669,
+        "reward_margin": 0.25,
+        "preference_accuracy": 0.5,
+        "chosen_reward": 1.0,
+        "rejected_reward": 0.75,
     }
     torch.testing.assert_close(loss, torch.tensor(0.643669), atol=1e-6, rtol=0)
 

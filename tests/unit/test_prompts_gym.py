@@ -12,11 +12,19 @@ from reinforge.errors import DataError
 from reinforge.modeling import load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 
-TOOL = {"type": "function", "name": "get_weather", "strict": True,
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-ROW = {"responses_create_params": {"input": [{"role": "developer", "content": "You help."}, {"role": "user", "content": "sf?"}],
-                                   "tools": [TOOL]},
-       "expected_call": {"name": "get_weather", "arguments": {"city": "San Francisco"}}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ROW = {
+    "responses_create_params": {
+        "input": [{"role": "developer", "content": "You help."}, {"role": "user", "content": "sf?"}],
+        "tools": [TOOL],
+    },
+    "expected_call": {"name": "get_weather", "arguments": {"city": "San Francisco"}},
+}
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,9 @@ import inspect
 
 import pytest
 
-from reinforge.data.prompts import load_prompts
 from reinforge.config import load_config
 from reinforge.config.schema import DataConfig, ModelConfig
-from reinforge.data.prompts import render_prompt
+from reinforge.data.prompts import load_prompts, render_prompt
 from reinforge.errors import DataError
 from reinforge.modeling import load_tokenizer
 from reinforge.paths import PROJECT_ROOT
@@ -27,7 +26,10 @@ def rendered(prompt, tokenizer) -> str:
 def test_the_records_system_message_replaces_the_global_one(tokenizer):
     record = {"prompt": QUESTION, "system": "detailed thinking on"}
     prompt = render_prompt(record, tokenizer, "prompt", "You are terse.", use_chat_template=True)
-    assert prompt.messages == [{"role": "system", "content": "detailed thinking on"}, {"role": "user", "content": QUESTION}]
+    assert prompt.messages == [
+        {"role": "system", "content": "detailed thinking on"},
+        {"role": "user", "content": QUESTION},
+    ]
     assert rendered(prompt, tokenizer) == (
         "<|im_start|>system\ndetailed thinking on<|im_end|>\n"
         f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
@@ -43,7 +45,9 @@ def test_records_without_one_or_with_null_get_the_global_one(tokenizer):
 
 
 def test_an_empty_system_field_means_no_system_message_even_with_a_global_one(tokenizer):
-    prompt = render_prompt({"prompt": QUESTION, "system": ""}, tokenizer, "prompt", "You are terse.", use_chat_template=True)
+    prompt = render_prompt(
+        {"prompt": QUESTION, "system": ""}, tokenizer, "prompt", "You are terse.", use_chat_template=True
+    )
     assert prompt.messages == [{"role": "user", "content": QUESTION}]
     assert rendered(prompt, tokenizer).startswith("<|im_start|>user\n")
 
@@ -55,13 +59,17 @@ def test_the_field_name_is_configurable_and_other_fields_are_ignored(tokenizer):
 
 
 def test_without_the_chat_template_the_system_message_is_the_first_line(tokenizer):
-    prompt = render_prompt({"prompt": QUESTION, "system": "detailed thinking off"}, tokenizer, "prompt", None, use_chat_template=False)
+    prompt = render_prompt(
+        {"prompt": QUESTION, "system": "detailed thinking off"}, tokenizer, "prompt", None, use_chat_template=False
+    )
     assert rendered(prompt, tokenizer) == f"detailed thinking off\n{QUESTION}\n"
 
 
 def test_a_system_field_that_is_not_a_string_is_a_data_error(tokenizer):
     with pytest.raises(DataError, match="the record field 'system' must be its system message as a string .* got list"):
-        render_prompt({"prompt": QUESTION, "system": ["detailed thinking on"]}, tokenizer, "prompt", None, use_chat_template=True)
+        render_prompt(
+            {"prompt": QUESTION, "system": ["detailed thinking on"]}, tokenizer, "prompt", None, use_chat_template=True
+        )
 
 
 def test_render_prompts_default_field_is_the_configs():

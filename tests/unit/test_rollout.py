@@ -32,7 +32,9 @@ class AskAgainEnv:
         final = self.math.step([r for r, f in zip(requests, first) if not f])
         scored = iter(final)
         return [
-            EnvResponse(reward=0.0, done=False, observation=[{"role": "user", "content": CHECK_AGAIN}]) if f else next(scored)
+            EnvResponse(reward=0.0, done=False, observation=[{"role": "user", "content": CHECK_AGAIN}])
+            if f
+            else next(scored)
             for f in first
         ]
 
@@ -54,8 +56,16 @@ def prompts_for(tokenizer, records, system_prompt=None):
 
 
 RECORDS = [
-    {"prompt": "Finn has 90 stickers. He loses 12. How many stickers does he have now?", "answer": "78", "task": "ask_again"},
-    {"prompt": "A jar holds 86 pencils. Dev removes 38. How many pencils are in the jar now?", "answer": "48", "task": "ask_again"},
+    {
+        "prompt": "Finn has 90 stickers. He loses 12. How many stickers does he have now?",
+        "answer": "78",
+        "task": "ask_again",
+    },
+    {
+        "prompt": "A jar holds 86 pencils. Dev removes 38. How many pencils are in the jar now?",
+        "answer": "48",
+        "task": "ask_again",
+    },
 ]
 
 
@@ -72,7 +82,11 @@ def test_a_long_observation_is_cut_but_keeps_its_framing(demo):
     tokenizer, _ = demo
     ids = observation_token_ids(tokenizer, [{"role": "tool", "content": "7" * 500}], ended_with_eos=True, max_tokens=40)
     text = tokenizer.decode(ids)
-    assert len(ids) <= 40 and text.startswith("\n<|im_start|>tool\n7") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert (
+        len(ids) <= 40
+        and text.startswith("\n<|im_start|>tool\n7")
+        and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    )
 
 
 def test_environment_tokens_are_never_trained_on_and_logprobs_stay_aligned(demo):
@@ -82,7 +96,9 @@ def test_environment_tokens_are_never_trained_on_and_logprobs_stay_aligned(demo)
     params = SamplingParams(max_new_tokens=40, temperature=1.0, num_samples=4, seed=3)
     trajectories = rollout(prompts, engine, params, tokenizer, envs, RolloutOptions(default_task="math", max_turns=2))
     assert len(trajectories) == 8 and all(t.num_turns == 2 for t in trajectories)
-    expected_observation = tokenizer.decode(observation_token_ids(tokenizer, [{"role": "user", "content": CHECK_AGAIN}], True, 256))
+    expected_observation = tokenizer.decode(
+        observation_token_ids(tokenizer, [{"role": "user", "content": CHECK_AGAIN}], True, 256)
+    )
     for trajectory in trajectories:
         mask = trajectory.response_mask
         start = mask.index(0)
@@ -95,8 +111,13 @@ def test_environment_tokens_are_never_trained_on_and_logprobs_stay_aligned(demo)
     observation_tokens = sum(len(t.response_ids) - sum(t.response_mask) for t in trajectories)
     assert batch.loss_mask.sum() == sum(sum(t.response_mask) for t in trajectories) and observation_tokens > 0
     # the trainer, reading the whole multi-turn sequence, gives the engine's logprobs to each policy token
-    trainer = TorchBackend(DEMO, TrainingConfig(micro_batch_size=8, global_batch_size=8), temperature=1.0,
-                           num_optimizer_steps=1, load_reference=False)
+    trainer = TorchBackend(
+        DEMO,
+        TrainingConfig(micro_batch_size=8, global_batch_size=8),
+        temperature=1.0,
+        num_optimizer_steps=1,
+        load_reference=False,
+    )
     old = trainer.logprobs(batch)
     error = torch.exp((old - batch.gen_logprobs)[batch.loss_mask > 0].abs()).mean().item()
     assert error < 1.001, error

@@ -15,7 +15,9 @@ from reinforge.logging.metrics import Timers
 
 def make_sampler(state=None):
     """The real prompt sampler, one prompt per batch in file order: batch s draws prompt s - 1."""
-    sampler = PromptSampler([Prompt({"index": i}, [], [100 + i]) for i in range(40)], batch_size=1, seed=0, shuffle=False)
+    sampler = PromptSampler(
+        [Prompt({"index": i}, [], [100 + i]) for i in range(40)], batch_size=1, seed=0, shuffle=False
+    )
     if state is not None:
         sampler.load_state_dict(state)
     return sampler
@@ -31,8 +33,15 @@ def make_produce(sampler, engine_state, jitter):
             delay = rng.uniform(0, jitter)
         time.sleep(delay)
         (prompt,) = sampler.next_batch()
-        trajectory = Trajectory(prompt_ids=prompt.token_ids, response_ids=[2], gen_logprobs=[0.0], truncated=False, reward=0.0,
-                                group=0, task="t")
+        trajectory = Trajectory(
+            prompt_ids=prompt.token_ids,
+            response_ids=[2],
+            gen_logprobs=[0.0],
+            truncated=False,
+            reward=0.0,
+            group=0,
+            task="t",
+        )
         return [trajectory], {"seen_version": engine_state["version"]}
 
     return produce
@@ -82,7 +91,9 @@ def test_a_snapshot_holds_the_unconsumed_batches_and_resumes_the_same_schedule()
     assert [(b.step, b.policy_version) for b in snapshot["pending"]] == [(4, 1), (5, 2)]
     assert snapshot["sampler"] == {"epoch": 0, "position": 5}  # batches 1-5 drawn
     resumed_sampler = make_sampler(snapshot["sampler"])
-    resumed = AsyncRollouts(make_produce(resumed_sampler, engine_state, 0.005), resumed_sampler, 3, 10, 2, snapshot["pending"])
+    resumed = AsyncRollouts(
+        make_produce(resumed_sampler, engine_state, 0.005), resumed_sampler, 3, 10, 2, snapshot["pending"]
+    )
     seen = drive(resumed, engine_state, 3, 10, 0.005)
     resumed.close()
     assert {step: v[0] for step, v in seen.items()} == {step: max(step - 3, 0) for step in range(4, 11)}

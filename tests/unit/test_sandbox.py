@@ -73,7 +73,9 @@ def gone_within(leftovers, seconds: float) -> set[int]:
 
 
 def test_a_program_gets_its_stdin_and_returns_output_and_exit_status():
-    result = run_python("import sys\nprint(sys.stdin.read().upper())\nprint('oops', file=sys.stderr)", limits(), stdin="abc")
+    result = run_python(
+        "import sys\nprint(sys.stdin.read().upper())\nprint('oops', file=sys.stderr)", limits(), stdin="abc"
+    )
     assert (result.status, result.returncode, result.stdout, result.stderr) == ("ok", 0, "ABC\n", "oops\n")
     failed = run_python("raise SystemExit(3)", limits())
     assert (failed.status, failed.returncode) == ("failed", 3)
@@ -107,7 +109,9 @@ def test_a_busy_loop_is_stopped_at_the_cpu_time_limit():
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_a_memory_bomb_gets_a_memory_error(isolation):
-    result = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))", limits(isolation, memory_mb=256))
+    result = run_python(
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))", limits(isolation, memory_mb=256)
+    )
     assert result.status == "failed" and "MemoryError" in result.stderr
 
 
@@ -275,11 +279,16 @@ def test_a_caller_killed_mid_run_leaves_no_process_or_directory_behind(isolation
     workdirs = set(Path("/tmp").glob("reinforge-sandbox-*"))
     marker = new_marker()
     program = f"import os\nos.execv('/bin/sleep', ['sleep', '600', '{marker}'])"
-    caller = subprocess.Popen([  # the program comes on stdin: a marker in its command line would match it
-        sys.executable, "-c",
-        "import sys\nfrom reinforge.envs.sandbox import SandboxLimits, run_python\n"
-        f"run_python(sys.stdin.read(), SandboxLimits(isolation={isolation!r}, wall_time_s=600))",
-    ], stdin=subprocess.PIPE, text=True)
+    caller = subprocess.Popen(
+        [  # the program comes on stdin: a marker in its command line would match it
+            sys.executable,
+            "-c",
+            "import sys\nfrom reinforge.envs.sandbox import SandboxLimits, run_python\n"
+            f"run_python(sys.stdin.read(), SandboxLimits(isolation={isolation!r}, wall_time_s=600))",
+        ],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     caller.stdin.write(program)
     caller.stdin.close()
     try:

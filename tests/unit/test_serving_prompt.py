@@ -24,7 +24,20 @@ def test_the_splice_keeps_the_sampled_tokens_and_templates_only_the_new_turn():
     prefix (its EOS included), then the template after its 2nd EOS (the template prefix has 2)."""
     template_prefix = [11, 12, 13, 40, 41, 1001, 2]
     template = [11, 12, 13, 40, 41, 1001, 2, 21, 22, 40, 41]
-    assert splice([11, 12, 13, 40, 41, 220, 17, 2], template, template_prefix, eos_id=2) == [11, 12, 13, 40, 41, 220, 17, 2, 21, 22, 40, 41]
+    assert splice([11, 12, 13, 40, 41, 220, 17, 2], template, template_prefix, eos_id=2) == [
+        11,
+        12,
+        13,
+        40,
+        41,
+        220,
+        17,
+        2,
+        21,
+        22,
+        40,
+        41,
+    ]
 
 
 def test_a_generation_cut_by_length_gets_one_eos_before_the_new_turn():
@@ -38,7 +51,18 @@ def test_counting_end_of_turn_tokens_survives_a_template_that_shortens_old_turns
     template prefix [11, 2, 40, 2] has 2 EOS; the template's 2nd EOS is at index 3."""
     template_prefix = [11, 2, 40, 2]
     template = [11, 2, 40, 2, 30, 2, 40]
-    assert splice([11, 2, 40, 55, 56, 57, 2], template, template_prefix, eos_id=2) == [11, 2, 40, 55, 56, 57, 2, 30, 2, 40]
+    assert splice([11, 2, 40, 55, 56, 57, 2], template, template_prefix, eos_id=2) == [
+        11,
+        2,
+        40,
+        55,
+        56,
+        57,
+        2,
+        30,
+        2,
+        40,
+    ]
 
 
 def test_a_template_with_fewer_turns_than_the_history_cannot_be_spliced():
@@ -51,32 +75,55 @@ def test_the_next_prompt_extends_the_tokens_the_policy_sampled_even_where_the_te
     token. Without the token fields the prompt has the merged token; with them, the sampled ones."""
     user = {"role": "user", "content": "Ann has 57 stickers."}
     first_prompt = prompt_ids(tokenizer, [ChatMessage(**user)], None)
-    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "The"] + tokenizer.encode(" answer is 57.") + [tokenizer.eos_token_id]
+    spelled = (
+        [tokenizer.convert_tokens_to_ids(c) for c in "The"]
+        + tokenizer.encode(" answer is 57.")
+        + [tokenizer.eos_token_id]
+    )
     merged = tokenizer.encode("The answer is 57.")
     assert tokenizer.decode(spelled[:-1]) == "The answer is 57." and spelled[:-1] != merged
     assistant = {"role": "assistant", "content": "The answer is 57."}
     follow_up = {"role": "user", "content": "Why?"}
     plain = prompt_ids(tokenizer, [ChatMessage(**m) for m in (user, assistant, follow_up)], None)
-    assert plain[len(first_prompt):][: len(merged)] == merged
-    carried = ChatMessage(**assistant, prompt_token_ids=first_prompt, generation_token_ids=spelled, generation_log_probs=[0.0] * len(spelled))
+    assert plain[len(first_prompt) :][: len(merged)] == merged
+    carried = ChatMessage(
+        **assistant,
+        prompt_token_ids=first_prompt,
+        generation_token_ids=spelled,
+        generation_log_probs=[0.0] * len(spelled),
+    )
     spliced = prompt_ids(tokenizer, [ChatMessage(**user), carried, ChatMessage(**follow_up)], None)
     assert spliced[: len(first_prompt) + len(spelled)] == first_prompt + spelled
-    assert spliced[len(first_prompt) + len(spelled):] == plain[len(first_prompt) + len(merged) + 1:]  # the same new turn
+    assert (
+        spliced[len(first_prompt) + len(spelled) :] == plain[len(first_prompt) + len(merged) + 1 :]
+    )  # the same new turn
 
 
 def test_tool_calls_in_the_output_come_back_as_openai_tool_calls(tokenizer):
     text = 'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "57 + 34"}}</tool_call>'
-    parsed = parse_generation(tokenizer, tokenizer.encode(text) + [tokenizer.eos_token_id], truncated=False, stop_strings=())
+    parsed = parse_generation(
+        tokenizer, tokenizer.encode(text) + [tokenizer.eos_token_id], truncated=False, stop_strings=()
+    )
     assert parsed.finish_reason == "tool_calls" and parsed.content == "Let me compute."
     (call,) = parsed.tool_calls
     assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == {"expression": "57 + 34"}
+    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == {
+        "expression": "57 + 34"
+    }
 
 
 def test_a_malformed_call_stays_in_the_content_and_a_stop_string_leaves_it(tokenizer):
-    broken = parse_generation(tokenizer, tokenizer.encode("<tool_call>{not json}</tool_call>"), truncated=False, stop_strings=())
-    assert (broken.tool_calls, broken.content, broken.finish_reason) == ([], "<tool_call>{not json}</tool_call>", "stop")
-    stopped = parse_generation(tokenizer, tokenizer.encode("The answer is 5. END"), truncated=False, stop_strings=(" END",))
+    broken = parse_generation(
+        tokenizer, tokenizer.encode("<tool_call>{not json}</tool_call>"), truncated=False, stop_strings=()
+    )
+    assert (broken.tool_calls, broken.content, broken.finish_reason) == (
+        [],
+        "<tool_call>{not json}</tool_call>",
+        "stop",
+    )
+    stopped = parse_generation(
+        tokenizer, tokenizer.encode("The answer is 5. END"), truncated=False, stop_strings=(" END",)
+    )
     assert stopped.content == "The answer is 5."
     cut = parse_generation(tokenizer, tokenizer.encode("The answer"), truncated=True, stop_strings=())
     assert cut.finish_reason == "length"

@@ -2,9 +2,9 @@
 
 import pytest
 
+from reinforge.data.tool_calls import parse_tool_calls
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.math_env import MathEnv
-from reinforge.data.tool_calls import parse_tool_calls
 from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig, calculate
 from reinforge.errors import ConfigError
 
@@ -20,8 +20,10 @@ def env():
 
 
 def turn(text, answer="68"):
-    return EnvRequest(messages=[{"role": "user", "content": "What is 23 + 45?"}, {"role": "assistant", "content": text}],
-                      record={"answer": answer})
+    return EnvRequest(
+        messages=[{"role": "user", "content": "What is 23 + 45?"}, {"role": "assistant", "content": text}],
+        record={"answer": answer},
+    )
 
 
 def call(name, **arguments):
@@ -54,8 +56,9 @@ def test_python_runs_in_the_sandbox_and_returns_its_output(env):
 
 def test_malformed_and_unknown_calls_get_error_observations(env):
     before = env.metrics()
-    responses = env.step([turn("<tool_call>{not json}</tool_call>"), turn(call("search", query="x")),
-                          turn(call("calculator", expr="1"))])
+    responses = env.step(
+        [turn("<tool_call>{not json}</tool_call>"), turn(call("search", query="x")), turn(call("calculator", expr="1"))]
+    )
     texts = [r.observation[0]["content"] for r in responses]
     assert texts[0].startswith("error: the tool call is not valid JSON")
     assert texts[1].startswith("error: unknown tool 'search'")

@@ -18,7 +18,9 @@ def make_batch(num_rows=8, seed=0):
     for row in range(num_rows):
         num_prompt, num_response = 3 + row % 3, 2 + (row * 5) % 7
         ids = torch.randint(2, 64, (num_prompt + num_response,), generator=gen).tolist()
-        trajectories.append(Trajectory(ids[:num_prompt], ids[num_prompt:], [0.0] * num_response, False, 0.0, row // 2, "math"))
+        trajectories.append(
+            Trajectory(ids[:num_prompt], ids[num_prompt:], [0.0] * num_response, False, 0.0, row // 2, "math")
+        )
     advantages = torch.randn(num_rows, generator=gen).tolist()
     return collate(trajectories, advantages, pad_token_id=0)
 
@@ -35,8 +37,18 @@ def make_backend(model_dir, micro_batch_size, load_reference=False, **training):
 
 
 def loss_fn(aggregate, kl_coef, logprobs, micro, norm):
-    return grpo_loss(logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask, norm, aggregate=aggregate,
-                     eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, ref_logprobs_BT=micro.ref_logprobs)
+    return grpo_loss(
+        logprobs,
+        micro.old_logprobs,
+        micro.advantages,
+        micro.loss_mask,
+        norm,
+        aggregate=aggregate,
+        eps_low=0.2,
+        eps_high=0.28,
+        kl_coef=kl_coef,
+        ref_logprobs_BT=micro.ref_logprobs,
+    )
 
 
 @pytest.mark.parametrize("aggregate", [token_mean, sequence_mean])
@@ -46,7 +58,9 @@ def test_micro_batches_give_the_same_gradient_as_one_big_batch(tiny_model_dir, a
     for micro_batch_size in (8, 2, 1):
         backend = make_backend(tiny_model_dir, micro_batch_size)
         noise = 0.3 * torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
-        batch.old_logprobs = backend.logprobs(batch) + noise * batch.loss_mask  # ratios away from 1: clipping is exercised
+        batch.old_logprobs = (
+            backend.logprobs(batch) + noise * batch.loss_mask
+        )  # ratios away from 1: clipping is exercised
         batch.ref_logprobs = backend.logprobs(batch) - noise * batch.loss_mask
         backend.optimizer.zero_grad()
         metrics = backend.accumulate_gradients(batch, partial(loss_fn, aggregate, 0.1))
@@ -89,10 +103,14 @@ def test_old_logprobs_from_the_training_pass_give_the_step_of_a_separate_pass(ti
     """loss.old_logprobs=auto with one optimizer step per rollout: logp_old is the training pass's own
     logprobs, detached. The update, the loss, the importance weights and the mismatch metrics must be
     those of the separate no-grad pass it replaces."""
-    config = Config(loss=LossConfig(is_correction=is_correction, clip_eps_high=0.28, is_sequence_low=0.9, is_sequence_high=1.1))
+    config = Config(
+        loss=LossConfig(is_correction=is_correction, clip_eps_high=0.28, is_sequence_low=0.9, is_sequence_high=1.1)
+    )
     batch = make_batch()
     noise = 0.2 * torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(2))
-    batch.gen_logprobs = (make_backend(tiny_model_dir, 4).logprobs(batch) + noise) * batch.loss_mask  # an engine that disagrees
+    batch.gen_logprobs = (
+        make_backend(tiny_model_dir, 4).logprobs(batch) + noise
+    ) * batch.loss_mask  # an engine that disagrees
     runs = []
     for separate_pass in (True, False):
         backend = make_backend(tiny_model_dir, micro_batch_size=3)
@@ -103,7 +121,16 @@ def test_old_logprobs_from_the_training_pass_give_the_step_of_a_separate_pass(ti
     assert separate_grad.abs().max() > 1e-3
     assert (shared_grad - separate_grad).abs().max() <= 1e-6
     assert separate["token_mult_prob_error"] > 1.05 and separate["is_ratio_min"] < 0.9  # the mismatch is seen
-    for name in ("loss", "pg_loss", "ratio_mean", "token_mult_prob_error", "gen_kl_error", "is_ratio_mean", "is_ratio_min", "is_ratio_max"):
+    for name in (
+        "loss",
+        "pg_loss",
+        "ratio_mean",
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "is_ratio_mean",
+        "is_ratio_min",
+        "is_ratio_max",
+    ):
         assert shared[name] == pytest.approx(separate[name], rel=1e-5, abs=1e-7), name
 
 
@@ -121,7 +148,9 @@ def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_d
     overlong_filtered = replace(batch, loss_mask=batch.loss_mask.clone())
     overlong_filtered.loss_mask[7] = 0.0  # nothing to train on: left out too
     assert len(computed_part(overlong_filtered, config)) == 4
-    nothing = replace(batch, advantages=torch.zeros(len(batch)))  # the step still runs, on the shortest sequence per rank
+    nothing = replace(
+        batch, advantages=torch.zeros(len(batch))
+    )  # the step still runs, on the shortest sequence per rank
     assert len(computed_part(nothing, config)) == 1
     two_ranks = Config(training=TrainingConfig(backend="fsdp2", num_workers=2))
     assert len(computed_part(nothing, two_ranks)) == 2
@@ -130,7 +159,11 @@ def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_d
     shift_BT = 0.05 * torch.arange(len(batch)).unsqueeze(1) * batch.loss_mask  # ratios differ by row, some clipped
     batch.old_logprobs = make_backend(tiny_model_dir, 4).logprobs(batch) + shift_BT
     part = computed_part(batch, config)
-    for train_on in (batch, part, batch.select([0, 3, 4, 6, 7])):  # the last: the same sequences as a batch of their own
+    for train_on in (
+        batch,
+        part,
+        batch.select([0, 3, 4, 6, 7]),
+    ):  # the last: the same sequences as a batch of their own
         backend = make_backend(tiny_model_dir, micro_batch_size=3)
         metrics = backend.accumulate_gradients(train_on, make_loss_fn(config))
         runs.append((metrics, torch.cat([p.grad.flatten() for p in backend.model.parameters()])))

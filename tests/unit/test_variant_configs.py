@@ -15,8 +15,13 @@ from reinforge.paths import PROJECT_ROOT
 
 def tiny_batch(mask_BT: torch.Tensor, advantages_B: torch.Tensor) -> TrainBatch:
     """A batch whose old logprobs are all 0, so the policy's logprobs are the log ratios."""
-    batch = TrainBatch(input_ids=torch.zeros_like(mask_BT, dtype=torch.long), attention_mask=torch.ones_like(mask_BT, dtype=torch.long),
-                       loss_mask=mask_BT, advantages=advantages_B, gen_logprobs=torch.zeros_like(mask_BT))
+    batch = TrainBatch(
+        input_ids=torch.zeros_like(mask_BT, dtype=torch.long),
+        attention_mask=torch.ones_like(mask_BT, dtype=torch.long),
+        loss_mask=mask_BT,
+        advantages=advantages_B,
+        gen_logprobs=torch.zeros_like(mask_BT),
+    )
     batch.old_logprobs = torch.zeros_like(mask_BT)
     return batch
 
@@ -64,8 +69,14 @@ def test_variant_settings_that_do_not_fit_are_rejected_with_the_field_and_the_fi
     with pytest.raises(ValueError, match="overlong_buffer_tokens=64 must be in \\[0, generation.max_new_tokens=48\\]"):
         load("dapo", "grpo.overlong_buffer_tokens=64")
     with pytest.raises(ValueError, match="multiple of training.num_workers"):
-        load("dapo", "training.backend=fsdp2", "training.num_workers=3", "training.global_batch_size=96", "training.micro_batch_size=32",
-             "grpo.num_prompts_per_step=36")
+        load(
+            "dapo",
+            "training.backend=fsdp2",
+            "training.num_workers=3",
+            "training.global_batch_size=96",
+            "training.micro_batch_size=32",
+            "grpo.num_prompts_per_step=36",
+        )
     with pytest.raises(ValueError, match="overlong_buffer_tokens > 0 needs grpo.max_turns=1"):
         load("dapo", "grpo.max_turns=3")
     with pytest.raises(ValueError, match="constant_normaliser_tokens must be > 0"):
@@ -81,7 +92,9 @@ def test_cispo_config_keeps_a_gradient_on_the_tokens_ppo_would_clip():
     batch = tiny_batch(torch.ones(1, 2), torch.tensor([0.0]))
     batch.advantages = torch.tensor([[1.0, -1.0]])
     logp = torch.log(torch.tensor([[2.0, 0.1]])).requires_grad_()
-    loss, _ = make_loss_fn(config.model_copy(update={"loss": config.loss.model_copy(update={"kl_coef": 0.0})}))(logp, batch, Normalisers(2, 1))
+    loss, _ = make_loss_fn(config.model_copy(update={"loss": config.loss.model_copy(update={"kl_coef": 0.0})}))(
+        logp, batch, Normalisers(2, 1)
+    )
     torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.tensor([[-0.64, 0.05]]))
 
 
