@@ -20,7 +20,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from reinforge.config.schema import ClusterConfig
+from reinforge.cluster.config import ClusterConfig
 from reinforge.errors import ReinforgeError
 
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default session log directory
@@ -45,6 +45,15 @@ def start_ray(config: ClusterConfig, num_cpus_needed: float) -> None:
         num_cpus = config.num_cpus or max(os.cpu_count() or 1, math.ceil(num_cpus_needed))
         # address="local": a new Ray of our own, never a cluster some other job left running on this machine
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def ensure_ray(config: ClusterConfig, num_cpus_needed: float) -> Callable[[], None]:
+    """`start_ray` unless Ray already runs in this process. Returns the cleanup: `ray.shutdown` for a Ray
+    that this call started or joined, a no-op for one that was running before (whoever started it stops it)."""
+    if ray.is_initialized():
+        return lambda: None
+    start_ray(config, num_cpus_needed)
+    return ray.shutdown
 
 
 class WorkerGroup:

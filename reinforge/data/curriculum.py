@@ -1,13 +1,6 @@
-"""Llama-Nemotron's RL data curriculum (Bercovich et al. 2025, arXiv:2505.00949, LN-Ultra's reasoning RL):
-a pass-rate pre-filter and a progressive-difficulty prompt sampler (`curriculum.*`, docs/algorithms.md).
-
-Pre-filter: sample k = `prefilter_samples` answers to every training prompt and score them with the
-prompt's environment; the pass rate is the fraction of answers whose reward is >= `success_reward` (with
-0/1 rewards: the mean reward), a multiple of 1/k. Prompts with pass rate >= `prefilter_threshold` are
-dropped. The rates are computed once per run and written atomically to RUN_DIR/curriculum/
-(pass_rates.jsonl, one line per prompt, and prefilter.json, the settings that produced them); a resumed
-or restarted run with the same settings and prompts reads them back instead of sampling. Records that
-carry a `pass_rate` field use it and are never sampled (`reinforge curriculum prefilter` writes them).
+"""Llama-Nemotron's progressive-difficulty prompt sampler (Bercovich et al. 2025, arXiv:2505.00949, LN-Ultra's
+reasoning RL; `curriculum.*`, docs/algorithms.md). The pass rates it bins by come from the records' own
+`pass_rate` fields or from the pre-filter that samples them (reinforge/algorithms/curriculum_prefilter.py).
 
 Progressive sampler: prompts are binned by pass rate. For batch t the centre c(t) moves linearly from
 `start_pass_rate` (t = 0) to `end_pass_rate` (t = num_steps - 1, then stays). Bin b at pass rate v_b gets
@@ -17,76 +10,92 @@ the bin with the largest remaining pool, then the next largest, and so on. Withi
 seeded shuffled order, without replacement: one pass over every bin is an epoch, after which all bins
 refill (a batch may straddle two epochs). The batch is then shuffled.
 
-Deviations from the paper: (1) the pass rates come from the initial policy being trained, not from
-another model (LN-Super scored LN-Ultra's data there); `reinforge curriculum prefilter` with another
-`model.name_or_path` gives the paper's setup. (2) The paper does not say how bins, targets and rounding
-are defined; the above is our reading (equal-width bins with `num_bins`, else one per distinct pass rate;
-bins without prompts take no share). (3) The centre moves per drawn batch, so DAPO's dynamic sampling,
-which draws extra batches in a step, moves it faster than the step count.
+Deviations from the paper: (1) the paper does not say how bins, targets and rounding are defined; the above
+is our reading (equal-width bins with `num_bins`, else one per distinct pass rate; bins without prompts take
+no share). (2) The centre moves per drawn batch, so DAPO's dynamic sampling, which draws extra batches in a
+step, moves it faster than the step count.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import random
 from collections import Counter
-from dataclasses import asdict, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Literal
 
+from pydantic import model_validator
+
+from reinforge.config.section import Section
 from reinforge.data.prompts import Prompt, PromptSampler
 from reinforge.errors import DataError
-from reinforge.generation.base import GenerationBackend, SamplingParams
-from reinforge.rollout.rollout import RolloutOptions, rollout
-from reinforge.run_dir import atomic_directory
-
-if TYPE_CHECKING:
-    from reinforge.config import Config
-    from reinforge.envs.base import Environment
-
-PASS_RATES_FILE = "pass_rates.jsonl"
-SETTINGS_FILE = "prefilter.json"
-PROMPTS_PER_ROLLOUT = 256  # prompts per rollout call of the pre-filter (a constant: the samples depend on it)
-PREFILTER_SEED_OFFSET = 700_001  # a sampling stream apart from the training steps' (seed * 1_000_003 + step)
 
 
-def measure_pass_rates(prompts: list[Prompt], engine: GenerationBackend, params: SamplingParams, tokenizer,
-                       envs: dict[str, Environment], options: RolloutOptions, success_reward: float,
-                       console_print: Callable[[str], None] = print) -> list[float]:
-    """Each prompt's fraction of `params.num_samples` sampled answers with reward >= `success_reward`."""
-    pass_rates: list[float] = []
-    for index, start in enumerate(range(0, len(prompts), PROMPTS_PER_ROLLOUT)):
-        chunk = prompts[start : start + PROMPTS_PER_ROLLOUT]
-        chunk_params = replace(params, seed=params.seed + 104_729 * index)
-        passed = [0] * len(chunk)
-        for trajectory in rollout(chunk, engine, chunk_params, tokenizer, envs, options):
-            passed[trajectory.group] += trajectory.reward >= success_reward
-        pass_rates += [count / params.num_samples for count in passed]
-        console_print(f"curriculum pre-filter: {len(pass_rates)}/{len(prompts)} prompts sampled")
-    return pass_rates
+class CurriculumConfig(Section):
+    """Llama-Nemotron's RL data curriculum (arXiv:2505.00949): a pass-rate pre-filter and a sampler that
+    moves from easy to hard prompts. Implemented in reinforge/algorithms/curriculum_prefilter.py (the pre-filter)
+    and reinforge/data/curriculum.py (the sampler); docs/algorithms.md."""
 
+    prefilter: bool = False
+    """Before training, sample `prefilter_samples` answers to every training prompt with the initial policy
+    and drop the prompts whose pass rate is at least `prefilter_threshold`. The pass rates are stored in
+    RUN_DIR/curriculum/pass_rates.jsonl and reused on resume; records that carry a `pass_rate` field
+    (`reinforge curriculum prefilter` writes them) are not sampled again."""
+    prefilter_samples: int = 8
+    """Answers sampled per prompt to measure its pass rate (k); pass rates are then multiples of 1/k."""
+    prefilter_threshold: float = 0.75
+    """Prompts with pass rate >= this are dropped: the policy already solves them."""
+    prefilter_temperature: float | None = None
+    """Sampling temperature of the pre-filter; null: generation.temperature."""
+    success_reward: float = 1.0
+    """A sampled answer passes when its reward is at least this; with 0/1 rewards (math, code) the pass
+    rate is the mean reward. Lower it for graded rewards (a judge's scores)."""
+    sampler: Literal["uniform", "progressive"] = "uniform"
+    """`uniform`: shuffled epochs (data.shuffle) over the kept prompts; `progressive`: each batch follows a
+    Gaussian over pass rate whose centre moves from `start_pass_rate` to `end_pass_rate` (needs pass rates:
+    `prefilter=true`, or a `pass_rate` field in every record)."""
+    num_bins: int | None = None
+    """Pass-rate bins of the progressive sampler: null: one bin per distinct pass rate (with the pre-filter,
+    the multiples of 1/k); N: N equal-width bins over [0, 1], each at its centre (empty ones are left out)."""
+    sigma: float = 0.15
+    """Width (standard deviation, in pass rate) of the progressive sampler's Gaussian target."""
+    start_pass_rate: float = 0.75
+    """Centre of the Gaussian for the first batch (easy: a high pass rate)."""
+    end_pass_rate: float = 0.0
+    """Centre of the Gaussian from batch `num_steps` on (hard: a low pass rate)."""
+    num_steps: int | None = None
+    """Batches over which the centre moves linearly from start to end; null: loop.max_steps. Dynamic
+    sampling draws extra batches in a step, which move the centre too."""
 
-def prefilter_setup(config: Config) -> tuple[SamplingParams, RolloutOptions]:
-    """The pre-filter's sampling (the training rollouts' settings, k samples, its own seed) and rollout options."""
-    gen, cur, g = config.generation, config.curriculum, config.grpo
-    params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=cur.prefilter_temperature or gen.temperature,
-                            top_p=gen.top_p, top_k=gen.top_k, stop_strings=tuple(gen.stop_strings),
-                            num_samples=cur.prefilter_samples, seed=config.seed * 1_000_003 + PREFILTER_SEED_OFFSET)
-    options = RolloutOptions(default_task=config.env.default_task, max_turns=g.max_turns, turn_reward=g.turn_reward,
-                             max_observation_tokens=g.max_observation_tokens, extra_rewards=config.env.extra_rewards)
-    return params, options
-
-
-def prefilter_settings(config: Config, prompts: list[Prompt]) -> dict[str, Any]:
-    """What the stored pass rates depend on; stored rates are reused only when all of it is unchanged."""
-    params, options = prefilter_setup(config)
-    digest = hashlib.sha256(json.dumps([[p.token_ids, p.record] for p in prompts], sort_keys=True).encode()).hexdigest()
-    sampling = {**asdict(params), "stop_strings": list(params.stop_strings), "stop_token_ids": list(params.stop_token_ids)}
-    engine = {"backend": config.generation.backend, "max_batch_size": config.generation.max_batch_size}
-    return {"model": config.model.model_dump(mode="json"), "engine": engine, "sampling": sampling, "rollout": asdict(options),
-            "success_reward": config.curriculum.success_reward, "prompts_sha256": digest}
+    @model_validator(mode="after")
+    def _check(self) -> "CurriculumConfig":
+        checks = [
+            (self.prefilter_samples >= 1, "curriculum.prefilter_samples must be >= 1 (8 in Llama-Nemotron)"),
+            (
+                0 < self.prefilter_threshold <= 1,
+                "curriculum.prefilter_threshold must be in (0, 1]: prompts with a pass rate at or above it are dropped",
+            ),
+            (
+                self.prefilter_temperature is None or self.prefilter_temperature > 0,
+                "curriculum.prefilter_temperature must be > 0 (or null for generation.temperature)",
+            ),
+            (
+                self.num_bins is None or self.num_bins >= 1,
+                "curriculum.num_bins must be >= 1 (or null: one bin per distinct pass rate)",
+            ),
+            (self.sigma > 0, "curriculum.sigma must be > 0 (the Gaussian's width in pass rate, e.g. 0.15)"),
+            (
+                0 <= self.start_pass_rate <= 1 and 0 <= self.end_pass_rate <= 1,
+                "curriculum.start_pass_rate and curriculum.end_pass_rate must be in [0, 1]",
+            ),
+            (
+                self.num_steps is None or self.num_steps >= 1,
+                "curriculum.num_steps must be >= 1 (or null: loop.max_steps)",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
 
 
 def record_pass_rates(prompts: list[Prompt]) -> list[float] | None:
@@ -96,49 +105,20 @@ def record_pass_rates(prompts: list[Prompt]) -> list[float] | None:
         return None
     for index, rate in enumerate(rates):
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            raise DataError(f"training record {index} has pass_rate={rate!r}; give every record a pass_rate in [0, 1], "
-                            "or none (curriculum.prefilter=true then measures them)")
+            raise DataError(
+                f"training record {index} has pass_rate={rate!r}; give every record a pass_rate in [0, 1], "
+                "or none (curriculum.prefilter=true then measures them)"
+            )
     return [float(rate) for rate in rates]
-
-
-def pass_rates_for(config: Config, prompts: list[Prompt], engine: GenerationBackend | None, tokenizer,
-                   envs: dict[str, Environment], run_dir: Path, console_print: Callable[[str], None] = print) -> list[float]:
-    """The training prompts' pass rates: the records', else the run's stored ones, else sampled now and stored."""
-    rates = record_pass_rates(prompts)
-    if rates is not None:
-        return rates
-    if not config.curriculum.prefilter:
-        raise DataError("curriculum.sampler=progressive needs pass rates: set curriculum.prefilter=true, or give every record "
-                        "of data.train_path a pass_rate field (`reinforge curriculum prefilter` writes them)")
-    directory, settings = run_dir / "curriculum", prefilter_settings(config, prompts)
-    try:
-        stored = json.loads((directory / SETTINGS_FILE).read_text())
-        rows = [json.loads(line) for line in (directory / PASS_RATES_FILE).read_text().splitlines()]
-        if stored["settings"] == settings and len(rows) == len(prompts):
-            console_print(f"curriculum pre-filter: pass rates read from {directory / PASS_RATES_FILE}")
-            return [row["pass_rate"] for row in rows]
-        console_print(f"curriculum pre-filter: {directory} was computed with other settings or prompts; sampling again")
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # none stored yet (or a stale, unreadable copy): sample
-    assert engine is not None, "no stored pass rates to read: the pre-filter needs the engine"
-    params, options = prefilter_setup(config)
-    rates = measure_pass_rates(prompts, engine, params, tokenizer, envs, options, config.curriculum.success_reward, console_print)
-    counters = {f"{task}/{name}": value for task, env in envs.items() for name, value in env.metrics().items() if value}
-    if counters:  # drained so that step 1's env metrics count step 1 only
-        console_print(f"curriculum pre-filter: environment counters {counters}")
-    with atomic_directory(directory) as tmp:
-        (tmp / PASS_RATES_FILE).write_text("".join(
-            json.dumps({"index": i, "prompt": p.messages[-1]["content"], "pass_rate": rate,
-                        "num_passed": round(rate * params.num_samples), "num_samples": params.num_samples}) + "\n"
-            for i, (p, rate) in enumerate(zip(prompts, rates))))
-        (tmp / SETTINGS_FILE).write_text(json.dumps({"settings": settings, "histogram": histogram(rates)}, indent=1))
-    return rates
 
 
 def histogram(rates: list[float]) -> dict[str, int]:
     """Prompts per pass rate (per tenth when there are more than 20 distinct rates)."""
     if len(set(rates)) > 20:
-        return {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": n for b, n in sorted(Counter(min(int(r * 10), 9) for r in rates).items())}
+        return {
+            f"{b / 10:.1f}-{(b + 1) / 10:.1f}": n
+            for b, n in sorted(Counter(min(int(r * 10), 9) for r in rates).items())
+        }
     return {f"{rate:.3f}": n for rate, n in sorted(Counter(rates).items())}
 
 
@@ -163,8 +143,18 @@ class ProgressiveSampler:
     random order is re-derived from (seed, epoch) or (seed, batch index), so it stores no RNG state itself.
     """
 
-    def __init__(self, prompts: list[Prompt], pass_rates: list[float], batch_size: int, seed: int, num_steps: int,
-                 start_pass_rate: float, end_pass_rate: float, sigma: float, num_bins: int | None = None):
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        pass_rates: list[float],
+        batch_size: int,
+        seed: int,
+        num_steps: int,
+        start_pass_rate: float,
+        end_pass_rate: float,
+        sigma: float,
+        num_bins: int | None = None,
+    ):
         assert prompts and len(prompts) == len(pass_rates)
         self.prompts, self.pass_rates, self.batch_size, self.seed = prompts, pass_rates, batch_size, seed
         self.num_steps, self.start, self.end, self.sigma = num_steps, start_pass_rate, end_pass_rate, sigma
@@ -233,77 +223,15 @@ class ProgressiveSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["taken"]) != len(self.bins) or any(t > len(b) for t, b in zip(state["taken"], self.bins)):
-            raise DataError("the checkpoint's curriculum sampler state does not fit these prompts' pass-rate bins; "
-                            "resume with the same data and pass rates, or start a new run")
+            raise DataError(
+                "the checkpoint's curriculum sampler state does not fit these prompts' pass-rate bins; "
+                "resume with the same data and pass rates, or start a new run"
+            )
         self.step, self.epoch, self.taken = state["step"], state["epoch"], list(state["taken"])
         self._pools = self._epoch_pools()
-
-
-def build_prompt_sampler(config: Config, train_prompts: list[Prompt], engine: GenerationBackend | None, tokenizer,
-                         envs: dict[str, Environment], run_dir: Path, console_print: Callable[[str], None] = print,
-                         ) -> tuple[PromptSampler | ProgressiveSampler, dict[str, float]]:
-    """The run's prompt sampler and the curriculum's one-off metrics ({} with the curriculum off): a plain
-    `PromptSampler` unless `curriculum.prefilter` or `curriculum.sampler=progressive` asks for more."""
-    cur, g = config.curriculum, config.grpo
-    if not cur.prefilter and cur.sampler == "uniform":
-        return PromptSampler(train_prompts, g.num_prompts_per_step, config.seed, config.data.shuffle), {}
-    rates = pass_rates_for(config, train_prompts, engine, tokenizer, envs, run_dir, console_print)
-    keep = [i for i, rate in enumerate(rates) if not cur.prefilter or rate < cur.prefilter_threshold]
-    if not keep:
-        raise DataError(f"every training prompt has a pass rate >= curriculum.prefilter_threshold={cur.prefilter_threshold}; "
-                        "raise the threshold or train on harder prompts")
-    console_print(f"curriculum: pass rates of {len(rates)} prompts {histogram(rates)}; kept {len(keep)}"
-                  + (f" below {cur.prefilter_threshold}" if cur.prefilter else ""))
-    prompts, kept_rates = [train_prompts[i] for i in keep], [rates[i] for i in keep]
-    metrics = {
-        "curriculum/num_prompts_kept": len(keep),
-        "curriculum/prefilter_dropped_fraction": 1 - len(keep) / len(rates),
-        "curriculum/kept_pass_rate_mean": sum(kept_rates) / len(kept_rates),
-    }
-    if cur.sampler == "uniform":
-        return PromptSampler(prompts, g.num_prompts_per_step, config.seed, config.data.shuffle), metrics
-    sampler = ProgressiveSampler(prompts, kept_rates, g.num_prompts_per_step, config.seed, cur.num_steps or g.max_steps,
-                                 cur.start_pass_rate, cur.end_pass_rate, cur.sigma, cur.num_bins)
-    return sampler, metrics
 
 
 def batch_metrics(sampler: PromptSampler | ProgressiveSampler) -> dict[str, float]:
     """The last drawn batch's curriculum metrics ({} for a plain `PromptSampler`). Under dynamic sampling, the
     last round's."""
     return sampler.last_batch_metrics() if isinstance(sampler, ProgressiveSampler) else {}
-
-
-def prefilter_file(config: Config, out: Path, keep_all: bool) -> tuple[int, int]:
-    """`reinforge curriculum prefilter`: measure the pass rates of data.train_path's prompts with the config's model
-    and engine in this process, and write the records with a `pass_rate` field to `out` (those below the
-    threshold, or all with `keep_all`). Returns (records written, prompts measured)."""
-    from contextlib import ExitStack
-
-    import torch
-
-    from reinforge.algorithms.builders import build_engine, build_environments, start_ray_if_needed
-    from reinforge.data.prompts import load_prompts
-    from reinforge.envs.registry import check_tasks
-    from reinforge.modeling import load_tokenizer
-
-    if config.cluster.num_threads:
-        torch.set_num_threads(config.cluster.num_threads)
-    one_process = config.model_copy(update={"training": config.training.model_copy(update={"backend": "torch", "num_workers": 1})})
-    tokenizer = load_tokenizer(config.model)
-    prompts = load_prompts(config.data.train_path, config.data, tokenizer)
-    tasks = {p.record.get("task", config.env.default_task) for p in prompts} | set(config.env.extra_rewards)
-    check_tasks(tasks, config.env)
-    with ExitStack() as cleanup:
-        start_ray_if_needed(one_process, cleanup)
-        envs = build_environments(one_process, tasks, cleanup)
-        engine = build_engine(one_process, tokenizer, None, cleanup)
-        params, options = prefilter_setup(config)
-        rates = measure_pass_rates(prompts, engine, params, tokenizer, envs, options, config.curriculum.success_reward)
-    rows = [{**p.record, "pass_rate": rate} for p, rate in zip(prompts, rates)
-            if keep_all or rate < config.curriculum.prefilter_threshold]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.replace(out)
-    print(f"pass rates {histogram(rates)}")
-    return len(rows), len(prompts)

@@ -1,6 +1,6 @@
 """`reinforge env serve` and `reinforge env score`: an environment over HTTP, or on a file of answers.
 
-Only argparse (and reinforge/exposure.py, which needs nothing more) is imported at module level, so
+Only argparse (and reinforge/network.py, which imports no web framework) is imported at module level, so
 that `reinforge --help` stays instant.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from reinforge.exposure import add_bind_arguments, token_from_env
+from reinforge.network import add_bind_arguments, token_from_env
 
 ENV_OVERRIDES_HELP = (
     "key=value overrides of the environment config, e.g. math.timeout_s=3 (the env section of the "
@@ -156,8 +156,12 @@ def _request(record: dict, where: str):
 
 
 def _build_env(name: str, overrides: list[str]):
-    from reinforge.config import load_config
-    from reinforge.envs.registry import build_env
+    from reinforge.config.loader import load_recipe_config
+    from reinforge.config.section import Section
+    from reinforge.envs.registry import EnvConfig, build_env
+
+    class EnvRoot(Section):  # `env.*` overrides, checked like a run's
+        env: EnvConfig = EnvConfig()
 
     dotted = [o if o.startswith("env.") else f"env.{o}" for o in overrides]
-    return build_env(name, load_config(None, dotted).env)
+    return build_env(name, load_recipe_config(EnvRoot, None, dotted).env)

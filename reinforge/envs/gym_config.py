@@ -14,7 +14,8 @@ class GymResourcesConfig(Section):
     timeout_s: float = 60.0
     """Time limit for connecting, sending, and each wait for the server's answer to one call."""
     max_retries: int = 3
-    """Retries after a connection error, a timeout or a 5xx answer; then the run stops with one line naming the server."""
+    """Retries after a connection error, a timeout or a 5xx answer; then the run stops with one line naming the
+    server."""
     backoff_s: float = 0.5
     """Wait before the first retry; each further retry waits twice as long."""
     max_concurrency: int = 64

@@ -2,7 +2,7 @@
 
 Gym's agents (e.g. `simple_agent`) and trainers that speak Gym (NeMo-RL) can then use math, code,
 ifeval, tool_use or your own `module:Class` environment as they use Gym's own servers. The routes
-(NeMo Gym 0.7.0's resources-server protocol, /work/shared/docs/nemo-gym-protocol.md section 3):
+(NeMo Gym 0.7.0's resources-server protocol, as `nemo_gym/base_resources_server.py` serves it):
 
     POST /seed_session       any JSON object (the row) -> {}        (the environments keep no session)
     POST /close_session      any JSON object -> {} (or {"resources_session_id"} echoed)
@@ -27,7 +27,7 @@ take the numeric fields the verifier added as components). They are also `reward
 when they sum to `reward`: that is what the field means in Gym, and NeMo-RL checks it; tool_use's
 counters (`num_tool_calls`, `tool_result_correct`) are not parts of its reward.
 
-Errors and guards are those of the reinforge protocol (http_server.py, reinforge/http_guard.py):
+Errors and guards are those of the reinforge protocol (http_server.py, reinforge/network.py):
 bearer token (401), body size (413), JSON content type (415); a malformed body is a 422 naming the
 field (`bad request: response: Field required`), a record the environment cannot score a 422, a
 tool's ValueError (or a missing argument) a 400, anything else from the environment a 500; every
@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict
 from reinforge.data.responses_format import create_params_to_chat, hermes_messages, items_to_chat
 from reinforge.envs.base import Environment, EnvRequest, Tool
 from reinforge.errors import ConfigError, ReinforgeError
-from reinforge.http_guard import Guard, describe_validation_error, error_response, one_line
+from reinforge.network import Guard, describe_validation_error, error_response, one_line
 
 _log = logging.getLogger(__name__)
 RESERVED_ROUTES = ("seed_session", "close_session", "verify", "aggregate_metrics", "health")

@@ -11,10 +11,10 @@ The verifier runs in its own process (or on another machine) and the trainer rea
     GET  /tools          -> {"tools": [{"name", "description", "parameters"}, ...]}
     POST /tools/{name}   {"arguments": {...}} -> {"observation": "..."}
 
-Guards (reinforge/http_guard.py), checked before a route runs: a bearer token when one is set (401),
+Guards (`Guard`, reinforge/network.py), checked before a route runs: a bearer token when one is set (401),
 a body size limit (413, also for bodies sent without a Content-Length) and `Content-Type:
-application/json` on every POST (415). A malformed body is 422, a `ReinforgeError` from the environment (a record without the
-field it needs) is 422, a tool's `ValueError` (bad arguments) is 400, an unknown tool is 404, any other
+application/json` on every POST (415). A malformed body is 422, a `ReinforgeError` from the environment (a record
+without the field it needs) is 422, a tool's `ValueError` (bad arguments) is 400, an unknown tool is 404, any other
 exception from the environment is 500; every error body is `{"detail": "<one line>"}`.
 
 `env.step` runs in Starlette's threadpool (40 threads), so a slow batch does not block other
@@ -36,8 +36,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reinforge.envs.base import Environment, EnvRequest
 from reinforge.errors import ReinforgeError
-from reinforge.exposure import check_bind_address, is_loopback
-from reinforge.http_guard import Guard, describe_validation_error, error_response, one_line
+from reinforge.network import (
+    Guard,
+    check_bind_address,
+    describe_validation_error,
+    error_response,
+    is_loopback,
+    one_line,
+)
 
 _log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # 64 MiB: a batch of thousands of long trajectories

@@ -155,7 +155,8 @@ class JudgeEnvConfig(Section):
             ) from None
         if groups != 1:
             raise ValueError(
-                f"env.judge.score_pattern={self.score_pattern!r} has {groups} groups; it needs exactly one, capturing the score"
+                f"env.judge.score_pattern={self.score_pattern!r} has {groups} groups; "
+                "it needs exactly one, capturing the score"
             )
         for _, field, spec, conversion in string.Formatter().parse(self.prompt_template):
             if field is not None and (field not in PLACEHOLDERS or spec or conversion):
@@ -228,7 +229,8 @@ class JudgeEnv:
             key = os.environ.get(config.api_key_env)
             if not key:
                 raise ConfigError(
-                    f"env.judge.api_key_env={config.api_key_env}: that environment variable is not set; export the judge's API key in it"
+                    f"env.judge.api_key_env={config.api_key_env}: that environment variable is not set; "
+                    "export the judge's API key in it"
                 )
             headers["Authorization"] = f"Bearer {key}"
         path = "/chat/completions" if config.mode == "chat" else "/score"
@@ -309,7 +311,8 @@ class JudgeEnv:
             if self.config.reference_key not in request.record:
                 raise DataError(
                     f"the judge's prompt_template uses {{reference}} but a record has no {self.config.reference_key!r} "
-                    f"(keys: {sorted(request.record)}); set env.judge.reference_key or drop {{reference}} from the template"
+                    f"(keys: {sorted(request.record)}); "
+                    "set env.judge.reference_key or drop {reference} from the template"
                 )
             values["reference"] = str(request.record[self.config.reference_key])
         messages = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
@@ -380,7 +383,8 @@ class JudgeEnv:
                 for other in futures:
                     other.cancel()
                 raise JudgeError(
-                    f"the judge at {self.endpoint} failed: {results[i].cause}; {failed} of {sum(sizes)} samples failed, "
+                    f"the judge at {self.endpoint} failed: {results[i].cause}; "
+                    f"{failed} of {sum(sizes)} samples failed, "
                     f"more than env.judge.max_failed_fraction={self.config.max_failed_fraction} allows"
                 )
         return results

@@ -47,8 +47,15 @@ import time
 import weakref
 from pathlib import Path
 
+from reinforge.config.section import Section
 from reinforge.envs.base import EnvRequest, EnvResponse
 from reinforge.errors import ConfigError, DataError
+
+
+class MathEnvConfig(Section):
+    timeout_s: float = 5.0
+    """Per-sample verification time limit; a timeout scores 0 and is counted."""
+
 
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _NUMBER = re.compile(

@@ -4,9 +4,55 @@ from __future__ import annotations
 
 import importlib
 
-from reinforge.config.schema import EnvConfig
+from reinforge.config.section import Section
 from reinforge.envs.base import Environment, EnvRequest, EnvResponse
+from reinforge.envs.code_env import CodeEnvConfig
+from reinforge.envs.format_env import FormatEnvConfig
+from reinforge.envs.gym_config import GymResourcesConfig
+from reinforge.envs.http_client import RemoteEnvConfig
+from reinforge.envs.ifeval import IfEvalConfig
+from reinforge.envs.judge import JudgeEnvConfig
+from reinforge.envs.math_env import MathEnvConfig
+from reinforge.envs.tool_use import ToolUseEnvConfig
 from reinforge.errors import ConfigError, DataError
+
+
+class EnvConfig(Section):
+    default_task: str = "math"
+    """Environment for records that do not name a `task`."""
+    num_workers: int = 0
+    """Verifier worker processes (Ray actors, each holding every environment the run uses) that score
+    a batch in parallel slices; 0 scores in the driver process."""
+    num_cpus_per_worker: float = 1.0
+    """CPUs reserved for each verifier worker."""
+    math: MathEnvConfig = MathEnvConfig()
+    """The `math` environment: answer extraction plus math-verify."""
+    code: CodeEnvConfig = CodeEnvConfig()
+    """The `code` environment: model-written Python against unit tests in a sandbox."""
+    ifeval: IfEvalConfig = IfEvalConfig()
+    """The `ifeval` environment: IFEval's 25 verifiable instruction types."""
+    format: FormatEnvConfig = FormatEnvConfig()
+    """The `format` environment: "detailed thinking on/off" compliance (<think> tags)."""
+    judge: JudgeEnvConfig = JudgeEnvConfig()
+    """The `judge` environment: an LLM judge or reward model over HTTP, or a local reward model."""
+    tool_use: ToolUseEnvConfig = ToolUseEnvConfig()
+    """The `tool_use` environment: calculator and sandboxed Python tools, then a scored final answer
+    (needs rollout.max_turns > 1)."""
+    extra_rewards: dict[str, float] = {}
+    """Environments that score every trajectory's final answer on top of its task's, with weights:
+    reward = task reward + sum of weight x extra reward; e.g. {format: 0.5} adds reasoning-mode
+    compliance to any task. Each appears as a reward component."""
+    custom: dict[str, str] = {}
+    """Your own environments: task name -> `module:Class` (importable; built with no arguments), e.g.
+    `env.custom.sql=my_project.envs:SqlEnv`. See docs/environments.md."""
+    remote: dict[str, RemoteEnvConfig] = {}
+    """Tasks scored by environment servers (`reinforge env serve`): task name -> server, e.g.
+    `env.remote.code.url=http://10.0.0.5:8000`. A remote task may have any name, built in or not."""
+    gym: dict[str, GymResourcesConfig] = {}
+    """Tasks scored by NeMo Gym resources servers while reinforge drives the model: task name -> server,
+    e.g. `env.gym.weather.url=http://127.0.0.1:18001`. The server's tools are called for the policy's
+    `<tool_call>`s (its session cookie kept per trajectory), and its /verify scores the episode
+    (docs/agents.md). Needs rollout.max_turns > 1 for tools."""
 
 
 def build_env(name: str, config: EnvConfig) -> Environment:
@@ -70,8 +116,10 @@ def check_tasks(tasks: set[str], config: EnvConfig) -> None:
     unknown = sorted(tasks - set(ENV_NAMES) - set(config.remote) - set(config.custom) - set(config.gym))
     if unknown:
         raise DataError(
-            f"records name task {unknown[0]!r}, which no environment serves; built-in environments: {', '.join(ENV_NAMES)}; "
-            f"your own environment class needs env.custom.{unknown[0]}=module:Class, one served over HTTP env.remote.{unknown[0]}.url, "
+            f"records name task {unknown[0]!r}, which no environment serves; "
+            f"built-in environments: {', '.join(ENV_NAMES)}; "
+            f"your own environment class needs env.custom.{unknown[0]}=module:Class, "
+            f"one served over HTTP env.remote.{unknown[0]}.url, "
             f"a NeMo Gym resources server env.gym.{unknown[0]}.url "
             f"(records without a `task` use env.default_task={config.default_task!r})"
         )

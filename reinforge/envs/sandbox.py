@@ -37,8 +37,8 @@ Protections, and how each is achieved ("ns": namespace isolation, the default wh
   is remounted read-only and nosuid, then fresh tmpfs are mounted on /tmp (`workdir_mb`; root's,
   mode 0755, holding the working directory /tmp/work, the only directory the program's uid owns)
   and, empty and read-only, on /dev/shm and /run (a unix socket can be connected to on a read-only
-  mount, so daemons' sockets there are hidden; /tmp's are too). The tmpfs vanish with the namespace: the working directory is
-  deleted with the run, and nothing written reaches the host. plain: the program's uid owns only
+  mount, so daemons' sockets there are hidden; /tmp's are too). The tmpfs vanish with the namespace: the working
+  directory is deleted with the run, and nothing written reaches the host. plain: the program's uid owns only
   its working directory (a fresh `mkdtemp`, deleted afterwards), so it can write only there and in
   world-writable directories: **/tmp and /dev/shm stay writable in plain mode**.
 - Big files: RLIMIT_FSIZE (`file_size_mb`) per file; ns: the tmpfs size caps the directory.
@@ -111,7 +111,10 @@ _UID_BASE, _UID_SPAN = 1 << 30, 1 << 30  # a random uid per run, far above any r
 _KILL_GRACE_S = 5.0  # how long the supervisor may take to empty the sandbox after it is told to
 _STATUS_ERROR, _STATUS_OK = "error", "ok"
 _SETUP_LOCK = threading.Lock()
-_PROBE = "import os, socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), 1)\nexcept OSError:\n    print('ok', os.getuid())\n"
+_PROBE = (
+    "import os, socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), 1)\n"
+    "except OSError:\n    print('ok', os.getuid())\n"
+)
 
 
 class SandboxLimits(Section):
@@ -158,7 +161,8 @@ class SandboxLimits(Section):
                 raise ValueError(f"sandbox {name} must be > 0, got {getattr(self, name)}")
         if self.python and not os.access(self.python, os.X_OK):
             raise ValueError(
-                f"sandbox python={self.python!r} is not an executable file; give an interpreter's path or leave it empty"
+                f"sandbox python={self.python!r} is not an executable file; "
+                "give an interpreter's path or leave it empty"
             )
         return self
 
@@ -167,7 +171,9 @@ class SandboxLimits(Section):
 class SandboxResult:
     """What one run did."""
 
-    status: str  # ok | failed (nonzero exit) | timeout (wall or CPU) | killed (by a signal) | output_limit | error (the sandbox failed)
+    status: (
+        str  # ok | failed (exit != 0) | timeout (wall/CPU) | killed (signal) | output_limit | error (sandbox failed)
+    )
     returncode: int | None  # the program's exit code, -N if signal N killed it, None if the sandbox stopped it
     stdout: str  # at most max_output_bytes, decoded as UTF-8 with replacement characters
     stderr: str  # likewise; a sandbox error is appended here

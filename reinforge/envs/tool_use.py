@@ -5,7 +5,7 @@ Protocol (the Hermes/Qwen convention): in a turn the policy may emit one or more
 back as one `tool` message (the chat template renders it; the tokens are appended to the sequence
 and never trained on). A turn without a tool call is the final answer, scored by the environment
 named in `tool_use.answer_env` (`math` by default) against the record. The rollout
-(`rollout/multi_turn.py`) stops after `grpo.max_turns` policy turns whatever the policy does.
+(`rollout/multi_turn.py`) stops after `rollout.max_turns` policy turns whatever the policy does.
 
 Built-in tools:
 - `calculator`: `{"expression": "23 * (4 + 5)"}`; +, -, *, /, //, %, ** (exponent at most 100) and

@@ -1,4 +1,5 @@
-"""The endpoint's routes (FastAPI): OpenAI's chat completions with NeMo-RL's token fields.
+"""The endpoint's routes (FastAPI): an HTTP adapter over `PolicyServer`, OpenAI's chat completions with
+NeMo-RL's token fields.
 
     POST /v1/chat/completions            messages, tools, temperature, top_p, max_tokens, n, stop, seed, logprobs
     POST /episodes/{id}/v1/chat/completions   the same, recorded under episode `id` (a Python agent's base_url)
@@ -13,10 +14,11 @@ serving/prompt.py), `generation_token_ids` (the sampled tokens, stop token inclu
 `vllm_model` reads them with `return_token_id_information: true`. Tool calls in the Hermes/Qwen
 `<tool_call>` convention come back as OpenAI `tool_calls` (`finish_reason: "tool_calls"`).
 
-Errors are OpenAI's shape, `{"error": {"message", "type", "param"}}`: a malformed request is 400 with
-the field at fault, a prompt over the context length is 400 saying so ("context length": Gym turns
-that into a `length` finish), a call outside a run's rollout 503, a call of an episode that is over
-409. The guards of the env servers apply (bearer token, body size, JSON content type).
+The server decides what is admitted (`PolicyServer.admit`); this module maps its errors to statuses, in
+OpenAI's shape `{"error": {"message", "type", "param"}}`: a malformed request is 400 with the field at
+fault, a prompt over the context length is 400 saying so ("context length": Gym turns that into a
+`length` finish), a call outside a run's rollout 503, a call of an episode that is over 409, a failed
+generation 500. The guards of the env servers apply (bearer token, body size, JSON content type).
 """
 
 from __future__ import annotations
@@ -24,44 +26,39 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from reinforge.errors import DataError
-from reinforge.generation.base import SamplingParams
-from reinforge.http_guard import Guard
-from reinforge.serving.prompt import parse_generation, prompt_ids
+from reinforge.network import Guard, one_line
+from reinforge.serving.errors import EndpointError, EpisodeOver, GenerationFailed, InvalidRequest, NotInRollout
+from reinforge.serving.prompt import parse_generation
 from reinforge.serving.protocol import ChatCompletionRequest, TokenizeRequest, completion_choice, error_body
-from reinforge.serving.recorder import RecordedCall
+from reinforge.serving.server import PolicyServer
 
-if TYPE_CHECKING:  # the server builds this app; the app only reads the server's state
-    from reinforge.serving.server import PolicyServer, RolloutSession
-
-SAMPLING_TOLERANCE = 1e-6
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+STATUSES: dict[type[EndpointError], tuple[int, str]] = {  # error -> (HTTP status, OpenAI error type)
+    InvalidRequest: (400, "invalid_request_error"),
+    EpisodeOver: (409, "conflict"),
+    NotInRollout: (503, "unavailable"),
+    GenerationFailed: (500, "server_error"),
+}
 
 
 def build_app(server: PolicyServer) -> FastAPI:
+    """The routes over `server`; serve them with `server.start(build_app(server))`."""
     app = FastAPI(title="reinforge policy endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     tokenizer = server.tokenizer
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        server.counts["rejected"] += 1
-        return JSONResponse(error_body(exc.message, exc.param, exc.kind), status_code=exc.status)
+    @app.exception_handler(EndpointError)
+    async def _refused(request: Request, exc: EndpointError) -> JSONResponse:
+        server.count_rejected()
+        status, kind = STATUSES[type(exc)]
+        return JSONResponse(error_body(exc.message, exc.param, kind), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        server.counts["rejected"] += 1
+        server.count_rejected()
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
         if first["type"] == "json_invalid":
@@ -95,33 +92,16 @@ def build_app(server: PolicyServer) -> FastAPI:
         return {"metrics": server.metrics()}
 
     async def chat(body: ChatCompletionRequest, episode_id: str | None) -> dict:
-        server.counts["requests"] += 1
-        if body.tool_choice not in (None, "auto", "none"):
-            raise ApiError(
-                400,
-                f"tool_choice={body.tool_choice!r} is not supported: the policy decides whether to call a tool "
-                "('auto'), or is shown no tools ('none')",
-                "tool_choice",
-            )
-        tools = None if body.tool_choice == "none" else body.tools
-        prompt = _prompt(tokenizer, body.messages, tools, body.required_prefix_token_ids)
-        with server.lock:  # admitted and queued at once, so that a closing session never misses a call
-            params, alone, session = _admit(server, body, len(prompt), episode_id)
-            future = server.batcher.submit(prompt, params, alone)
+        admission = server.admit(body, episode_id)
         try:
-            completions = await asyncio.wrap_future(future)
+            completions = await asyncio.wrap_future(admission.completions)
         except Exception as exc:
-            raise ApiError(
-                500, f"generation failed: {' '.join(str(exc).split()) or type(exc).__name__}", kind="server_error"
-            )
-        choices, num_generated = [], 0
+            raise GenerationFailed(f"generation failed: {one_line(exc)}") from None
+        server.record(admission, completions)
+        prompt, choices = admission.prompt_ids, []
         for index, completion in enumerate(completions):
             truncated = completion.finish_reason == "length"
-            if session is not None:
-                session.recorder.record(
-                    RecordedCall(prompt, list(completion.token_ids), list(completion.logprobs), truncated), episode_id
-                )
-            parsed = parse_generation(tokenizer, completion.token_ids, truncated, params.stop_strings)
+            parsed = parse_generation(tokenizer, completion.token_ids, truncated, admission.params.stop_strings)
             strings = (
                 _token_strings(tokenizer, completion.token_ids, bool(body.return_tokens_as_token_ids))
                 if body.logprobs
@@ -139,7 +119,7 @@ def build_app(server: PolicyServer) -> FastAPI:
                     strings,
                 )
             )
-            num_generated += len(completion.token_ids)
+        num_generated = sum(len(completion.token_ids) for completion in completions)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -162,14 +142,7 @@ def build_app(server: PolicyServer) -> FastAPI:
         return await chat(body, episode_id)
 
     def tokenize(body: TokenizeRequest) -> dict:
-        if (body.messages is None) == (body.prompt is None):
-            raise ApiError(400, "bad request: give either messages (chat) or prompt (text)", "messages")
-        if body.messages is not None:
-            tokens = _prompt(
-                tokenizer, body.messages, body.tools, body.required_prefix_token_ids, body.add_generation_prompt
-            )
-        else:
-            tokens = list(tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
+        tokens = server.tokenize(body)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
 
     @app.post("/tokenize")
@@ -184,78 +157,6 @@ def build_app(server: PolicyServer) -> FastAPI:
         Guard, token=server.token, max_request_bytes=server.config.max_request_bytes, open_paths=("/health",)
     )
     return app
-
-
-def _prompt(tokenizer, messages, tools, required_prefix, add_generation_prompt: bool = True) -> list[int]:
-    try:
-        return prompt_ids(tokenizer, messages, tools, required_prefix, add_generation_prompt)
-    except DataError as exc:
-        raise ApiError(400, f"bad request: {exc}", "messages") from None
-
-
-def _admit(
-    server: PolicyServer, body: ChatCompletionRequest, prompt_length: int, episode_id: str | None
-) -> tuple[SamplingParams, bool, RolloutSession | None]:
-    """The sampling settings to generate `body` with, whether it is generated alone (its own seed), and the
-    rollout session it belongs to (None standalone); raises ApiError for a request the endpoint must refuse."""
-    session = server.session
-    if server.managed:
-        if session is None:
-            raise ApiError(
-                503,
-                "the policy is being trained: this endpoint serves agents only during the run's rollouts",
-                kind="unavailable",
-            )
-        if episode_id is not None and episode_id not in session.open_episodes:
-            raise ApiError(
-                409,
-                f"episode {episode_id} is over (it ended or timed out); its calls are no longer recorded",
-                kind="conflict",
-            )
-        run = session.sampling
-        for name, asked, allowed in (
-            ("temperature", body.temperature, run.temperature),
-            ("top_p", body.top_p, run.top_p),
-        ):
-            if asked is not None and abs(asked - allowed) > SAMPLING_TOLERANCE:
-                raise ApiError(
-                    400,
-                    f"{name}={asked} differs from the run's {name}={allowed}: during training the policy samples "
-                    "as the trainer scores it; send the run's value or none",
-                    name,
-                )
-        if body.top_k not in (None, -1, 0, run.top_k):
-            raise ApiError(400, f"top_k={body.top_k} differs from the run's top_k={run.top_k}", "top_k")
-        if body.n != 1:
-            raise ApiError(
-                400, f"n={body.n}: during training each call samples one completion (an episode is one trajectory)", "n"
-            )
-        max_new_tokens = min(body.requested_max_tokens() or run.max_new_tokens, run.max_new_tokens)
-        params, alone = (
-            replace(run, max_new_tokens=max_new_tokens, num_samples=1, stop_strings=body.stop_strings()),
-            False,
-        )
-    else:
-        max_new_tokens = body.requested_max_tokens() or server.default_max_tokens
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k in (None, 0) else body.top_k,
-            stop_strings=body.stop_strings(),
-            num_samples=body.n,
-            seed=body.seed or 0,
-        )
-        alone = body.seed is not None
-    room = server.max_model_len - prompt_length
-    if room < 1:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {server.max_model_len} tokens, and the prompt has {prompt_length} "
-            "tokens; shorten the conversation",
-            "messages",
-        )
-    return replace(params, max_new_tokens=min(params.max_new_tokens, room)), alone, session
 
 
 def _token_strings(tokenizer, token_ids: list[int], as_ids: bool) -> list[str]:

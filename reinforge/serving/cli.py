@@ -1,7 +1,7 @@
 """`reinforge serve --model PATH`: the policy behind an OpenAI-compatible endpoint, standalone (for
 evaluation, and for developing an agent against the model it will train).
 
-Only argparse and reinforge/exposure.py are imported at module level, so that `reinforge --help` stays instant.
+Only argparse and reinforge/network.py are imported at module level, so that `reinforge --help` stays instant.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from contextlib import ExitStack
 from pathlib import Path
 
-from reinforge.exposure import add_bind_arguments, check_bind_address, token_from_env
+from reinforge.network import add_bind_arguments, check_bind_address, token_from_env
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -61,9 +61,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve_command(args: argparse.Namespace) -> None:
-    from reinforge.config.schema import ModelConfig
     from reinforge.errors import ConfigError
+    from reinforge.model_config import ModelConfig
     from reinforge.modeling import adapter_base, load_tokenizer
+    from reinforge.serving.app import build_app
     from reinforge.serving.config import ServingConfig
     from reinforge.serving.server import PolicyServer
 
@@ -100,7 +101,7 @@ def run_serve_command(args: argparse.Namespace) -> None:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         cleanup.callback(server.stop)
-        server.start()
+        server.start(build_app(server))
         access = "token required" if token else "no token"
         served = args.model + (f" + adapter {args.adapter}" if args.adapter else "")
         print(

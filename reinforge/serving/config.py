@@ -11,7 +11,8 @@ class ServingConfig(Section):
     host: str = "127.0.0.1"
     """Address to bind; anything but loopback needs `allow_remote` (and should have a token)."""
     port: int = 0
-    """TCP port; 0 picks a free one when the endpoint starts (its URL is printed and written to RUN_DIR/endpoint.json)."""
+    """TCP port; 0 picks a free one when the endpoint starts (its URL is printed and written to
+    RUN_DIR/endpoint.json)."""
     allow_remote: bool = False
     """Allow a `host` other than loopback: the endpoint then serves other machines."""
     token_env: str = ""

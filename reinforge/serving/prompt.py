@@ -1,12 +1,12 @@
 """From a chat request to the engine's prompt tokens, and from sampled tokens back to an OpenAI message.
 
-The on-policy prefix splice (NeMo-RL's `replace_prefix_tokens`; ../shared/docs/nemo-gym-protocol.md
-section 6). An agent sends its history back as messages, and re-rendering an earlier assistant turn
-can give other tokens than the policy sampled (a tool call's JSON re-serialised with other spacing, a
-dropped `<think>` block). The trainer would then score tokens the policy never produced. So when the
-history holds an assistant message that carries this endpoint's `prompt_token_ids` and
-`generation_token_ids` (or the request gives `required_prefix_token_ids`), the prompt is exactly
-those tokens, then one EOS, then the newly rendered tail:
+The on-policy prefix splice (the rule of NeMo-RL's `replace_prefix_tokens`). An agent sends its history
+back as messages, and re-rendering an earlier assistant turn can give other tokens than the policy
+sampled (a tool call's JSON re-serialised with other spacing, a dropped `<think>` block). The trainer
+would then score tokens the policy never produced. So when the history holds an assistant message that
+carries this endpoint's `prompt_token_ids` and `generation_token_ids` (or the request gives
+`required_prefix_token_ids`), the prompt is exactly those tokens, then one EOS, then the newly
+rendered tail:
 
 1. required prefix: `required_prefix_token_ids`, else the last such message's prompt + generation ids;
 2. render the whole conversation with the generation prompt (the *template*), and the messages up to
@@ -95,7 +95,8 @@ def parse_generation(
     tokenizer: PreTrainedTokenizerBase, token_ids: list[int], truncated: bool, stop_strings: tuple[str, ...]
 ) -> ParsedGeneration:
     """The sampled tokens as an OpenAI assistant message: well-formed `<tool_call>` blocks become `tool_calls`
-    (a malformed one stays in the content, as the model wrote it), a request's stop string is not part of the content."""
+    (a malformed one stays in the content, as the model wrote it), a request's stop string is not part of the
+    content."""
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     for stop in stop_strings:
         if text.endswith(stop):

@@ -60,7 +60,8 @@ class ChatCompletionRequest(_Open):
 
 
 class TokenizeRequest(_Open):
-    """vLLM's `/tokenize`: chat messages (rendered as chat completions renders them, splice included), or a prompt text."""
+    """vLLM's `/tokenize`: chat messages (rendered as chat completions renders them, splice included), or a
+    prompt text."""
 
     model: str | None = None
     messages: list[ChatMessage] | None = None

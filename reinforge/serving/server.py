@@ -1,12 +1,13 @@
-"""The endpoint's life: one uvicorn server on a thread beside the engine, and, inside a GRPO run, the
-rollout sessions during which agents may call it.
+"""The endpoint's state and rules: one policy over an engine, and, inside a GRPO run, the rollout sessions
+during which agents may call it. serving/app.py is its HTTP adapter; whoever starts the endpoint builds
+that app and hands it to `start`.
 
 Standalone (`reinforge serve`) every request is served with the settings it asks for. In a run the
 endpoint is *managed*: it answers only while a rollout is under way (`session`), with the run's
-sampling settings (a request that asks for another temperature or top_p gets HTTP 400; the length
-is capped at `generation.max_new_tokens` per call), and records what it generated for the rollout
-to rebuild its trajectories from. Between rollouts the trainer owns the engine (refit, validation
-by the run itself), and requests get HTTP 503.
+sampling settings (a request that asks for another temperature or top_p is refused; the length is
+capped at `generation.max_new_tokens` per call), and records what it generated for the rollout to
+rebuild its trajectories from. Between rollouts the trainer owns the engine (refit, validation by the
+run itself), and requests are refused with `NotInRollout`.
 """
 
 from __future__ import annotations
@@ -14,17 +15,24 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
-from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.errors import DataError
+from reinforge.generation.base import Completion, GenerationBackend, SamplingParams
+from reinforge.network import ThreadedServer
 from reinforge.serving.batcher import Batcher
 from reinforge.serving.config import ServingConfig
-from reinforge.serving.recorder import CallRecorder
-from reinforge.serving.threaded import ThreadedServer
+from reinforge.serving.errors import EpisodeOver, InvalidRequest, NotInRollout
+from reinforge.serving.prompt import prompt_ids
+from reinforge.serving.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from reinforge.serving.recorder import CallRecorder, RecordedCall
+
+SAMPLING_TOLERANCE = 1e-6  # a request's temperature or top_p this close to the run's is the run's
 
 
 @dataclass
@@ -38,8 +46,19 @@ class RolloutSession:
     closed: bool = False
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A chat request the endpoint accepted, already queued for the engine."""
+
+    prompt_ids: list[int]  # the engine's prompt, after the splice of serving/prompt.py
+    params: SamplingParams  # as generated: max_new_tokens fits the context, num_samples completions
+    completions: Future[list[Completion]]
+    episode_id: str | None
+    session: RolloutSession | None  # the rollout it belongs to (None standalone)
+
+
 class PolicyServer:
-    """The OpenAI-compatible endpoint over `engine` (serving/app.py has the routes)."""
+    """The OpenAI-compatible endpoint over `engine`: admission, batching into the engine, recording."""
 
     def __init__(
         self,
@@ -52,7 +71,7 @@ class PolicyServer:
         managed: bool,
         token: str | None = None,
     ):
-        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.tokenizer, self.config = tokenizer, config
         self.max_model_len, self.default_max_tokens, self.managed, self.token = (
             max_model_len,
             default_max_tokens,
@@ -60,11 +79,12 @@ class PolicyServer:
             token,
         )
         self.model_name = config.model_name
-        self.batcher = Batcher(engine, config.max_batch_size, config.batch_wait_s, self._num_running)
-        self.lock = threading.Lock()  # guards `session` against a request being admitted as it closes
-        self.session: RolloutSession | None = None
+        self._batcher = Batcher(engine, config.max_batch_size, config.batch_wait_s, self._num_running)
+        self._lock = threading.Lock()  # guards `_session` against a request being admitted as it closes
+        self._session: RolloutSession | None = None
         self._episode_ids = itertools.count()
-        self.counts = {"requests": 0, "rejected": 0}
+        self._counts_lock = threading.Lock()
+        self._counts = {"requests": 0, "rejected": 0}
         self._http: ThreadedServer | None = None
 
     @property
@@ -81,55 +101,173 @@ class PolicyServer:
         """The `base_url` of one episode: its calls are recorded under its id."""
         return f"{self.url}/episodes/{episode_id}/v1"
 
-    def start(self) -> "PolicyServer":
-        from reinforge.serving.app import build_app
-
-        self._http = ThreadedServer(build_app(self), self.config.host, self.config.port, "policy endpoint").start()
+    def start(self, app: Any) -> PolicyServer:
+        """Serve `app` (the ASGI app of this server, serving/app.py's `build_app(self)`) on a uvicorn thread at
+        `config.host`:`config.port`."""
+        self._http = ThreadedServer(app, self.config.host, self.config.port, "policy endpoint").start()
         return self
 
     def stop(self) -> None:
         if self._http is not None:
             self._http.stop()
-        self.batcher.close()
+        self._batcher.close()
+
+    def admit(self, request: ChatCompletionRequest, episode_id: str | None) -> Admission:
+        """Queue `request` (sent under episode `episode_id`'s URL, or None) for the engine, with the sampling
+        settings it is generated with; raises `InvalidRequest`, `NotInRollout` or `EpisodeOver` for a request
+        the endpoint refuses.
+
+        Standalone, the request's own settings (temperature 1, top_p 1, `default_max_tokens` when it gives
+        none; a request with a seed is generated alone, so that the seed alone decides its sample). Managed,
+        the session's: a temperature, top_p or top_k other than the run's is refused, as is n != 1; max_tokens
+        is capped at the run's; a seed is ignored (the run's seed stream decides). Either way max_tokens is cut
+        to the room the context leaves after the prompt."""
+        with self._counts_lock:
+            self._counts["requests"] += 1
+        if request.tool_choice not in (None, "auto", "none"):
+            raise InvalidRequest(
+                f"tool_choice={request.tool_choice!r} is not supported: the policy decides whether to call a tool "
+                "('auto'), or is shown no tools ('none')",
+                "tool_choice",
+            )
+        tools = None if request.tool_choice == "none" else request.tools
+        prompt = self._prompt(request.messages, tools, request.required_prefix_token_ids)
+        with self._lock:  # admitted and queued at once, so that a closing session never misses a call
+            session = self._session
+            if self.managed:
+                params, alone = self._managed_params(request, session, episode_id), False
+            else:
+                params, alone = self._standalone_params(request), request.seed is not None
+            room = self.max_model_len - len(prompt)
+            if room < 1:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                    f"{len(prompt)} tokens; shorten the conversation",
+                    "messages",
+                )
+            params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            completions = self._batcher.submit(prompt, params, alone)
+        return Admission(prompt, params, completions, episode_id, session)
+
+    def record(self, admission: Admission, completions: list[Completion]) -> None:
+        """File what the engine generated for `admission` with its rollout session (standalone: nowhere)."""
+        if admission.session is None:
+            return
+        for completion in completions:
+            call = RecordedCall(
+                admission.prompt_ids,
+                list(completion.token_ids),
+                list(completion.logprobs),
+                completion.finish_reason == "length",
+            )
+            admission.session.recorder.record(call, admission.episode_id)
+
+    def tokenize(self, request: TokenizeRequest) -> list[int]:
+        """vLLM's `/tokenize`: the prompt chat completions would use for `request.messages` (splice included),
+        or the tokens of `request.prompt`; raises `InvalidRequest`."""
+        if (request.messages is None) == (request.prompt is None):
+            raise InvalidRequest("bad request: give either messages (chat) or prompt (text)", "messages")
+        if request.messages is not None:
+            return self._prompt(
+                request.messages, request.tools, request.required_prefix_token_ids, request.add_generation_prompt
+            )
+        return list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
+
+    def count_rejected(self) -> None:
+        """One more request answered with an error (malformed, refused or failed)."""
+        with self._counts_lock:
+            self._counts["rejected"] += 1
+
+    def metrics(self) -> dict[str, float]:
+        """The endpoint's counts since the last call (requests, engine calls, batch sizes), then reset."""
+        with self._counts_lock:
+            counts, self._counts = dict(self._counts), dict.fromkeys(self._counts, 0)
+        return {**{k: float(v) for k, v in counts.items()}, **self._batcher.metrics()}
 
     @contextmanager
     def rollout_session(self, sampling: SamplingParams) -> Iterator[RolloutSession]:
         """Agents may call the endpoint while this is open; on exit new calls are refused, those in
         flight are answered, and what nobody took is forgotten."""
         session = RolloutSession(sampling=sampling)
-        with self.lock:
-            assert self.session is None, "one rollout session at a time"
-            self.session = session
+        with self._lock:
+            assert self._session is None, "one rollout session at a time"
+            self._session = session
         try:
             yield session
         finally:
-            with self.lock:
+            with self._lock:
                 session.closed = True
-                self.session = None
-            self.batcher.drain()
+                self._session = None
+            self._batcher.drain()
             session.recorder.clear()
 
     @contextmanager
     def episode(self, session: RolloutSession, keyed: bool) -> Iterator[str | None]:
         """One episode in flight; `keyed`: it gets an id of its own (its `episode_base_url`), else None."""
         episode_id = f"ep{next(self._episode_ids)}-{uuid.uuid4().hex[:8]}" if keyed else None
-        with self.lock:
+        with self._lock:
             session.num_running += 1
             if episode_id:
                 session.open_episodes.add(episode_id)
         try:
             yield episode_id
         finally:
-            with self.lock:
+            with self._lock:
                 session.num_running -= 1
                 session.open_episodes.discard(episode_id)
 
-    def _num_running(self) -> int:
-        session = self.session
-        return session.num_running if session is not None else 0
+    def _prompt(
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict] | None,
+        required_prefix: list[int] | None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        try:
+            return prompt_ids(self.tokenizer, messages, tools, required_prefix, add_generation_prompt)
+        except DataError as exc:
+            raise InvalidRequest(f"bad request: {exc}", "messages") from None
 
-    def metrics(self) -> dict[str, float]:
-        """The endpoint's counts since the last call (requests, engine calls, batch sizes), then reset."""
-        with self.lock:
-            counts, self.counts = dict(self.counts), dict.fromkeys(self.counts, 0)
-        return {**{k: float(v) for k, v in counts.items()}, **self.batcher.metrics()}
+    def _managed_params(
+        self, request: ChatCompletionRequest, session: RolloutSession | None, episode_id: str | None
+    ) -> SamplingParams:
+        if session is None:
+            raise NotInRollout(
+                "the policy is being trained: this endpoint serves agents only during the run's rollouts"
+            )
+        if episode_id is not None and episode_id not in session.open_episodes:
+            raise EpisodeOver(f"episode {episode_id} is over (it ended or timed out); its calls are no longer recorded")
+        run = session.sampling
+        for name, asked, allowed in (
+            ("temperature", request.temperature, run.temperature),
+            ("top_p", request.top_p, run.top_p),
+        ):
+            if asked is not None and abs(asked - allowed) > SAMPLING_TOLERANCE:
+                raise InvalidRequest(
+                    f"{name}={asked} differs from the run's {name}={allowed}: during training the policy samples "
+                    "as the trainer scores it; send the run's value or none",
+                    name,
+                )
+        if request.top_k not in (None, -1, 0, run.top_k):
+            raise InvalidRequest(f"top_k={request.top_k} differs from the run's top_k={run.top_k}", "top_k")
+        if request.n != 1:
+            raise InvalidRequest(
+                f"n={request.n}: during training each call samples one completion (an episode is one trajectory)", "n"
+            )
+        max_new_tokens = min(request.requested_max_tokens() or run.max_new_tokens, run.max_new_tokens)
+        return replace(run, max_new_tokens=max_new_tokens, num_samples=1, stop_strings=request.stop_strings())
+
+    def _standalone_params(self, request: ChatCompletionRequest) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=request.requested_max_tokens() or self.default_max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k in (None, 0) else request.top_k,
+            stop_strings=request.stop_strings(),
+            num_samples=request.n,
+            seed=request.seed or 0,
+        )
+
+    def _num_running(self) -> int:
+        session = self._session
+        return session.num_running if session is not None else 0

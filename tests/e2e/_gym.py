@@ -1,4 +1,5 @@
-"""Starting real NeMo Gym servers from a NeMo Gym virtualenv, for tests and for users.
+"""Starting real NeMo Gym servers from a NeMo Gym virtualenv, for the Gym tests (test_gym_envs.py,
+test_gym_agents.py). Users start Gym's servers with Gym's own CLI (docs/agents.md).
 
     with gym_servers({"weather": {"resources_servers": {"example_single_tool_call": {"entrypoint": "app.py",
                                                                                   "domain": "agent"}}}},
@@ -12,10 +13,12 @@ settings and pass through. Missing `host`s become 127.0.0.1 and missing `port`s 
 `head_server` entry is added (a port only: servers find each other by name in the config, so none is
 started) and `dry_run: false`. The merged config is written to `log_dir/gym_config.yaml`.
 
-Each server starts as Gym's own `gym env start` starts it, without uv, Ray or a head server
-(/work/shared/docs/nemo-gym-protocol.md, section 2): `python <site-packages>/<type>/<impl>/<entrypoint>`
-in its directory, with NEMO_GYM_CONFIG_DICT (the merged YAML), NEMO_GYM_CONFIG_PATH (its instance
-name) and PYTHONPATH (its directory), in a process group of its own, logging to `log_dir/<name>.log`.
+Each server starts as Gym's own `gym env start` would run it once its environment is set up, without
+uv, Ray or a head server: `python <site-packages>/<type>/<impl>/<entrypoint>` in its directory, with
+NEMO_GYM_CONFIG_DICT (the merged YAML), NEMO_GYM_CONFIG_PATH (its instance name) and PYTHONPATH (its
+directory), in a process group of its own, logging to `log_dir/<name>.log`. A Gym server reads its
+own settings from NEMO_GYM_CONFIG_DICT under the instance name that NEMO_GYM_CONFIG_PATH gives, and
+finds the other servers by their names in the same config.
 The servers are up when each answers `GET /health`; on leaving the block every group is killed and
 reaped. Limits: a server class that does not declare `ray_enabled = False` starts a local Ray
 cluster of its own (the example servers, simple_agent and vllm_model declare it); give the config a
@@ -37,8 +40,8 @@ from typing import IO, Any, Iterator
 import httpx
 import yaml
 
-from reinforge.cluster.network import free_port
 from reinforge.errors import ReinforgeError
+from reinforge.network import free_port
 from reinforge.paths import PROJECT_ROOT
 
 SERVER_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
@@ -161,7 +164,8 @@ def _resolve(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[st
     if not servers:
         raise GymLaunchError(
             f"the NeMo Gym config names no server (top-level keys: {', '.join(merged) or 'none'}); "
-            f"each instance is {{server_type: {{implementation_dir: {{...}}}}}} with a type among {', '.join(SERVER_TYPES)}"
+            "each instance is {server_type: {implementation_dir: {...}}} "
+            f"with a type among {', '.join(SERVER_TYPES)}"
         )
     merged.setdefault("head_server", {"host": HOST, "port": free_port(HOST)})
     merged.setdefault("dry_run", False)

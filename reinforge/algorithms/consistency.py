@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.algorithms.losses import Normalisers, metric_mean
-from reinforge.data.batch import TrainBatch, collate
+from reinforge.algorithms.losses import metric_mean
+from reinforge.data.batch import Normalisers, TrainBatch, collate
 from reinforge.data.prompts import Prompt
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend, SamplingParams
@@ -68,10 +68,11 @@ def check(error: float, threshold: float, when: str, params: SamplingParams) -> 
         )
         if params.top_p < 1 or params.top_k > 0:
             cause = (
-                "generation.top_p/top_k reshape the engine's sampling distribution while the trainer's logprobs "
-                "cover the whole vocabulary; set top_p=1 and top_k=-1, or raise the threshold and use loss.is_correction"
+                "generation.top_p/top_k reshape the engine's sampling distribution while the trainer's "
+                "logprobs cover the whole vocabulary; set top_p=1 and top_k=-1, or raise the threshold and use "
+                "loss.is_correction"
             )
     raise ConsistencyError(
-        f"train/inference mismatch {when}: token_mult_prob_error={error:.4f} > generation.max_logprob_error={threshold}; "
-        f"likely cause: {cause}"
+        f"train/inference mismatch {when}: token_mult_prob_error={error:.4f} > "
+        f"generation.max_logprob_error={threshold}; likely cause: {cause}"
     )
