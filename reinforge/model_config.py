@@ -1,13 +1,50 @@
-"""`model:`, the model a run loads (config/schema.py's `ModelConfig`), in a module of its own so that
-modeling.py can import it without the schema (which imports every environment's config, some of whose
-environments load models through modeling.py)."""
+"""`model:`, the model a run loads, and `model.lora`, its LoRA adapters' settings (training/lora.py has their
+code), with what a run's other parts read of them (which LoRA ranks vLLM takes, whether the engine takes the
+adapter itself). Low in the package so that modeling.py, the engines and the trainers all import it."""
 
 from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from reinforge.config.section import Section
-from reinforge.training.lora_config import LoraConfig
+
+LINEAR_TARGETS = "all-linear"
+# the ranks vLLM's engine accepts as max_lora_rank (vllm/config/lora.py, MaxLoRARanks); an adapter of a smaller
+# rank is padded to it
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraConfig(Section):
+    rank: int = Field(default=16, gt=0)
+    """r: the rank of each adapter (B is [out, r], A is [r, in])."""
+    alpha: float = Field(default=32.0, gt=0)
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (0: none; RL usually wants none)."""
+    target_modules: list[str] | Literal["all-linear"] = LINEAR_TARGETS
+    """Module names to adapt (e.g. [q_proj, v_proj]), or `all-linear`: every linear layer but the LM head."""
+    sync: Literal["auto", "adapter", "merged"] = "auto"
+    """How the generation engine gets the trained policy: `adapter` (vLLM's LoRA: the engine's base weights are
+    never rewritten, each refit loads the new adapter), `merged` (the merged weights refitted in place, as a
+    full model's), `auto`: adapter with vLLM, merged with the HF engine."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """QLoRA: `nf4` loads the frozen base in 4 bits (bitsandbytes, CUDA GPUs only)."""
+
+
+def adapter_sync(config) -> bool:
+    """Whether a run's engine takes the adapter itself (vLLM's LoRA) rather than the merged weights: `model.lora.sync`
+    with `auto` resolved (adapter with vLLM, merged with the HF engine). `config` is an RL run's root config."""
+    lora = config.model.lora
+    return lora is not None and (
+        lora.sync == "adapter" or (lora.sync == "auto" and config.generation.backend == "vllm")
+    )
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` that holds an adapter of `rank`."""
+    return next(size for size in VLLM_LORA_RANKS if size >= rank)
 
 
 class ModelConfig(Section):

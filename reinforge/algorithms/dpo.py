@@ -25,31 +25,37 @@ format (training/lora.py).
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import model_validator
 
-from reinforge.algorithms.losses import Normalisers, dpo_loss, sequence_logprobs, token_mean
+from reinforge.algorithms.losses import dpo_loss, sequence_logprobs, token_mean
 from reinforge.algorithms.pairs import (
     PairRunConfig,
     PairRunResult,
+    PairTrainBatch,
     check_schedule,
+    chosen_and_rejected,
     evaluate,
     optimizer_step,
+    pair_batch,
     with_prefix,
 )
 from reinforge.config.loader import save_config
-from reinforge.config.schema import LoggingConfig
 from reinforge.config.section import Section
-from reinforge.data.preference import PairBatch, TokenizedPair, collate_pairs, load_pairs, tokenize_for_policy
+from reinforge.data.batch import Normalisers
+from reinforge.data.preference import TokenizedPair, load_pairs, tokenize_for_policy
 from reinforge.data.prompts import PromptSampler
 from reinforge.logging.console import ConsoleLog
+from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import enable_activation_checkpointing, load_model, load_tokenizer
+from reinforge.modeling import load_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
-from reinforge.training.lora import adapter_disabled, check_lora, load_policy
-from reinforge.training.torch_backend import build_optimizer, token_logprobs
+from reinforge.training.backend import Backend
+from reinforge.training.heads import LogprobHead
+from reinforge.training.lora import check_lora
 
 
 class DPOConfig(Section):
@@ -71,6 +77,8 @@ class DPOConfig(Section):
 
 class DPORunConfig(PairRunConfig):
     """A whole `reinforge dpo` run."""
+
+    recipe: ClassVar[str] = "dpo"
 
     dpo: DPOConfig = DPOConfig()
     """The DPO objective and schedule."""
@@ -107,29 +115,34 @@ def train(config: DPORunConfig) -> PairRunResult:
         run_dir / "config.yaml",
     )
 
-    policy, peft_model = load_policy(config.model)
-    policy.train()
-    if t.activation_checkpointing:
-        enable_activation_checkpointing(policy)
-    # per_batch's frozen copy; with LoRA the policy with its adapters disabled is the reference
-    reference = (
-        load_model(config.model).eval().requires_grad_(False)
-        if d.reference == "per_batch" and peft_model is None
-        else None
+    # per_batch keeps a frozen copy; with LoRA the policy with its adapters disabled is the reference
+    backend = Backend(
+        config.model,
+        config.training.backend_config(),
+        config.optimizer,
+        config.scheduler,
+        d.max_steps,
+        head=LogprobHead(temperature=1.0),
+        load_reference=d.reference == "per_batch",
     )
+    # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
+    use_reference = d.reference == "per_batch" or backend.peft is not None
+
+    def dpo_batch(pairs: list[TokenizedPair], reference_B: torch.Tensor | None = None) -> DPOBatch:
+        return pair_batch(pairs, pad_id, batch_type=DPOBatch, reference_B=reference_B)
 
     def reference_logprobs(pairs: list[TokenizedPair]) -> torch.Tensor:
-        with adapter_disabled(
-            peft_model
-        ):  # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
-            return reply_logprobs(reference or policy, pairs, t.micro_batch_size, pad_id)
+        """Sequence logprobs [2N] of the pairs' replies (chosen 0, rejected 0, ...) under the reference."""
+        if not pairs:
+            return torch.zeros(0)
+        batch = dpo_batch(pairs)
+        return sequence_logprobs(backend.per_token(batch, reference=use_reference), batch.loss_mask)
 
     timers = Timers()
     with timers.time("reference"):
-        val_ref_N2 = reference_logprobs(val_pairs)
-        train_ref_N2 = reference_logprobs(train_pairs) if d.reference == "precompute" else None
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    optimizer, scheduler = build_optimizer(trainable, t, d.max_steps)
+        val_ref_B = reference_logprobs(val_pairs)
+        train_ref_N2 = reference_logprobs(train_pairs).view(-1, 2) if d.reference == "precompute" else None
+    val_batch = dpo_batch(val_pairs, val_ref_B) if val_pairs else None
     pairs_per_step = t.global_batch_size // 2
     sampler = PromptSampler(
         list(range(len(train_pairs))), pairs_per_step, config.seed, config.data.shuffle
@@ -138,9 +151,7 @@ def train(config: DPORunConfig) -> PairRunResult:
     first_val, last_val = {}, {}
 
     def validate() -> dict[str, float]:
-        return evaluate(
-            policy, val_pairs, make_micro_loss(policy, val_pairs, val_ref_N2, d), t.micro_batch_size, pad_id
-        )
+        return evaluate(backend, val_batch, make_loss_fn(val_pairs, d))
 
     with ConsoleLog(d.max_steps, "DPO") as console:
         console.print(f"run directory: {run_dir}   {len(train_pairs)} train / {len(val_pairs)} val pairs")
@@ -155,11 +166,9 @@ def train(config: DPORunConfig) -> PairRunResult:
                 indices = sampler.next_batch()
                 pairs = [train_pairs[i] for i in indices]
                 with timers.time("reference"):
-                    ref_B2 = train_ref_N2[indices] if train_ref_N2 is not None else reference_logprobs(pairs)
+                    ref_B = train_ref_N2[indices].flatten() if train_ref_N2 is not None else reference_logprobs(pairs)
                 with timers.time("train"):
-                    updates = optimizer_step(
-                        policy, optimizer, scheduler, pairs, make_micro_loss(policy, pairs, ref_B2, d), t, pad_id
-                    )
+                    updates = optimizer_step(backend, dpo_batch(pairs, ref_B), make_loss_fn(pairs, d))
             metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
             if val_pairs and (step == d.max_steps or (d.val_every and step % d.val_every == 0)):
                 with timers.time("val"):
@@ -176,7 +185,7 @@ def train(config: DPORunConfig) -> PairRunResult:
 
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
-                (peft_model or policy).save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
+                backend.save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
                 tokenizer.save_pretrained(tmp)
 
     if first_val:
@@ -191,51 +200,36 @@ def train(config: DPORunConfig) -> PairRunResult:
     return PairRunResult(run_dir=run_dir, first_val=first_val, last_val=last_val)
 
 
-def make_micro_loss(policy: torch.nn.Module, pairs: list[TokenizedPair], ref_N2: torch.Tensor, d: DPOConfig):
-    """The DPO (+ NLL) loss of a micro-batch of `pairs`, whose reference logprobs are `ref_N2` [N, 2]."""
+@dataclass
+class DPOBatch(PairTrainBatch):
+    """Pairs with the reference policy's sequence logprob of each of their sequences."""
+
+    reference_B: torch.Tensor | None = None  # [B]: log pi_ref of each sequence's reply
+
+
+def make_loss_fn(pairs: list[TokenizedPair], d: DPOConfig):
+    """The DPO (+ NLL) loss of a micro-batch of a global batch of `pairs`, over the policy's per-token logprobs."""
     num_chosen_tokens = sum(len(p.chosen_ids) - p.num_prompt_tokens for p in pairs)  # the NLL term's normaliser
 
-    def micro_loss(batch: PairBatch, rows: slice, num_pairs: int):
-        num = len(batch)
-        logprobs_BT = token_logprobs(policy_logits(policy, batch), batch.input_ids, temperature=1.0)
-        logps_B = sequence_logprobs(logprobs_BT, batch.loss_mask)
-        ref_chosen_B, ref_rejected_B = ref_N2[rows, 0], ref_N2[rows, 1]
-        loss, metrics = dpo_loss(logps_B[:num], logps_B[num:], ref_chosen_B, ref_rejected_B, num_pairs, beta=d.beta)
+    def loss_fn(logprobs_BT: torch.Tensor, micro: DPOBatch, norm: Normalisers):
+        num_pairs = norm.num_sequences // 2
+        chosen_P, rejected_P, _ = chosen_and_rejected(sequence_logprobs(logprobs_BT, micro.loss_mask), micro)
+        ref_chosen_P, ref_rejected_P, _ = chosen_and_rejected(micro.reference_B, micro)
+        loss, metrics = dpo_loss(chosen_P, rejected_P, ref_chosen_P, ref_rejected_P, num_pairs, beta=d.beta)
+        chosen_mask_BT = micro.loss_mask * micro.chosen.unsqueeze(1)
         sft = token_mean(
-            -logprobs_BT[:num],
-            batch.loss_mask[:num],
-            Normalisers(num_tokens=num_chosen_tokens, num_sequences=num_pairs),
+            -logprobs_BT, chosen_mask_BT, Normalisers(num_tokens=num_chosen_tokens, num_sequences=num_pairs)
         )
         with torch.no_grad():
-            margin_B = logps_B[:num] - logps_B[num:]
-            metrics["logp_accuracy"] = ((margin_B > 0).float() + 0.5 * (margin_B == 0).float()).sum() / num_pairs
+            margin_P = chosen_P - rejected_P
+            metrics["logp_accuracy"] = ((margin_P > 0).float() + 0.5 * (margin_P == 0).float()).sum() / num_pairs
         metrics.update(dpo_loss=metrics["loss"], sft_loss=sft.detach())
         if d.sft_weight > 0:
             loss = loss + d.sft_weight * sft
             metrics["loss"] = loss.detach()
         return loss, metrics
 
-    return micro_loss
-
-
-def policy_logits(model: torch.nn.Module, batch: PairBatch) -> torch.Tensor:
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-
-
-@torch.no_grad()
-def reply_logprobs(
-    model: torch.nn.Module, pairs: list[TokenizedPair], micro_batch_size: int, pad_token_id: int
-) -> torch.Tensor:
-    """Sequence logprobs [N, 2] (chosen, rejected) of each pair's replies under `model`."""
-    out = torch.zeros(len(pairs), 2)
-    size = micro_batch_size // 2
-    for start in range(0, len(pairs), size):
-        batch = collate_pairs(pairs[start : start + size], pad_token_id)
-        logps_B = sequence_logprobs(
-            token_logprobs(policy_logits(model, batch), batch.input_ids, temperature=1.0), batch.loss_mask
-        )
-        out[start : start + len(batch)] = logps_B.view(2, -1).T
-    return out
+    return loss_fn
 
 
 def val_line(step: int, metrics: dict[str, float]) -> str:

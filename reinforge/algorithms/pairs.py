@@ -1,5 +1,6 @@
 """What the two preference-pair recipes (`dpo.py`, `rm.py`) share: the run config's common sections and
-checks, one optimizer step over a global batch of pairs, and the held-out pass.
+checks, pairs as a training batch, one optimizer step over a global batch of pairs and the held-out pass, both
+through the training backend (training/backend.py).
 
 Batch sizes count sequences, as everywhere in `training`: a pair is two sequences (chosen and
 rejected, always in the same micro-batch), so `training.global_batch_size / 2` pairs make one
@@ -8,21 +9,38 @@ optimizer step and `training.micro_batch_size / 2` pairs one forward/backward pa
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from pydantic import model_validator
 
-from reinforge.config.schema import CheckpointConfig, ModelConfig, TrainingConfig
 from reinforge.config.section import Section
-from reinforge.data.preference import PairBatch, PreferenceDataConfig, TokenizedPair, collate_pairs
+from reinforge.data.batch import TrainBatch
+from reinforge.data.preference import PreferenceDataConfig, TokenizedPair, collate_pairs
+from reinforge.model_config import ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.base import BackendConfig, LossFn, TrainingConfig
+from reinforge.training.checkpoint import CheckpointConfig
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
-# micro_loss(batch, rows, num_pairs) -> (loss, summable metric contributions): `batch` holds the pairs
-# `rows` of the global batch; `num_pairs` is the global batch's, the loss's normaliser.
-MicroLoss = Callable[[PairBatch, slice, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+class PairTrainingConfig(BackendConfig):
+    """`training:` of the pair recipes (DPO, RM): the backend's settings, batch sizes in sequences (two per pair:
+    chosen and rejected, always in the same micro-batch)."""
+
+    global_batch_size: int = 128
+    """Sequences per optimizer step (twice the pairs); even."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward pass (twice the pairs); even, and a divisor of `global_batch_size`."""
+    sequence_packing: bool = True
+    """Lay a micro-batch's sequences end to end in rows as wide as its longest (each attending to itself only)
+    instead of one right-padded sequence per row: the same logprobs, no compute on padding."""
+
+    def backend_config(self) -> TrainingConfig:
+        """What the backend reads: these settings, micro-batches by sequences (a token budget could split a
+        pair), no prompt to share."""
+        return TrainingConfig(**self.model_dump(), share_prompts=False)
 
 
 class PairRunConfig(Section):
@@ -36,8 +54,12 @@ class PairRunConfig(Section):
     """The model to start from (a causal LM in Hugging Face format)."""
     data: PreferenceDataConfig = PreferenceDataConfig()
     """The preference pairs."""
-    training: TrainingConfig = TrainingConfig()
-    """Optimizer and batch sizes, in sequences (two per pair); only `backend: torch` is supported."""
+    training: PairTrainingConfig = PairTrainingConfig()
+    """The training backend and the batch sizes, in sequences (two per pair); only `backend: torch` for now."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW."""
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """The learning-rate schedule over the recipe's max_steps."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Whether to write the trained model to RUN_DIR/final."""
 
@@ -46,20 +68,20 @@ class PairRunConfig(Section):
         t = self.training
         if t.backend != "torch" or t.num_workers != 1 or t.cpu_offload:
             raise ValueError(
-                "preference training runs in one process: set training.backend=torch, training.num_workers=1, training.cpu_offload=false"
+                "preference training runs in one process for now: set training.backend=torch, "
+                "training.num_workers=1, training.cpu_offload=false"
             )
         if t.global_batch_size < 2 or t.global_batch_size % 2 or t.micro_batch_size < 2 or t.micro_batch_size % 2:
             raise ValueError(
-                f"training.global_batch_size={t.global_batch_size} and training.micro_batch_size={t.micro_batch_size} count "
-                "sequences, two per pair (chosen and rejected): set both to even numbers, at least 2"
+                f"training.global_batch_size={t.global_batch_size} and training.micro_batch_size="
+                f"{t.micro_batch_size} count sequences, two per pair (chosen and rejected): set both to even "
+                "numbers, at least 2"
             )
         if t.global_batch_size % t.micro_batch_size:
             raise ValueError(
-                f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size={t.global_batch_size}; "
-                f"set it to an even divisor of {t.global_batch_size}"
+                f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="
+                f"{t.global_batch_size}; set it to an even divisor of {t.global_batch_size}"
             )
-        if t.lr <= 0:
-            raise ValueError("training.lr must be > 0")
         if self.model.lora and self.model.lora.quantize_base != "none":
             raise ValueError(
                 "model.lora.quantize_base (QLoRA) is not supported by preference training, which runs in one CPU "
@@ -87,49 +109,69 @@ class PairRunResult:
     last_val: dict[str, float]  # val/ metrics after the last step
 
 
-def optimizer_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+@dataclass
+class PairTrainBatch(TrainBatch):
+    """Pairs as a training batch: each pair's chosen then rejected sequence in consecutive rows (so that micro-batches
+    of an even `training.micro_batch_size` hold whole pairs), which the packing may reorder inside a micro-batch."""
+
+    pair_index: torch.Tensor | None = None  # [B] long: the pair of each sequence
+    chosen: torch.Tensor | None = None  # [B] bool: whether it is the pair's chosen sequence
+
+
+def pair_batch(
     pairs: list[TokenizedPair],
-    micro_loss: MicroLoss,
-    training: TrainingConfig,
     pad_token_id: int,
-) -> dict[str, float]:
-    """One AdamW step on a global batch of pairs: accumulate the gradient micro-batch by micro-batch
-    (the loss is normalised by the global number of pairs, so this equals one big batch), clip, step."""
-    optimizer.zero_grad(set_to_none=True)
-    totals: dict[str, float] = defaultdict(float)
-    size = training.micro_batch_size // 2
-    for start in range(0, len(pairs), size):
-        rows = slice(start, min(start + size, len(pairs)))
-        loss, metrics = micro_loss(collate_pairs(pairs[rows], pad_token_id), rows, len(pairs))
-        loss.backward()
-        for name, value in metrics.items():
-            totals[name] += float(value)
-    max_norm = training.max_grad_norm if training.max_grad_norm > 0 else float("inf")
-    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    totals["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    return dict(totals)
+    last_token_only: bool = False,
+    batch_type: type[PairTrainBatch] = PairTrainBatch,
+    **fields,
+) -> PairTrainBatch:
+    """The pairs' 2N sequences interleaved (chosen 0, rejected 0, chosen 1, ...), the loss mask on the reply tokens
+    or, with `last_token_only`, on each sequence's last token (a reward model's score); `fields`: more batch
+    fields, [2N] in the interleaved order."""
+    collated = collate_pairs(pairs, pad_token_id)
+    num = len(pairs)
+    # collate_pairs' rows: chosen [0, N), rejected [N, 2N)
+    order = torch.stack([torch.arange(num), torch.arange(num) + num], dim=1).flatten()
+    input_ids, attention_mask = collated.input_ids[order], collated.attention_mask[order]
+    loss_mask = collated.loss_mask[order]
+    if last_token_only:
+        last_B = attention_mask.sum(dim=1) - 1
+        loss_mask = torch.zeros_like(loss_mask).index_put_((torch.arange(2 * num), last_B), torch.tensor(1.0))
+    zeros = torch.zeros_like(loss_mask)
+    return batch_type(
+        input_ids,
+        attention_mask,
+        loss_mask,
+        advantages=zeros,
+        gen_logprobs=zeros,
+        pair_index=torch.arange(num).repeat_interleave(2),
+        chosen=torch.tensor([True, False]).repeat(num),
+        **fields,
+    )
 
 
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, pairs: list[TokenizedPair], micro_loss: MicroLoss, micro_batch_size: int, pad_token_id: int
-) -> dict[str, float]:
-    """The loss and metrics of all `pairs` as one batch, in eval mode without gradients, prefixed `val/`."""
-    model.eval()
-    totals: dict[str, float] = defaultdict(float)
-    size = micro_batch_size // 2
-    for start in range(0, len(pairs), size):
-        rows = slice(start, min(start + size, len(pairs)))
-        _, metrics = micro_loss(collate_pairs(pairs[rows], pad_token_id), rows, len(pairs))
-        for name, value in metrics.items():
-            totals[f"val/{name}"] += float(value)
-    model.train()
-    return dict(totals)
+def chosen_and_rejected(
+    values_B: torch.Tensor, micro: PairTrainBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen [P], rejected [P], pair indices [P]) of the micro-batch's P whole pairs, in pair order."""
+    order = (micro.pair_index * 2 + (~micro.chosen).long()).argsort()
+    pairs_P2 = micro.pair_index[order].view(-1, 2)
+    assert bool((pairs_P2[:, 0] == pairs_P2[:, 1]).all()), (
+        "a pair was split over micro-batches: pair recipes need micro-batches of an even training.micro_batch_size"
+    )
+    values_P2 = values_B[order].view(-1, 2)
+    return values_P2[:, 0], values_P2[:, 1], order.view(-1, 2)[:, 0]
+
+
+def optimizer_step(backend: Backend, batch: PairTrainBatch, loss_fn: LossFn) -> dict[str, float]:
+    """One AdamW step on a global batch of pairs through the training backend: the gradient accumulates micro-batch
+    by micro-batch (the loss is normalised by the global number of pairs, so this equals one big batch), clip, step."""
+    return backend.train_step(batch, loss_fn)
+
+
+def evaluate(backend: Backend, batch: PairTrainBatch, loss_fn: LossFn) -> dict[str, float]:
+    """The loss and metrics of all the pairs of `batch` as one batch, in eval mode without gradients, prefixed `val/`."""
+    return with_prefix("val", backend.evaluate(batch, loss_fn))
 
 
 def with_prefix(prefix: str, metrics: dict[str, float]) -> dict[str, float]:

@@ -22,6 +22,9 @@ reward-model server) merges onto the base when it loads it.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import ClassVar
+
 import torch
 from pydantic import model_validator
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
@@ -30,23 +33,29 @@ from reinforge.algorithms.losses import bradley_terry_loss
 from reinforge.algorithms.pairs import (
     PairRunConfig,
     PairRunResult,
+    PairTrainBatch,
     check_schedule,
+    chosen_and_rejected,
     evaluate,
     optimizer_step,
+    pair_batch,
     with_prefix,
 )
 from reinforge.config.loader import save_config
-from reinforge.config.schema import LoggingConfig, ModelConfig
 from reinforge.config.section import Section
-from reinforge.data.preference import PairBatch, load_pairs, tokenize_for_reward_model
+from reinforge.data.batch import Normalisers
+from reinforge.data.preference import load_pairs, tokenize_for_reward_model
 from reinforge.data.prompts import PromptSampler
 from reinforge.errors import ReinforgeError
 from reinforge.logging.console import ConsoleLog
+from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import DTYPES, adapter_base, enable_activation_checkpointing, load_tokenizer, model_location
+from reinforge.model_config import ModelConfig
+from reinforge.modeling import DTYPES, adapter_base, load_tokenizer, model_location
 from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.training.backend import Backend
+from reinforge.training.heads import ScalarHead
 from reinforge.training.lora import absolute_location, add_lora, check_lora, inner_model
-from reinforge.training.torch_backend import build_optimizer
 
 
 class RewardModelTrainingConfig(Section):
@@ -58,6 +67,8 @@ class RewardModelTrainingConfig(Section):
 
 class RMRunConfig(PairRunConfig):
     """A whole `reinforge rm` run."""
+
+    recipe: ClassVar[str] = "rm"
 
     rm: RewardModelTrainingConfig = RewardModelTrainingConfig()
     """The reward-model schedule."""
@@ -90,27 +101,21 @@ def train(config: RMRunConfig) -> PairRunResult:
         run_dir / "config.yaml",
     )
 
-    model = load_reward_model(config.model, pad_id)
-    peft_model = (
-        add_lora(model, config.model.lora, absolute_location(config.model), task_type="SEQ_CLS")
-        if config.model.lora
-        else None
+    # the reward of a conversation: the scalar head on its last token's hidden state
+    head = ScalarHead(
+        "score", from_previous_token=False, load_model=partial(load_scorer, pad_token_id=pad_id), causal_lm=False
     )
-    model = inner_model(peft_model or model).train()
-    if t.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the scalar head
-    optimizer, scheduler = build_optimizer(trainable, t, r.max_steps)
+    backend = Backend(config.model, t.backend_config(), config.optimizer, config.scheduler, r.max_steps, head=head)
     pairs_per_step = t.global_batch_size // 2
     sampler = PromptSampler(train_pairs, pairs_per_step, config.seed, config.data.shuffle)  # draws pairs
-    micro_loss = make_micro_loss(model)
+    val_batch = pair_batch(val_pairs, pad_id, last_token_only=True) if val_pairs else None
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
     first_val, last_val = {}, {}
 
     with ConsoleLog(r.max_steps, "RM") as console:
         console.print(f"run directory: {run_dir}   {len(train_pairs)} train / {len(val_pairs)} val pairs")
         if val_pairs:
-            first_val = last_val = evaluate(model, val_pairs, micro_loss, t.micro_batch_size, pad_id)
+            first_val = last_val = evaluate(backend, val_batch, rm_loss)
             metrics_log.write(0, first_val)
             console.print(val_line(0, first_val))
 
@@ -118,11 +123,11 @@ def train(config: RMRunConfig) -> PairRunResult:
             timers = Timers()
             with timers.time("step"):
                 pairs = sampler.next_batch()
-                updates = optimizer_step(model, optimizer, scheduler, pairs, micro_loss, t, pad_id)
+                updates = optimizer_step(backend, pair_batch(pairs, pad_id, last_token_only=True), rm_loss)
             metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
             if val_pairs and (step == r.max_steps or (r.val_every and step % r.val_every == 0)):
                 with timers.time("val"):
-                    last_val = evaluate(model, val_pairs, micro_loss, t.micro_batch_size, pad_id)
+                    last_val = evaluate(backend, val_batch, rm_loss)
                 metrics.update(last_val)
             metrics.update(timers.metrics())
             metrics["perf/tokens_per_s"] = (
@@ -135,7 +140,7 @@ def train(config: RMRunConfig) -> PairRunResult:
 
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
-                (peft_model or model).save_pretrained(tmp)  # with LoRA, the adapter and the head in PEFT's format
+                backend.save_pretrained(tmp)  # with LoRA, the adapter and the head in PEFT's format
                 tokenizer.save_pretrained(tmp)
 
     if first_val:
@@ -175,15 +180,22 @@ def load_reward_model(config: ModelConfig, pad_token_id: int) -> PreTrainedModel
     return model
 
 
-def make_micro_loss(model: PreTrainedModel):
-    """The Bradley-Terry loss of a micro-batch: rewards are the scalar head at each row's last non-pad token."""
+def load_scorer(model_config: ModelConfig, pad_token_id: int):
+    """The reward model to train and its PeftModel (with `model.lora`: the body's adapters and the whole new head)."""
+    model = load_reward_model(model_config, pad_token_id)
+    peft_model = (
+        add_lora(model, model_config.lora, absolute_location(model_config), task_type="SEQ_CLS")
+        if model_config.lora
+        else None
+    )
+    return inner_model(peft_model or model), peft_model
 
-    def micro_loss(batch: PairBatch, rows: slice, num_pairs: int):
-        rewards_2B = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, 0]
-        num = len(batch)
-        return bradley_terry_loss(rewards_2B[:num].float(), rewards_2B[num:].float(), num_pairs)
 
-    return micro_loss
+def rm_loss(rewards_BT: torch.Tensor, micro: PairTrainBatch, norm: Normalisers):
+    """The Bradley-Terry loss of a micro-batch: each sequence's reward is the head at its last token (its one
+    loss-mask position), averaged over the global batch's pairs."""
+    chosen_P, rejected_P, _ = chosen_and_rejected(rewards_BT.sum(dim=1), micro)
+    return bradley_terry_loss(chosen_P, rejected_P, norm.num_sequences // 2)
 
 
 def val_line(step: int, metrics: dict[str, float]) -> str:

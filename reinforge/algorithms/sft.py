@@ -2,7 +2,7 @@
 
 Each step: take the next `training.global_batch_size` conversations (a seeded shuffle per epoch); pack
 them into rows of at most `data.max_seq_len` tokens and the rows into micro-batches of at most
-`sft.micro_batch_tokens` positions; for each micro-batch, forward, loss and backward; clip the
+`training.micro_batch_tokens` positions; for each micro-batch, forward, loss and backward; clip the
 gradient norm; one AdamW step; advance the learning-rate schedule; validate every `sft.val_every`
 steps; log.
 
@@ -16,8 +16,9 @@ batch, however the conversations are packed or split (token-level averaging: lon
 than short ones, as in TRL and torchtune; a per-conversation mean would need a different N).
 
 With `model.lora` only PEFT's LoRA adapters are trained (their AdamW state only) and `final/` holds the
-adapter in PEFT's format (training/lora.py). Single process; FSDP2 sharding for SFT is not implemented yet
-(`training.backend` must be `torch`).
+adapter in PEFT's format (training/lora.py). The forward/backward, clipping and optimizer step go through the
+training backend (training/backend.py) with the policy's LM head; single process for now (`training.backend` must be
+`torch`: running SFT on FSDP2 ranks is the backend's strategy, not yet wired to a worker group).
 """
 
 from __future__ import annotations
@@ -25,28 +26,32 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import ClassVar, Iterator, Literal
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from reinforge.algorithms.losses import Normalisers, token_mean
+from reinforge.algorithms.losses import token_mean
 from reinforge.config.loader import save_config
-from reinforge.config.schema import CheckpointConfig, LoggingConfig, ModelConfig, TrainingConfig
 from reinforge.config.section import Section
+from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.data.chat import ChatExample, fit_length, render_chat
 from reinforge.data.jsonl import read_jsonl
-from reinforge.data.packing import PackedBatch, micro_batches
 from reinforge.errors import ConfigError, DataError
 from reinforge.logging.console import ConsoleLog
+from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import DTYPES, enable_activation_checkpointing, load_tokenizer, model_location
+from reinforge.model_config import ModelConfig
+from reinforge.modeling import DTYPES, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training import lora
-from reinforge.training.segment_attention import forward_layout
-from reinforge.training.torch_backend import build_optimizer, token_logprobs
+from reinforge.training.backend import Backend
+from reinforge.training.base import BackendConfig, TrainingConfig
+from reinforge.training.checkpoint import CheckpointConfig
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 # --- Config ------------------------------------------------------------------------------------
 
@@ -74,23 +79,36 @@ class SFTDataConfig(Section):
 
 
 class SFTConfig(Section):
-    max_steps: int = 100
+    max_steps: int = Field(default=100, ge=0)
     """Optimizer steps to run, each on `training.global_batch_size` conversations."""
-    val_every: int = 50
+    val_every: int = Field(default=50, ge=0)
     """Validation loss every this many steps (and before the first and after the last); 0: only then."""
-    micro_batch_tokens: int = 8192
-    """Positions in one forward/backward pass (rows x longest row, padding included); gradients
-    accumulate over the micro-batches of a global batch. At least data.max_seq_len."""
-    packing: bool = True
-    """Lay several conversations end to end in each row (first-fit decreasing, attention kept within
-    each conversation); false: one conversation per row, right-padded."""
     random_init: bool = False
     """Start from random weights drawn from the model's config (seeded by `seed`) instead of its trained
     weights; the tokenizer is loaded as usual. The demo config trains the demo architecture this way."""
 
 
+class SFTTrainingConfig(BackendConfig):
+    """`training:` of SFT: the backend's settings, with micro-batches sized in tokens."""
+
+    global_batch_size: int = Field(default=128, gt=0)
+    """Conversations per optimizer step."""
+    micro_batch_tokens: int = Field(default=8192, gt=0)
+    """Positions in one forward/backward pass (rows x longest row, padding included); gradients
+    accumulate over the micro-batches of a global batch. At least data.max_seq_len."""
+    sequence_packing: bool = True
+    """Lay several conversations end to end in each row of `data.max_seq_len` tokens (first-fit decreasing,
+    attention kept within each conversation); false: one conversation per row, right-padded."""
+
+    def backend_config(self) -> TrainingConfig:
+        """What the backend reads: these settings, micro-batches by tokens, no prompt to share."""
+        return TrainingConfig(**self.model_dump(), share_prompts=False)
+
+
 class SFTRunConfig(Section):
     """The whole SFT run."""
+
+    recipe: ClassVar[str] = "sft"
 
     seed: int = 0
     """Seed for the validation split, data order and (with sft.random_init) the initial weights."""
@@ -101,11 +119,14 @@ class SFTRunConfig(Section):
     """The model to fine-tune and its tokenizer, whose chat template renders the conversations."""
     data: SFTDataConfig = SFTDataConfig()
     """Chat files, the validation split, the length cap."""
-    training: TrainingConfig = TrainingConfig()
-    """Optimizer and schedule (over sft.max_steps); global_batch_size counts conversations per optimizer
-    step. A step's micro-batches are sized in tokens (sft.micro_batch_tokens): micro_batch_size does not apply."""
+    training: SFTTrainingConfig = SFTTrainingConfig()
+    """The training backend: conversations per step, micro-batches in tokens, packing."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW."""
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """The learning-rate schedule over sft.max_steps."""
     sft: SFTConfig = SFTConfig()
-    """Steps, validation, packing and micro-batching."""
+    """Steps, validation, the starting weights."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Whether to write the trained model to RUN_DIR/final."""
     logging: LoggingConfig = LoggingConfig(run_dir="runs/sft")
@@ -116,50 +137,33 @@ class SFTRunConfig(Section):
         t, s, d = self.training, self.sft, self.data
         checks = [
             (
-                t.backend == "torch",
-                f"training.backend={t.backend}: sft runs in one process; set training.backend=torch (FSDP2 for sft is not implemented yet)",
+                t.backend == "torch" and t.num_workers == 1 and not t.cpu_offload,
+                "sft runs in one process for now: set training.backend=torch, training.num_workers=1 and "
+                "training.cpu_offload=false",
             ),
-            (t.num_workers == 1, "training.num_workers must be 1: sft runs in one process"),
-            (
-                not t.cpu_offload,
-                "training.cpu_offload needs training.backend=fsdp2, which sft does not support yet; set it to false",
-            ),
-            (
-                t.micro_batch_size == TrainingConfig.model_fields["micro_batch_size"].default,
-                "training.micro_batch_size does not apply to sft, whose micro-batches are sized in tokens; set sft.micro_batch_tokens instead",
-            ),
-            (
-                t.micro_batch_tokens is None,
-                "training.micro_batch_tokens does not apply to sft; set sft.micro_batch_tokens instead",
-            ),
-            (
-                t.sequence_packing == TrainingConfig.model_fields["sequence_packing"].default,
-                "training.sequence_packing does not apply to sft; set sft.packing instead",
-            ),
-            (t.global_batch_size > 0, "training.global_batch_size (conversations per optimizer step) must be > 0"),
-            (t.lr > 0, "training.lr must be > 0"),
-            (s.max_steps >= 0, "sft.max_steps must be >= 0"),
             (self.num_threads >= 0, "num_threads must be >= 0 (0: torch's default)"),
-            (s.val_every >= 0, "sft.val_every must be >= 0 (0: validate only before and after training)"),
             (d.max_seq_len > 1, "data.max_seq_len must be > 1"),
             (
-                s.micro_batch_tokens >= d.max_seq_len,
-                f"sft.micro_batch_tokens={s.micro_batch_tokens} < data.max_seq_len={d.max_seq_len}: a micro-batch must hold a whole row; raise it to {d.max_seq_len} or more",
+                t.micro_batch_tokens >= d.max_seq_len,
+                f"training.micro_batch_tokens={t.micro_batch_tokens} < data.max_seq_len={d.max_seq_len}: a "
+                f"micro-batch must hold a whole row; raise it to {d.max_seq_len} or more",
             ),
             (0 <= d.val_fraction < 1, "data.val_fraction must be in [0, 1)"),
             (
                 not (d.val_path and d.val_fraction > 0),
-                "data.val_path and data.val_fraction are both set; validate on a file or on a held-out share: set data.val_fraction=0 or data.val_path=null",
+                "data.val_path and data.val_fraction are both set; validate on a file or on a held-out share: "
+                "set data.val_fraction=0 or data.val_path=null",
             ),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
             (
                 not (s.random_init and (self.model.lora or self.model.adapter)),
-                "sft.random_init does not go with model.lora or model.adapter: an adapter belongs to trained base weights, which "
-                "random_init replaces; set sft.random_init=false",
+                "sft.random_init does not go with model.lora or model.adapter: an adapter belongs to trained base "
+                "weights, which random_init replaces; set sft.random_init=false",
             ),
             (
                 not (self.model.lora and self.model.lora.quantize_base != "none"),
-                "model.lora.quantize_base (QLoRA) is not supported by sft, which runs in one CPU process; set it to none",
+                "model.lora.quantize_base (QLoRA) is not supported by sft, which runs in one CPU process; "
+                "set it to none",
             ),
         ]
         for ok, message in checks:
@@ -186,9 +190,7 @@ def train(config: SFTRunConfig) -> SFTResult:
     lora.check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     tokenizer = load_tokenizer(config.model)
     train_examples, val_examples = load_datasets(config, tokenizer)
-    model, peft_model = load_policy(config)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    optimizer, scheduler = build_optimizer(trainable, config.training, s.max_steps)
+    backend = build_backend(config)
     # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
     run_dir = make_run_dir(config.logging.run_dir)
     save_config(
@@ -197,7 +199,7 @@ def train(config: SFTRunConfig) -> SFTResult:
     )
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
     pad_id = tokenizer.pad_token_id
-    val_batches = micro_batches(val_examples, config.data.max_seq_len, s.micro_batch_tokens, pad_id, s.packing)
+    val_batch = examples_batch(val_examples, pad_id) if val_examples else None
     batches = global_batches(train_examples, config.training.global_batch_size, config.seed, config.data.shuffle)
     val_history: list[float] = []
 
@@ -205,25 +207,26 @@ def train(config: SFTRunConfig) -> SFTResult:
         console.print(f"run directory: {run_dir}")
         console.print(
             f"{len(train_examples)} training / {len(val_examples)} validation conversations; "
-            f"{sum(p.numel() for p in model.parameters()):,} parameters, {sum(p.numel() for p in trainable):,} trained"
+            f"{sum(p.numel() for p in backend.model.parameters()):,} parameters, "
+            f"{sum(p.numel() for p in backend.trainable):,} trained"
         )
-        if val_batches:
-            metrics = validate(model, val_batches, console, step=0)
+        if val_batch is not None:
+            metrics = validate(backend, val_batch, console, step=0)
             val_history.append(metrics["val/loss"])
             metrics_log.write(0, metrics)
 
         for step in range(1, s.max_steps + 1):
-            metrics = sft_step(model, next(batches), optimizer, scheduler, config, pad_id)
+            metrics = sft_step(backend, next(batches), pad_id)
             metrics["train/epoch"] = step * config.training.global_batch_size / len(train_examples)
-            if val_batches and (step == s.max_steps or (s.val_every and step % s.val_every == 0)):
-                metrics.update(validate(model, val_batches, console, step))
+            if val_batch is not None and (step == s.max_steps or (s.val_every and step % s.val_every == 0)):
+                metrics.update(validate(backend, val_batch, console, step))
                 val_history.append(metrics["val/loss"])
             metrics_log.write(step, metrics)
             console.step(step, metrics, show_line=step % config.logging.console_every == 0)
 
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
-                (peft_model or model).save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
+                backend.save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
                 tokenizer.save_pretrained(tmp)
 
     first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
@@ -236,68 +239,72 @@ def train(config: SFTRunConfig) -> SFTResult:
     return SFTResult(run_dir=run_dir, first_val_loss=first, last_val_loss=last)
 
 
-def sft_step(
-    model: PreTrainedModel,
-    examples: list[ChatExample],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    config: SFTRunConfig,
-    pad_id: int,
-) -> dict[str, float]:
+def build_backend(config: SFTRunConfig) -> Backend:
+    """The training backend for SFT: the policy's LM head at temperature 1 (from random weights with
+    `sft.random_init`), micro-batches of `training.micro_batch_tokens` positions whose conversations are packed
+    (`training.sequence_packing`) into rows of `data.max_seq_len` tokens, AdamW over `sft.max_steps` steps."""
+    s = config.sft
+    training = config.training.backend_config()
+    head = LogprobHead(temperature=1.0, load_model=random_model if s.random_init else lora.load_policy)
+    return Backend(
+        config.model,
+        training,
+        config.optimizer,
+        config.scheduler,
+        s.max_steps,
+        head=head,
+        row_tokens=config.data.max_seq_len,
+    )
+
+
+def sft_step(backend: Backend, examples: list[ChatExample], pad_id: int) -> dict[str, float]:
     """One optimizer step on one global batch of conversations. Returns its metrics."""
     timers = Timers()
+    batch = examples_batch(examples, pad_id)
     with timers.time("step"):
-        batches = micro_batches(
-            examples, config.data.max_seq_len, config.sft.micro_batch_tokens, pad_id, config.sft.packing
-        )
-        norm = Normalisers(num_tokens=sum(e.num_trained_tokens for e in examples), num_sequences=len(examples))
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.tensor(0.0)
-        for micro in batches:
-            micro_loss = nll_loss(model, micro, norm)
-            micro_loss.backward()
-            loss += micro_loss.detach()
-        max_norm = config.training.max_grad_norm if config.training.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-    num_real_tokens = sum(b.layout.num_real_tokens for b in batches)
+        updates = backend.train_step(batch, nll_loss)
+    lengths = [len(e) for e in examples]
+    plan = backend.plan(lengths, None)
+    num_slots = sum(len(rows) * max(sum(lengths[i] for i in row) for row in rows) for rows in plan)
     return {
-        "train/loss": loss.item(),
-        "train/grad_norm": float(grad_norm),
-        "train/lr": lr,
-        "train/num_trained_tokens": norm.num_tokens,
-        "train/num_micro_batches": len(batches),
-        "perf/packing_efficiency": num_real_tokens / sum(b.layout.num_slots for b in batches),
-        "perf/tokens_per_s": num_real_tokens / timers.seconds["step"],
+        "train/loss": updates["loss"],
+        "train/grad_norm": updates["grad_norm"],
+        "train/lr": updates["lr"],
+        "train/num_trained_tokens": batch.num_valid_tokens(),
+        "train/num_micro_batches": len(plan),
+        "perf/packing_efficiency": sum(lengths) / num_slots,
+        "perf/tokens_per_s": sum(lengths) / timers.seconds["step"],
         **timers.metrics(),
     }
 
 
-def nll_loss(model: PreTrainedModel, micro: PackedBatch, norm: Normalisers) -> torch.Tensor:
+def nll_loss(logprobs_BT: torch.Tensor, micro: TrainBatch, norm: Normalisers):
     """This micro-batch's share of the global batch's mean NLL over assistant tokens."""
-    layout = micro.layout.to(model.device)
-    logprobs_RW = token_logprobs(forward_layout(model, layout).logits, layout.input_ids, temperature=1.0)
-    return token_mean(-logprobs_RW, micro.loss_mask.to(model.device), norm)
+    loss = token_mean(-logprobs_BT, micro.loss_mask, norm)
+    return loss, {"loss": loss.detach()}
 
 
-def validate(model: PreTrainedModel, batches: list[PackedBatch], console: ConsoleLog, step: int) -> dict[str, float]:
+def examples_batch(examples: list[ChatExample], pad_id: int) -> TrainBatch:
+    """Conversations as right-padded rows, the loss on their assistant tokens (no advantages: SFT's loss has none)."""
+    width = max(len(e) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), width))
+    for row, example in enumerate(examples):
+        input_ids[row, : len(example)] = torch.tensor(example.token_ids)
+        attention_mask[row, : len(example)] = 1
+        loss_mask[row, : len(example)] = torch.tensor(example.loss_mask, dtype=torch.float32)
+    zeros = torch.zeros_like(loss_mask)
+    return TrainBatch(input_ids, attention_mask, loss_mask, advantages=zeros, gen_logprobs=zeros)
+
+
+def validate(backend: Backend, batch: TrainBatch, console: ConsoleLog, step: int) -> dict[str, float]:
+    """Mean NLL over every assistant token of the validation set (the training loss's formula)."""
     timers = Timers()
     with timers.time("val"):
-        loss = validation_loss(model, batches)
+        loss = backend.evaluate(batch, nll_loss)["loss"]
     console.print(f"step {step:>4} | val/loss {loss:.4f}")
     return {"val/loss": loss, **timers.metrics()}
-
-
-@torch.no_grad()
-def validation_loss(model: PreTrainedModel, batches: list[PackedBatch]) -> float:
-    """Mean NLL over every assistant token of the validation set (the training loss's formula)."""
-    norm = Normalisers(num_tokens=sum(b.num_trained_tokens for b in batches), num_sequences=0)
-    model.eval()
-    loss = sum(nll_loss(model, micro, norm).item() for micro in batches)
-    model.train()
-    return loss
 
 
 # --- Data and model ----------------------------------------------------------------------------
@@ -310,7 +317,8 @@ def load_datasets(
     d = config.data
     if tokenizer.chat_template is None:
         raise ConfigError(
-            f"model.name_or_path={config.model.name_or_path}: its tokenizer has no chat template, which sft needs to find the assistant tokens"
+            f"model.name_or_path={config.model.name_or_path}: its tokenizer has no chat template, which sft needs "
+            "to find the assistant tokens"
         )
     examples = load_examples(d.train_path, config, tokenizer)
     if d.val_path:
@@ -357,22 +365,15 @@ def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenize
     return examples
 
 
-def load_policy(config: SFTRunConfig) -> tuple[PreTrainedModel, torch.nn.Module | None]:
-    """The model to train, as (the Hugging Face model to call, its PeftModel with `model.lora` or None): its
-    trained weights (with fresh LoRA adapters), or random ones from its config (sft.random_init)."""
-    peft_model = None
-    if config.sft.random_init:
-        model_config = AutoConfig.from_pretrained(
-            model_location(config.model), trust_remote_code=config.model.trust_remote_code
-        )
-        model = AutoModelForCausalLM.from_config(
-            model_config, dtype=DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code
-        )
-    else:
-        model, peft_model = lora.load_policy(config.model)
-    if config.training.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    return model.train(), peft_model
+def random_model(model_config: ModelConfig) -> tuple[PreTrainedModel, None]:
+    """`sft.random_init`: random weights drawn from the model's config (seeded by `seed` before it is called)."""
+    hf_config = AutoConfig.from_pretrained(
+        model_location(model_config), trust_remote_code=model_config.trust_remote_code
+    )
+    model = AutoModelForCausalLM.from_config(
+        hf_config, dtype=DTYPES[model_config.dtype], trust_remote_code=model_config.trust_remote_code
+    )
+    return model, None
 
 
 def global_batches(

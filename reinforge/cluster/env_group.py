@@ -1,7 +1,7 @@
 """Verifier workers: K `EnvWorker`s as Ray actors, behind the ordinary environment interface.
 
 Each worker holds every environment of the run. A batch for one task is cut into K contiguous
-slices, scored in parallel and put back in order, so the GRPO loop sees `dict[task, Environment]`
+slices, scored in parallel and put back in order, so the RL loop sees `dict[task, Environment]`
 whether scoring runs in the driver or on K workers anywhere in the cluster. A worker that dies ends
 the run through the worker group's fail-fast call (its name and last log lines in the error).
 """
@@ -9,21 +9,20 @@ the run through the worker group's fail-fast call (its name and last log lines i
 from __future__ import annotations
 
 from reinforge.cluster.worker_group import WorkerGroup
-from reinforge.config.schema import Config
 from reinforge.envs.base import Environment, EnvRequest, EnvResponse
-from reinforge.envs.registry import EnvWorker
+from reinforge.envs.registry import EnvConfig, EnvWorker
 
 
 class EnvGroup:
-    def __init__(self, config: Config, tasks: set[str]):
+    def __init__(self, env: EnvConfig, tasks: set[str], timeout_s: float):
         self.group = WorkerGroup(
             "env",
             EnvWorker,
-            config.env.num_workers,
-            lambda rank, _: dict(config=config.env, tasks=tasks),
-            num_cpus_per_worker=config.env.num_cpus_per_worker,
+            env.num_workers,
+            lambda rank, _: dict(config=env, tasks=tasks),
+            num_cpus_per_worker=env.num_cpus_per_worker,
             num_gpus_per_worker=0.0,
-            timeout_s=config.cluster.worker_timeout_s,
+            timeout_s=timeout_s,
         )
         self.tasks = sorted(tasks)
 

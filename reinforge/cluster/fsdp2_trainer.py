@@ -1,7 +1,7 @@
-"""`training.backend=fsdp2`: N FSDP2 ranks (`training/fsdp2_worker.py`) in Ray actors, behind the
-same training-backend interface as the single-process `TorchBackend`, so the GRPO loop does not know
-where its ranks run. Every rank gets the whole global batch (through the object store, once) and
-trains on its share; rank 0 answers. `FSDP2Ranks` is what every model trained on FSDP2 shares (the
+"""`training.backend=fsdp2`: N ranks of the training backend (training/backend.py, each with an `FSDP2Strategy`,
+training/fsdp2.py) in Ray actors, behind the same training-backend interface as the backend in one process, so
+the RL loop does not know where its ranks run. Every rank gets the whole global batch (through the object store,
+once) and trains on its share; rank 0 answers. `FSDP2Ranks` is what every model trained on FSDP2 shares (the
 policy's `FSDP2Trainer` here, PPO's critic in cluster/fsdp2_critic_group.py)."""
 
 from __future__ import annotations
@@ -11,33 +11,41 @@ from typing import Any, Iterator
 
 import torch
 
-from reinforge.cluster.network import free_port
+from reinforge.cluster.config import ClusterConfig
 from reinforge.cluster.worker_group import WorkerGroup
-from reinforge.config.schema import Config
 from reinforge.data.batch import TrainBatch
-from reinforge.training.base import LossFn
-from reinforge.training.fsdp2_worker import FSDP2Worker
+from reinforge.model_config import ModelConfig
+from reinforge.network import free_port
+from reinforge.training.backend import Backend
+from reinforge.training.base import LossFn, TrainingConfig
+from reinforge.training.fsdp2 import FSDP2Strategy
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 
 class FSDP2Ranks:
-    """`training.num_workers` ranks of an FSDP2 worker class (its `__init__` takes rank, world_size, master_addr,
-    master_port and `worker_kwargs`) on a placement group of their own: train steps, checkpoints, memory."""
+    """`training.num_workers` backends, one FSDP2 rank each, on a placement group of their own: train steps,
+    checkpoints, memory. `backend_kwargs` go to every rank's `Backend` beside its strategy."""
 
     def __init__(
-        self, name: str, worker_cls: type, config: Config, worker_kwargs: dict[str, Any], actor_fraction: float = 1.0
+        self,
+        name: str,
+        training: TrainingConfig,
+        cluster: ClusterConfig,
+        backend_kwargs: dict[str, Any],
+        actor_fraction: float = 1.0,
     ):
-        port = free_port()
-        num_workers = config.training.num_workers
+        port, num_workers = free_port(), training.num_workers
         self.group = WorkerGroup(
             name,
-            worker_cls,
+            Backend,
             num_workers,
             lambda rank, master_ip: dict(
-                rank=rank, world_size=num_workers, master_addr=master_ip, master_port=port, **worker_kwargs
+                strategy=FSDP2Strategy(rank, num_workers, master_ip, port), training=training, **backend_kwargs
             ),
-            num_cpus_per_worker=config.cluster.num_cpus_per_worker,
-            num_gpus_per_worker=config.cluster.num_gpus_per_worker,
-            timeout_s=config.cluster.worker_timeout_s,
+            num_cpus_per_worker=cluster.num_cpus_per_worker,
+            num_gpus_per_worker=cluster.num_gpus_per_worker,
+            timeout_s=cluster.worker_timeout_s,
             actor_fraction=actor_fraction,
         )
 
@@ -53,32 +61,44 @@ class FSDP2Ranks:
         }
 
     def save_state(self, path: Path) -> None:
-        self.group.call("save_state", str(path))
+        self.group.call("save_state", Path(path))
 
     def load_state(self, path: Path) -> None:
-        self.group.call("load_state", str(path))
+        self.group.call("load_state", Path(path))
 
     def shutdown(self) -> None:
         self.group.shutdown()
 
 
 class FSDP2Trainer(FSDP2Ranks):
-    """The policy (and its frozen reference) on FSDP2 ranks."""
+    """The policy (and its frozen reference when `load_reference`) on FSDP2 ranks; with `cluster.colocate` the
+    ranks take half of each bundle (colocated engines take the other half)."""
 
-    def __init__(self, config: Config, num_optimizer_steps: int):
+    def __init__(
+        self,
+        model: ModelConfig,
+        training: TrainingConfig,
+        optimizer: OptimizerConfig,
+        scheduler: SchedulerConfig,
+        cluster: ClusterConfig,
+        temperature: float,
+        num_optimizer_steps: int,
+        load_reference: bool,
+    ):
         super().__init__(
             "training",
-            FSDP2Worker,
-            config,
+            training,
+            cluster,
             dict(
-                model_config=config.model,
-                training_config=config.training,
-                temperature=config.generation.temperature,
+                model_config=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
                 num_optimizer_steps=num_optimizer_steps,
-                load_reference=config.loss.kl_coef > 0,
+                head=LogprobHead(temperature),
+                load_reference=load_reference,
             ),
-            actor_fraction=0.5 if config.cluster.colocate else 1.0,
-        )  # colocated engines take the other half
+            actor_fraction=0.5 if cluster.colocate else 1.0,
+        )
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         return self.group.call("logprobs", batch, reference)[0]
@@ -87,7 +107,7 @@ class FSDP2Trainer(FSDP2Ranks):
         return iter(self.group.call("full_state")[0])
 
     def save_pretrained(self, path: Path) -> None:
-        self.group.call("save_pretrained", str(path))
+        self.group.call("save_pretrained", Path(path))
 
     def save_adapter(self, path: Path) -> None:
-        self.group.call("save_adapter", str(path))
+        self.group.call("save_adapter", Path(path))

@@ -17,31 +17,31 @@ from typing import Iterable
 import torch
 
 from reinforge.cluster.worker_group import WorkerGroup
-from reinforge.config.schema import Config
 from reinforge.generation.base import GenerationResult, SamplingParams
 
 
 class GenerationGroup:
+    """`num_engines` instances of `worker_cls(**worker_kwargs)` (an engine: VLLMGenerationBackend or
+    HFGenerationWorker) as one generation backend."""
+
     def __init__(
-        self, config: Config, num_cpus_per_engine: float, num_gpus_per_engine: float, share_with: WorkerGroup | None
+        self,
+        worker_cls: type,
+        worker_kwargs: dict,
+        num_engines: int,
+        num_cpus_per_engine: float,
+        num_gpus_per_engine: float,
+        timeout_s: float,
+        share_with: WorkerGroup | None,
     ):
-        gen = config.generation
-        if gen.backend == "vllm":
-            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
-
-            worker_cls, kwargs = VLLMGenerationBackend, engine_kwargs(config)
-        else:
-            from reinforge.generation.hf import HFGenerationWorker
-
-            worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
         self.group = WorkerGroup(
             "generation",
             worker_cls,
-            gen.num_workers,
-            lambda rank, _: kwargs,
+            num_engines,
+            lambda rank, _: worker_kwargs,
             num_cpus_per_worker=num_cpus_per_engine,
             num_gpus_per_worker=num_gpus_per_engine,
-            timeout_s=config.cluster.worker_timeout_s,
+            timeout_s=timeout_s,
             share_with=share_with,
         )
 

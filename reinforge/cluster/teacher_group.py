@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from reinforge.cluster.worker_group import WorkerGroup
-from reinforge.config.schema import ClusterConfig, ModelConfig, TrainingConfig
+from reinforge.cluster.config import ClusterConfig
+from reinforge.model_config import ModelConfig
+from reinforge.training.base import TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.training.teacher import Teacher
 

@@ -3,21 +3,78 @@
 A training backend owns the policy being trained (and the frozen reference policy when the KL term
 needs it). It computes logprobs, takes optimizer steps with a loss function it is handed, gives out
 its weights for refit, and exports them in Hugging Face format. The loss is a pure function of
-tensors (see `algorithms/losses.py`), so the backend never knows which algorithm it trains.
+tensors (see `algorithms/losses.py`), so the backend never knows which algorithm it trains. The one
+implementation is `training/backend.py`'s `Backend` (in this process, or one per FSDP2 rank behind
+cluster/fsdp2_trainer.py's `FSDP2Trainer`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Literal, Protocol
 
 import torch
+from pydantic import Field
 
-from reinforge.algorithms.losses import Normalisers
-from reinforge.data.batch import TrainBatch
+from reinforge.config.section import Section
+from reinforge.data.batch import Normalisers, TrainBatch
 
-# loss_fn(logprobs_BT, micro_batch, normalisers) -> (loss, summable metric contributions). logprobs_BT is
-# [B, T] like micro_batch.loss_mask, and 0 off it: the backends compute logprobs on the trained tokens only.
+
+class BackendConfig(Section):
+    """The training backend's settings that every recipe reads: where the model trains and how it computes. Each
+    recipe's `training:` section adds how its batches become micro-batches (`TrainingConfig` for the RL recipes,
+    sft.py's and pairs.py's own), and hands the backend a `TrainingConfig`."""
+
+    backend: Literal["torch", "fsdp2"] = "torch"
+    """Training engine: `torch` (one process, plain PyTorch) or `fsdp2` (PyTorch FSDP2 over
+    `training.num_workers` ranks in Ray actors; gloo on CPU, NCCL on GPU)."""
+    num_workers: int = 1
+    """Training ranks for `fsdp2`; each trains on global_batch_size / num_workers sequences per step."""
+    global_batch_size: int = 128
+    """Sequences per optimizer step (RL: it must divide the rollout batch, prompts x generations)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    activation memory drops from O(layers) to O(1) layers for about a third more compute."""
+    compile: bool = False
+    """`torch.compile` each decoder layer and the LM head's logprob chunks: Inductor fuses the
+    memory-bound work between the matmuls (norms, SwiGLU, rotary embedding; the upcast, log-sum-exp and
+    entropy over the vocabulary). Worth it on GPUs (docs/benchmarks.md has the measured gain); the
+    first steps pay the compilation, and small models on CPU gain nothing."""
+    cpu_offload: bool = False
+    """`fsdp2` on GPU: keep the sharded fp32 parameters, gradients and AdamW state in CPU memory and
+    run the optimizer step there (FSDP2 CPUOffloadPolicy); frees GPU memory for 70B-class models."""
+    logprob_chunk_tokens: int = Field(default=2048, ge=1)
+    """Apply the LM head to at most this many tokens at a time when computing logprobs and entropies (the
+    training pass recomputes each chunk's logits in the backward pass), so memory grows with
+    chunk x vocabulary, not with sequence length x vocabulary."""
+
+
+class TrainingConfig(BackendConfig):
+    """`training:` of the RL recipes (GRPO, PPO, distillation), and what the backend reads of any recipe's."""
+
+    micro_batch_size: int = 32
+    """Sequences per forward/backward pass; gradients accumulate over micro-batches."""
+    sequence_packing: bool = True
+    """Logprob and training passes: lay a micro-batch's sequences end to end in rows as wide as its
+    longest sequence (first-fit decreasing), each attending to itself only (training/segment_attention.py,
+    whatever the model's attention implementation), instead of one right-padded sequence per row, so no
+    compute is spent on padding. Same logprobs, loss and gradients as unpacked
+    (tests/unit/test_packing_rl.py)."""
+    share_prompts: bool = True
+    """With `sequence_packing`: lay the samples of one prompt in a row as the prompt once, then each
+    response attending to it and to itself (training/segment_attention.py: each answer attends over its
+    prompt and itself only, whatever the model's attention implementation), so the prompt's other
+    copies are not computed; same logprobs, loss and gradients (tests/unit/test_packing_rl.py). All the
+    samples of a prompt share one copy, or as many as fit in `micro_batch_tokens`."""
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
+    """Logprob and training passes: build micro-batches to this many computed positions (rows x row width,
+    padding included) instead of `micro_batch_size` sequences, longest rows first; a sequence longer than the
+    budget gets a micro-batch of its own. null: `micro_batch_size` sequences."""
+
+
+# loss_fn(outputs_BT, micro_batch, normalisers) -> (loss, summable metric contributions). outputs_BT is the
+# head's (the policy's logprobs, a critic's values), [B, T] like micro_batch.loss_mask and 0 off it: the backend
+# computes them on the trained tokens only. A loss that needs more outputs declares them (training/backend.py, Loss).
 LossFn = Callable[[torch.Tensor, TrainBatch, Normalisers], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -48,4 +105,8 @@ class TrainingBackend(Protocol):
 
     def load_state(self, path: Path) -> None:
         """Restore what `save_state` wrote (same model, same optimizer settings)."""
+        ...
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Memory metrics of the trainer's own processes (Ray ranks), beside the driver's; {} in the driver."""
         ...

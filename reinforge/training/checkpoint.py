@@ -26,18 +26,37 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from reinforge.config.section import Section
 from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
 from reinforge.run_dir import atomic_directory
 
+
+class CheckpointConfig(Section):
+    save_final: bool = True
+    """Write the trained policy in Hugging Face format to RUN_DIR/final at the end."""
+    save_every: int = 0
+    """Write a checkpoint (weights, optimizer, data position, RNG, step) every this many steps to
+    RUN_DIR/checkpoints/step_N; 0: never."""
+    keep_last: int = 2
+    """Keep the newest this many checkpoints (0: keep all)."""
+    keep_best_metric: str | None = None
+    """Also keep the checkpoint with the best value of this metric (e.g. val/accuracy)."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether a higher or a lower `keep_best_metric` is better."""
+    resume: Literal["auto", "never"] = "never"
+    """`auto`: continue from the newest complete checkpoint in logging.run_dir (which is then reused,
+    not suffixed); `never`: always start a new run."""
+
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 # settings that may change between a run and its resumption: the length of the run, where it logs,
 # how it checkpoints, and where its workers run
-RESUMABLE_CHANGES = ("grpo.max_steps", "grpo.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts")
+RESUMABLE_CHANGES = ("loop.max_steps", "loop.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts")
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

@@ -51,7 +51,7 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
             f"{checkpoint} is not a complete reinforge checkpoint (no COMPLETE manifest, or files that do not match its sizes and checksums); "
             "give RUN_DIR/checkpoints/step_N, a run directory or, with --merge, a PEFT adapter directory"
         )
-    from reinforge.config.schema import ModelConfig
+    from reinforge.model_config import ModelConfig
     from reinforge.modeling import load_model, load_tokenizer
     from reinforge.training.lora import absolute_location, add_lora, is_adapter_key, load_adapter_state_dict
 
@@ -91,7 +91,7 @@ def merge_adapter_directory(adapter_dir: Path, out: Path, merge: bool) -> Path:
     """A PEFT adapter directory merged onto the base its adapter_config.json names, in the base's own dtype."""
     from transformers import AutoConfig
 
-    from reinforge.config.schema import ModelConfig
+    from reinforge.model_config import ModelConfig
     from reinforge.modeling import DTYPES, model_location
     from reinforge.training.lora import save_merged
 

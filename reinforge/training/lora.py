@@ -28,7 +28,7 @@ import torch
 
 from reinforge.errors import ConfigError
 from reinforge.modeling import adapter_base, model_location
-from reinforge.training.lora_config import LINEAR_TARGETS, LoraConfig
+from reinforge.model_config import LINEAR_TARGETS, LoraConfig
 
 ADAPTER = "default"  # PEFT's name for the one adapter
 

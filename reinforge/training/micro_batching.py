@@ -1,6 +1,7 @@
 """Micro-batches of a TrainBatch and their per-token logprobs: packing, token budgets, a chunked LM head.
 
-Shared by both training backends. A global batch is cut into micro-batches (`plan_micro_batches`):
+Shared by the training backend (training/backend.py) and the distillation teacher. A global batch is
+cut into micro-batches (`plan_micro_batches`):
 `training.micro_batch_size` consecutive sequences, or, with `training.micro_batch_tokens`, rows of the
 whole batch grouped to that many computed positions. With `training.sequence_packing` a micro-batch's
 sequences lie end to end in rows (data/packing.py, `row_layout`; attention by segments,
@@ -16,8 +17,8 @@ only logprobs a loss reads). So the [R, W, V] logits never exist, the prompt and
 no head compute, and the result goes back to the [B, T] layout the pure loss functions take
 (algorithms/losses.py), 0 off the mask. In the training pass each chunk is checkpointed: its logits are
 recomputed in the backward pass instead of being kept. With `ids_BTK` (on-policy distillation's top-k
-KL: the teacher's top-k token ids at each trained position) the same head also gives the policy's logprobs
-at those ids, gathered from the same chunk of logits (one extra gather, no extra head compute).
+KL asks for the teacher's top-k token ids at each trained position) the same head also gives the policy's
+logprobs at those ids, gathered from the same chunk of logits (one extra gather, no extra head compute).
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from reinforge.config.schema import TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.data.packing import (
     RowLayout,
+    first_fit_decreasing,
     padded_layout,
     prompt_keys,
     row_layout,
@@ -43,6 +45,7 @@ from reinforge.data.packing import (
     shared_prompt_rows,
 )
 from reinforge.errors import ConfigError
+from reinforge.training.base import TrainingConfig
 from reinforge.training.segment_attention import forward_layout
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
@@ -81,9 +84,12 @@ class Prompts:
         return Prompts(self.lengths[start:end], self.keys[start:end])
 
 
-def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prompts | None = None) -> MicroBatchPlan:
+def plan_micro_batches(
+    lengths: list[int], config: TrainingConfig, prompts: Prompts | None = None, row_tokens: int | None = None
+) -> MicroBatchPlan:
     """Each micro-batch as rows of sequence indices (one index per row when unpacked; the samples of a
-    prompt consecutive in a row where they share it)."""
+    prompt consecutive in a row where they share it). Packed rows are `row_tokens` wide, or as wide as the
+    longest sequence (None, or when it is longer)."""
 
     def rows_of(start: int, end: int) -> tuple[list[list[int]], list[int]]:
         part = lengths[start:end]
@@ -92,7 +98,10 @@ def plan_micro_batches(lengths: list[int], config: TrainingConfig, prompts: Prom
                 part, prompts.lengths[start:end], prompts.keys[start:end], config.micro_batch_tokens
             )
         else:
-            rows = sequence_rows(part, config.sequence_packing)
+            if config.sequence_packing and part:
+                rows = first_fit_decreasing(part, max(max(part), row_tokens or 0))
+            else:
+                rows = sequence_rows(part, config.sequence_packing)
             widths = [sum(part[i] for i in row) for row in rows]
         return [[start + i for i in row] for row in rows], widths
 
@@ -210,7 +219,7 @@ def head_chunk(
     lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N] of the targets under softmax(lm_head(hidden) / temperature), and the entropies [N]
-    of those distributions (no gradient): the formulas of torch_backend's token_logprobs and token_entropy.
+    of those distributions (no gradient): the formulas of `token_logprobs` and `token_entropy` below.
     Targets [N, K] (several token ids per position) give logprobs [N, K]."""
     logits_NV = lm_head(hidden_NH).float() / temperature
     logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
@@ -296,18 +305,40 @@ def micro_batch_logprobs_at(
 
 
 def trained_hidden_states(
-    model: torch.nn.Module, hidden: HiddenStates, micro: TrainBatch, rows: list[list[int]], config: TrainingConfig
+    model: torch.nn.Module,
+    hidden: HiddenStates,
+    micro: TrainBatch,
+    rows: list[list[int]],
+    config: TrainingConfig,
+    shift: int = 1,
+    logits_to_keep: int | None = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The decoder's hidden states [N, H] that predict the N tokens on `micro.loss_mask` (in its packed,
-    prompt-sharing or padded layout), those tokens' ids [N], and their (row, column) indices in the micro-batch."""
+    """The decoder's hidden states [N, H] at the N tokens on `micro.loss_mask` moved back by `shift` (1: the
+    states that predict them; 0: their own), in the micro-batch's packed, prompt-sharing or padded layout;
+    those tokens' ids [N]; and their (row, column) indices in the micro-batch. `logits_to_keep` goes to the
+    model (1: a causal LM's head on one position per row; None: a model without that argument)."""
     layout = micro_batch_layout(micro, rows, config)
-    forward_layout(
-        model, layout, logits_to_keep=1
-    )  # the LM head on one position per row: `hidden` has what the head needs
+    # with logits_to_keep=1 the LM head runs on one position per row: `hidden` has what the head needs
+    forward_layout(model, layout, **({} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}))
     hidden_RWH = hidden.take()
     b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
-    assert bool((t_index > 0).all()), "column 0 is in the loss mask"
+    assert bool((t_index >= shift).all()), "column 0 is in the loss mask"
     flat = layout.token_index[b_index, t_index]  # where each trained token sits in the layout
-    # token t is predicted from the hidden state of token t - 1 of the same sequence (t > 0)
-    hidden_NH = hidden_RWH.flatten(0, 1)[layout.token_index[b_index, t_index - 1]]
+    # with shift 1, token t is predicted from the hidden state of token t - 1 of the same sequence (t > 0)
+    hidden_NH = hidden_RWH.flatten(0, 1)[layout.token_index[b_index, t_index - shift]]
     return hidden_NH, layout.input_ids.flatten()[flat], (b_index, t_index)
+
+
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The reference formula over whole logits: logprobs_BT[b, t] = log softmax(logits[b, t-1] / temperature)
+    [input_ids[b, t]]; column 0 is 0."""
+    logits_BTV = logits_BTV[:, :-1].float() / temperature
+    targets_BT = input_ids_BT[:, 1:]
+    picked_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    return F.pad(picked_BT - torch.logsumexp(logits_BTV, dim=-1), (1, 0))
+
+
+def token_entropy(logits_BTV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the next-token distribution that produced each token, aligned like `token_logprobs`."""
+    logp_BTV = torch.log_softmax(logits_BTV[:, :-1].float() / temperature, dim=-1)
+    return F.pad(-(logp_BTV.exp() * logp_BTV).sum(dim=-1), (1, 0))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.model_config import ModelConfig
+
+from reinforge.training.base import TrainingConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.modeling import load_model
 from reinforge.training.micro_batching import (

@@ -1,0 +1,25 @@
+"""`cluster:`, where a run's Ray workers run and with what resources (cluster/worker_group.py uses it).
+
+Apart from the worker groups so that reading a config never imports Ray."""
+
+from __future__ import annotations
+
+from reinforge.config.section import Section
+
+
+class ClusterConfig(Section):
+    num_threads: int = 0
+    """torch intra-op threads per process; 0 keeps torch's default (all cores)."""
+    address: str = ""
+    """Ray cluster to use: empty starts a local Ray; `auto` or HOST:PORT joins a running cluster."""
+    num_cpus: int = 0
+    """CPUs a local Ray may use; 0: all of this machine's."""
+    num_cpus_per_worker: float = 1.0
+    """CPUs reserved for each Ray worker (training rank)."""
+    num_gpus_per_worker: float = 0.0
+    """GPUs reserved for each Ray worker; 1 on a GPU cluster."""
+    colocate: bool = True
+    """With Ray: true puts generation engine i in training rank i's resources (they take turns);
+    false gives the engines resources of their own (split placement)."""
+    worker_timeout_s: float = 600.0
+    """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""

@@ -1,0 +1,248 @@
+"""The training backend: a model, its head, an optimizer and a parallelism strategy, for every recipe.
+
+One class trains the GRPO/PPO/distillation policy, PPO's critic, SFT, DPO and the reward model. What differs
+between them is composed, not subclassed:
+
+- the head (training/heads.py) says how the model is loaded and what it gives per trained token: the
+  policy's logprobs from a chunked LM head (`LogprobHead`), or a scalar from a linear head on the hidden
+  states (`ScalarHead`: PPO's value head, the reward model's score head);
+- the strategy says where the model runs: this process (`LocalStrategy`, training/strategy.py) or one rank
+  of N FSDP2 ranks (`FSDP2Strategy`, training/fsdp2.py), with its share of each batch's micro-batches, the
+  assembly (or gather over ranks) of per-token outputs, gradient clipping by the global norm, metric
+  reduction, sharded checkpoints and full weights for refit;
+- the loss is a pure function of the head's per-token outputs, the micro-batch and the global batch's
+  normalisers (`LossFn`); a loss that needs more outputs declares them (`Loss` with `LogprobsAt`: the
+  policy's logprobs at the token ids of a named batch field, e.g. distillation's teacher top-k ids), so
+  the backend never knows which recipe it trains.
+
+Gradients accumulate over micro-batches with the loss function's global normaliser, so one optimizer step
+sees the gradient of the whole global batch (micro-batches and ranks sum to one big batch). Micro-batches
+are planned by training/micro_batching.py (`training.micro_batch_size` sequences or
+`training.micro_batch_tokens` positions, packed or not, prompts shared or not); AdamW and its schedule come
+from training/optimizer.py.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from reinforge.data.batch import Normalisers, TrainBatch
+from reinforge.model_config import ModelConfig
+from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
+from reinforge.training.base import LossFn, TrainingConfig
+from reinforge.training.heads import Head, LogprobHead, LogprobsAt
+from reinforge.training.lora import adapter_disabled, merge_lora_weights, scaling
+from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, plan_micro_batches
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
+from reinforge.training.strategy import LocalStrategy, Strategy
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A loss function with the extra per-token outputs it reads: for each `LogprobsAt`, the backend puts the
+    policy's logprobs at the ids of one batch field into another before calling `fn`."""
+
+    fn: LossFn
+    logprobs_at: tuple[LogprobsAt, ...] = ()
+
+    def __call__(self, outputs_BT: torch.Tensor, micro: TrainBatch, norm: Normalisers):
+        return self.fn(outputs_BT, micro, norm)
+
+    @staticmethod
+    def of(loss_fn: "LossFn | Loss") -> "Loss":
+        return loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
+
+
+def accumulate_metrics(
+    totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]
+) -> None:
+    """Add one micro-batch's metric contributions: sums, and max/min for `*_max`/`*_min`."""
+    for name, value in metrics.items():
+        value = value.detach().float()
+        if name.endswith(("_max", "_min")):
+            reduce = torch.maximum if name.endswith("_max") else torch.minimum
+            extremes[name] = reduce(extremes[name], value) if name in extremes else value
+        else:
+            totals[name] = totals[name] + value
+
+
+class Backend:
+    """A trained model (and optionally its frozen reference), AdamW and its schedule, on a strategy.
+
+    With `model.lora` (and an LM head) the model is the base with PEFT's adapters, the only parameters trained,
+    and the reference is the same model with the adapters disabled (training/lora.py)."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        training: TrainingConfig,
+        optimizer: OptimizerConfig,
+        scheduler: SchedulerConfig,
+        num_optimizer_steps: int,
+        head: Head | None = None,
+        strategy: Strategy | None = None,
+        load_reference: bool = False,
+        row_tokens: int | None = None,
+    ):
+        """`head`: an LM head at temperature 1 by default. `strategy`: this process by default (an
+        `FSDP2Strategy` is set up here, in the rank's process). `row_tokens`: the width of a packed row (SFT packs
+        conversations into rows of `data.max_seq_len`); None: the micro-batch's longest sequence."""
+        self.config, self.lora = training, model_config.lora
+        self.head = head or LogprobHead(temperature=1.0)
+        self.strategy = strategy or LocalStrategy()
+        self.strategy.setup(training)
+        self.row_tokens = row_tokens
+        load_config = self.strategy.load_config(model_config)
+        model, self.peft = self.head.load(load_config)
+        if training.activation_checkpointing:
+            enable_activation_checkpointing(model)  # before sharding: FSDP2 wraps the checkpointed layers
+        if training.compile:
+            compile_decoder_layers(model)
+        self.model = self.strategy.prepare(model).train()
+        self.reference = None
+        if load_reference and self.peft is None:
+            reference = load_model(load_config).requires_grad_(False)
+            if training.compile:
+                compile_decoder_layers(reference)
+            self.reference = self.strategy.prepare(reference).eval()
+        self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer_config = optimizer
+        self.optimizer, self.scheduler = build_optimizer(self.trainable, optimizer, scheduler, num_optimizer_steps)
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    def plan(self, lengths: list[int], prompts) -> MicroBatchPlan:
+        """The micro-batches of sequences of these lengths (training/micro_batching.py)."""
+        return plan_micro_batches(lengths, self.config, prompts, self.row_tokens)
+
+    # --- per-token passes ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def per_token(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """The head's outputs [B, T] on `batch.loss_mask` (0 off it), without gradients: the policy's logprobs
+        (or its reference's: the frozen copy, or with LoRA the policy with its adapters disabled), or values."""
+        model = self.reference if reference and self.peft is None else self.model
+        assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
+        with adapter_disabled(self.peft if reference else None):
+            return self.strategy.per_token(batch, self.plan, partial(self._outputs, model))
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """`per_token` of a backend with an LM head: per-token logprobs [B, T], 0 off `batch.loss_mask`."""
+        return self.per_token(batch, reference)
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """`per_token` of a backend with a scalar head (PPO's critic): V(s_t) [B, T], 0 off `batch.loss_mask`."""
+        return self.per_token(batch)
+
+    def _outputs(self, model: torch.nn.Module, micro: TrainBatch, rows: list[list[int]]) -> torch.Tensor:
+        return self.head.forward(model, self.hidden[id(model)], micro, rows, self.config, ())[0]
+
+    # --- training ------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
+        """One optimizer step on a global batch: accumulate, clip by the global norm, step, advance the schedule."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate_gradients(batch, loss_fn)
+        grad_norm = self.strategy.clip_gradients(self.trainable, clip_norm(self.optimizer_config))
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
+        """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time; the batch's metrics."""
+        return self._passes(batch, Loss.of(loss_fn), backward=True)
+
+    @torch.no_grad()
+    def evaluate(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
+        """The loss function's metrics over a batch in eval mode, without gradients (validation)."""
+        self.model.eval()
+        try:
+            return self._passes(batch, Loss.of(loss_fn), backward=False)
+        finally:
+            self.model.train()
+
+    def _passes(self, batch: TrainBatch, loss: Loss, backward: bool) -> dict[str, float]:
+        norm = batch.normalisers()
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
+        extremes: dict[str, torch.Tensor] = {}
+        for _, micro, rows in self.strategy.micro_batches(batch, self.plan):
+            accumulate_metrics(totals, extremes, self._micro_pass(micro, rows, loss, norm, backward))
+        return self.strategy.reduce_metrics(totals, extremes)
+
+    def _micro_pass(
+        self, micro: TrainBatch, rows: list[list[int]], loss: Loss, norm: Normalisers, backward: bool
+    ) -> dict[str, torch.Tensor]:
+        """Forward, loss (and backward) of one micro-batch; its detached metric contributions, summable over
+        micro-batches like the loss, with the head's per-token diagnostics (the policy's entropy) as token means."""
+        outputs_BT, micro, diagnostics = self.head.forward(
+            self.model, self.hidden[id(self.model)], micro, rows, self.config, loss.logprobs_at
+        )
+        value, metrics = loss(outputs_BT, micro, norm)
+        if backward:
+            value.backward()
+        mask, num_tokens = micro.loss_mask, max(norm.metric_tokens, 1)
+        metrics.update({name: (d_BT * mask).sum() / num_tokens for name, d_BT in diagnostics.items()})
+        return {name: v.detach() for name, v in metrics.items()}
+
+    # --- weights and state ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's full weights with Hugging Face names (a collective on FSDP2 ranks: all must iterate); with
+        LoRA the merged weights, W + (alpha / r) B A, the base left as it is. Tied parameters (lm_head and
+        embed_tokens) appear under both names as one tensor object, so `save_pretrained` writes the tie once."""
+        weights = self.strategy.full_state_dict(self.model)
+        yield from (merge_lora_weights(weights, scaling(self.lora)) if self.peft is not None else weights).items()
+
+    def full_state(self) -> list[tuple[str, torch.Tensor]]:
+        """`named_weights` as a list on the main rank (empty elsewhere): what a remote caller fetches for refit."""
+        weights = list(self.named_weights())
+        return weights if self.strategy.is_main else []
+
+    def save_pretrained(self, path: Path) -> None:
+        """The model as a Hugging Face directory, written by the main rank; with LoRA, its adapter in PEFT's format."""
+        if self.peft is not None:
+            return self.save_adapter(path)
+        self.strategy.save_pretrained(self.model, Path(path))
+
+    def save_adapter(self, path: Path) -> None:
+        """The LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)."""
+        self.strategy.save_adapter(self.model, self.peft, Path(path))
+
+    def save_state(self, path: Path) -> None:
+        """Everything an exact resume needs: the model's weights (with LoRA, the adapter's only), AdamW state and
+        the LR schedule's position."""
+        self.strategy.save_state(self.model, self.optimizer, self.scheduler, Path(path), self.peft is not None)
+
+    def load_state(self, path: Path) -> None:
+        """Restore what `save_state` wrote (same model, same optimizer settings)."""
+        self.strategy.load_state(self.model, self.optimizer, self.scheduler, Path(path), self.peft is not None)
+
+    def memory(self) -> dict[str, float]:
+        """This process's peak host (and GPU) memory, GiB."""
+        from reinforge.logging.memory import memory_metrics
+
+        return memory_metrics(prefix="")
+
+    def memory_metrics(self) -> dict[str, float]:
+        """What the loop logs of the trainer's memory beside the driver's own: nothing for a backend in the driver's
+        process (the driver's metrics are its); a Ray group of ranks gives each rank's (cluster/fsdp2_trainer.py)."""
+        return {}
+
+    def shutdown(self) -> None:
+        self.strategy.shutdown()
+
+
+def with_outputs(loss_fn: LossFn, *logprobs_at: LogprobsAt) -> Loss:
+    """`loss_fn` declaring the extra per-token logprobs it reads."""
+    return Loss(loss_fn, tuple(logprobs_at))

@@ -1,0 +1,234 @@
+"""FSDP2 ranks: the training backend's strategy on one of N ranks, in that rank's process.
+
+Every rank holds a 1/N shard of the model (PyTorch FSDP2 `fully_shard` on each decoder layer, then on the
+root) and of its AdamW state. Callers hand every rank the WHOLE global batch; rank r trains on the contiguous
+rows [r*B/N, (r+1)*B/N) but divides by the normalisers of the whole batch, and the gradient reduction is a
+plain sum (FSDP2's default average over ranks is switched off), so the summed gradient is exactly the
+gradient of the global-batch loss, as in one process. Metrics are reduced over ranks the same way (sums, and
+max/min for `*_max`/`*_min`); grad_norm is the global norm.
+
+With `model.lora` PEFT injects its adapters into the Hugging Face model before sharding, so the per-layer
+`fully_shard` shards them with their layer; only they get gradients, AdamW state and clipping, refit weights
+are gathered then merged (training/lora.py), and checkpoints hold the adapter and its AdamW state only, under
+the same names as one process's (`model.layers.0.self_attn.q_proj.lora_A.default.weight`), so
+`reinforge convert` reads either. A value head (PPO's critic) sits on the root module, beside the embeddings,
+and is left whole after the root's forward for the head to be applied after the decoder, as the LM head is.
+
+Master weights and optimizer state are always fp32; forward/backward run in `model.dtype` (float32 on CPU,
+bfloat16 on GPU) through FSDP2's MixedPrecisionPolicy, and gradients are reduced in fp32. Ray is not imported
+here: the cluster layer runs one `Backend` with an `FSDP2Strategy` per actor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from reinforge.data.batch import TrainBatch
+from reinforge.errors import ConfigError
+from reinforge.model_config import ModelConfig
+from reinforge.modeling import DTYPES
+from reinforge.training.base import TrainingConfig
+from reinforge.training.lora import adapter_state_dict, is_adapter_key
+from reinforge.training.micro_batching import Prompts, select_micro_batch, split_to
+from reinforge.training.strategy import Compute, MicroBatch, Plan, batch_to
+
+
+def shard_model(
+    model: PreTrainedModel,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None = None,
+) -> PreTrainedModel:
+    """FSDP2 on each decoder layer, then the root (embeddings, final norm and the tied lm_head).
+
+    Gradients are SUM-reduced: the loss is already divided by the global token count, so FSDP2's
+    default division by the world size would shrink the gradient N-fold. `set_gradient_divide_factor`
+    acts on one module only, hence the loop; sum-only collectives avoid PREMUL_SUM, which gloo lacks.
+    """
+    offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def reduce_metrics(
+    totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], device: torch.device
+) -> dict[str, float]:
+    """Sum `totals` and take the max/min of `extremes` over ranks (every rank has the same names)."""
+    result = {}
+    for names, op in (
+        (sorted(totals), dist.ReduceOp.SUM),
+        (sorted(n for n in extremes if n.endswith("_max")), dist.ReduceOp.MAX),
+        (sorted(n for n in extremes if n.endswith("_min")), dist.ReduceOp.MIN),
+    ):
+        if not names:
+            continue
+        values = torch.stack([(totals | extremes)[n].float().to(device) for n in names])
+        dist.all_reduce(values, op=op)
+        result.update(zip(names, values.tolist()))
+    return result
+
+
+def gather(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor of a (sharded) state dict whole, on the CPU (a collective: every rank calls it with the
+    same names); names bound to one tensor object stay bound to one."""
+    gathered: dict[int, torch.Tensor] = {}
+    for tensor in state_dict.values():
+        if id(tensor) not in gathered:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            gathered[id(tensor)] = full.detach().cpu()
+    return {name: gathered[id(tensor)] for name, tensor in state_dict.items()}
+
+
+class FSDP2Strategy:
+    """Rank `rank` of `world_size` (gloo on CPU, NCCL on GPU, rendezvous at master_addr:master_port); `setup`
+    starts the process group, in the rank's own process."""
+
+    is_main = False
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.is_main = rank == 0
+
+    def setup(self, training: TrainingConfig) -> None:
+        self.config = training
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            # under Ray each actor usually sees one GPU; LOCAL_RANK covers torchrun-style launches
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        if training.cpu_offload and not on_gpu:
+            raise ConfigError(
+                "training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, so set it to false"
+            )
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{self.master_addr}:{self.master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
+        self.offload_policy = CPUOffloadPolicy() if training.cpu_offload else None
+
+    def load_config(self, model_config: ModelConfig) -> ModelConfig:
+        """fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32."""
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_config.dtype], reduce_dtype=torch.float32)
+        return model_config.model_copy(update={"dtype": "float32"})
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        # with offload FSDP2 moves the shards to CPU itself and unshards onto the GPU for compute
+        placed = model if self.offload_policy else model.to(self.device)
+        return shard_model(placed, self.mesh, self.mp_policy, self.offload_policy)
+
+    def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
+        """The contiguous rows of `rank` (this one's by default); equal shares keep the ranks' collectives in step."""
+        assert len(batch) % self.world_size == 0, (
+            f"batch of {len(batch)} rows does not split over {self.world_size} ranks"
+        )
+        size = len(batch) // self.world_size
+        rank = self.rank if rank is None else rank
+        return rank * size, (rank + 1) * size
+
+    def micro_batches(self, batch: TrainBatch, plan: Plan) -> Iterator[MicroBatch]:
+        """(indices within the share, micro-batch on this device, its rows) over this rank's share. Every rank
+        plans every share and splits its own micro-batches up to the largest count: FSDP2's collectives need the
+        same number of forward (and backward) passes on every rank."""
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        prompts = Prompts.of(batch, self.config)
+        shares = [self._share(batch, rank) for rank in range(self.world_size)]
+        plans = [plan(lengths[start:end], prompts and prompts.slice(start, end)) for start, end in shares]
+        share_batch = batch.slice(*shares[self.rank])
+        for rows in split_to(plans[self.rank], max(len(p) for p in plans)):
+            micro, local_rows, indices = select_micro_batch(share_batch, rows)
+            yield indices, batch_to(micro, self.device), local_rows
+
+    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute) -> torch.Tensor:
+        """This rank's share computed, then the whole batch's [B, T] gathered on every rank (a collective)."""
+        start, end = self._share(batch)
+        share_BT = torch.zeros((end - start, batch.loss_mask.shape[1]), device=self.device)
+        for indices, micro, rows in self.micro_batches(batch, plan):
+            values_BT = compute(micro, rows)
+            share_BT[indices, : values_BT.shape[1]] = values_BT
+        shares = [torch.empty_like(share_BT) for _ in range(self.world_size)]
+        dist.all_gather(shares, share_BT)
+        return torch.cat(shares).cpu() * batch.loss_mask
+
+    def clip_gradients(self, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every rank's shards."""
+        parameters = [p for p in parameters if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        if isinstance(grad_norm, DTensor):  # each rank's norm of its shard, pending a reduction
+            grad_norm = grad_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
+        return grad_norm
+
+    def reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
+        return reduce_metrics(totals, extremes, self.device)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on every rank (a collective); keep_vars: tied names share one object."""
+        return gather(model.state_dict(keep_vars=True))
+
+    def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
+        """Every rank gathers; rank 0 writes the Hugging Face directory."""
+        state_dict = self.full_state_dict(model)
+        if self.is_main:
+            model.save_pretrained(path, state_dict=state_dict)
+        dist.barrier()
+
+    @torch.no_grad()
+    def save_adapter(self, model: torch.nn.Module, peft: torch.nn.Module, path: Path) -> None:
+        """The LoRA adapter in PEFT's format: every rank gathers the adapter's tensors, rank 0 writes them."""
+        adapter = gather(adapter_state_dict(model))
+        if self.is_main:  # PEFT's names are the PeftModel's: the Hugging Face model's under base_model.model
+            peft.save_pretrained(path, state_dict={f"base_model.model.{name}": t for name, t in adapter.items()})
+        dist.barrier()
+
+    def _state(self, model, optimizer, adapter_only: bool) -> tuple[dict, StateDictOptions]:
+        """The sharded model and AdamW state for torch.distributed.checkpoint; with LoRA the adapter's only
+        (`ignore_frozen_params` alone would keep the frozen embedding under its tied second name, lm_head)."""
+        # checkpoints skip the frozen base (the model's files hold it); load_state then fills only the adapter
+        options = StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+        if adapter_only:
+            model_state = {name: tensor for name, tensor in model_state.items() if is_adapter_key(name)}
+        return {"model": model_state, "optimizer": optimizer_state}, options
+
+    def save_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:
+        """Sharded model and AdamW state (each rank writes its own shards; on several nodes `path` must be on a
+        shared filesystem) and the LR schedule's position."""
+        dcp.save(self._state(model, optimizer, adapter_only)[0], checkpoint_id=str(path))
+        if self.is_main:
+            torch.save(scheduler.state_dict(), path / "scheduler.pt")
+        dist.barrier()
+
+    def load_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:
+        state, options = self._state(model, optimizer, adapter_only)
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+        )
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+
+    def shutdown(self) -> None:
+        dist.destroy_process_group()
