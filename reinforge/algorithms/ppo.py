@@ -1,6 +1,6 @@
-"""PPO with a critic: a recipe of the GRPO loop, read top to bottom.
+"""PPO with a critic (`reinforge ppo`): a recipe of the RL loop, read top to bottom.
 
-The loop is GRPO's (algorithms/grpo.py: sample, score, train, refit, validate, log, checkpoint); what a
+The loop (algorithms/rl_loop.py: sample, score, train, refit, validate, log, checkpoint) is shared; what a
 step does with its rollouts is this file's `train_on_batch`:
 collate; the trainer's old (and reference) logprobs; the critic's values V(s_t) on every generated token
 (training/critic.py: a value head on its own copy of the base model); token rewards (the environment's
@@ -24,7 +24,7 @@ al. 2019 and Schulman et al. 2017):
 3. The critic is its own copy of the base model with a zero-initialised value head (no reward-model
    initialisation), on the policy's training backend: in this process (torch), or with FSDP2 on
    `training.num_workers` ranks of its own beside the policy's (cluster/fsdp2_critic_group.py).
-4. The samples of a prompt are still drawn in groups (`grpo.num_generations_per_prompt`, at least 2), which
+4. The samples of a prompt are still drawn in groups (`rollout.num_generations_per_prompt`, at least 2), which
    PPO does not need; the group plays no part in the advantages.
 """
 
@@ -33,14 +33,14 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import GRPOResult, Learner
+from reinforge.algorithms.builders import build_critic
 from reinforge.algorithms.grpo_advantages import overlong_penalties
+from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import KL_ESTIMATORS
+from reinforge.algorithms.policy_loss import kl_in_reward, policy_loss_fn
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.algorithms.ppo_losses import (
     clipped_value_loss,
@@ -50,16 +50,12 @@ from reinforge.algorithms.ppo_losses import (
     terminal_rewards,
     whiten_tokens,
 )
+from reinforge.algorithms.rl_loop import run
 from reinforge.algorithms.rollout_source import RolloutBatch
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, collate
-from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
 from reinforge.training.base import TrainingBackend
-from reinforge.training.critic import CriticBackend
-
-if TYPE_CHECKING:
-    from reinforge.cluster.fsdp2_critic_group import FSDP2CriticGroup
 
 
 @dataclass
@@ -70,47 +66,26 @@ class CriticBatch(TrainBatch):
     returns: torch.Tensor | None = None  # [B, T]: GAE's returns A_t + V(s_t), the value targets
 
 
-def train(config: PPORunConfig) -> GRPOResult:
+def train(config: PPORunConfig) -> RunResult:
     """Run PPO as `config` says."""
-    check_ppo(config)
-    return grpo.train(config, make_learner=ppo_learner)
-
-
-def check_ppo(config: PPORunConfig) -> None:
-    """What PPO does not do yet, as one line before any run directory is made."""
-    if config.model.lora is not None:
-        raise ConfigError(
-            "reinforge ppo does not train LoRA adapters yet (the critic is a full model); set model.lora=null"
-        )
-    if config.grpo.async_rollouts:
-        raise ConfigError("reinforge ppo is on-policy only; set grpo.async_rollouts=false")
+    return run(config, ppo_learner)
 
 
 def ppo_learner(config: PPORunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
-    """The critic (its own copy of the base model, on the policy's training backend, saved as `critic/` in every
-    checkpoint) and PPO's step."""
-    g = config.grpo
-    num_optimizer_steps = g.max_steps * (
-        g.num_prompts_per_step * g.num_generations_per_prompt // config.training.global_batch_size
-    )
-    critic_training = config.training.model_copy(update={"lr": config.ppo.critic_lr})
-    if config.training.backend == "fsdp2":
-        from reinforge.cluster.fsdp2_critic_group import FSDP2CriticGroup  # Ray only where the run asks for it
-
-        critic = FSDP2CriticGroup(config, critic_training, num_optimizer_steps)
-        cleanup.callback(critic.shutdown)
-    else:
-        critic = CriticBackend(config.model, critic_training, num_optimizer_steps)
+    """The critic (its own copy of the base model, on the policy's training backend, with AdamW at
+    `ppo.critic_lr`, saved as `critic/` in every checkpoint) and PPO's step."""
+    critic_optimizer = config.optimizer.model_copy(update={"lr": config.ppo.critic_lr})
+    critic = build_critic(config, critic_optimizer, cleanup)
     step = partial(
         train_on_batch,
         trainer=trainer,
         critic=critic,
         tokenizer=tokenizer,
-        loss_fn=grpo.make_loss_fn(config),
+        loss_fn=policy_loss_fn(config.loss, config.generation.max_new_tokens, off_policy=False),
         value_loss_fn=make_value_loss_fn(config.ppo.value_clip),
         config=config,
     )
-    return Learner(step, title="PPO", models={"critic": critic})
+    return Learner("PPO", step, models={"critic": critic})
 
 
 def make_value_loss_fn(clip: float | None):
@@ -126,24 +101,26 @@ def train_on_batch(
     timers: Timers,
     *,
     trainer: TrainingBackend,
-    critic: CriticBackend | FSDP2CriticGroup,
+    critic: TrainingBackend,
     tokenizer,
     loss_fn,
     value_loss_fn,
     config: PPORunConfig,
-) -> tuple[dict[str, float], bool]:
+) -> StepResult:
     """Values, GAE, the critic's and the actor's optimizer steps on one step's rollout batch. Returns its
     metrics and whether the policy changed (not during the critic's warm-up)."""
     ppo, global_batch = config.ppo, config.training.global_batch_size
     trajectories = rollout_batch.trajectories
     metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
     if not trajectories:
-        return metrics, False
-    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.grpo.num_generations_per_prompt)
-    penalties_PG = overlong_penalties(trajectories, config).view_as(rewards_PG)
+        return StepResult(metrics, trained=False)
+    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.rollout.num_generations_per_prompt)
+    penalties_PG = overlong_penalties(trajectories, config.overlong, config.generation.max_new_tokens).view_as(
+        rewards_PG
+    )
     collated = collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id)
     batch = CriticBatch(**{f.name: getattr(collated, f.name) for f in fields(collated)})
-    if config.grpo.overlong_filtering:  # DAPO: truncated answers are trained on by neither model
+    if config.overlong.filtering:  # DAPO: truncated answers are trained on by neither model
         batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
     actor_trains, loss = step > ppo.critic_warmup_steps, config.loss
 
@@ -183,18 +160,23 @@ def train_on_batch(
     else:
         actor_stats = actor_updates()
         critic_stats = critic_updates()
-    return {
-        **metrics,
-        **rollout_metrics(trajectories, rewards_PG),
-        **value_metrics(batch, advantages_BT),
-        **token_advantage_metrics(batch, -kl_penalties_BT.sum(dim=1), config),  # the whitened ones trained on
-        **{
-            name.replace("train/", "train/critic_") if not name.startswith("train/value") else name: value
-            for name, value in train_metrics(critic_stats).items()
+    critic_metrics = {
+        name.replace("train/", "train/critic_") if not name.startswith("train/value") else name: value
+        for name, value in train_metrics(critic_stats).items()
+    }
+    return StepResult(
+        {
+            **metrics,
+            **rollout_metrics(trajectories, rewards_PG),
+            **value_metrics(batch, advantages_BT),
+            # the whitened advantages, which the actor trains on
+            **token_advantage_metrics(batch, -kl_penalties_BT.sum(dim=1), kl_in_reward(loss)),
+            **critic_metrics,
+            **train_metrics(actor_stats),  # the engine/trainer mismatch among them
         },
-        **train_metrics(actor_stats),  # the engine/trainer mismatch among them
-        "perf/num_tokens": batch.attention_mask.sum().item(),
-    }, bool(actor_stats)
+        trained=bool(actor_stats),
+        num_tokens=int(batch.attention_mask.sum()),
+    )
 
 
 def value_metrics(batch: CriticBatch, advantages_BT: torch.Tensor) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """`ppo`: the settings of PPO with a critic (algorithms/ppo.py has the loop), and `PPORunConfig`, the tree of a
-`reinforge ppo` run: GRPO's (`Config`: the same loop, engine, environments, trainer) plus the `ppo` section, so
-a GRPO config never carries PPO's settings and `reinforge grpo` refuses them as unknown keys.
+`reinforge ppo` run: the RL loop's sections (algorithms/rl_config.py) plus `ppo` and `overlong`, so a PPO config
+never carries GRPO's advantage settings nor a GRPO config PPO's: each recipe refuses the other's as unknown keys.
 
 Defaults against the two reference implementations (their shipped configs: NeMo-RL's
 examples/configs/ppo_math_1B.yaml, veRL's trainer/config/algorithm.py and critic/critic.yaml):
@@ -19,10 +19,15 @@ examples/configs/ppo_math_1B.yaml, veRL's trainer/config/algorithm.py and critic
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import ClassVar
 
-from reinforge.config.schema import Config, LoggingConfig
+from pydantic import Field, model_validator
+
+from reinforge.algorithms.grpo_advantages import OverlongConfig, check_overlong
+from reinforge.algorithms.policy_loss import RewardKLLossConfig
+from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.config.section import Section
+from reinforge.logging.loggers import LoggingConfig
 
 
 class PPOConfig(Section):
@@ -36,7 +41,7 @@ class PPOConfig(Section):
     """eps_v of the clipped value loss: a new value counts as at most this far from the rollout's value where
     that is the larger loss (NeMo-RL 0.2, veRL 0.5); null: the plain squared error."""
     critic_lr: float = Field(default=1e-5, gt=0)
-    """The critic's AdamW learning rate (its other optimizer settings are `training.*`)."""
+    """The critic's AdamW learning rate (its other optimizer settings are `optimizer.*`'s)."""
     critic_epochs: int = Field(default=1, ge=1)
     """Passes of the critic over each rollout batch (each pass one optimizer step per global batch; NeMo-RL's
     critic_ppo_epochs). Its value clipping keeps every pass near the rollout's values."""
@@ -46,14 +51,21 @@ class PPOConfig(Section):
     """Update the critic before the actor in each step (NeMo-RL's and veRL's order). Both learn from the same
     rollout values and advantages, so the order changes no number; it sets which model's update runs first."""
     whiten_advantages: bool = True
-    """Normalise the advantages to mean 0, std 1 over all valid tokens of the step's batch."""
+    """Normalise the advantages to mean 0, std 1 over all valid tokens of the step's batch (the Bessel-corrected
+    std, eps 1e-8 inside the square root, as veRL and NeMo-RL: ppo_losses.whiten_tokens)."""
 
 
-class PPORunConfig(Config):
-    """A whole `reinforge ppo` run."""
+class PPORunConfig(RLRunConfig):
+    """A whole `reinforge ppo` run: the RL loop's sections, PPO's critic and GAE, and DAPO's overlong shaping (no
+    `grpo` section: PPO's advantages are GAE's, not group-relative)."""
 
+    recipe: ClassVar[str] = "ppo"
     ppo: PPOConfig = PPOConfig()
     """The critic, GAE and the order of the two updates."""
+    overlong: OverlongConfig = OverlongConfig()
+    """DAPO's overlong reward shaping and filtering (the critic learns the shaped rewards too)."""
+    loss: RewardKLLossConfig = RewardKLLossConfig()
+    """The actor's clipped policy-gradient loss, its KL penalty (in the loss or, InstructGPT's way, the reward)."""
     logging: LoggingConfig = LoggingConfig(run_dir="runs/ppo")
     """Run directory (config.yaml, metrics.jsonl, checkpoints/, final/) and console output."""
 
@@ -61,3 +73,15 @@ class PPORunConfig(Config):
     def num_trained_models(self) -> int:
         """The policy and the critic."""
         return 2
+
+    @model_validator(mode="after")
+    def _check_ppo(self) -> "PPORunConfig":
+        """What PPO does not do yet."""
+        check_overlong(self.overlong, self.generation.max_new_tokens, self.rollout.max_turns)
+        if self.model.lora is not None:
+            raise ValueError(
+                "reinforge ppo does not train LoRA adapters yet (the critic is a full model); set model.lora=null"
+            )
+        if self.rollout.async_generation:
+            raise ValueError("reinforge ppo is on-policy only; set rollout.async_generation=false")
+        return self

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.algorithms.losses import Normalisers, metric_mean, token_mean
+from reinforge.algorithms.losses import metric_mean, token_mean
+from reinforge.data.batch import Normalisers
 
 
 def terminal_rewards(rewards_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
@@ -70,11 +71,18 @@ def masked_mean_std(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[tor
     return mean, variance.sqrt()
 
 
-def whiten_tokens(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(x - mean) / (std + eps) over all valid tokens of the batch (each token weighs once), 0 off the mask:
-    PPO's advantage normalisation (veRL's masked_whiten; NeMo-RL's normalize_advantages)."""
-    mean, std = masked_mean_std(values_BT, mask_BT)
-    return (values_BT - mean) / (std + eps) * mask_BT
+def whiten_tokens(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """PPO's advantage normalisation over the n valid tokens of the batch (each token weighs once), 0 off the mask:
+        mean = sum_t x_t / n,   var = sum_t (x_t - mean)^2 / (n - 1)   (Bessel-corrected),
+        x_t <- (x_t - mean) / sqrt(var + eps)                           (eps = 1e-8, inside the square root)
+    as veRL's masked_whiten (verl/utils/torch_functional.py, masked_var with unbiased=True) and NeMo-RL's GAE
+    whitening (GeneralizedAdvantageEstimator with normalize_advantages, nemo_rl/algorithms/utils.py's
+    masked_var, unbiased) compute it. The whitened tokens have mean 0 and Bessel-corrected std 1 (population
+    std sqrt((n - 1) / n)). With one valid token (n - 1 = 0: an error in veRL) the token is 0, as its x - mean."""
+    count = mask_BT.sum()
+    mean = (values_BT * mask_BT).sum() / count.clamp(min=1)
+    variance = (((values_BT - mean) * mask_BT) ** 2).sum() / (count - 1).clamp(min=1)
+    return (values_BT - mean) * torch.rsqrt(variance + eps) * mask_BT
 
 
 def explained_variance(returns_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The refit: the generation engine takes the trainer's current policy, after each optimizer step and
-when a run resumes. Two ways, chosen by `model.lora.sync` (training/lora_config.py, `adapter_sync`):
+when a run resumes. Two ways, chosen by `model.lora.sync` (model_config.py, `adapter_sync`):
 
 - merged (full fine-tuning, LoRA with the HF engine, or `sync=merged`): the trainer's Hugging Face
   weights, with LoRA the merged W + (alpha / r) B A computed afresh from the untouched base, are
@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reinforge.config import Config
+from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.generation.base import GenerationBackend
+from reinforge.model_config import adapter_sync
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
-from reinforge.training.lora_config import adapter_sync
 
 ADAPTER_DIR = "adapter"
 
 
-def refit(engine: GenerationBackend, trainer: TrainingBackend, config: Config, run_dir: Path) -> None:
+def refit(engine: GenerationBackend, trainer: TrainingBackend, config: RLRunConfig, run_dir: Path) -> None:
     """Give `engine` the trainer's current policy, the way `model.lora.sync` says."""
     if not adapter_sync(config):
         engine.update_weights(trainer.named_weights())

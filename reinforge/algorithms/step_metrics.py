@@ -1,12 +1,12 @@
-"""The metrics of one step of the GRPO loop and of the recipes that share it (PPO, distillation): the rollout,
+"""The metrics of one step of the RL loop's recipes (GRPO, PPO, distillation): the rollout,
 the advantages, the optimizer steps and the environments. Each formula is in docs/metrics.md."""
 
 from __future__ import annotations
 
 import torch
 
+from reinforge.algorithms.grpo_advantages import OverlongConfig
 from reinforge.algorithms.rollout_source import RolloutBatch
-from reinforge.config import Config
 from reinforge.data.batch import TrainBatch, Trajectory
 from reinforge.envs.base import Environment
 
@@ -45,37 +45,33 @@ def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) ->
     }
 
 
-def token_advantage_metrics(batch: TrainBatch, kl_penalties_PG: torch.Tensor, config: Config) -> dict[str, float]:
+def token_advantage_metrics(batch: TrainBatch, kl_penalties_PG: torch.Tensor, kl_in_reward: bool) -> dict[str, float]:
     """The advantages over the trained tokens (what token-level whitening makes 0 and 1), and the KL penalty in
     the reward (`loss.kl_in_reward`)."""
-    mask_BT = batch.loss_mask
-    advantages_BT = (
-        batch.advantages.view(len(batch), -1).expand_as(mask_BT) if batch.advantages.dim() == 1 else batch.advantages
-    )
+    mask_BT, advantages_BT = batch.loss_mask, batch.advantages
     num_tokens = mask_BT.sum().clamp(min=1)
     mean = (advantages_BT * mask_BT).sum() / num_tokens
     metrics = {
         "train/advantage_token_mean": mean.item(),
         "train/advantage_token_std": (((advantages_BT - mean) ** 2 * mask_BT).sum() / num_tokens).sqrt().item(),
     }
-    if config.loss.kl_in_reward:
+    if kl_in_reward:
         metrics["train/kl_reward_penalty_mean"] = -kl_penalties_PG.mean().item()
     return metrics
 
 
 def advantage_metrics(
-    trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor, config: Config
+    trajectories: list[Trajectory], penalties_PG: torch.Tensor, advantages_PG: torch.Tensor, overlong: OverlongConfig
 ) -> dict[str, float]:
     """The advantages trained on, and what overlong shaping and filtering did to this step's batch."""
-    g = config.grpo
     metrics = {
         "train/advantage_mean": advantages_PG.mean().item(),
         "train/advantage_std": advantages_PG.std(unbiased=False).item(),
         "train/zero_advantage_fraction": (advantages_PG == 0).float().mean().item(),
     }
-    if g.overlong_buffer_tokens:
+    if overlong.buffer_tokens:
         metrics["rollout/overlong_penalty_mean"] = penalties_PG.mean().item()
-    if g.overlong_filtering:
+    if overlong.filtering:
         metrics["rollout/overlong_filtered_fraction"] = sum(t.truncated for t in trajectories) / len(trajectories)
     return metrics
 

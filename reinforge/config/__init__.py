@@ -1,22 +1,6 @@
-"""Typed configuration: the schema and its YAML/override loader.
+"""Typed configuration machinery: the base section, YAML loading with `defaults:`, `key=value` overrides, errors.
 
-Imported lazily: components define their config classes next to their code on top of
-`reinforge.config.section`, and the schema imports those components' modules, so importing this
-package must not import the schema first.
+The sections themselves live beside the components they configure, and each recipe assembles its root tree from
+them (algorithms/grpo.py's `GRPORunConfig`, algorithms/sft.py's `SFTRunConfig`, ...); this package knows none of
+them.
 """
-
-from typing import Any
-
-__all__ = ["Config", "all_keys", "build_config", "load_config", "save_config"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Config":
-        from reinforge.config.schema import Config
-
-        return Config
-    if name in ("all_keys", "build_config", "load_config", "save_config"):
-        from reinforge.config import loader
-
-        return getattr(loader, name)
-    raise AttributeError(f"module 'reinforge.config' has no attribute {name!r}")

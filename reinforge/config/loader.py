@@ -1,4 +1,4 @@
-"""YAML files with `defaults:` inheritance and `a.b.c=value` overrides, into the typed `Config`.
+"""YAML files with `defaults:` inheritance and `a.b.c=value` overrides, into a recipe's typed root config.
 
 - A file may name a parent (or a list of parents) with `defaults: parent.yaml`, relative to itself;
   the child's keys win, key by key.
@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from reinforge.config.schema import Config
 from reinforge.config.section import Section
 from reinforge.config.tree import deep_merge, set_dotted
 from reinforge.errors import ConfigError
@@ -26,13 +25,8 @@ from reinforge.errors import ConfigError
 RootT = TypeVar("RootT", bound=Section)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Build the GRPO config from an optional YAML file plus `key=value` overrides."""
-    return load_recipe_config(Config, path, overrides)
-
-
 def load_recipe_config(schema: type[RootT], path: str | Path | None, overrides: list[str] = ()) -> RootT:
-    """Build any root config (`Config`, or a recipe's own tree such as SFT's) from an optional YAML file
+    """Build a recipe's root config (GRPO's `GRPORunConfig`, SFT's `SFTRunConfig`, ...) from an optional YAML file
     plus `key=value` overrides."""
     tree = read_yaml_tree(Path(path)) if path is not None else {}
     for override in overrides:
@@ -41,7 +35,7 @@ def load_recipe_config(schema: type[RootT], path: str | Path | None, overrides: 
     return build_config(tree, schema)
 
 
-def build_config(tree: dict[str, Any], schema: type[RootT] = Config) -> RootT:
+def build_config(tree: dict[str, Any], schema: type[RootT]) -> RootT:
     """Validate a nested dict against the schema, with one-line errors."""
     _check_keys(tree, schema, schema, prefix="")
     try:
@@ -50,13 +44,13 @@ def build_config(tree: dict[str, Any], schema: type[RootT] = Config) -> RootT:
         raise ConfigError(_describe_validation_error(exc)) from None
 
 
-def save_config(config: Config, path: Path) -> None:
+def save_config(config: Section, path: Path) -> None:
     """Write the fully resolved config; loading it again reproduces the run."""
     text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
     path.write_text(text)
 
 
-def all_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     """Every dotted key the schema accepts (leaves and sections)."""
     keys = []
     for name, field in model.model_fields.items():
@@ -74,7 +68,8 @@ def read_yaml_mapping(path: Path, what: str, expected: str) -> dict[str, Any]:
         tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"{what} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+            f"{what} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "save it as UTF-8"
         ) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
@@ -102,11 +97,11 @@ def read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return merged
 
 
-def parse_override(text: str, schema: type[BaseModel] = Config) -> tuple[str, Any]:
+def parse_override(text: str, schema: type[BaseModel]) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. grpo.max_steps=10)")
+        raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. loop.max_steps=10)")
     annotation = _annotation_at(key, schema)
     if raw.strip() in ("null", "None", "~"):
         return key, None
@@ -123,6 +118,9 @@ def _check_keys(tree: dict[str, Any], schema: type[BaseModel], model: type[BaseM
         dotted = f"{prefix}{key}"
         field = model.model_fields.get(key)
         if field is None:
+            while isinstance(value, dict) and value:  # name the setting, not just its unknown section
+                key, value = next(iter(value.items()))
+                dotted = f"{dotted}.{key}"
             raise ConfigError(_unknown_key_message(dotted, schema))
         sub = _section_type(field.annotation)
         if sub is not None and isinstance(value, dict):
@@ -130,14 +128,32 @@ def _check_keys(tree: dict[str, Any], schema: type[BaseModel], model: type[BaseM
 
 
 def _unknown_key_message(dotted: str, schema: type[BaseModel]) -> str:
-    keys = all_keys(schema)
-    section = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
-    same_section = [k for k in keys if k.startswith(section) and k.count(".") == dotted.count(".")]
-    match = difflib.get_close_matches(dotted, same_section, n=1, cutoff=0.5) or difflib.get_close_matches(
-        dotted, keys, n=1, cutoff=0.5
+    """The key, which recipe lacks it, and the nearest key it does have: an old key's new place (`moved_keys`), the
+    same setting in another section (one that another recipe has there), else a near spelling; else what it has
+    instead."""
+    keys = [k for k in all_keys(schema) if _section_type(_annotation_at(k, schema)) is None]  # settings, not sections
+    recipe = getattr(schema, "recipe", "")
+    who = f"reinforge {recipe}" if recipe else "this config"
+    section, _, leaf = dotted.rpartition(".")
+    top = dotted.split(".")[0]
+    no_section = bool(section) and top not in schema.model_fields
+    missing = f"{who} has no {top} section" if no_section else f"{who} has no such setting"
+    moved = getattr(schema, "moved_keys", {})  # old key -> its new place, for configs of an earlier version
+    leaf_of = {k: k.rpartition(".")[2] for k in keys}
+    in_section = [k for k in keys if k.rpartition(".")[0] == section]
+    match = (
+        [moved[old] for old in difflib.get_close_matches(dotted, moved, n=1, cutoff=0.7)]
+        or [k for k in keys if leaf_of[k] == leaf]
+        or [k for k in in_section if leaf_of[k] in difflib.get_close_matches(leaf, [leaf_of[k] for k in in_section])]
+        or [k for k in keys if leaf_of[k] in difflib.get_close_matches(leaf, list(leaf_of.values()), cutoff=0.75)]
     )
-    hint = f"; did you mean {match[0]}?" if match else f"; the sections are {', '.join(schema.model_fields)}"
-    return f"unknown config key {dotted}{hint}"
+    if match:
+        hint = f"; did you mean {match[0]}?"
+    elif in_section:
+        hint = f"; its {section} settings are {', '.join(leaf_of[k] for k in in_section)}"
+    else:
+        hint = f"; its sections are {', '.join(schema.model_fields)}"
+    return f"unknown config key {dotted}: {missing}{hint}"
 
 
 def _describe_validation_error(exc: ValidationError) -> str:
@@ -150,7 +166,7 @@ def _describe_validation_error(exc: ValidationError) -> str:
     return f"config key {where}: {message} (got {got!r})"
 
 
-def _annotation_at(dotted: str, schema: type[BaseModel] = Config) -> Any:
+def _annotation_at(dotted: str, schema: type[BaseModel]) -> Any:
     model: type[BaseModel] | None = schema
     annotation = None
     for part in dotted.split("."):

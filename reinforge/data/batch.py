@@ -12,7 +12,20 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from reinforge.algorithms.losses import Normalisers
+
+@dataclass(frozen=True)
+class Normalisers:
+    """Counts over the whole global batch that every micro-batch divides by."""
+
+    num_tokens: int  # valid (mask == 1) tokens in the global batch
+    num_sequences: int  # sequences in the global batch
+    num_computed_tokens: int | None = None
+    """Valid tokens actually run through the model when sequences that add nothing to the loss were left
+    out of the batch (GRPO's zero-advantage sequences); None: all of them. Metric means divide by it."""
+
+    @property
+    def metric_tokens(self) -> int:
+        return self.num_tokens if self.num_computed_tokens is None else self.num_computed_tokens
 
 
 @dataclass
@@ -41,17 +54,12 @@ class TrainBatch:
     input_ids: torch.Tensor  # [B, T] long: prompt + response + padding
     attention_mask: torch.Tensor  # [B, T] long: 1 on real tokens
     loss_mask: torch.Tensor  # [B, T] float: 1 on tokens the policy generated
-    advantages: torch.Tensor  # [B] float
+    advantages: torch.Tensor  # [B, T] float: each token's advantage, 0 off the loss mask
     gen_logprobs: torch.Tensor  # [B, T] float: the generation engine's logprobs (0 off the mask)
     old_logprobs: torch.Tensor | None = None  # [B, T]: the trainer's logprobs before this step's updates
     ref_logprobs: torch.Tensor | None = None  # [B, T]: the frozen reference policy's logprobs
     loss_normalisers: Normalisers | None = None  # the counts the loss divides by, when not this batch's own
     prompt_lengths: torch.Tensor | None = None  # [B] long: tokens of each sequence's prompt (training.share_prompts)
-    # On-policy distillation's top-k KL (algorithms/distill.py): the teacher's top-k token ids and their logprobs at
-    # each trained position, and the policy's logprobs at those ids, which the training pass fills in for the loss
-    teacher_topk_ids: torch.Tensor | None = None  # [B, T, K] long
-    teacher_topk_logprobs: torch.Tensor | None = None  # [B, T, K] float
-    topk_logprobs: torch.Tensor | None = None  # [B, T, K] float
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -97,7 +105,7 @@ def _rows(tensor: torch.Tensor, start: int, end: int, width: int) -> torch.Tenso
 def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_id: int) -> TrainBatch:
     """Pack trajectories into right-padded tensors with the loss on the policy's own tokens only
     (environment observations inside a multi-turn response are masked out, and so is all of a masked
-    trajectory)."""
+    trajectory); each sequence's advantage is spread over its trained tokens."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     num_rows = len(trajectories)
     input_ids = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
@@ -116,7 +124,7 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
         input_ids=input_ids,
         attention_mask=attention_mask,
         loss_mask=loss_mask,
-        advantages=torch.tensor(advantages, dtype=torch.float32),
+        advantages=torch.tensor(advantages, dtype=torch.float32).unsqueeze(1) * loss_mask,
         gen_logprobs=gen_logprobs,
         prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
     )

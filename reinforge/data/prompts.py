@@ -12,20 +12,41 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from reinforge.config.section import Section
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.responses_format import create_params_to_chat
 from reinforge.data.templates import render_ids
 from reinforge.errors import DataError
 from reinforge.paths import resolve_path
 
-GYM_ROW_KEY = "responses_create_params"  # what makes a record a NeMo Gym row
 
-if TYPE_CHECKING:
-    from reinforge.config.schema import DataConfig
+class DataConfig(Section):
+    train_path: str = "data/demo/train.jsonl"
+    """JSONL file of training prompts; one object per line with `prompt` and `answer` (and `task`)."""
+    val_path: str | None = "data/demo/val.jsonl"
+    """JSONL file of held-out prompts for validation; null disables validation."""
+    prompt_key: str = "prompt"
+    """Record field holding the user message."""
+    system_prompt: str | None = None
+    """Optional system message put before every prompt whose record has no `system_key` field."""
+    system_key: str = "system"
+    """Record field holding that record's own system message (e.g. "detailed thinking on"); when a
+    record has it (not null) it replaces `system_prompt` for that record, "" meaning none."""
+    use_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template; false feeds the prompt text as it is."""
+    max_prompt_tokens: int = 1024
+    """Prompts longer than this (after templating) are dropped from the dataset, with a count."""
+    max_val_prompts: int | None = None
+    """Use at most this many validation prompts (the first ones); null: all."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by `seed`)."""
+
+
+GYM_ROW_KEY = "responses_create_params"  # what makes a record a NeMo Gym row
 
 
 @dataclass
@@ -76,18 +97,27 @@ def _system_message(record: dict[str, Any], system_prompt: str | None, system_ke
     if system is None:
         system = system_prompt
     elif not isinstance(system, str):
-        raise DataError(f"the record field {system_key!r} must be its system message as a string (or null for none), "
-                        f"got {type(system).__name__} in the record with prompt {shown!r}")
+        raise DataError(
+            f"the record field {system_key!r} must be its system message as a string (or null for none), "
+            f"got {type(system).__name__} in the record with prompt {shown!r}"
+        )
     return system
 
 
-def _render_gym_row(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, system_prompt: str | None,
-                    use_chat_template: bool, system_key: str) -> Prompt:
+def _render_gym_row(
+    record: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase,
+    system_prompt: str | None,
+    use_chat_template: bool,
+    system_key: str,
+) -> Prompt:
     messages, tools = create_params_to_chat(record[GYM_ROW_KEY])
     if not messages:
         raise DataError(f"a NeMo Gym row's {GYM_ROW_KEY}.input holds no messages")
     if not use_chat_template:
-        raise DataError("NeMo Gym rows (records with responses_create_params) need the chat template: set data.use_chat_template=true")
+        raise DataError(
+            "NeMo Gym rows (records with responses_create_params) need the chat template: set data.use_chat_template=true"
+        )
     if messages[0]["role"] not in ("system", "developer"):
         system = _system_message(record, system_prompt, system_key, str(messages[0]["content"])[:60])
         messages = ([{"role": "system", "content": system}] if system else []) + messages
@@ -101,22 +131,34 @@ def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBa
     prompts = []
     for index, record in enumerate(read_jsonl(file)):
         if GYM_ROW_KEY not in record and data.prompt_key not in record:
-            raise DataError(f"{file}:{_line_number(file, index)}: record has no {data.prompt_key} field; "
-                            f"every record needs {data.prompt_key} (or {GYM_ROW_KEY}, as a NeMo Gym row has)")
+            raise DataError(
+                f"{file}:{_line_number(file, index)}: record has no {data.prompt_key} field; "
+                f"every record needs {data.prompt_key} (or {GYM_ROW_KEY}, as a NeMo Gym row has)"
+            )
         if GYM_ROW_KEY not in record and not isinstance(record[data.prompt_key], str):
-            raise DataError(f"{file}:{_line_number(file, index)}: {data.prompt_key} must be a string (the user's message), "
-                            f"not {type(record[data.prompt_key]).__name__}")
+            raise DataError(
+                f"{file}:{_line_number(file, index)}: {data.prompt_key} must be a string (the user's message), "
+                f"not {type(record[data.prompt_key]).__name__}"
+            )
         try:
-            prompts.append(render_prompt(record, tokenizer, data.prompt_key, data.system_prompt, data.use_chat_template, data.system_key))
+            prompts.append(
+                render_prompt(
+                    record, tokenizer, data.prompt_key, data.system_prompt, data.use_chat_template, data.system_key
+                )
+            )
         except DataError as exc:
             if GYM_ROW_KEY not in record:
                 raise
             raise DataError(f"{file}:{_line_number(file, index)}: {exc}") from None
     kept = [p for p in prompts if len(p.token_ids) <= data.max_prompt_tokens]
     if not kept:
-        raise DataError(f"{path}: every prompt is longer than data.max_prompt_tokens={data.max_prompt_tokens}; raise it")
+        raise DataError(
+            f"{path}: every prompt is longer than data.max_prompt_tokens={data.max_prompt_tokens}; raise it"
+        )
     if len(kept) < len(prompts):
-        print(f"{path}: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than data.max_prompt_tokens")
+        print(
+            f"{path}: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than data.max_prompt_tokens"
+        )
     return kept
 
 

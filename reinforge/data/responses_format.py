@@ -1,5 +1,5 @@
-"""Chat messages to and from OpenAI Responses shapes, as NeMo Gym uses them (docs in /work/shared/docs
-nemo-gym-protocol.md, section 3; Gym's own translation is `nemo_gym/responses_converter.py`).
+"""Chat messages to and from OpenAI Responses shapes, as NeMo Gym 0.7.0 uses them in a resources server's
+`/verify` request and an agent's results (Gym's own translation is `nemo_gym/responses_converter.py`).
 
 Three conversions, all pure (no I/O), all on plain dicts:
 

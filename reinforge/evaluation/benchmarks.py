@@ -103,7 +103,8 @@ def _mbpp(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
     return [
         BenchmarkItem(
             f"mbpp/{row['task_id']}",
-            f"{row['prompt']}\nYour code should pass this test:\n\n```python\n{row['test_list'][0]}\n```\n\n{MBPP_INSTRUCTION}",
+            f"{row['prompt']}\nYour code should pass this test:\n\n"
+            f"```python\n{row['test_list'][0]}\n```\n\n{MBPP_INSTRUCTION}",
             {
                 "task": "code",
                 "task_id": row["task_id"],

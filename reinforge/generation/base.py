@@ -12,6 +12,48 @@ from typing import Iterable, Literal, Protocol
 
 import torch
 
+from reinforge.config.section import Section
+
+
+class GenerationConfig(Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    """Generation engine: `hf` (Hugging Face transformers, the reference implementation) or `vllm`."""
+    max_new_tokens: int = 64
+    """Longest completion; a sample that reaches it without a stop is marked truncated."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts; the trainer applies the same temperature to its logits."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1.0 disables it."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    stop_strings: list[str] = []
+    """Extra strings that end a completion (the tokenizer's EOS always does)."""
+    max_batch_size: int = 256
+    """Most sequences the HF backend decodes at once; larger requests are split."""
+    num_workers: int = 1
+    """Generation engines, data-parallel over prompts, when the run uses Ray (training.backend=fsdp2)."""
+    max_logprob_error: float = 1.05
+    """Consistency gate: stop the run when the engine's and the trainer's logprobs of the same tokens
+    differ by more than this token_mult_prob_error (checked at start-up and after the first refit)."""
+    num_probe_prompts: int = 8
+    """Training prompts sampled by the consistency probe."""
+    vllm_max_model_len: int | None = None
+    """vLLM's context length; null: data.max_prompt_tokens + generation.max_new_tokens."""
+    vllm_enforce_eager: bool | None = None
+    """Disable vLLM's torch.compile/CUDA graphs; null: eager on CPU (compiling costs ~35 s there), compiled on GPU."""
+    vllm_block_size: int | None = None
+    """Tokens per vLLM KV-cache block; null: vLLM's default (128 on CPU, 16 on GPU). On CPU (a multiple of 32
+    there) 32 suits short sequences: the CPU attention kernel computes whole blocks, and the demo model
+    generates 1.4x faster with 32 than with 128 (docs/benchmarks.md)."""
+    vllm_cpu_kv_cache_gb: int = 1
+    """vLLM KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights and KV cache (the trainer needs the rest when colocated)."""
+    vllm_sleep_mode: bool | None = None
+    """Put vLLM to sleep while the trainer works (weights offloaded to CPU memory, KV cache freed) and
+    wake it for the refit and the next rollout, so training and generation share a GPU's memory in
+    turns; null: on when a GPU is present, off on CPU (where vLLM has no sleep mode)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -33,21 +33,21 @@ from typing import Iterable
 import torch
 
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
-from reinforge.training.lora_config import adapter_sync, vllm_max_lora_rank
+from reinforge.model_config import adapter_sync, vllm_max_lora_rank
 
 
 def max_sequence_tokens(config) -> int:
     """The longest sequence a rollout can make: the prompt, every turn, every observation between turns."""
-    g = config.grpo
+    rollout = config.rollout
     return (
         config.data.max_prompt_tokens
-        + g.max_turns * config.generation.max_new_tokens
-        + (g.max_turns - 1) * g.max_observation_tokens
+        + rollout.max_turns * config.generation.max_new_tokens
+        + (rollout.max_turns - 1) * rollout.max_observation_tokens
     )
 
 
 def engine_kwargs(config) -> dict:
-    """`VLLMGenerationBackend` arguments from a run's `Config` (in-process engine or Ray actor alike)."""
+    """`VLLMGenerationBackend` arguments from an RL run's root config (in-process engine or Ray actor alike)."""
     from reinforge.modeling import model_location
 
     gen = config.generation
@@ -99,7 +99,8 @@ class VLLMGenerationBackend:
             from reinforge.errors import ConfigError
 
             raise ConfigError(
-                f"generation.vllm_block_size={block_size}: vLLM's CPU attention needs a multiple of 32; set 32, 64 or 128, or null"
+                f"generation.vllm_block_size={block_size}: vLLM's CPU attention needs a multiple of 32; "
+                "set 32, 64 or 128, or null"
             )
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
         self.lora_enabled = lora_rank is not None

@@ -226,3 +226,16 @@ class MlflowLogger:
 
     def close(self, ok: bool) -> None:
         self.client.set_terminated(self.run_id, status="FINISHED" if ok else "FAILED")
+
+
+class LoggingConfig(Section):
+    run_dir: str = "runs/grpo"
+    """Run directory: config.yaml, metrics.jsonl, final/. If it already holds a run, a suffix -1, -2, ...
+    is added."""
+    console_every: int = 1
+    """Print a compact metrics line every this many steps."""
+    loggers: LoggersConfig = LoggersConfig()
+    """Where the metrics go besides RUN_DIR/metrics.jsonl (always written): TensorBoard, Weights & Biases, MLflow."""
+    capture_dependency_logs: bool = True
+    """Send the logs of vLLM, Ray, transformers and other dependencies, and anything written to stderr
+    during the run, to RUN_DIR/logs/dependencies.log instead of the console."""

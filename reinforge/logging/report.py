@@ -75,20 +75,23 @@ CONFIG_HIGHLIGHTS = [
     "generation.backend",
     "generation.max_new_tokens",
     "generation.temperature",
+    "loop.max_steps",
+    "rollout.num_prompts_per_step",
+    "rollout.num_generations_per_prompt",
     "training.backend",
     "training.num_workers",
     "training.global_batch_size",
     "training.micro_batch_size",
-    "training.lr",
-    "training.lr_schedule",
-    "training.warmup_steps",
+    "optimizer.lr",
+    "scheduler.lr_schedule",
+    "scheduler.warmup_steps",
     "loss.kl_coef",
     "loss.clip_eps_low",
     "loss.clip_eps_high",
     "loss.aggregation",
     "loss.ratio_level",
 ]
-ALGORITHMS = ("grpo", "sft", "dpo", "rm")  # the algorithm's own section is shown whole
+ALGORITHMS = ("grpo", "ppo", "distill", "sft", "dpo", "rm")  # the algorithm's own section is shown whole
 
 # Phases in the order a step runs them; `other` is the step's time outside the named phases.
 PHASE_ORDER = [

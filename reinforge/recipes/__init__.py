@@ -1,4 +1,4 @@
-"""Multi-stage recipes (`reinforge recipe FILE`): stages of grpo, sft, dpo or rm run in order, each
+"""Multi-stage recipes (`reinforge recipe FILE`): stages of grpo, ppo, distill, sft, dpo or rm run in order, each
 starting from the previous stage's final weights, resumable stage by stage. DeepScaleR's 8K -> 16K ->
 24K context schedule (configs/recipes/deepscaler-1.5b.yaml) and SFT -> RL chains are recipes.
 

@@ -26,7 +26,7 @@ from typing import Any
 from reinforge.errors import ReinforgeError
 from reinforge.recipes.markers import check_run_dir, write_marker, write_summary
 from reinforge.recipes.spec import load_recipe
-from reinforge.recipes.stages import POLICY_ALGORITHMS, RESUMABLE_ALGORITHMS, Stage, build_stages
+from reinforge.recipes.stages import Stage, build_stages
 from reinforge.run_dir import atomic_write_text
 from reinforge.training.lora import save_merged
 
@@ -71,7 +71,7 @@ def run_stage(stage: Stage) -> dict[str, Any]:
     )
     print(f"\n== {stage.label}: {stage.max_steps} steps from {source}; run directory {stage.run_dir}")
     if stage.run_dir.exists():
-        if stage.algorithm in RESUMABLE_ALGORITHMS:
+        if stage.recipe.rl:
             print("   unfinished earlier: continuing from its newest checkpoint (starting over if it has none)")
         else:
             print(f"   unfinished earlier: {stage.algorithm} writes no checkpoints, so the stage starts over")
@@ -84,7 +84,7 @@ def run_stage(stage: Stage) -> dict[str, Any]:
     # The markers and the next stage look for this stage's files in stage.run_dir: a suffixed directory
     # (which a non-resumable loop makes when the directory is taken) would break the chain.
     assert Path(result.run_dir).resolve() == stage.run_dir.resolve(), (result.run_dir, stage.run_dir)
-    if stage.algorithm in POLICY_ALGORITHMS and stage.config.model.lora is not None and stage.weights is not None:
+    if stage.recipe.policy and stage.config.model.lora is not None and stage.weights is not None:
         # a LoRA stage's final/ is its adapter; the next stage starts from a whole model
         save_merged(stage.config.model, stage.run_dir / "final", stage.weights)
     marker = write_marker(stage, started_at)
@@ -117,13 +117,13 @@ def key_settings(stage: Stage) -> list[str]:
     """steps, max_new_tokens, batch, lr, kl, clip, backend, model: what tells the stages of a recipe apart."""
     c = stage.config
     model = f"stage {stage.model_from.number} final" if stage.model_from else c.model.name_or_path
-    if stage.algorithm == "grpo":
-        g = c.grpo
+    if stage.recipe.rl:
+        rollout = c.rollout
         return [
-            str(g.max_steps),
+            str(c.loop.max_steps),
             str(c.generation.max_new_tokens),
-            f"{g.num_prompts_per_step}x{g.num_generations_per_prompt}",
-            f"{c.training.lr:g}",
+            f"{rollout.num_prompts_per_step}x{rollout.num_generations_per_prompt}",
+            f"{c.optimizer.lr:g}",
             f"{c.loss.kl_coef:g}",
             f"{c.loss.clip_eps_low:g}/{c.loss.clip_eps_high:g}",
             f"{c.training.backend}x{c.training.num_workers}+{c.generation.backend}",
@@ -135,7 +135,7 @@ def key_settings(stage: Stage) -> list[str]:
         else f"{c.training.global_batch_size // 2} pairs"
     )
     kl = f"beta {c.dpo.beta:g}" if stage.algorithm == "dpo" else "-"
-    return [str(stage.max_steps), "-", batch, f"{c.training.lr:g}", kl, "-", c.training.backend, model]
+    return [str(stage.max_steps), "-", batch, f"{c.optimizer.lr:g}", kl, "-", c.training.backend, model]
 
 
 def _status(stage: Stage, markers: dict[int, dict[str, Any]]) -> str:

@@ -2,14 +2,14 @@
 
     run_dir: runs/deepscaler          # RUN_DIR; stage k runs in RUN_DIR/stages/<kk>-<name>
     base: ../grpo_demo.yaml           # optional: the config every stage starts from
-    overrides: {grpo.max_steps: 3}    # optional: applied to every stage
+    overrides: {loop.max_steps: 3}    # optional: applied to every stage
     stages:
       - name: 8k
-        algorithm: grpo               # grpo (default), sft, dpo or rm
+        algorithm: grpo               # grpo (default), ppo, distill, sft, dpo or rm
         config: other.yaml            # optional: replaces `base` for this stage
         overrides: {generation.max_new_tokens: 8192}
 
-Overrides are dotted keys (`grpo.max_steps: 3`), nested mappings (`grpo: {max_steps: 3}`) or both; they
+Overrides are dotted keys (`loop.max_steps: 3`), nested mappings (`loop: {max_steps: 3}`) or both; they
 are type-checked against the stage algorithm's config schema when the stages are built (`stages.py`).
 """
 
@@ -34,8 +34,8 @@ STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 class StageSpec(Section):
     name: str
     """Short name, unique in the recipe; the stage runs in RUN_DIR/stages/<kk>-<name>."""
-    algorithm: Literal["grpo", "sft", "dpo", "rm"] = "grpo"
-    """The stage's training loop: `reinforge grpo`, `sft`, `dpo` or `rm`."""
+    algorithm: Literal["grpo", "ppo", "distill", "sft", "dpo", "rm"] = "grpo"
+    """The stage's recipe: `reinforge grpo`, `ppo`, `distill`, `sft`, `dpo` or `rm`."""
     config: str | None = None
     """Config file for this stage instead of the recipe's `base` (relative to the recipe file, the
     working directory or the project root)."""
@@ -62,7 +62,8 @@ class RecipeSpec(Section):
         for number, stage in enumerate(self.stages, start=1):
             if not STAGE_NAME.fullmatch(stage.name):
                 raise ValueError(
-                    f"stage {number} name {stage.name!r} must be letters, digits, '_', '-' or '.', as it names a directory"
+                    f"stage {number} name {stage.name!r} must be letters, digits, '_', '-' or '.', "
+                    "as it names a directory"
                 )
             if stage.name in seen:
                 raise ValueError(f"stage name {stage.name!r} is used twice; give every stage its own name")

@@ -11,7 +11,7 @@ against the algorithm's own root schema. Then the recipe sets what chains the st
   policy (every algorithm but `rm`, whose reward model is not a policy); stage 1, and a stage with no
   policy stage before it, keep the config's model;
 - `checkpoint.save_final` = true for every stage but the last, whose setting is kept;
-- `checkpoint.resume` = auto for GRPO stages, so a rerun continues from the newest checkpoint.
+- `checkpoint.resume` = auto for the RL stages (grpo, ppo, distill), so a rerun continues from the newest checkpoint.
 
 Nothing here loads a model or touches the hub: `--validate` runs exactly this.
 """
@@ -19,11 +19,11 @@ Nothing here loads a model or touches the hub: `--validate` runs exactly this.
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from reinforge.algorithms.registry import RECIPES, Recipe
 from reinforge.config.loader import build_config, parse_override, read_yaml_tree
 from reinforge.config.section import Section
 from reinforge.config.tree import deep_merge, set_dotted
@@ -31,17 +31,6 @@ from reinforge.errors import ConfigError, ReinforgeError
 from reinforge.modeling import model_location
 from reinforge.paths import resolve_path
 from reinforge.recipes.spec import RecipeSpec, StageSpec, config_file, dotted_keys, expand_overrides
-
-# algorithm -> (root config schema, training function), as `module:attribute`, imported on use
-ALGORITHMS = {
-    "grpo": ("reinforge.config.schema:Config", "reinforge.algorithms.grpo:train"),
-    "sft": ("reinforge.algorithms.sft:SFTRunConfig", "reinforge.algorithms.sft:train"),
-    "dpo": ("reinforge.algorithms.dpo:DPORunConfig", "reinforge.algorithms.dpo:train"),
-    "rm": ("reinforge.algorithms.rm:RMRunConfig", "reinforge.algorithms.rm:train"),
-}
-POLICY_ALGORITHMS = ("grpo", "sft", "dpo")  # their final/ is a causal LM the next stage can start from
-RESUMABLE_ALGORITHMS = ("grpo",)  # sft, dpo and rm have no checkpoints: an unfinished one restarts
-
 
 @dataclass
 class Stage:
@@ -73,11 +62,15 @@ class Stage:
         return self.run_dir / ("merged" if getattr(self.config.model, "lora", None) else "final")
 
     @property
+    def recipe(self) -> Recipe:
+        return RECIPES[self.algorithm]
+
+    @property
     def max_steps(self) -> int:
-        return getattr(self.config, self.algorithm).max_steps
+        return self.recipe.max_steps(self.config)
 
     def train_fn(self) -> Callable[[Section], Any]:
-        return _load(ALGORITHMS[self.algorithm][1])
+        return self.recipe.train
 
 
 def stage_dir_name(number: int, name: str) -> str:
@@ -90,10 +83,10 @@ def build_stages(recipe: RecipeSpec, recipe_path: Path, run_dir: Path, cli_overr
     recipe_tree = expand_overrides(recipe.overrides)
     for number, spec in enumerate(recipe.stages, start=1):
         where = f"recipe {recipe_path}, stage {number} ({spec.name})"
-        previous = next((s for s in reversed(stages) if s.algorithm in POLICY_ALGORITHMS), None)
+        previous = next((s for s in reversed(stages) if s.recipe.policy), None)
         stage_tree = expand_overrides(spec.overrides)
         _refuse_recipe_owned_keys(where, recipe_tree, stage_tree, cli_overrides, chained=previous is not None)
-        schema = _load(ALGORITHMS[spec.algorithm][0])
+        schema = RECIPES[spec.algorithm].config_class
         source = spec.config or recipe.base
         try:
             tree = read_yaml_tree(config_file(source, recipe_path)) if source else {}
@@ -111,7 +104,7 @@ def build_stages(recipe: RecipeSpec, recipe_path: Path, run_dir: Path, cli_overr
                 )
             if number < len(recipe.stages):
                 set_dotted(tree, "checkpoint.save_final", True)
-            if spec.algorithm in RESUMABLE_ALGORITHMS:
+            if RECIPES[spec.algorithm].rl:  # checkpointed: an unfinished stage resumes
                 set_dotted(tree, "checkpoint.resume", "auto")
             config = build_config(tree, schema)
             if previous is None:
@@ -150,8 +143,3 @@ def _check_data_files(config: Section) -> None:
         value = getattr(config.data, key, None)
         if value and not resolve_path(value).is_file():
             raise ConfigError(f"data.{key}={value} does not exist; check the path")
-
-
-def _load(target: str) -> Any:
-    module, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module), attribute)

@@ -1,4 +1,4 @@
-"""Agent rollouts (`grpo.rollout=agent`): each episode is driven by an agent that calls the policy
+"""Agent rollouts (`rollout.driver=agent`): each episode is driven by an agent that calls the policy
 through the run's OpenAI-compatible endpoint; the trajectory is rebuilt from what the endpoint itself
 recorded for that episode, never from re-tokenised text.
 
@@ -126,7 +126,8 @@ class AgentRollout:
         servers: dict[str, str],
         errors_path: Path | None = None,
     ):
-        """`errors_path`: a JSONL file that gets the first MAX_ERRORS_LOGGED errors of each rollout (why an episode failed)."""
+        """`errors_path`: a JSONL file that gets the first MAX_ERRORS_LOGGED errors of each rollout (why an episode
+        failed)."""
         self.server, self.tokenizer, self.config, self.servers, self.errors_path = (
             server,
             tokenizer,
@@ -170,7 +171,8 @@ class AgentRollout:
         if "ok" not in statuses:
             first = next((e.result.error for e in episodes if e.result.error), statuses[0])
             raise AgentRolloutError(
-                f"none of the rollout's {len(episodes)} agent episodes can be trained on ({statuses[0]}); the first: {first}"
+                f"none of the rollout's {len(episodes)} agent episodes can be trained on ({statuses[0]}); "
+                f"the first: {first}"
             )
         return trajectories
 

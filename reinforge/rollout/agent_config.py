@@ -1,4 +1,4 @@
-"""Who drives an agent episode, and how it is bounded (`grpo.rollout=agent`): the `agent` config section.
+"""Who drives an agent episode, and how it is bounded (`rollout.driver=agent`): the `agent` config section.
 
 Kept apart from rollout/agent.py so that the config schema can import it without the rollout's code.
 """
@@ -20,7 +20,8 @@ class GymAgentConfig(Section):
 class AgentConfig(Section):
     python: dict[str, str] = {}
     """Your own agents: name -> `module:function`, called once per episode with the endpoint's `base_url`
-    and the record (docs/agents.md); it returns the reward, or a dict with `reward`, `reward_components`, `mask_sample`."""
+    and the record (docs/agents.md); it returns the reward, or a dict with `reward`, `reward_components`,
+    `mask_sample`."""
     gym: dict[str, GymAgentConfig] = {}
     """NeMo Gym agent servers: name -> {url}."""
     default: str = ""

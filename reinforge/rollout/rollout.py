@@ -17,10 +17,12 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Literal, Protocol
 
+from pydantic import Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
+from reinforge.config.section import Section
 from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt
 from reinforge.data.tool_calls import TOOL_CALL_END  # a turn that calls a tool ends there: the observation comes next
@@ -28,6 +30,47 @@ from reinforge.envs.base import Environment, EnvRequest, EnvResponse
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
 from reinforge.rollout.single_turn import generate_trajectories
+
+
+class RolloutConfig(Section):
+    """`rollout:` how a step's trajectories are produced: who drives the episodes, how many, over how many turns,
+    and whether generation runs ahead of training."""
+
+    driver: Literal["reinforge", "agent"] = "reinforge"
+    """Who drives an episode: `reinforge` samples the turns itself and asks the environments (env.*);
+    `agent` hands each episode to an agent (agent.*: a NeMo Gym agent server, or your own Python
+    function) that calls the policy through the run's OpenAI-compatible endpoint; the trajectory is
+    rebuilt from what the endpoint recorded (docs/agents.md)."""
+    num_prompts_per_step: int = Field(default=16, ge=1)
+    """Distinct prompts per step."""
+    num_generations_per_prompt: int = 8
+    """Completions sampled per prompt (the group size G; at least 2)."""
+    max_turns: int = Field(default=1, ge=1)
+    """Policy turns per trajectory: above 1, an environment may answer a turn with observations (tool
+    results) that are appended as tokens, never trained on, and the policy continues."""
+    turn_reward: Literal["last", "sum"] = "last"
+    """Multi-turn reward: the last turn's, or the sum over turns (e.g. with per-call penalties)."""
+    max_observation_tokens: int = 256
+    """Longest observation appended in one turn; longer ones are cut (the chat template's framing kept)."""
+    async_generation: bool = False
+    """Async RL: the next steps' rollouts are generated while the current step trains, at most
+    `max_staleness` policy versions behind; the engine pauses only for each refit. The engines then run
+    as Ray actors with resources of their own (`generation.num_workers` x `cluster.num_cpus_per_worker`
+    / `num_gpus_per_worker`; with FSDP2, `cluster.colocate=false`)."""
+    max_staleness: int = Field(default=1, ge=0)
+    """With `async_generation`: the most training steps the policy that generated a batch may lag behind
+    the policy that trains on it. 0 is synchronous (same metrics as `async_generation=false`); 1
+    overlaps each step's training with the next step's generation."""
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> "RolloutConfig":
+        if self.num_generations_per_prompt < 2:
+            raise ValueError(
+                "rollout.num_generations_per_prompt must be at least 2: a group baseline needs two samples; "
+                "set it to 2 or more"
+            )
+        return self
+
 
 _MARK = "\u2063reinforge\u2063"  # an unlikely string, to find where the template closes a message
 

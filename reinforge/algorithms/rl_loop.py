@@ -1,0 +1,271 @@
+"""The RL loop, written once: GRPO, PPO and on-policy distillation are its recipes.
+
+Each step: take the step's scored rollouts (generated now, or ahead of training under async generation,
+rollout_source.py); hand them to the recipe's `Learner` (its advantages, extra models and optimizer steps);
+copy the new weights into the generation engine ("refit"); check, after the first refit, that the engine really
+moved to the trainer's weights; validate every `loop.val_every` steps; log; checkpoint. With `rollout.driver=agent`
+agents drive the episodes through the policy's OpenAI-compatible endpoint (rollout/agent.py); the loop is the same.
+
+A recipe is a file with a root config (an `RLRunConfig` plus its own sections) and a `make_learner(config,
+trainer, tokenizer, cleanup) -> Learner`; `run(config, make_learner)` does the rest. The loop never branches on
+which recipe it runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import replace
+from functools import partial
+from typing import Callable
+
+import torch
+
+from reinforge.algorithms import consistency
+from reinforge.algorithms.builders import (
+    build_engine,
+    build_environments,
+    build_episodes,
+    build_trainer,
+    start_ray_if_needed,
+    write_placement,
+)
+from reinforge.algorithms.checkpointing import ResumeState, open_run_dir, resume_run, save_run_checkpoint, update_best
+from reinforge.algorithms.curriculum_prefilter import build_prompt_sampler
+from reinforge.algorithms.learner import MakeLearner, RolloutRound, RunResult
+from reinforge.algorithms.refit import refit
+from reinforge.algorithms.rl_config import RLRunConfig
+from reinforge.algorithms.rollout_source import rollout_source
+from reinforge.algorithms.step_metrics import env_metrics, per_task_means
+from reinforge.config.loader import save_config
+from reinforge.data.batch import Trajectory
+from reinforge.data.curriculum import batch_metrics
+from reinforge.data.prompts import Prompt, PromptSampler, load_prompts
+from reinforge.envs.base import Environment
+from reinforge.envs.registry import check_tasks
+from reinforge.evaluation.evaluate import ValidationBenchmark, benchmark_metrics, prepare_validation_benchmarks
+from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.logging.capture import capture_dependency_logs
+from reinforge.logging.console import ConsoleLog
+from reinforge.logging.loggers import MetricLogger, check_backends
+from reinforge.logging.memory import memory_metrics
+from reinforge.logging.metrics import Timers
+from reinforge.modeling import load_tokenizer
+from reinforge.rollout.rollout import Episodes
+from reinforge.run_dir import atomic_directory
+from reinforge.training.base import TrainingBackend
+from reinforge.training.checkpoint import rng_state, set_rng_state
+from reinforge.training.lora import check_lora
+
+
+def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[int], None] | None = None) -> RunResult:
+    """Run the RL loop with the recipe's learner. `on_step_end`, for tools that observe or pace the loop
+    (bench/grpo_vs_trl.py), is called once the run is set up, with the step it starts from (0, or the resumed
+    step), then after every step, once it is logged and checkpointed, with that step."""
+    loop = config.loop
+    torch.manual_seed(config.seed)
+    if config.cluster.num_threads:
+        torch.set_num_threads(config.cluster.num_threads)
+    tokenizer = load_tokenizer(config.model)
+    train_prompts = load_prompts(config.data.train_path, config.data, tokenizer)
+    val_prompts = []
+    if config.data.val_path:
+        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer)[: config.data.max_val_prompts]
+
+    benchmarks = prepare_validation_benchmarks(loop.val_benchmarks, loop.val_benchmark_limit, tokenizer)
+    tasks = {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
+    if config.rollout.driver == "reinforge":  # agents score their own episodes
+        tasks |= {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts}
+        tasks |= set(config.env.extra_rewards)
+    check_tasks(tasks, config.env)
+    check_backends(config.logging.loggers)
+    check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
+
+    with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
+        # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
+        run_dir, resume_from = open_run_dir(config)
+        cleanup.enter_context(capture_dependency_logs(run_dir, config.logging.capture_dependency_logs))
+        logging_here = config.logging.model_copy(update={"run_dir": str(run_dir)})
+        save_config(config.model_copy(update={"logging": logging_here}), run_dir / "config.yaml")
+        start_ray_if_needed(config, cleanup)
+        envs = build_environments(config, tasks, cleanup)
+        trainer = build_trainer(config, cleanup)
+        engine = build_engine(config, tokenizer, trainer, cleanup)
+        all_prompts = train_prompts + val_prompts
+        episodes = build_episodes(config, engine, tokenizer, envs, all_prompts, run_dir, cleanup)
+        # may sample with the engine: the curriculum's pass rates
+        sampler, curriculum_metrics = build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)
+        write_placement(run_dir, trainer, engine, envs)
+        learner = make_learner(config, trainer, tokenizer, cleanup)
+        state = (
+            resume_run(resume_from, run_dir, trainer, engine, sampler, config, learner.models) if resume_from else None
+        )
+        start_step = state.step if state else 0
+        val_history, best = (state.val_history, state.best) if state else ([], {})
+        probe_prompts = train_prompts[: config.generation.num_probe_prompts]
+        check_consistency(probe_prompts, engine, trainer, tokenizer, config, "at start-up")
+        metrics_log = cleanup.enter_context(MetricLogger(run_dir, config.logging.loggers))
+        metrics_log.log_config(config.model_dump(mode="json"))
+        if state:
+            set_rng_state(state.rng)  # after the start-up probe, which samples
+
+        with ConsoleLog(loop.max_steps, learner.title, completed=start_step) as console:
+            resumed = f" (resumed from {resume_from.name})" if resume_from else ""
+            console.print(f"run directory: {run_dir}{resumed}")
+            if val_prompts and not state:
+                timers = Timers()
+                with timers.time("val"):
+                    val_metrics = validate(val_prompts, episodes, engine, tokenizer, envs, config, benchmarks)
+                val_metrics.update(timers.metrics())
+                val_history.append(val_metrics["val/accuracy"])
+                metrics_log.log(0, val_metrics)
+                console.step(0, val_metrics, show_line=True)
+
+            produce = partial(generate_batch, sampler=sampler, episodes=episodes, engine=engine, envs=envs,
+                              config=config, collect_groups=learner.collect_groups)  # fmt: skip
+            rollouts = rollout_source(
+                produce,
+                sampler,
+                start_step,
+                loop.max_steps,
+                config.rollout.async_generation,
+                config.rollout.max_staleness,
+                state.pending_rollouts if state else [],
+            )
+            cleanup.callback(rollouts.close)
+            if on_step_end:
+                on_step_end(start_step)
+            for step in range(start_step + 1, loop.max_steps + 1):
+                timers = Timers()
+                with timers.time("step"):
+                    batch = rollouts.get(step, timers)  # async: the wait for what generation ahead did not hide
+                    result = learner.train_on_batch(step, batch, timers)
+                metrics = result.metrics
+                every = config.checkpoint.save_every
+                saving = bool(every) and (step % every == 0 or step == loop.max_steps)
+                with rollouts.engine_turn(step, timers):  # the engine is ours: refit, then probe, validate, snapshot
+                    if result.trained:
+                        with timers.time("step"), timers.time("refit"):
+                            refit(engine, trainer, config, run_dir)  # merged weights, or the LoRA adapter
+                    if step == 1:  # the first refit must really have moved the engine to the trainer's weights
+                        check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
+                    if val_prompts and (step == loop.max_steps or (loop.val_every and step % loop.val_every == 0)):
+                        with timers.time("val"):
+                            metrics.update(validate(val_prompts, episodes, engine, tokenizer, envs, config, benchmarks))
+                        val_history.append(metrics["val/accuracy"])
+                    snapshot = rollouts.snapshot() if saving else None
+                    rng = rng_state() if saving else None
+                metrics.update(timers.metrics())
+                metrics["perf/tokens_per_s"] = result.num_tokens / timers.seconds["step"]
+                metrics.update(memory_metrics("perf/"))  # the driver's
+                metrics.update(trainer.memory_metrics())  # each rank's, when the ranks are processes of their own
+                metrics.update(curriculum_metrics)
+                metrics_log.log(step, metrics)
+                show = step % config.logging.console_every == 0 or "val/accuracy" in metrics
+                console.step(step, metrics, show_line=show)
+                if saving:
+                    best = update_best(best, step, metrics, config.checkpoint)
+                    resume_state = ResumeState(step, snapshot["sampler"], snapshot["pending"], rng, val_history, best)
+                    save_run_checkpoint(run_dir, resume_state, trainer, config, learner.models)
+                if on_step_end:
+                    on_step_end(step)
+
+            if config.checkpoint.save_final:
+                with atomic_directory(run_dir / "final") as tmp:
+                    trainer.save_pretrained(tmp)
+                    tokenizer.save_pretrained(tmp)
+
+    first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
+    if first is not None:
+        console.print(f"val/accuracy at step 0: {first:.3f}")
+        console.print(f"val/accuracy at step {loop.max_steps}: {last:.3f} ({last - first:+.3f})")
+    final = f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else ""
+    console.print(f"metrics: {run_dir / 'metrics.jsonl'}{final}")
+    return RunResult(run_dir=run_dir, first_val_accuracy=first, last_val_accuracy=last)
+
+
+def generate_batch(
+    step: int,
+    sampler: PromptSampler,
+    episodes: Episodes,
+    engine: GenerationBackend,
+    envs: dict[str, Environment],
+    config: RLRunConfig,
+    collect_groups: Callable[[RolloutRound], tuple[list[Trajectory], dict[str, float]]] | None,
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """Step `step`'s scored groups and their metrics (generation and scoring times, environment and agent
+    counters). Runs on the rollout producer's thread under async generation."""
+    timers = Timers()
+
+    def rollout_round(round_index: int) -> list[Trajectory]:
+        params = sampling_params(config, step)
+        params = replace(params, seed=params.seed + 500_009 * round_index)  # a fresh stream per extra round
+        return episodes(sampler.next_batch(), params, timers)
+
+    trajectories, metrics = collect_groups(rollout_round) if collect_groups else (rollout_round(0), {})
+    if not config.rollout.async_generation:
+        engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
+    counters = {**episodes.metrics(), **batch_metrics(sampler), **env_metrics(envs)}
+    return trajectories, {**metrics, **counters, **timers.metrics()}
+
+
+def check_consistency(
+    prompts: list[Prompt],
+    engine: GenerationBackend,
+    trainer: TrainingBackend,
+    tokenizer,
+    config: RLRunConfig,
+    when: str,
+) -> None:
+    """Stop the run if the engine's logprobs disagree with the trainer's (see algorithms/consistency.py)."""
+    params = sampling_params(config, 0)
+    error = consistency.probe(prompts, engine, trainer, tokenizer, params)
+    consistency.check(error, config.generation.max_logprob_error, when, params)
+
+
+def sampling_params(config: RLRunConfig, step: int) -> SamplingParams:
+    gen = config.generation
+    return SamplingParams(
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        stop_strings=tuple(gen.stop_strings),
+        num_samples=config.rollout.num_generations_per_prompt,
+        seed=config.seed * 1_000_003 + step,  # a fresh, reproducible stream per step
+    )
+
+
+def validate(
+    prompts: list[Prompt],
+    episodes: Episodes,
+    engine: GenerationBackend,
+    tokenizer,
+    envs: dict[str, Environment],
+    config: RLRunConfig,
+    benchmarks: list[ValidationBenchmark] = (),
+) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts (the mean reward of one greedy answer per prompt), and the
+    `loop.val_benchmarks` scores."""
+    gen = config.generation
+    benchmark_scores = {}
+    if benchmarks:
+        benchmark_scores = benchmark_metrics(
+            list(benchmarks), engine, tokenizer, envs, config.loop.val_benchmark_k, gen.max_new_tokens, config.seed
+        )
+    params = SamplingParams(
+        max_new_tokens=gen.max_new_tokens, temperature=0.0, num_samples=1, stop_strings=tuple(gen.stop_strings)
+    )
+    trajectories = episodes(prompts, params)
+    agent_counters = {
+        f"val/{name.split('/', 1)[1]}": value
+        for name, value in episodes.metrics().items()
+        if name.startswith("rollout/agent_")
+    }
+    return {
+        **{f"val/{name}": value for name, value in env_metrics(envs).items()},  # the validation's own env counters
+        **agent_counters,
+        "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
+        "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),
+        **per_task_means(trajectories, "val", "accuracy"),
+        **benchmark_scores,
+    }
