@@ -99,8 +99,8 @@ def check_distill(config: DistillRunConfig) -> None:
 
 def distill_learner(config: DistillRunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
     """The teachers (one frozen model per distinct `name_or_path`) and the distillation step."""
-    d = config.distill
-    teachers = {t.name_or_path: build_teacher(config, t, cleanup) for t in d.teachers}
+    distill = config.distill
+    teachers = {t.name_or_path: build_teacher(config, t, cleanup) for t in distill.teachers}
     step = partial(
         train_on_batch,
         trainer=trainer,
@@ -140,24 +140,24 @@ def train_on_batch(
 ) -> StepResult:
     """Teacher scores, the student's logprobs, per-token advantages (or the top-k targets) and the optimizer
     steps on one step's rollout batch."""
-    d, global_batch = config.distill, config.training.global_batch_size
+    distill, global_batch = config.distill, config.training.global_batch_size
     trajectories = rollout_batch.trajectories
     metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
     if not trajectories:
         return StepResult(metrics, trained=False)
     rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.rollout.num_generations_per_prompt)
-    baseline = BASELINES[d.reward_baseline]
-    reward_advantages_PG = d.reward_weight * group_advantages(rewards_PG, baseline, d.reward_normalize_std)
+    baseline = BASELINES[distill.reward_baseline]
+    reward_advantages_PG = distill.reward_weight * group_advantages(rewards_PG, baseline, distill.reward_normalize_std)
     batch = collate(trajectories, reward_advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
 
     with timers.time("teacher"):
-        teacher_BT, topk_ids_BTK, teacher_topk_BTK = score_with_teachers(batch, trajectories, teachers, d)
+        teacher_BT, topk_ids_BTK, teacher_topk_BTK = score_with_teachers(batch, trajectories, teachers, distill)
     with timers.time("logprobs"):
         batch.old_logprobs = trainer.logprobs(batch)
         if config.loss.kl_coef > 0:
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
-    if d.loss == "reverse_kl":
-        batch.advantages = batch.advantages + d.kl_coef * reverse_kl_advantages(
+    if distill.loss == "reverse_kl":
+        batch.advantages = batch.advantages + distill.kl_coef * reverse_kl_advantages(
             teacher_BT, batch.old_logprobs, batch.loss_mask
         )
     else:
@@ -206,9 +206,9 @@ def score_with_teachers(
 def make_loss_fn(config: DistillRunConfig):
     """`reverse_kl`: GRPO's loss on the per-token advantages. `topk_kl`: GRPO's loss (the reward's advantages,
     0 without `reward_weight`) + kl_coef x the token mean of the top-k KL."""
-    d = config.distill
+    distill = config.distill
     pg_loss_fn = policy_loss_fn(config.loss, config.generation.max_new_tokens, config.off_policy)
-    if d.loss == "reverse_kl":
+    if distill.loss == "reverse_kl":
         return pg_loss_fn
 
     def loss_fn(logprobs_BT: torch.Tensor, micro: DistillBatch, norm):
@@ -216,11 +216,11 @@ def make_loss_fn(config: DistillRunConfig):
         kl_BT = topk_kl(
             micro.topk_logprobs,
             micro.teacher_topk_logprobs,
-            d.topk_kl,
-            d.mixed_kl_weight,
-            renormalize=d.topk_renormalize,
+            distill.topk_kl,
+            distill.mixed_kl_weight,
+            renormalize=distill.topk_renormalize,
         )
-        loss = pg_loss + d.kl_coef * token_mean(kl_BT, micro.loss_mask, norm)
+        loss = pg_loss + distill.kl_coef * token_mean(kl_BT, micro.loss_mask, norm)
         return loss, {
             **metrics,
             "loss": loss.detach(),

@@ -96,7 +96,7 @@ class DPORunConfig(PairRunConfig):
 
 
 def train(config: DPORunConfig) -> PairRunResult:
-    d, t = config.dpo, config.training
+    dpo, training = config.dpo, config.training
     torch.manual_seed(config.seed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -121,12 +121,12 @@ def train(config: DPORunConfig) -> PairRunResult:
         config.training.backend_config(),
         config.optimizer,
         config.scheduler,
-        d.max_steps,
+        dpo.max_steps,
         head=LogprobHead(temperature=1.0),
-        load_reference=d.reference == "per_batch",
+        load_reference=dpo.reference == "per_batch",
     )
     # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
-    use_reference = d.reference == "per_batch" or backend.peft is not None
+    use_reference = dpo.reference == "per_batch" or backend.peft is not None
 
     def dpo_batch(pairs: list[TokenizedPair], reference_B: torch.Tensor | None = None) -> DPOBatch:
         return pair_batch(pairs, pad_id, batch_type=DPOBatch, reference_B=reference_B)
@@ -141,9 +141,9 @@ def train(config: DPORunConfig) -> PairRunResult:
     timers = Timers()
     with timers.time("reference"):
         val_ref_B = reference_logprobs(val_pairs)
-        train_ref_N2 = reference_logprobs(train_pairs).view(-1, 2) if d.reference == "precompute" else None
+        train_ref_N2 = reference_logprobs(train_pairs).view(-1, 2) if dpo.reference == "precompute" else None
     val_batch = dpo_batch(val_pairs, val_ref_B) if val_pairs else None
-    pairs_per_step = t.global_batch_size // 2
+    pairs_per_step = training.global_batch_size // 2
     sampler = PromptSampler(
         list(range(len(train_pairs))), pairs_per_step, config.seed, config.data.shuffle
     )  # draws pair indices
@@ -151,16 +151,16 @@ def train(config: DPORunConfig) -> PairRunResult:
     first_val, last_val = {}, {}
 
     def validate() -> dict[str, float]:
-        return evaluate(backend, val_batch, make_loss_fn(val_pairs, d))
+        return evaluate(backend, val_batch, make_loss_fn(val_pairs, dpo))
 
-    with ConsoleLog(d.max_steps, "DPO") as console:
+    with ConsoleLog(dpo.max_steps, "DPO") as console:
         console.print(f"run directory: {run_dir}   {len(train_pairs)} train / {len(val_pairs)} val pairs")
         if val_pairs:
             first_val = last_val = validate()
             metrics_log.write(0, {**first_val, **timers.metrics()})
             console.print(val_line(0, first_val))
 
-        for step in range(1, d.max_steps + 1):
+        for step in range(1, dpo.max_steps + 1):
             timers = Timers()
             with timers.time("step"):
                 indices = sampler.next_batch()
@@ -168,9 +168,9 @@ def train(config: DPORunConfig) -> PairRunResult:
                 with timers.time("reference"):
                     ref_B = train_ref_N2[indices].flatten() if train_ref_N2 is not None else reference_logprobs(pairs)
                 with timers.time("train"):
-                    updates = optimizer_step(backend, dpo_batch(pairs, ref_B), make_loss_fn(pairs, d))
+                    updates = optimizer_step(backend, dpo_batch(pairs, ref_B), make_loss_fn(pairs, dpo))
             metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
-            if val_pairs and (step == d.max_steps or (d.val_every and step % d.val_every == 0)):
+            if val_pairs and (step == dpo.max_steps or (dpo.val_every and step % dpo.val_every == 0)):
                 with timers.time("val"):
                     last_val = validate()
                 metrics.update(last_val)
@@ -191,7 +191,8 @@ def train(config: DPORunConfig) -> PairRunResult:
     if first_val:
         for name in ("reward_margin", "preference_accuracy", "logp_accuracy"):
             console.print(
-                f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> {last_val[f'val/{name}']:.3f} at step {d.max_steps}"
+                f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> "
+                f"{last_val[f'val/{name}']:.3f} at step {dpo.max_steps}"
             )
     console.print(
         f"metrics: {run_dir / 'metrics.jsonl'}"

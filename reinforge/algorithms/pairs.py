@@ -65,22 +65,27 @@ class PairRunConfig(Section):
 
     @model_validator(mode="after")
     def _check_training(self) -> "PairRunConfig":
-        t = self.training
-        if t.backend != "torch" or t.num_workers != 1 or t.cpu_offload:
+        training = self.training
+        if training.backend != "torch" or training.num_workers != 1 or training.cpu_offload:
             raise ValueError(
                 "preference training runs in one process for now: set training.backend=torch, "
                 "training.num_workers=1, training.cpu_offload=false"
             )
-        if t.global_batch_size < 2 or t.global_batch_size % 2 or t.micro_batch_size < 2 or t.micro_batch_size % 2:
+        if (
+            training.global_batch_size < 2
+            or training.global_batch_size % 2
+            or training.micro_batch_size < 2
+            or training.micro_batch_size % 2
+        ):
             raise ValueError(
-                f"training.global_batch_size={t.global_batch_size} and training.micro_batch_size="
-                f"{t.micro_batch_size} count sequences, two per pair (chosen and rejected): set both to even "
+                f"training.global_batch_size={training.global_batch_size} and training.micro_batch_size="
+                f"{training.micro_batch_size} count sequences, two per pair (chosen and rejected): set both to even "
                 "numbers, at least 2"
             )
-        if t.global_batch_size % t.micro_batch_size:
+        if training.global_batch_size % training.micro_batch_size:
             raise ValueError(
-                f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="
-                f"{t.global_batch_size}; set it to an even divisor of {t.global_batch_size}"
+                f"training.micro_batch_size={training.micro_batch_size} does not divide training.global_batch_size="
+                f"{training.global_batch_size}; set it to an even divisor of {training.global_batch_size}"
             )
         if self.model.lora and self.model.lora.quantize_base != "none":
             raise ValueError(
@@ -170,7 +175,8 @@ def optimizer_step(backend: Backend, batch: PairTrainBatch, loss_fn: LossFn) -> 
 
 
 def evaluate(backend: Backend, batch: PairTrainBatch, loss_fn: LossFn) -> dict[str, float]:
-    """The loss and metrics of all the pairs of `batch` as one batch, in eval mode without gradients, prefixed `val/`."""
+    """The loss and metrics of all the pairs of `batch` as one batch, in eval mode without gradients, prefixed
+    `val/`."""
     return with_prefix("val", backend.evaluate(batch, loss_fn))
 
 

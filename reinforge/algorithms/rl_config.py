@@ -102,43 +102,44 @@ class RLRunConfig(Section):
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> "RLRunConfig":
-        r, t = self.rollout, self.training
-        rollout = r.num_prompts_per_step * r.num_generations_per_prompt
-        if t.global_batch_size <= 0 or rollout % t.global_batch_size:
-            example = rollout // 2 if rollout % 2 == 0 else rollout
+        rollout, training = self.rollout, self.training
+        rollout_batch = rollout.num_prompts_per_step * rollout.num_generations_per_prompt
+        if training.global_batch_size <= 0 or rollout_batch % training.global_batch_size:
+            example = rollout_batch // 2 if rollout_batch % 2 == 0 else rollout_batch
             raise ValueError(
-                f"training.global_batch_size={t.global_batch_size} does not divide the rollout batch "
-                f"(rollout.num_prompts_per_step x rollout.num_generations_per_prompt = {rollout}); "
-                f"set it to a divisor of {rollout}, e.g. {rollout} or {example}"
+                f"training.global_batch_size={training.global_batch_size} does not divide the rollout batch "
+                f"(rollout.num_prompts_per_step x rollout.num_generations_per_prompt = {rollout_batch}); "
+                f"set it to a divisor of {rollout_batch}, e.g. {rollout_batch} or {example}"
             )
-        if t.num_workers < 1 or t.global_batch_size % t.num_workers:
+        if training.num_workers < 1 or training.global_batch_size % training.num_workers:
             raise ValueError(
-                f"training.num_workers={t.num_workers} does not divide training.global_batch_size="
-                f"{t.global_batch_size}; every rank trains on an equal share, so set it to a divisor"
+                f"training.num_workers={training.num_workers} does not divide training.global_batch_size="
+                f"{training.global_batch_size}; every rank trains on an equal share, so set it to a divisor"
             )
-        if t.num_workers > 1 and t.backend != "fsdp2":
+        if training.num_workers > 1 and training.backend != "fsdp2":
             raise ValueError(
-                f"training.num_workers={t.num_workers} needs training.backend=fsdp2; the torch backend is one process"
+                f"training.num_workers={training.num_workers} needs training.backend=fsdp2; the torch backend is "
+                "one process"
             )
-        if self.cluster.colocate and t.backend == "fsdp2" and self.generation.num_workers > t.num_workers:
+        if self.cluster.colocate and training.backend == "fsdp2" and self.generation.num_workers > training.num_workers:
             raise ValueError(
-                f"generation.num_workers={self.generation.num_workers} > training.num_workers={t.num_workers} with "
-                "cluster.colocate=true: each engine shares one training rank's resources; lower "
-                "generation.num_workers or set cluster.colocate=false"
+                f"generation.num_workers={self.generation.num_workers} > training.num_workers="
+                f"{training.num_workers} with cluster.colocate=true: each engine shares one training rank's "
+                "resources; lower generation.num_workers or set cluster.colocate=false"
             )
-        if r.async_generation and t.backend == "fsdp2" and self.cluster.colocate:
+        if rollout.async_generation and training.backend == "fsdp2" and self.cluster.colocate:
             raise ValueError(
                 "rollout.async_generation=true with training.backend=fsdp2 needs cluster.colocate=false: the engines "
                 "generate while the ranks train, so they need resources of their own"
             )
         if self.env.num_workers < 0:
             raise ValueError("env.num_workers must be >= 0 (0: score in the driver process)")
-        if t.cpu_offload and t.backend != "fsdp2":
+        if training.cpu_offload and training.backend != "fsdp2":
             raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
-        if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
+        if training.micro_batch_size <= 0 or training.global_batch_size % training.micro_batch_size:
             raise ValueError(
-                f"training.micro_batch_size={t.micro_batch_size} does not divide training.global_batch_size="
-                f"{t.global_batch_size}; set it to a divisor of {t.global_batch_size}"
+                f"training.micro_batch_size={training.micro_batch_size} does not divide training.global_batch_size="
+                f"{training.global_batch_size}; set it to a divisor of {training.global_batch_size}"
             )
         return self
 

@@ -82,7 +82,7 @@ class RMRunConfig(PairRunConfig):
 
 
 def train(config: RMRunConfig) -> PairRunResult:
-    r, t = config.rm, config.training
+    rm, training = config.rm, config.training
     torch.manual_seed(config.seed)  # also seeds the new scalar head
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -105,27 +105,29 @@ def train(config: RMRunConfig) -> PairRunResult:
     head = ScalarHead(
         "score", from_previous_token=False, load_model=partial(load_scorer, pad_token_id=pad_id), causal_lm=False
     )
-    backend = Backend(config.model, t.backend_config(), config.optimizer, config.scheduler, r.max_steps, head=head)
-    pairs_per_step = t.global_batch_size // 2
+    backend = Backend(
+        config.model, training.backend_config(), config.optimizer, config.scheduler, rm.max_steps, head=head
+    )
+    pairs_per_step = training.global_batch_size // 2
     sampler = PromptSampler(train_pairs, pairs_per_step, config.seed, config.data.shuffle)  # draws pairs
     val_batch = pair_batch(val_pairs, pad_id, last_token_only=True) if val_pairs else None
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
     first_val, last_val = {}, {}
 
-    with ConsoleLog(r.max_steps, "RM") as console:
+    with ConsoleLog(rm.max_steps, "RM") as console:
         console.print(f"run directory: {run_dir}   {len(train_pairs)} train / {len(val_pairs)} val pairs")
         if val_pairs:
             first_val = last_val = evaluate(backend, val_batch, rm_loss)
             metrics_log.write(0, first_val)
             console.print(val_line(0, first_val))
 
-        for step in range(1, r.max_steps + 1):
+        for step in range(1, rm.max_steps + 1):
             timers = Timers()
             with timers.time("step"):
                 pairs = sampler.next_batch()
                 updates = optimizer_step(backend, pair_batch(pairs, pad_id, last_token_only=True), rm_loss)
             metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
-            if val_pairs and (step == r.max_steps or (r.val_every and step % r.val_every == 0)):
+            if val_pairs and (step == rm.max_steps or (rm.val_every and step % rm.val_every == 0)):
                 with timers.time("val"):
                     last_val = evaluate(backend, val_batch, rm_loss)
                 metrics.update(last_val)
@@ -146,7 +148,8 @@ def train(config: RMRunConfig) -> PairRunResult:
     if first_val:
         for name in ("preference_accuracy", "reward_margin"):
             console.print(
-                f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> {last_val[f'val/{name}']:.3f} at step {r.max_steps}"
+                f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> "
+                f"{last_val[f'val/{name}']:.3f} at step {rm.max_steps}"
             )
     console.print(
         f"metrics: {run_dir / 'metrics.jsonl'}"
@@ -165,7 +168,8 @@ def load_reward_model(config: ModelConfig, pad_token_id: int) -> PreTrainedModel
         )
     except (OSError, ValueError) as exc:  # ValueError: an architecture without a sequence-classification head
         raise ReinforgeError(
-            f"model.name_or_path={config.name_or_path}: could not load it as a reward model ({str(exc).strip().splitlines()[0]})"
+            f"model.name_or_path={config.name_or_path}: could not load it as a reward model "
+            f"({str(exc).strip().splitlines()[0]})"
         ) from None
     model.config.pad_token_id = pad_token_id
     if config.adapter:  # a LoRA policy's adapter: its keys name the body's modules, which the classifier shares

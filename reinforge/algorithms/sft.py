@@ -134,29 +134,29 @@ class SFTRunConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "SFTRunConfig":
-        t, s, d = self.training, self.sft, self.data
+        training, sft, data = self.training, self.sft, self.data
         checks = [
             (
-                t.backend == "torch" and t.num_workers == 1 and not t.cpu_offload,
+                training.backend == "torch" and training.num_workers == 1 and not training.cpu_offload,
                 "sft runs in one process for now: set training.backend=torch, training.num_workers=1 and "
                 "training.cpu_offload=false",
             ),
             (self.num_threads >= 0, "num_threads must be >= 0 (0: torch's default)"),
-            (d.max_seq_len > 1, "data.max_seq_len must be > 1"),
+            (data.max_seq_len > 1, "data.max_seq_len must be > 1"),
             (
-                t.micro_batch_tokens >= d.max_seq_len,
-                f"training.micro_batch_tokens={t.micro_batch_tokens} < data.max_seq_len={d.max_seq_len}: a "
-                f"micro-batch must hold a whole row; raise it to {d.max_seq_len} or more",
+                training.micro_batch_tokens >= data.max_seq_len,
+                f"training.micro_batch_tokens={training.micro_batch_tokens} < data.max_seq_len={data.max_seq_len}: a "
+                f"micro-batch must hold a whole row; raise it to {data.max_seq_len} or more",
             ),
-            (0 <= d.val_fraction < 1, "data.val_fraction must be in [0, 1)"),
+            (0 <= data.val_fraction < 1, "data.val_fraction must be in [0, 1)"),
             (
-                not (d.val_path and d.val_fraction > 0),
+                not (data.val_path and data.val_fraction > 0),
                 "data.val_path and data.val_fraction are both set; validate on a file or on a held-out share: "
                 "set data.val_fraction=0 or data.val_path=null",
             ),
             (self.logging.console_every >= 1, "logging.console_every must be >= 1"),
             (
-                not (s.random_init and (self.model.lora or self.model.adapter)),
+                not (sft.random_init and (self.model.lora or self.model.adapter)),
                 "sft.random_init does not go with model.lora or model.adapter: an adapter belongs to trained base "
                 "weights, which random_init replaces; set sft.random_init=false",
             ),
@@ -183,7 +183,7 @@ class SFTResult:
 
 
 def train(config: SFTRunConfig) -> SFTResult:
-    s = config.sft
+    sft = config.sft
     torch.manual_seed(config.seed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -203,7 +203,7 @@ def train(config: SFTRunConfig) -> SFTResult:
     batches = global_batches(train_examples, config.training.global_batch_size, config.seed, config.data.shuffle)
     val_history: list[float] = []
 
-    with ConsoleLog(s.max_steps, "SFT") as console:
+    with ConsoleLog(sft.max_steps, "SFT") as console:
         console.print(f"run directory: {run_dir}")
         console.print(
             f"{len(train_examples)} training / {len(val_examples)} validation conversations; "
@@ -215,10 +215,10 @@ def train(config: SFTRunConfig) -> SFTResult:
             val_history.append(metrics["val/loss"])
             metrics_log.write(0, metrics)
 
-        for step in range(1, s.max_steps + 1):
+        for step in range(1, sft.max_steps + 1):
             metrics = sft_step(backend, next(batches), pad_id)
             metrics["train/epoch"] = step * config.training.global_batch_size / len(train_examples)
-            if val_batch is not None and (step == s.max_steps or (s.val_every and step % s.val_every == 0)):
+            if val_batch is not None and (step == sft.max_steps or (sft.val_every and step % sft.val_every == 0)):
                 metrics.update(validate(backend, val_batch, console, step))
                 val_history.append(metrics["val/loss"])
             metrics_log.write(step, metrics)
@@ -231,7 +231,7 @@ def train(config: SFTRunConfig) -> SFTResult:
 
     first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
     if first is not None:
-        console.print(f"val/loss at step 0: {first:.4f}; at step {s.max_steps}: {last:.4f} ({last - first:+.4f})")
+        console.print(f"val/loss at step 0: {first:.4f}; at step {sft.max_steps}: {last:.4f} ({last - first:+.4f})")
     console.print(
         f"metrics: {run_dir / 'metrics.jsonl'}"
         + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else "")
@@ -243,15 +243,15 @@ def build_backend(config: SFTRunConfig) -> Backend:
     """The training backend for SFT: the policy's LM head at temperature 1 (from random weights with
     `sft.random_init`), micro-batches of `training.micro_batch_tokens` positions whose conversations are packed
     (`training.sequence_packing`) into rows of `data.max_seq_len` tokens, AdamW over `sft.max_steps` steps."""
-    s = config.sft
+    sft = config.sft
     training = config.training.backend_config()
-    head = LogprobHead(temperature=1.0, load_model=random_model if s.random_init else lora.load_policy)
+    head = LogprobHead(temperature=1.0, load_model=random_model if sft.random_init else lora.load_policy)
     return Backend(
         config.model,
         training,
         config.optimizer,
         config.scheduler,
-        s.max_steps,
+        sft.max_steps,
         head=head,
         row_tokens=config.data.max_seq_len,
     )
@@ -314,53 +314,53 @@ def load_datasets(
     config: SFTRunConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[list[ChatExample], list[ChatExample]]:
     """Training and validation conversations: a validation file, or a seeded held-out share, or none."""
-    d = config.data
+    data = config.data
     if tokenizer.chat_template is None:
         raise ConfigError(
             f"model.name_or_path={config.model.name_or_path}: its tokenizer has no chat template, which sft needs "
             "to find the assistant tokens"
         )
-    examples = load_examples(d.train_path, config, tokenizer)
-    if d.val_path:
-        return examples, load_examples(d.val_path, config, tokenizer)
+    examples = load_examples(data.train_path, config, tokenizer)
+    if data.val_path:
+        return examples, load_examples(data.val_path, config, tokenizer)
     order = list(range(len(examples)))
     random.Random(config.seed).shuffle(order)
-    num_val = round(len(examples) * d.val_fraction)
-    if d.val_fraction > 0 and not 0 < num_val < len(examples):
+    num_val = round(len(examples) * data.val_fraction)
+    if data.val_fraction > 0 and not 0 < num_val < len(examples):
         raise ConfigError(
-            f"data.val_fraction={d.val_fraction} of {len(examples)} conversations leaves an empty split; change it"
+            f"data.val_fraction={data.val_fraction} of {len(examples)} conversations leaves an empty split; change it"
         )
     return [examples[i] for i in sorted(order[num_val:])], [examples[i] for i in sorted(order[:num_val])]
 
 
 def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenizerBase) -> list[ChatExample]:
     """Render every chat of a JSONL file, applying data.truncation to those over data.max_seq_len."""
-    d = config.data
-    records = read_jsonl(resolve_path(path), required_keys=(d.messages_key,))
+    data = config.data
+    records = read_jsonl(resolve_path(path), required_keys=(data.messages_key,))
     examples, num_too_long = [], 0
     for number, record in enumerate(records, start=1):
         try:
-            example = render_chat(record, tokenizer, d.messages_key, d.system_prompt)
+            example = render_chat(record, tokenizer, data.messages_key, data.system_prompt)
         except (KeyError, TypeError, AttributeError):
             raise DataError(
-                f"{path}: record {number}: `{d.messages_key}` must be a list of {{role, content}} objects"
+                f"{path}: record {number}: `{data.messages_key}` must be a list of {{role, content}} objects"
             ) from None
         except DataError as exc:
             raise DataError(f"{path}: record {number}: {exc}") from None
-        num_too_long += len(example) > d.max_seq_len
-        fitted = fit_length(example, d.max_seq_len, d.truncation)
+        num_too_long += len(example) > data.max_seq_len
+        fitted = fit_length(example, data.max_seq_len, data.truncation)
         if fitted is not None:
             examples.append(fitted)
     if not examples:
-        fix = "raise it" + (" or set data.truncation=right" if d.truncation == "drop" else "")
+        fix = "raise it" + (" or set data.truncation=right" if data.truncation == "drop" else "")
         raise DataError(
-            f"{path}: no conversation fits data.max_seq_len={d.max_seq_len} with an assistant token left; {fix}"
+            f"{path}: no conversation fits data.max_seq_len={data.max_seq_len} with an assistant token left; {fix}"
         )
     if num_too_long:
-        action = "cut to" if d.truncation == "right" else "dropped for exceeding"
+        action = "cut to" if data.truncation == "right" else "dropped for exceeding"
         print(
-            f"{path}: {num_too_long} of {len(records)} conversations {action} data.max_seq_len={d.max_seq_len} tokens"
-            f" ({len(records) - len(examples)} dropped in all)"
+            f"{path}: {num_too_long} of {len(records)} conversations {action} data.max_seq_len="
+            f"{data.max_seq_len} tokens ({len(records) - len(examples)} dropped in all)"
         )
     return examples
 

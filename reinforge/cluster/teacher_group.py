@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.cluster.config import ClusterConfig
+from reinforge.cluster.worker_group import WorkerGroup
+from reinforge.data.batch import TrainBatch
 from reinforge.model_config import ModelConfig
 from reinforge.training.base import TrainingConfig
-from reinforge.data.batch import TrainBatch
 from reinforge.training.teacher import Teacher
 
 

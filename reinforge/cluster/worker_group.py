@@ -84,8 +84,9 @@ class WorkerGroup:
             except ray.exceptions.GetTimeoutError:
                 remove_placement_group(self.placement_group)
                 raise ReinforgeError(
-                    f"{name}: the cluster cannot place {num_workers} workers of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s; "
-                    "lower the worker count or the per-worker resources (cluster.*), or add nodes"
+                    f"{name}: the cluster cannot place {num_workers} workers of {bundle} within "
+                    f"{PLACEMENT_TIMEOUT_S:.0f} s; lower the worker count or the per-worker resources (cluster.*), "
+                    "or add nodes"
                 ) from None
         else:
             self.placement_group = share_with.placement_group
@@ -136,7 +137,8 @@ class WorkerGroup:
             if not done:
                 self.shutdown()
                 raise WorkerFailed(
-                    f"{self.name}.{method} made no progress for {self.timeout_s:.0f} s (cluster.worker_timeout_s); workers stopped"
+                    f"{self.name}.{method} made no progress for {self.timeout_s:.0f} s (cluster.worker_timeout_s); "
+                    "workers stopped"
                 )
             try:
                 ray.get(done[0])

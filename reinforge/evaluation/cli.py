@@ -59,8 +59,8 @@ def run_eval_command(args: argparse.Namespace) -> None:
     from reinforge.evaluation.benchmarks import get_benchmark
 
     get_benchmark(args.benchmark)  # a misspelt name fails before the heavy imports
-    from reinforge.model_config import ModelConfig
     from reinforge.evaluation.evaluate import evaluate
+    from reinforge.model_config import ModelConfig
 
     options = {
         "num_samples": args.n,

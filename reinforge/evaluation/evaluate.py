@@ -38,18 +38,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from reinforge.envs.registry import EnvConfig
-
-from reinforge.model_config import ModelConfig
 from reinforge.data.prompts import Prompt, render_prompt
 from reinforge.envs.base import Environment
 from reinforge.envs.math_env import extract_answer
-from reinforge.envs.registry import build_envs
+from reinforge.envs.registry import EnvConfig, build_envs
 from reinforge.errors import ReinforgeError
 from reinforge.evaluation.benchmarks import BenchmarkItem, get_benchmark, load_benchmark
 from reinforge.evaluation.metrics import maj_at_k, mean_accuracy, mean_pass_at_k
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import adapter_base, load_model, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.rollout.rollout import RolloutOptions, rollout

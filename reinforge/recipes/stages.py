@@ -32,6 +32,7 @@ from reinforge.modeling import model_location
 from reinforge.paths import resolve_path
 from reinforge.recipes.spec import RecipeSpec, StageSpec, config_file, dotted_keys, expand_overrides
 
+
 @dataclass
 class Stage:
     number: int  # 1-based, as the console says "stage k of n"

@@ -48,7 +48,8 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
         checkpoint = latest_checkpoint(checkpoint) or checkpoint
     if not verifies(checkpoint):
         raise ReinforgeError(
-            f"{checkpoint} is not a complete reinforge checkpoint (no COMPLETE manifest, or files that do not match its sizes and checksums); "
+            f"{checkpoint} is not a complete reinforge checkpoint (no COMPLETE manifest, or files that do not match "
+            "its sizes and checksums); "
             "give RUN_DIR/checkpoints/step_N, a run directory or, with --merge, a PEFT adapter directory"
         )
     from reinforge.model_config import ModelConfig
@@ -78,7 +79,8 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
         missing = [name for name in missing if not (model.config.tie_word_embeddings and name == "lm_head.weight")]
         if missing or unexpected:
             raise ReinforgeError(
-                f"{checkpoint}: weights do not fit {model_config.name_or_path} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+                f"{checkpoint}: weights do not fit {model_config.name_or_path} (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})"
             )
     model = model.to(getattr(torch, model_config.dtype))
     with atomic_directory(out) as tmp:

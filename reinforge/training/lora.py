@@ -27,8 +27,8 @@ from typing import Iterator
 import torch
 
 from reinforge.errors import ConfigError
-from reinforge.modeling import adapter_base, model_location
 from reinforge.model_config import LINEAR_TARGETS, LoraConfig
+from reinforge.modeling import adapter_base, model_location
 
 ADAPTER = "default"  # PEFT's name for the one adapter
 

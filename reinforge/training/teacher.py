@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.model_config import ModelConfig
-
-from reinforge.training.base import TrainingConfig
 from reinforge.data.batch import TrainBatch
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model
+from reinforge.training.base import TrainingConfig
 from reinforge.training.micro_batching import (
     HiddenStates,
     Prompts,
@@ -28,7 +27,8 @@ from reinforge.training.micro_batching import (
 def topk_head(
     lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs [N] of the targets, top-k ids [N, k], their logprobs [N, k]) under softmax(lm_head(hidden) / temperature)."""
+    """(logprobs [N] of the targets, top-k ids [N, k], their logprobs [N, k]) under
+    softmax(lm_head(hidden) / temperature)."""
     logp_NV = torch.log_softmax(lm_head(hidden_NH).float() / temperature, dim=-1)
     topk_logprobs_NK, topk_ids_NK = logp_NV.topk(k, dim=-1) if k else (logp_NV[:, :0], logp_NV[:, :0].long())
     return logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1), topk_ids_NK, topk_logprobs_NK
@@ -44,7 +44,8 @@ class Teacher:
 
     @torch.no_grad()
     def score(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logprobs_BT of the batch's tokens, topk_ids_BTK, topk_logprobs_BTK), 0 off `batch.loss_mask`; k = 0: no top-k."""
+        """(logprobs_BT of the batch's tokens, topk_ids_BTK, topk_logprobs_BTK), 0 off `batch.loss_mask`; k = 0: no
+        top-k."""
         B, T = batch.loss_mask.shape
         logprobs_BT, ids_BTK, topk_BTK = torch.zeros(B, T), torch.zeros(B, T, k, dtype=torch.long), torch.zeros(B, T, k)
         prompts = Prompts.of(batch, self.config)
