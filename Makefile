@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install gym-venv demo test bench build-demo-model build-demo-teacher clean
+.PHONY: install gym-venv demo lint test bench build-demo-model build-demo-teacher clean
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
-# NeMo Gym's servers, for the Gym tests and for users (reinforge/envs/gym_launcher.py): nemo-gym in a Python 3.13
+# NeMo Gym's servers, for the Gym tests (tests/e2e/_gym.py) and for users (docs/agents.md): nemo-gym in a Python 3.13
 # virtualenv of its own, never a dependency of .venv. Re-runs only when the script (it pins the version) changes.
 GYM_VENV  := .gym-venv
 GYM_STAMP := $(GYM_VENV)/.installed
@@ -34,8 +34,14 @@ $(GYM_STAMP): scripts/setup_gym_venv.sh
 demo: install
 	$(BIN)/reinforge demo
 
-# Two xdist workers; tests that must not overlap share an xdist group (tests/conftest.py).
-test: install gym-venv
+# ruff's linter and formatter, configured in pyproject.toml ([tool.ruff]); `ruff format .` fixes the formatting.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# The linter first, then the tests: two xdist workers; tests that must not overlap share an xdist group
+# (tests/conftest.py).
+test: install gym-venv lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # Every benchmark with its default arguments, each writing bench/results/NAME.json (docs/benchmarks.md

@@ -146,6 +146,26 @@ def time_train_steps(backend, batch, num_steps: int, device: str) -> list[float]
     return steps
 
 
+def policy_backend(model_config, training, lr: float, num_optimizer_steps: int, fsdp2_rank: bool = False):
+    """The training backend as the RL recipes build it for the policy (logprobs at temperature 1, AdamW at `lr`,
+    no reference): in this process, or with `fsdp2_rank` as FSDP2's only rank (a world of 1 on a free port)."""
+    from reinforge.network import free_port
+    from reinforge.training.backend import Backend
+    from reinforge.training.fsdp2 import FSDP2Strategy
+    from reinforge.training.heads import LogprobHead
+    from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
+
+    return Backend(
+        model_config,
+        training,
+        OptimizerConfig(lr=lr),
+        SchedulerConfig(),
+        num_optimizer_steps,
+        head=LogprobHead(temperature=1.0),
+        strategy=FSDP2Strategy(0, 1, "127.0.0.1", free_port()) if fsdp2_rank else None,
+    )
+
+
 def clipped_token_mean_loss(logprobs_BT, micro, norm):
     """The benchmarks' loss: GRPO's clipped ratio (0.2 / 0.28), token mean over the global batch, no KL."""
     from reinforge.algorithms.losses import grpo_loss, token_mean

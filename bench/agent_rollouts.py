@@ -9,7 +9,7 @@ each up to 3 policy turns, at temperature 1, on the same HF engine in this proce
 - agent: reinforge's Python simple agent (reinforge/agents/simple.py), one per episode, calls the
   policy through the run's OpenAI-compatible endpoint with the `openai` client and the calculator on
   the same environment served as a NeMo Gym resources server (HTTP on loopback); the trajectories are
-  rebuilt from the endpoint's record, as in `grpo.rollout=agent`.
+  rebuilt from the endpoint's record, as in `rollout.driver=agent`.
 The settings alternate for `--repeats` rounds. Reported per setting: episodes per second (best and
 median), the time in the engine, and, for the agent path, where the rest goes: HTTP and the agents
 (everything but the engine), the number of engine calls and their mean batch size, model calls per
@@ -51,16 +51,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from reinforge.algorithms.builders import serve_gym_envs
-    from reinforge.config.schema import DataConfig, EnvConfig, ModelConfig
-    from reinforge.data.prompts import load_prompts
-    from reinforge.envs.registry import build_env
+    from reinforge.data.prompts import DataConfig, load_prompts
+    from reinforge.envs.registry import EnvConfig, build_env
     from reinforge.generation.base import SamplingParams
     from reinforge.generation.hf import HFGenerationBackend
     from reinforge.logging.metrics import Timers
+    from reinforge.model_config import ModelConfig
     from reinforge.modeling import load_model, load_tokenizer
     from reinforge.rollout.agent import AgentRollout
     from reinforge.rollout.agent_config import AgentConfig
     from reinforge.rollout.rollout import ReinforgeRollout, RolloutOptions
+    from reinforge.serving.app import build_app
     from reinforge.serving.server import PolicyServer
 
     model_config = ModelConfig(name_or_path="models/tool_demo")
@@ -85,7 +86,8 @@ def main() -> None:
         )
         server = PolicyServer(
             engine, tokenizer, agent_config.endpoint, max_model_len=512, default_max_tokens=48, managed=True
-        ).start()
+        )
+        server.start(build_app(server))
         cleanup.callback(server.stop)
         servers = serve_gym_envs({"calculator": "tool_use"}, env_config, cleanup)
         agents = AgentRollout(server, tokenizer, agent_config, servers)

@@ -1,4 +1,4 @@
-"""Async GRPO (grpo.max_staleness=1) against synchronous GRPO, the same steps: against the plain
+"""Async GRPO (rollout.max_staleness=1) against synchronous GRPO, the same steps: against the plain
 in-process run, and against max_staleness=0 on the same placement (engine in a Ray actor, trainer on
 one thread), where the only difference is generating ahead.
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ASYNC = ["--config", str(ROOT / "configs" / "grpo_async_demo.yaml")]
 SETTINGS = {
     "sync, in-process": ["--config", str(ROOT / "configs" / "grpo_demo.yaml")],
-    "async, max_staleness=0": ASYNC + ["grpo.max_staleness=0"],  # the same placement, generation not ahead
+    "async, max_staleness=0": ASYNC + ["rollout.max_staleness=0"],  # the same placement, generation not ahead
     "async, max_staleness=1": ASYNC,
 }
 
@@ -44,8 +44,8 @@ def run(arguments: list[str], steps: int) -> dict:
             "reinforge.cli",
             "grpo",
             *arguments,
-            f"grpo.max_steps={steps}",
-            f"grpo.val_every={steps}",
+            f"loop.max_steps={steps}",
+            f"loop.val_every={steps}",
             f"logging.run_dir={tmp}/run",
             "checkpoint.save_final=false",
         ]

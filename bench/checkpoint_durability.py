@@ -36,25 +36,19 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from _common import build_30m_model, clipped_token_mean_loss, grpo_like_batch, write_result
+    from _common import build_30m_model, clipped_token_mean_loss, grpo_like_batch, policy_backend, write_result
 
-    from reinforge.config.schema import ModelConfig, TrainingConfig
+    from reinforge.model_config import ModelConfig
     from reinforge.run_dir import fsync_tree
+    from reinforge.training.base import TrainingConfig
     from reinforge.training.checkpoint import save_checkpoint, sha256
-    from reinforge.training.torch_backend import TorchBackend
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
         model_dir = build_30m_model(tmp / "model")
-        training = TrainingConfig(global_batch_size=8, micro_batch_size=8, lr=1e-5)
-        backend = TorchBackend(
-            ModelConfig(name_or_path=str(model_dir)),
-            training,
-            temperature=1.0,
-            num_optimizer_steps=2,
-            load_reference=False,
-        )
+        training = TrainingConfig(global_batch_size=8, micro_batch_size=8)
+        backend = policy_backend(ModelConfig(name_or_path=str(model_dir)), training, lr=1e-5, num_optimizer_steps=2)
         batch = grpo_like_batch(8, (20, 30), (16, 16), backend.model.config.vocab_size)
         batch.old_logprobs = backend.logprobs(batch)
         backend.train_step(batch, clipped_token_mean_loss)
@@ -89,7 +83,8 @@ def main() -> None:
         "durability_overhead": (medians["sha256"] + medians["fsync"]) / medians["save_state"],
     }
     print(
-        f"checkpoint of {num_bytes / 2**20:.0f} MiB: save_state {medians['save_state']:.3f} s, sha256 {medians['sha256']:.3f} s, "
+        f"checkpoint of {num_bytes / 2**20:.0f} MiB: save_state {medians['save_state']:.3f} s, "
+        f"sha256 {medians['sha256']:.3f} s, "
         f"fsync {medians['fsync']:.3f} s; whole save_checkpoint {medians['save_checkpoint']:.3f} s "
         f"(checksums + fsync = {100 * result['durability_overhead']:.0f}% of save_state)"
     )

@@ -3,13 +3,13 @@ as a fraction of this machine's fp32 matmul peak, both measured in the same proc
 
     python bench/cpu_training_mfu.py --rounds 5 --json bench/results/cpu_training_mfu.json
 
-The step is `TorchBackend.train_step` (forward, loss, backward, grad clip, AdamW) on a GRPO-shaped batch
-like bench/grpo_vs_trl.py's 30M work: 64 sequences of 30-42 prompt and 48 response tokens, packed, in
-micro-batches of 4096 tokens, fp32. Its FLOPs are counted by `_common.training_flops` (decoder matmuls,
-causal attention, the LM head on trained tokens; 3x the forward). The peak is the best FLOP/s of a
-2048 x 2048 fp32 torch.matmul with the same number of threads. Each round measures the peak, then one
-training step (and, for reference, the no-gradient logprob pass); on a shared machine the rounds
-interleave so both see the same load. Reported: the median step's FLOP/s / the best peak.
+The step is the training backend's `train_step` in this process (forward, loss, backward, grad clip, AdamW) on
+a GRPO-shaped batch like bench/grpo_vs_trl.py's 30M work: 64 sequences of 30-42 prompt and 48 response tokens,
+packed, in micro-batches of 4096 tokens, fp32. Its FLOPs are counted by `_common.training_flops` (decoder
+matmuls, causal attention, the LM head on trained tokens; 3x the forward). The peak is the best FLOP/s of a
+2048 x 2048 fp32 torch.matmul with the same number of threads. Each round measures the peak, then one training
+step (and, for reference, the no-gradient logprob pass); on a shared machine the rounds interleave so both see
+the same load. Reported: the median step's FLOP/s / the best peak.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from _common import (  # noqa: E402
     clipped_token_mean_loss,
     grpo_like_batch,
     matmul_peak_flops,
+    policy_backend,
     training_flops,
     write_result,
 )
@@ -48,24 +49,19 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from reinforge.config.schema import ModelConfig, TrainingConfig
-    from reinforge.training.torch_backend import TorchBackend
+    from reinforge.model_config import ModelConfig
+    from reinforge.training.base import TrainingConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_30m_model(Path(tmp) / "qwen2-30m")
         training = TrainingConfig(
             global_batch_size=args.sequences,
             micro_batch_size=args.sequences,
-            lr=1e-4,
             micro_batch_tokens=args.micro_batch_tokens,
             sequence_packing=not args.no_packing,
         )
-        backend = TorchBackend(
-            ModelConfig(name_or_path=str(model_dir)),
-            training,
-            temperature=1.0,
-            num_optimizer_steps=args.rounds + 1,
-            load_reference=False,
+        backend = policy_backend(
+            ModelConfig(name_or_path=str(model_dir)), training, lr=1e-4, num_optimizer_steps=args.rounds + 1
         )
     config = backend.model.config
     batch = grpo_like_batch(args.sequences, (30, 42), (48, 48), config.vocab_size)
@@ -108,7 +104,8 @@ def main() -> None:
         "logprob_pass_fraction_of_peak": flops / 3 / statistics.median(logprob_passes) / peak,
     }
     print(
-        f"training step: {result['train_flops_per_s'] / 1e9:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.1%} of the "
+        f"training step: {result['train_flops_per_s'] / 1e9:.1f} GFLOP/s = "
+        f"{result['fraction_of_matmul_peak']:.1%} of the "
         f"{peak / 1e9:.1f} GFLOP/s fp32 matmul peak ({result['threads']} thread(s)); logprob pass "
         f"{result['logprob_pass_fraction_of_peak']:.1%}"
     )

@@ -5,7 +5,8 @@
 Two runs, one after the other in this invocation, each a `reinforge` subprocess with the same seed, batch sizes,
 engine and validation set (data/demo/val.jsonl, greedy): `reinforge grpo --config configs/grpo_demo.yaml` and
 `reinforge distill --config configs/distill_demo.yaml` (teacher models/demo_teacher, scripts/build_demo_teacher.py; the
-top-k KL), the same with `distill.loss=reverse_kl` (the sampled-token reverse KL as advantage), validating every `--val-every` steps. Reported: both validation curves, the accuracy GRPO ends at, the first
+top-k KL), the same with `distill.loss=reverse_kl` (the sampled-token reverse KL as advantage), validating every
+`--val-every` steps. Reported: both validation curves, the accuracy GRPO ends at, the first
 step at which each run reaches it, the teacher's own greedy accuracy, and each run's wall and loop time.
 """
 
@@ -40,8 +41,8 @@ def curve(arguments: list[str], steps: int, val_every: int, num_threads: int) ->
             "-m",
             "reinforge.cli",
             *arguments,
-            f"grpo.max_steps={steps}",
-            f"grpo.val_every={val_every}",
+            f"loop.max_steps={steps}",
+            f"loop.val_every={val_every}",
             f"logging.run_dir={tmp}/run",
             "checkpoint.save_final=false",
             f"cluster.num_threads={num_threads}",
@@ -72,7 +73,7 @@ def teacher_accuracy(num_threads: int) -> float:
             "grpo",
             "--config",
             str(ROOT / "configs" / "grpo_demo.yaml"),
-            "grpo.max_steps=0",
+            "loop.max_steps=0",
             "model.name_or_path=models/demo_teacher",
             f"logging.run_dir={tmp}/run",
             "checkpoint.save_final=false",
@@ -111,7 +112,8 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
     print(
-        f"GRPO ends at {target:.3f} after {args.steps} steps; first step reaching it: {out['first_step_reaching_grpo_final']}; "
+        f"GRPO ends at {target:.3f} after {args.steps} steps; "
+        f"first step reaching it: {out['first_step_reaching_grpo_final']}; "
         f"teacher {out['teacher_val_accuracy']:.3f} -> {args.json}"
     )
 

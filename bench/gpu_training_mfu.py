@@ -5,13 +5,13 @@ and peak memory.
     python bench/gpu_training_mfu.py --json bench/results/gpu_training_mfu.json
     python bench/gpu_training_mfu.py --tiny      # a tiny model on CPU through the same code: checks it runs
 
-The step is `FSDP2Worker.train_step` (world size 1: FSDP2 with its all-gathers, mixed precision and
-gradient reduction as on N GPUs) on a GRPO-shaped batch: 128 sequences of 128-384 prompt and 256-1024
-response tokens, packed (`training.sequence_packing`), in micro-batches of 16,384 tokens, LM head in
-chunks of 2048 tokens. MFU = the step's model FLOPs (`_common.training_flops`) / the step time / the
-H200's dense bf16 peak (989 TFLOP/s; --peak-tflops), also given as a fraction of a 8192^3 bf16 matmul
-measured in the same process. Peak memory is torch.cuda.max_memory_allocated. Without a GPU (and
-without --tiny) it says so and measures nothing.
+The step is the training backend's `train_step` on one FSDP2 rank (world size 1: FSDP2 with its all-gathers,
+mixed precision and gradient reduction as on N GPUs) on a GRPO-shaped batch: 128 sequences of 128-384 prompt
+and 256-1024 response tokens, packed (`training.sequence_packing`), in micro-batches of 16,384 tokens, LM head
+in chunks of 2048 tokens. MFU = the step's model FLOPs (`_common.training_flops`) / the step time / the H200's
+dense bf16 peak (989 TFLOP/s; --peak-tflops), also given as a fraction of a 8192^3 bf16 matmul measured in the
+same process. Peak memory is torch.cuda.max_memory_allocated. Without a GPU (and without --tiny) it says so
+and measures nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from _common import (  # noqa: E402
     clipped_token_mean_loss,
     grpo_like_batch,
     matmul_peak_flops,
+    policy_backend,
     synchronize,
     time_train_steps,
     training_flops,
@@ -81,9 +82,8 @@ def main() -> None:
         print("no CUDA GPU here: nothing measured (--tiny runs a tiny model on CPU through the same code)")
         return
 
-    from reinforge.cluster.network import free_port
-    from reinforge.config.schema import ModelConfig, TrainingConfig
-    from reinforge.training.fsdp2_worker import FSDP2Worker
+    from reinforge.model_config import ModelConfig
+    from reinforge.training.base import TrainingConfig
 
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     if not on_gpu:
@@ -94,7 +94,6 @@ def main() -> None:
         backend="fsdp2",
         global_batch_size=sequences,
         micro_batch_size=sequences,
-        lr=1e-6,
         micro_batch_tokens=64 if args.tiny else args.micro_batch_tokens,
         sequence_packing=not args.no_packing,
         activation_checkpointing=args.activation_checkpointing,
@@ -103,17 +102,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(architecture, dtype, device, Path(tmp) / "model")
         model_config = ModelConfig(name_or_path=str(model_dir), dtype="bfloat16" if on_gpu else "float32")
-        worker = FSDP2Worker(
-            0,
-            1,
-            "127.0.0.1",
-            free_port(),
-            model_config,
-            training,
-            temperature=1.0,
-            num_optimizer_steps=args.steps + 2,
-            load_reference=False,
-        )
+        worker = policy_backend(model_config, training, lr=1e-6, num_optimizer_steps=args.steps + 2, fsdp2_rank=True)
     config = worker.model.config
     batch = grpo_like_batch(sequences, prompt, response, config.vocab_size)
     flops = training_flops(config, batch)

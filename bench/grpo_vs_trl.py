@@ -10,7 +10,7 @@ median tokens/s / TRL's, each one's mean reward at step N, and where each step's
 
 That comparison is on-policy and like for like: the same algorithm, one thread each. Then, on the
 models in --async-models (default: demo), each side on the whole machine (2 cores), one after the other:
-reinforge's async mode (grpo.max_staleness=1: the engine, a Ray actor on one core, generates step s+1
+reinforge's async mode (rollout.max_staleness=1: the engine, a Ray actor on one core, generates step s+1
 while the trainer trains on step s on the other; a one-step-old sampler, corrected by truncated
 importance weights) against TRL with two torch threads. `speedup_async` is that ratio, from the
 coordinator's wall time per step (the trainer's own step timer does not see the refit waiting for the
@@ -84,9 +84,9 @@ NUM_PROMPTS = {"demo": 32, "30m": 8}
 # zero-advantage sequences out would leave nothing to train on; it measures the full training pass
 SKIP_ZERO_ADVANTAGE = {"demo": True, "30m": False}
 PHASES = ("generate", "reward", "logprobs", "train", "refit")
-# reinforge's async mode (grpo.max_staleness=1): the engine in a Ray actor with one core generates the next
+# reinforge's async mode (rollout.max_staleness=1): the engine in a Ray actor with one core generates the next
 # batch while the trainer (one thread, the other core) trains on this one
-ASYNC = ("grpo.async_rollouts=true", "grpo.max_staleness=1", "cluster.num_threads=1")
+ASYNC = ("rollout.async_generation=true", "rollout.max_staleness=1", "cluster.num_threads=1")
 
 
 def reinforge_overrides(
@@ -100,19 +100,19 @@ def reinforge_overrides(
         f"model.name_or_path={model_dir}",
         "data.val_path=null",
         "data.shuffle=false",
-        f"grpo.num_prompts_per_step={num_prompts}",
-        f"grpo.num_generations_per_prompt={NUM_GENERATIONS}",
-        f"grpo.max_steps={steps}",
-        "grpo.val_every=0",
+        f"rollout.num_prompts_per_step={num_prompts}",
+        f"rollout.num_generations_per_prompt={NUM_GENERATIONS}",
+        f"loop.max_steps={steps}",
+        "loop.val_every=0",
         f"generation.backend={backend}",
         f"generation.max_new_tokens={MAX_NEW_TOKENS}",
         "generation.temperature=1.0",
         f"training.global_batch_size={num_prompts * NUM_GENERATIONS}",
         f"training.micro_batch_size={num_prompts * NUM_GENERATIONS}",
         f"training.micro_batch_tokens={MICRO_BATCH_TOKENS}",
-        f"training.lr={LR}",
-        "training.adam_beta2=0.99",
-        "training.max_grad_norm=1.0",
+        f"optimizer.lr={LR}",
+        "optimizer.adam_beta2=0.99",
+        "optimizer.max_grad_norm=1.0",
         "training.sequence_packing=true",
         "loss.kl_coef=0",
         "loss.clip_eps_low=0.2",
@@ -137,7 +137,7 @@ def reinforge_worker(
     """`reinforge grpo`, held between steps until the coordinator says go: `grpo.train`'s `on_step_end`
     hook, called once the run is set up and after each step (logged), outside the loop's step timer."""
     from reinforge.algorithms import grpo
-    from reinforge.config import load_config
+    from reinforge.algorithms.grpo import load_config
 
     def wait_for_turn(done_step: int) -> None:
         if done_step < steps:

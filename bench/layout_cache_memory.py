@@ -33,7 +33,7 @@ def layout_bytes(layout) -> int:
 
 
 def measure(answer_tokens: tuple[int, int], share_prompts: bool) -> dict:
-    from reinforge.config.schema import TrainingConfig
+    from reinforge.training.base import TrainingConfig
     from reinforge.training.micro_batching import LayoutCache, Prompts, plan_micro_batches, select_micro_batch
 
     batch = grpo_like_batch(256, (30, 41), answer_tokens, 449, 8, shared_prompts=True)

@@ -6,7 +6,8 @@ peak memory and step time, in one run.
 
 Each setting (full fine-tuning; LoRA rank 16, alpha 32, all-linear) runs in a fresh process of its own, so
 that its peak memory is its own: on CPU the peak resident set (getrusage's ru_maxrss, which a process
-carries over from its parent: this driver imports nothing heavy), on CUDA torch.cuda.max_memory_allocated. On CPU the settings' processes run with a fixed glibc mmap threshold
+carries over from its parent: this driver imports nothing heavy), on CUDA torch.cuda.max_memory_allocated. On CPU
+the settings' processes run with a fixed glibc mmap threshold
 (`--malloc-mmap-threshold`): without it their peak RSS differs by up to 0.8 GiB from run to run, more than LoRA
 saves on this model.
 The process builds the backend, takes one warm-up step (the first allocations, AdamW's state) and times
@@ -160,11 +161,11 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from _common import clipped_token_mean_loss, grpo_like_batch, time_train_steps
+    from _common import clipped_token_mean_loss, grpo_like_batch, policy_backend, time_train_steps
 
-    from reinforge.config.schema import ModelConfig, TrainingConfig
     from reinforge.logging.memory import memory_metrics
-    from reinforge.training.lora_config import LoraConfig
+    from reinforge.model_config import LoraConfig, ModelConfig
+    from reinforge.training.base import TrainingConfig
 
     on_gpu = args.model == "qwen1.5b"
     if args.threads and not on_gpu:
@@ -174,7 +175,6 @@ def measure(args: argparse.Namespace) -> dict:
         backend=args.backend,
         global_batch_size=shape["sequences"],
         micro_batch_size=shape["sequences"],
-        lr=1e-5,
         micro_batch_tokens=shape["micro_batch_tokens"],
     )
     model_config = ModelConfig(
@@ -182,27 +182,9 @@ def measure(args: argparse.Namespace) -> dict:
         dtype="bfloat16" if on_gpu else "float32",
         lora=LoraConfig(**LORA) if args.worker == "lora" else None,
     )
-    if args.backend == "torch":
-        from reinforge.training.torch_backend import TorchBackend
-
-        backend = TorchBackend(
-            model_config, training, temperature=1.0, num_optimizer_steps=args.steps + 1, load_reference=False
-        )
-    else:
-        from reinforge.cluster.network import free_port
-        from reinforge.training.fsdp2_worker import FSDP2Worker
-
-        backend = FSDP2Worker(
-            0,
-            1,
-            "127.0.0.1",
-            free_port(),
-            model_config,
-            training,
-            temperature=1.0,
-            num_optimizer_steps=args.steps + 1,
-            load_reference=False,
-        )
+    backend = policy_backend(
+        model_config, training, lr=1e-5, num_optimizer_steps=args.steps + 1, fsdp2_rank=args.backend == "fsdp2"
+    )
     device = "cuda" if on_gpu else "cpu"
     loaded = memory_metrics(prefix="")
     batch = grpo_like_batch(shape["sequences"], shape["prompt"], shape["response"], backend.model.config.vocab_size)

@@ -5,7 +5,8 @@
 The batch is one GRPO step of bench/grpo_vs_trl.py's shape: for the demo model 32 prompts x 8 samples
 (30-41 prompt tokens, 30-token answers), for the 30M model 8 x 8 with 48-token answers; random tokens.
 It is planned and laid out by the training backends' own code (`Prompts`, `plan_micro_batches` with
-micro-batches of 4096 tokens, `select_micro_batch`, `row_layout`), then each micro-batch runs forward and backward (the model's output at
+micro-batches of 4096 tokens, `select_micro_batch`, `row_layout`), then each micro-batch runs forward and backward
+(the model's output at
 one position per row, summed) two ways on the same weights: through `training/segment_attention.py`
 (what the backends do), and with the same attention written as a boolean [R, 1, W, W] mask handed to
 the model's sdpa attention (what they did before). One torch thread; the two alternate, the first
@@ -34,8 +35,8 @@ GENERATIONS, MICRO_BATCH_TOKENS = 8, 4096
 
 def layouts(num_prompts: int, answer_tokens: int, vocab_size: int):
     """The step's shared-prompt layouts, planned and selected as the training backends do it."""
-    from reinforge.config.schema import TrainingConfig
     from reinforge.data.packing import row_layout
+    from reinforge.training.base import TrainingConfig
     from reinforge.training.micro_batching import Prompts, plan_micro_batches, select_micro_batch
 
     batch = grpo_like_batch(

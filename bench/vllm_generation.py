@@ -44,11 +44,11 @@ def overhead(num_prompts: int, num_samples: int, max_new_tokens: int, repeats: i
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
 
-    from reinforge.config.schema import ModelConfig
     from reinforge.data.jsonl import read_jsonl
     from reinforge.data.prompts import render_prompt
     from reinforge.generation.base import SamplingParams
     from reinforge.generation.vllm_backend import VLLMGenerationBackend
+    from reinforge.model_config import ModelConfig
     from reinforge.modeling import load_tokenizer
 
     model = str(ROOT / "models" / "demo")

@@ -323,7 +323,8 @@ All data are synthetic.
 digit {DROP_PROB:.0%} of the time on each step that needs one. The model learns that mixture, so greedy
 decoding gets most carry problems wrong while samples at temperature 1 are often right: room for RL.
 
-**Accuracy on data/demo/val.jsonl** (true answers): greedy {stats["greedy_accuracy"]:.3f} on {stats["num_greedy"]} prompts;
+**Accuracy on data/demo/val.jsonl** (true answers): greedy {stats["greedy_accuracy"]:.3f} \
+on {stats["num_greedy"]} prompts;
 temperature 1 {stats["sampled_accuracy"]:.3f} on {stats["num_sample_prompts"]} prompts x 4 samples.
 
 Mean length in tokens: prompt {stats["prompt_tokens"]:.0f} (chat template included), reply {stats["reply_tokens"]:.0f}

@@ -81,7 +81,8 @@ def main() -> None:
         "sampled_accuracy": base.accuracy(model, tokenizer, val[:100], num_samples=4, temperature=1.0),
     }
     print(
-        f"val greedy accuracy {stats['greedy_accuracy']:.3f}; temperature-1 sampled accuracy {stats['sampled_accuracy']:.3f}"
+        f"val greedy accuracy {stats['greedy_accuracy']:.3f}; "
+        f"temperature-1 sampled accuracy {stats['sampled_accuracy']:.3f}"
     )
     stats["build_seconds"] = time.time() - start
     write_model_card(args.out, stats)  # first: it makes the directory

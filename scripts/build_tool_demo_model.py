@@ -66,7 +66,8 @@ CHAT_TEMPLATE = (
     "{%- if message.role == 'assistant' and message.tool_calls %}\n"
     "{{- '<|im_start|>assistant\\n' + message.content }}\n"
     '{%- for call in message.tool_calls %}{{- \'<tool_call>{"name": "\' + call.function.name + \'", "arguments": \' + '
-    "(call.function.arguments if call.function.arguments is string else call.function.arguments | tojson) + '}</tool_call>' }}"
+    "(call.function.arguments if call.function.arguments is string else call.function.arguments | tojson) "
+    "+ '}</tool_call>' }}"
     "{%- endfor %}\n"
     "{{- '<|im_end|>\\n' }}\n"
     "{%- else %}\n"
@@ -321,11 +322,13 @@ nearly always right. Room for RL to learn to call the tool.
 **Measured on data/tool_demo/val.jsonl** through the tool loop (turn 1; if it calls the tool, the
 calculator's result as a `tool` message and turn 2; {MAX_NEW_TOKENS} new tokens a turn):
 
-| decoding | prompts x samples | accuracy | tool-call rate | tool result = answer | accuracy when calling | accuracy when not |
+| decoding | prompts x samples | accuracy | tool-call rate | tool result = answer | \
+accuracy when calling | accuracy when not |
 | --- | --- | --- | --- | --- | --- | --- |
 {table}
 
-Mean length in tokens of an SFT conversation: {stats["chat_tokens"]:.0f}, of which {stats["trained_tokens"]:.0f} trained.
+Mean length in tokens of an SFT conversation: {stats["chat_tokens"]:.0f}, \
+of which {stats["trained_tokens"]:.0f} trained.
 Build time: {stats["build_seconds"] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
 
 **Rebuild:** `python scripts/build_tool_demo_model.py` (seeded; writes models/tool_demo and data/tool_demo).
@@ -334,7 +337,8 @@ Build time: {stats["build_seconds"] / 60:.1f} min on {torch.get_num_threads()} C
 tokenizer_config.json; render with `reinforge.data.templates.render_messages`. A tool-using episode:
 
     <|im_start|>system\\nTools: calculator<|im_end|>\\n<|im_start|>user\\nAnn has 57 stickers. ...<|im_end|>\\n
-    <|im_start|>assistant\\n<tool_call>{{"name": "calculator", "arguments": {{"expression": "57 + 34 - 49"}}}}</tool_call><|im_end|>\\n
+    <|im_start|>assistant\\n<tool_call>{{"name": "calculator", \
+"arguments": {{"expression": "57 + 34 - 49"}}}}</tool_call><|im_end|>\\n
     <|im_start|>tool\\n42<|im_end|>\\n<|im_start|>assistant\\nThe answer is \\boxed{{42}}.<|im_end|>\\n
 
 (one string, broken here for reading). Each turn ends with `<|im_end|>`, the eos token; `<|endoftext|>` pads.

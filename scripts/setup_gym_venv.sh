@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The NeMo Gym virtualenv (`make gym-venv`): nemo-gym 0.7.0 in its own Python 3.13 venv, apart from
 # reinforge's (nemo-gym needs Python 3.13 and pins openai, ray and others; reinforge reaches its
-# servers over HTTP only: reinforge/envs/gym_launcher.py starts them from this venv).
+# servers over HTTP only: the tests start them from this venv with tests/e2e/_gym.py, users with
+# `.gym-venv/bin/gym env start`, docs/agents.md).
 #
-# nemo-gym 0.5+ declares Requires-Python >=3.13.14; it runs on earlier 3.13 releases, hence
-# --ignore-requires-python (docs: /work/shared/docs/nemo-gym-protocol.md, section 2).
+# nemo-gym 0.5+ declares Requires-Python >=3.13.14; it installs and runs on earlier 3.13 releases
+# (pip refuses it there without the flag), hence --ignore-requires-python.
 # Usage: scripts/setup_gym_venv.sh [VENV_DIR]   (default .gym-venv); writes VENV_DIR/.installed when done.
 set -euo pipefail
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reinforge.cluster.network import free_port
+from reinforge.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""GRPO with agent rollouts (`grpo.rollout=agent`): your own Python agents call the policy through the run's
+"""GRPO with agent rollouts (`rollout.driver=agent`): your own Python agents call the policy through the run's
 real endpoint with the real `openai` client; the trajectories come from what the endpoint recorded.
 
 Agents that fail, hang, rewrite their history, make no call or flag their episode are masked and
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from reinforge.algorithms import grpo
-from reinforge.cluster.network import free_port
-from reinforge.config import load_config
+from reinforge.algorithms.grpo import load_config
+from reinforge.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 SMALL = [
-    "grpo.num_prompts_per_step=8",
-    "grpo.num_generations_per_prompt=4",
+    "rollout.num_prompts_per_step=8",
+    "rollout.num_generations_per_prompt=4",
     "training.global_batch_size=32",
     "training.micro_batch_size=32",
     "data.max_val_prompts=16",
@@ -41,8 +41,8 @@ def test_the_agent_demo_learns_to_call_its_calculator(tmp_path):
     config = load_config(
         ROOT / "configs" / "grpo_agent_demo.yaml",
         [
-            "grpo.max_steps=6",
-            "grpo.val_every=0",
+            "loop.max_steps=6",
+            "loop.val_every=0",
             "data.max_val_prompts=32",
             "checkpoint.save_final=false",
             f"logging.run_dir={tmp_path / 'run'}",
@@ -70,9 +70,9 @@ def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_g
         ROOT / "configs" / "grpo_demo.yaml",
         [
             *SMALL,
-            "grpo.max_steps=2",
-            "grpo.val_every=0",
-            "grpo.rollout=agent",
+            "loop.max_steps=2",
+            "loop.val_every=0",
+            "rollout.driver=agent",
             "agent.python.unruly=_agents:unruly",
             "agent.timeout_s=3",
             f"logging.run_dir={tmp_path / 'run'}",
@@ -109,10 +109,10 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         "--config",
         str(ROOT / "configs" / "grpo_demo.yaml"),
         *SMALL,
-        "grpo.max_steps=2",
-        "grpo.val_every=0",
+        "loop.max_steps=2",
+        "loop.val_every=0",
         "data.val_path=null",
-        "grpo.rollout=agent",
+        "rollout.driver=agent",
         f"logging.run_dir={tmp_path / 'run'}",
         "checkpoint.save_every=1",
         *overrides,

@@ -1,5 +1,5 @@
 """Async GRPO end to end (engine in a Ray actor, generating while the trainer trains):
-- with grpo.max_staleness=0 its metrics equal the synchronous run's exactly;
+- with rollout.max_staleness=0 its metrics equal the synchronous run's exactly;
 - with max_staleness=1 every batch after the first is one policy behind, and a run killed with SIGKILL
   after a checkpoint resumes to the same metrics as a run never killed (the batch generated ahead of
   training is in the checkpoint)."""
@@ -18,13 +18,13 @@ from reinforge.paths import PROJECT_ROOT
 pytestmark = pytest.mark.xdist_group("ray")
 
 ARGS = [
-    "grpo.max_steps=4",
-    "grpo.num_prompts_per_step=4",
+    "loop.max_steps=4",
+    "rollout.num_prompts_per_step=4",
     "training.global_batch_size=32",
     "training.micro_batch_size=32",
     "generation.max_new_tokens=32",
     "data.max_val_prompts=8",
-    "grpo.val_every=2",
+    "loop.val_every=2",
     "checkpoint.save_final=false",
     "cluster.num_threads=1",
 ]
@@ -56,14 +56,19 @@ def comparable(rows):
 
 def test_async_with_staleness_0_equals_the_synchronous_run(tmp_path):
     synchronous = run(tmp_path / "sync")
-    asynchronous = run(tmp_path / "async", "grpo.async_rollouts=true", "grpo.max_staleness=0")
+    asynchronous = run(tmp_path / "async", "rollout.async_generation=true", "rollout.max_staleness=0")
     assert comparable(asynchronous) == comparable(synchronous)
     assert [row["rollout/policy_lag"] for row in asynchronous[1:]] == [0, 0, 0, 0]
     assert (tmp_path / "async" / "placement.json").is_file()  # the engine really ran as a Ray actor
 
 
 def test_async_staleness_1_is_one_policy_behind_and_resumes_exactly_after_sigkill(tmp_path):
-    extra = ("grpo.async_rollouts=true", "grpo.max_staleness=1", "checkpoint.save_every=1", "checkpoint.resume=auto")
+    extra = (
+        "rollout.async_generation=true",
+        "rollout.max_staleness=1",
+        "checkpoint.save_every=1",
+        "checkpoint.resume=auto",
+    )
     reference = run(tmp_path / "uninterrupted", *extra)
     assert [row["rollout/policy_version"] for row in reference[1:]] == [0, 0, 1, 2]
     # IS correction on: the engine's policy is the trainer's at step 1 only

@@ -88,8 +88,8 @@ CASES = {
         "latin1.yaml is not UTF-8 text",
     ),
     "grpo: a missing config file": (lambda d: ["grpo", "--config", f"{d}/none.yaml"], "none.yaml"),
-    "grpo: a value of the wrong type": (lambda d: grpo("grpo.max_steps=many"), "grpo.max_steps"),
-    "grpo: an unknown key": (lambda d: grpo("grpo.max_stepz=3"), "did you mean grpo.max_steps"),
+    "grpo: a value of the wrong type": (lambda d: grpo("loop.max_steps=many"), "loop.max_steps"),
+    "grpo: an unknown key": (lambda d: grpo("grpo.max_stepz=3"), "did you mean loop.max_steps"),
     "grpo: an unknown value": (lambda d: grpo("generation.backend=tgi"), "generation.backend"),
     "sft: a chat file that is not UTF-8": (
         lambda d: ["sft", "--config", str(CONFIGS / "sft_demo.yaml"), f"data.train_path={d}/latin1.jsonl"],

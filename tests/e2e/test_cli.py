@@ -12,10 +12,10 @@ from reinforge.cli import parse_args
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "grpo_demo.yaml"
 SMALL = [
-    "grpo.max_steps=2",
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
-    "grpo.val_every=0",
+    "loop.max_steps=2",
+    "rollout.num_prompts_per_step=4",
+    "rollout.num_generations_per_prompt=4",
+    "loop.val_every=0",
     "training.global_batch_size=8",
     "training.micro_batch_size=8",
     "data.max_val_prompts=8",
@@ -39,7 +39,7 @@ def assert_one_line_error(result, pattern):
 
 def test_misspelled_key_exits_nonzero_with_did_you_mean_and_no_traceback():
     result = reinforge("grpo", "--config", DEMO, "grpo.num_generatoins=4")
-    assert_one_line_error(result, "did you mean grpo.num_generations_per_prompt?")
+    assert_one_line_error(result, "did you mean rollout.num_generations_per_prompt?")
 
 
 def test_missing_dataset_file_is_a_one_line_error(tmp_path):

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from reinforge.algorithms import grpo
+from reinforge.algorithms.grpo import load_config
 from reinforge.cli import main
-from reinforge.config import load_config
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.convert import convert
 
@@ -26,9 +26,9 @@ def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path)
         "grpo",
         "--config",
         str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
-        "grpo.max_steps=1",
+        "loop.max_steps=1",
         "checkpoint.save_every=1",
-        "grpo.num_prompts_per_step=4",
+        "rollout.num_prompts_per_step=4",
         "training.global_batch_size=32",
         "training.micro_batch_size=32",
         "data.max_val_prompts=4",
@@ -81,9 +81,9 @@ def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(
     model's (PEFT's, on the base) to fp32's rounding: 8 units in the last place of the largest logit (~20 here: 1.9e-5;
     measured up to 1.0e-5), against > 1e-3 between the adapter model and its base."""
     overrides = [
-        "grpo.max_steps=2",
+        "loop.max_steps=2",
         "checkpoint.save_every=2",
-        "grpo.num_prompts_per_step=4",
+        "rollout.num_prompts_per_step=4",
         "training.global_batch_size=32",
         "training.micro_batch_size=32",
         "data.max_val_prompts=4",

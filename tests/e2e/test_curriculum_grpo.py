@@ -3,15 +3,16 @@ the demo model with the real engine, trainer and verifier: the curriculum's metr
 are stored in the run directory, and a run stopped after step 2 and resumed repeats the uninterrupted metrics
 without sampling the pass rates again; `reinforge curriculum prefilter` writes records with a pass_rate field.
 
-The first test needs grpo.train to build its sampler with reinforge.data.curriculum.build_prompt_sampler (see that module)."""
+The first test needs grpo.train to build its sampler with
+reinforge.algorithms.curriculum_prefilter.build_prompt_sampler (see that module)."""
 
 import json
 import subprocess
 import sys
 
 from reinforge.algorithms import grpo
-from reinforge.config import load_config
-from reinforge.data.curriculum import build_prompt_sampler
+from reinforge.algorithms.curriculum_prefilter import build_prompt_sampler
+from reinforge.algorithms.grpo import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt
 from reinforge.paths import PROJECT_ROOT
@@ -19,7 +20,7 @@ from reinforge.paths import PROJECT_ROOT
 CONFIG = PROJECT_ROOT / "configs" / "grpo_curriculum_demo.yaml"
 NUM_PROMPTS = 40
 ARGS = [
-    "grpo.num_prompts_per_step=4",
+    "rollout.num_prompts_per_step=4",
     "training.global_batch_size=32",
     "training.micro_batch_size=32",
     "generation.max_new_tokens=40",
@@ -30,12 +31,12 @@ ARGS = [
     "checkpoint.save_every=2",
     "checkpoint.resume=auto",
     "curriculum.num_steps=4",
-]  # the schedule must not follow grpo.max_steps, which the resumed run raises
+]  # the schedule must not follow loop.max_steps, which the resumed run raises
 
 
 def run(train_path, run_dir, max_steps):
     config = load_config(
-        CONFIG, [*ARGS, f"data.train_path={train_path}", f"grpo.max_steps={max_steps}", f"logging.run_dir={run_dir}"]
+        CONFIG, [*ARGS, f"data.train_path={train_path}", f"loop.max_steps={max_steps}", f"logging.run_dir={run_dir}"]
     )
     return grpo.train(config).run_dir
 

@@ -13,8 +13,8 @@ from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "distill_demo.yaml"
 SMALL = [
-    "grpo.num_prompts_per_step=8",
-    "grpo.num_generations_per_prompt=4",
+    "rollout.num_prompts_per_step=8",
+    "rollout.num_generations_per_prompt=4",
     "training.global_batch_size=32",
     "training.micro_batch_size=32",
     "generation.max_new_tokens=40",
@@ -44,7 +44,7 @@ def rows(run_dir):
 
 def test_distilling_the_stronger_teacher_raises_validation_accuracy(tmp_path):
     """The demo config (the top-k KL) on small batches: 10 steps of 8 prompts x 4 answers."""
-    result = distill(tmp_path / "run", "grpo.max_steps=10", "grpo.val_every=10", "data.max_val_prompts=48")
+    result = distill(tmp_path / "run", "loop.max_steps=10", "loop.val_every=10", "data.max_val_prompts=48")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = rows(tmp_path / "run")
     first, last = metrics[0]["val/accuracy"], metrics[-1]["val/accuracy"]
@@ -65,11 +65,11 @@ def resume_args(run_dir):
         "--config",
         str(CONFIG),
         *SMALL,
-        "grpo.num_prompts_per_step=4",
+        "rollout.num_prompts_per_step=4",
         "training.global_batch_size=16",
         "training.micro_batch_size=16",
-        "grpo.max_steps=4",
-        "grpo.val_every=2",
+        "loop.max_steps=4",
+        "loop.val_every=2",
         "data.max_val_prompts=8",
         "checkpoint.save_every=1",
         "checkpoint.keep_last=2",
@@ -106,14 +106,22 @@ def test_a_teacher_with_another_tokenizer_or_a_task_without_a_teacher_is_a_one_l
         capsys, tmp_path / "c", "distill.teachers=[{name_or_path: models/demo_teacher}, {name_or_path: models/demo}]"
     )
     assert "at most one may be the default teacher" in two_defaults
-    assert "loss.kl_in_reward is GRPO's reward shaping" in one_line_error(
+    # GRPO's reward shaping is not in distillation's tree: unknown keys, whatever their value
+    assert "loss.kl_in_reward: reinforge distill has no such setting" in one_line_error(
         capsys, tmp_path / "d", "loss.kl_in_reward=true", "loss.kl_coef=0.01"
     )
-    assert not any((tmp_path / name).exists() for name in "abcd")
+    assert "grpo.whiten_advantages: reinforge distill has no grpo section" in one_line_error(
+        capsys, tmp_path / "e", "grpo.whiten_advantages=false"
+    )
+    assert "overlong.filtering: reinforge distill has no overlong section" in one_line_error(
+        capsys, tmp_path / "f", "overlong.filtering=false"
+    )
+    assert not any((tmp_path / name).exists() for name in "abcdef")
 
 
 def test_a_teacher_of_another_size_with_the_students_tokenizer_distils(tmp_path, capsys):
-    """A random 2-layer, 64-wide Qwen2 with the demo's tokenizer (the student is 4 layers, 128 wide) teaches one step."""
+    """A random 2-layer, 64-wide Qwen2 with the demo's tokenizer (the student is 4 layers, 128 wide) teaches one
+    step."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     student = PROJECT_ROOT / "models" / "demo"
@@ -132,8 +140,8 @@ def test_a_teacher_of_another_size_with_the_students_tokenizer_distils(tmp_path,
             str(CONFIG),
             *SMALL,
             f"distill.teachers=[{{name_or_path: {tmp_path / 'teacher'}}}]",
-            "grpo.max_steps=1",
-            "grpo.val_every=0",
+            "loop.max_steps=1",
+            "loop.val_every=0",
             "data.max_val_prompts=4",
             f"logging.run_dir={tmp_path / 'run'}",
         ]

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms import dpo
-from reinforge.config.recipe_loader import load_recipe_config
+from reinforge.config.loader import load_recipe_config
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "dpo_demo.yaml"
@@ -100,4 +100,6 @@ def test_the_dpo_command_reports_config_errors_on_one_line(tmp_path):
         timeout=300,
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == "reinforge: error: unknown config key dpo.betta; did you mean dpo.beta?"
+    assert result.stderr.strip() == (
+        "reinforge: error: unknown config key dpo.betta: reinforge dpo has no such setting; did you mean dpo.beta?"
+    )

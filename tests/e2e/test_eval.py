@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from reinforge.config.schema import EnvConfig, ModelConfig
 from reinforge.envs.base import EnvRequest
-from reinforge.envs.registry import build_envs
+from reinforge.envs.registry import EnvConfig, build_envs
 from reinforge.errors import ReinforgeError
 from reinforge.evaluation.benchmarks import MATH_SUFFIX, load_benchmark
 from reinforge.evaluation.evaluate import evaluate, resolve_model
 from reinforge.evaluation.metrics import pass_at_k
+from reinforge.model_config import ModelConfig
 
-# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes
+# (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 ROOT = Path(__file__).resolve().parents[2]

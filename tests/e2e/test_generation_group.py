@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
+from reinforge.algorithms.grpo import load_config
 from reinforge.cluster.generation_group import GenerationGroup
-from reinforge.config import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.errors import ConfigError

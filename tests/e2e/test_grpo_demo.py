@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms import grpo
-from reinforge.config import load_config
+from reinforge.algorithms.grpo import load_config
 from reinforge.paths import PROJECT_ROOT
 
 REQUIRED = [
@@ -30,7 +30,7 @@ REQUIRED = [
 def test_grpo_on_the_demo_model_raises_reward_and_accuracy(tmp_path):
     config = load_config(
         PROJECT_ROOT / "configs" / "grpo_demo.yaml",
-        ["grpo.max_steps=12", "grpo.val_every=0", f"logging.run_dir={tmp_path / 'run'}"],
+        ["loop.max_steps=12", "loop.val_every=0", f"logging.run_dir={tmp_path / 'run'}"],
     )
     result = grpo.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

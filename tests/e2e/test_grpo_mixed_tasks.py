@@ -6,10 +6,11 @@ import json
 import pytest
 
 from reinforge.algorithms import grpo
-from reinforge.config import load_config
+from reinforge.algorithms.grpo import load_config
 from reinforge.paths import PROJECT_ROOT
 
-# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes
+# (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 MIXED = PROJECT_ROOT / "tests" / "data" / "mixed_math_code.jsonl"
@@ -21,16 +22,16 @@ def test_a_batch_mixing_math_and_code_trains_with_per_task_metrics(tmp_path):
         [
             f"data.train_path={MIXED}",
             f"data.val_path={MIXED}",
-            "grpo.num_prompts_per_step=16",
+            "rollout.num_prompts_per_step=16",
             "training.global_batch_size=128",
             "training.micro_batch_size=64",
-            "grpo.max_steps=2",
-            "grpo.val_every=0",
+            "loop.max_steps=2",
+            "loop.val_every=0",
             "generation.max_new_tokens=32",
             "checkpoint.save_final=false",
             f"logging.run_dir={tmp_path / 'run'}",
-            "grpo.val_benchmarks=[gsm8k,humaneval]",
-            "grpo.val_benchmark_limit=4",
+            "loop.val_benchmarks=[gsm8k,humaneval]",
+            "loop.val_benchmark_limit=4",
         ],
     )
     result = grpo.train(config)
@@ -40,7 +41,7 @@ def test_a_batch_mixing_math_and_code_trains_with_per_task_metrics(tmp_path):
     for row in steps:
         # 16 prompts per step drawn from 24 math + 8 code records: both tasks in every batch (and in the mean)
         assert 0.0 <= row["train/math/reward_mean"] <= 1.0 and row["train/code/reward_mean"] == 0.0
-        assert row["env/code/samples"] > 0 and row["env/code/samples"] % config.grpo.num_generations_per_prompt == 0
+        assert row["env/code/samples"] > 0 and row["env/code/samples"] % config.rollout.num_generations_per_prompt == 0
         assert "env/math/verifier_errors" in row
     # the demo model writes arithmetic, not Python: code scores 0, math is scored by the verifier
     assert val["val/code/accuracy"] == 0.0 and val["val/math/accuracy"] > 0.2

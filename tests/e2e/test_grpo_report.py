@@ -29,10 +29,10 @@ def run_dir(tmp_path_factory):
         "grpo",
         "--config",
         str(CONFIG),
-        "grpo.max_steps=3",
-        "grpo.val_every=1",
+        "loop.max_steps=3",
+        "loop.val_every=1",
         "data.max_val_prompts=16",
-        "grpo.num_prompts_per_step=16",
+        "rollout.num_prompts_per_step=16",
         "checkpoint.save_final=false",
         f"logging.run_dir={tmp / 'run'}",
         cwd=tmp,
@@ -71,7 +71,7 @@ def test_report_of_a_grpo_run_has_every_figure_and_the_runs_numbers(run_dir):
     summary = (report / "summary.md").read_text()
     assert "3 training steps (last step 3)" in summary
     assert '| `model.name_or_path` | "models/demo" |' in summary
-    assert "| `grpo.num_prompts_per_step` | 16 |" in summary
+    assert "| `rollout.num_prompts_per_step` | 16 |" in summary
     best = max(val)
     assert f"| `val/accuracy` | {val[0]:.4g} | {val[-1]:.4g} | {best:.4g} | {val.index(best)} |" in summary
     assert f"| `train/reward_mean` | {rewards[0]:.4g} | {rewards[-1]:.4g} | {max(rewards):.4g} |" in summary

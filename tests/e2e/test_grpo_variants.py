@@ -7,7 +7,7 @@ import math
 import pytest
 
 from reinforge.algorithms import grpo
-from reinforge.config import load_config
+from reinforge.algorithms.grpo import load_config
 from reinforge.paths import PROJECT_ROOT
 
 COMMON = [
@@ -22,7 +22,8 @@ COMMON = [
     "timing/step_s",
 ]
 
-# method -> (overrides beyond the small shared ones, metrics only that method logs); GDPO: tests/e2e/test_reasoning_control.py
+# method -> (overrides beyond the small shared ones, metrics only that method logs);
+# GDPO: tests/e2e/test_reasoning_control.py
 VARIANTS = {
     # answers of the demo model are ~30 tokens: a 32-token limit truncates most (in step 2 here, all of them),
     # so overlong filtering has work to do
@@ -53,10 +54,10 @@ def test_each_grpo_variant_config_trains_two_steps_with_finite_metrics(method, t
         PROJECT_ROOT / "configs" / f"{method}_demo.yaml",
         # one torch thread: on a shared 2-core machine, two threads per process wait on each other (6x slower)
         [
-            "grpo.max_steps=2",
-            "grpo.val_every=0",
+            "loop.max_steps=2",
+            "loop.val_every=0",
             "data.max_val_prompts=16",
-            "grpo.num_prompts_per_step=8",
+            "rollout.num_prompts_per_step=8",
             "training.global_batch_size=32",
             "training.micro_batch_size=32",
             "generation.num_probe_prompts=2",
@@ -86,7 +87,7 @@ def test_each_grpo_variant_config_trains_two_steps_with_finite_metrics(method, t
 def check_method(method: str, row: dict[str, float], config) -> None:
     """What each method's settings must show in a step's metrics."""
     if method == "dapo":
-        assert row["rollout/num_trained_groups"] <= config.grpo.num_prompts_per_step
+        assert row["rollout/num_trained_groups"] <= config.rollout.num_prompts_per_step
         assert 1 <= row["rollout/dynamic_sampling_rounds"] <= 1 + config.grpo.dynamic_sampling_max_extra_rounds
         assert row["train/zero_std_group_fraction"] == 0.0  # every trained group has unequal rewards
         assert -1.0 <= row["rollout/overlong_penalty_mean"] <= 0.0
@@ -107,10 +108,10 @@ def test_a_kl_penalty_in_the_reward_is_zero_until_the_policy_moves(tmp_path):
     config = load_config(
         PROJECT_ROOT / "configs" / "grpo_demo.yaml",
         [
-            "grpo.max_steps=2",
-            "grpo.val_every=0",
+            "loop.max_steps=2",
+            "loop.val_every=0",
             "data.val_path=null",
-            "grpo.num_prompts_per_step=8",
+            "rollout.num_prompts_per_step=8",
             "training.global_batch_size=32",
             "training.micro_batch_size=32",
             "generation.num_probe_prompts=2",

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _gym import gym_python, gym_servers
 from _servers import cli_server
 
 from reinforge.algorithms import grpo
-from reinforge.cluster.network import free_port
-from reinforge.config import load_config
+from reinforge.algorithms.grpo import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.responses_format import create_params_to_chat, hermes_messages, items_to_chat, verdict_components
 from reinforge.envs.base import EnvRequest
-from reinforge.envs.gym_launcher import gym_python, gym_servers
 from reinforge.envs.math_env import MathEnv
 from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig
+from reinforge.network import free_port
 
 pytestmark = pytest.mark.xdist_group("gym")
 
@@ -145,13 +145,13 @@ def test_grpo_trains_on_episodes_gyms_simple_agent_drives(gym, tmp_path):
             "model.name_or_path=models/tool_demo",
             f"data.train_path={train}",
             "data.val_path=null",
-            "grpo.max_steps=3",
-            "grpo.num_prompts_per_step=8",
-            "grpo.num_generations_per_prompt=4",
+            "loop.max_steps=3",
+            "rollout.num_prompts_per_step=8",
+            "rollout.num_generations_per_prompt=4",
             "training.global_batch_size=32",
             "training.micro_batch_size=32",
-            "grpo.max_turns=3",
-            "grpo.rollout=agent",
+            "rollout.max_turns=3",
+            "rollout.driver=agent",
             f"agent.endpoint.port={POLICY_PORT}",
             f"agent.gym.weather_agent.url={urls['weather_agent']}",
             f"agent.gym.calculator_agent.url={urls['calculator_agent']}",

@@ -1,5 +1,5 @@
 """NeMo Gym resources servers both ways, all real: Gym's own servers (started from the Gym virtualenv
-with gym_launcher) scoring reinforge-driven conversations through GymResourcesEnv, and reinforge's
+with tests/e2e/_gym.py) scoring reinforge-driven conversations through GymResourcesEnv, and reinforge's
 environments served as Gym resources servers (`reinforge env serve --protocol gym`).
 
 The Gym servers' answers are computed from their verify code (nemo-gym 0.7.0):
@@ -24,17 +24,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _gym import GymLaunchError, gym_python, gym_servers
 
-from reinforge.cluster.network import free_port
-from reinforge.config import load_config
+from reinforge.algorithms.grpo import load_config
 from reinforge.data.prompts import render_prompt
 from reinforge.data.responses_format import create_params_to_chat
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.gym import GymResourcesEnv, GymServerError
 from reinforge.envs.gym_config import GymResourcesConfig
-from reinforge.envs.gym_launcher import GymLaunchError, gym_python, gym_servers
 from reinforge.envs.registry import build_env, check_tasks
 from reinforge.errors import DataError
+from reinforge.network import free_port
 
 pytestmark = pytest.mark.xdist_group("gym")
 
@@ -283,7 +283,7 @@ def test_the_registry_builds_gym_tasks_and_records_must_be_gym_rows(gym_urls):
 def test_a_rendered_prompt_with_a_system_message_before_the_rows_input_is_scored_after_it(gym_urls):
     """render_prompt adds data.system_prompt before a row without its own: the Responses object
     starts after the row's input all the same."""
-    from reinforge.config.schema import ModelConfig
+    from reinforge.model_config import ModelConfig
     from reinforge.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(ROOT / "models" / "demo")))
@@ -375,7 +375,8 @@ CALCULATOR_ROW = {
 
 
 def gym_verify_body(final_answer: str) -> dict:
-    """A Gym verify request as simple_agent posts it: the row, and a Responses object with a calculator call, its output and the answer."""
+    """A Gym verify request as simple_agent posts it: the row, and a Responses object with a calculator call, its
+    output and the answer."""
     output = [
         {
             "type": "function_call",

@@ -25,10 +25,10 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from reinforge.cluster.network import free_port
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.judge import JudgeEnv, JudgeEnvConfig, JudgeError
 from reinforge.errors import ConfigError
+from reinforge.network import free_port
 
 # One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("ray")

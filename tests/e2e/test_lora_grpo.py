@@ -10,7 +10,7 @@ from _kill import assert_resumes_like_a_run_never_killed
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms import grpo
-from reinforge.config import load_config
+from reinforge.algorithms.grpo import load_config
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "grpo_lora_demo.yaml"
@@ -21,7 +21,7 @@ def rows(run_dir):
 
 
 def test_grpo_with_lora_raises_reward_and_accuracy_and_leaves_an_adapter(tmp_path):
-    config = load_config(CONFIG, ["grpo.max_steps=12", "grpo.val_every=0", f"logging.run_dir={tmp_path / 'run'}"])
+    config = load_config(CONFIG, ["loop.max_steps=12", "loop.val_every=0", f"logging.run_dir={tmp_path / 'run'}"])
     result = grpo.train(config)
     steps = rows(result.run_dir)[1:]
     early = sum(r["train/reward_mean"] for r in steps[:4]) / 4
@@ -45,22 +45,22 @@ def test_grpo_with_lora_raises_reward_and_accuracy_and_leaves_an_adapter(tmp_pat
     # a run started from the base plus that adapter (model.adapter, merged at load) begins where this one ended
     onward = load_config(
         CONFIG,
-        ["grpo.max_steps=0", "model.lora=null", f"model.adapter={final}", f"logging.run_dir={tmp_path / 'onward'}"],
+        ["loop.max_steps=0", "model.lora=null", f"model.adapter={final}", f"logging.run_dir={tmp_path / 'onward'}"],
     )
     assert grpo.train(onward).first_val_accuracy == result.last_val_accuracy
 
 
 RESUME = [
-    "grpo.max_steps=4",
+    "loop.max_steps=4",
     "checkpoint.save_every=1",
     "checkpoint.keep_last=2",
     "checkpoint.resume=auto",
-    "grpo.num_prompts_per_step=4",
+    "rollout.num_prompts_per_step=4",
     "training.global_batch_size=32",
     "training.micro_batch_size=32",
     "generation.max_new_tokens=40",
     "data.max_val_prompts=8",
-    "grpo.val_every=2",
+    "loop.val_every=2",
     "checkpoint.save_final=false",
     "cluster.num_threads=1",
 ]
@@ -94,7 +94,7 @@ def test_a_recipe_of_lora_stages_chains_them_through_the_merged_models(tmp_path)
 
     markers = run_recipe(
         PROJECT_ROOT / "configs" / "recipes" / "demo_progressive.yaml",
-        ["model.lora.rank=8", "training.lr=1e-3", "grpo.max_steps=1"],
+        ["model.lora.rank=8", "optimizer.lr=1e-3", "loop.max_steps=1"],
         run_dir=str(tmp_path / "recipe"),
     )
     stages = sorted((tmp_path / "recipe" / "stages").iterdir())

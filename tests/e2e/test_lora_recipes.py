@@ -18,12 +18,12 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from reinforge.algorithms import dpo, rm, sft
 from reinforge.cli import main
-from reinforge.config.recipe_loader import load_recipe_config
-from reinforge.config.schema import ModelConfig
+from reinforge.config.loader import load_recipe_config
 from reinforge.data.preference import load_pairs, tokenize_for_policy
 from reinforge.envs.reward_model_server import RewardModelScorer
 from reinforge.errors import ReinforgeError
 from reinforge.evaluation.evaluate import evaluate, resolve_model
+from reinforge.model_config import ModelConfig
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.convert import convert
 from reinforge.training.lora import adapter_disabled
@@ -86,7 +86,7 @@ def test_dpo_with_lora_raises_the_margin_against_the_base_model_as_reference(tmp
         CONFIGS["dpo"],
         [
             *LORA,
-            "training.lr=1e-3",
+            "optimizer.lr=1e-3",
             "dpo.max_steps=6",
             "dpo.val_every=0",
             "data.max_val_pairs=64",
@@ -121,7 +121,7 @@ def test_with_lora_a_per_batch_reference_gives_the_run_of_a_precomputed_one(tmp_
     data.write_text("\n".join(pairs) + "\n")
     common = [
         *LORA,
-        "training.lr=1e-3",
+        "optimizer.lr=1e-3",
         "dpo.max_steps=3",
         "dpo.val_every=0",
         "data.val_path=null",
@@ -147,7 +147,7 @@ def test_rm_with_lora_trains_the_adapter_and_the_head_and_its_final_scores_throu
         CONFIGS["rm"],
         [
             *LORA,
-            "training.lr=3e-3",
+            "optimizer.lr=3e-3",
             "rm.max_steps=20",
             "rm.val_every=0",
             "data.max_val_pairs=64",
@@ -235,7 +235,8 @@ def test_eval_takes_the_base_model_plus_an_adapter_as_the_merged_model(sft_run, 
 
     with pytest.raises(
         ReinforgeError,
-        match=f"is a LoRA adapter, not a whole model; give its base model and the adapter: --model .* --adapter {final}",
+        match=f"is a LoRA adapter, not a whole model; give its base model and the adapter: "
+        f"--model .* --adapter {final}",
     ):
         resolve_model(ModelConfig(name_or_path=str(sft_run.run_dir)))  # the run directory, whose final/ is an adapter
     capsys.readouterr()

@@ -16,7 +16,7 @@ from reinforge.paths import PROJECT_ROOT
 pytestmark = pytest.mark.xdist_group("ray")
 
 DEMO = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
-LORA_VLLM = ["generation.backend=vllm", "model.lora.rank=16", "training.lr=1e-3"]
+LORA_VLLM = ["generation.backend=vllm", "model.lora.rank=16", "optimizer.lr=1e-3"]
 
 
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
@@ -31,8 +31,8 @@ def test_grpo_with_lora_and_vllm_agrees_with_the_trainer_at_every_step(tmp_path,
         str(DEMO),
         *LORA_VLLM,
         f"model.lora.sync={sync}",
-        "grpo.max_steps=3",
-        "grpo.val_every=0",
+        "loop.max_steps=3",
+        "loop.val_every=0",
         "data.max_val_prompts=8",
         "checkpoint.save_final=false",
         f"logging.run_dir={run_dir}",
@@ -51,18 +51,20 @@ def refit_and_probe(run_dir, out_path):
     """In a fresh process (vLLM sets up process-wide state): two GRPO-like optimizer steps of a LoRA policy,
     each followed by the adapter refit; then the engine's logprobs, with the adapter and with it turned off,
     against the trainer and the base model."""
+    from reinforge.algorithms import consistency
+    from reinforge.algorithms.grpo import load_config
     from reinforge.algorithms.refit import refit
-    from reinforge.config import load_config
-    from reinforge.config.schema import TrainingConfig
     from reinforge.data.batch import collate
     from reinforge.data.jsonl import read_jsonl
     from reinforge.data.prompts import render_prompt
-    from reinforge.generation import consistency
     from reinforge.generation.base import SamplingParams
     from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
     from reinforge.modeling import load_tokenizer
     from reinforge.rollout.single_turn import generate_trajectories
-    from reinforge.training.torch_backend import TorchBackend
+    from reinforge.training.backend import Backend
+    from reinforge.training.base import TrainingConfig
+    from reinforge.training.heads import LogprobHead
+    from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
     torch.manual_seed(0)
     config = load_config(DEMO, [*LORA_VLLM, "generation.vllm_block_size=32"])
@@ -71,14 +73,21 @@ def refit_and_probe(run_dir, out_path):
         render_prompt(r, tokenizer, "prompt", None, True)
         for r in read_jsonl(PROJECT_ROOT / "data" / "demo" / "val.jsonl")[:8]
     ]
-    sampling = lambda seed: SamplingParams(max_new_tokens=40, temperature=1.0, num_samples=4, seed=seed)
-    backend = lambda model: TorchBackend(
-        model,
-        TrainingConfig(micro_batch_size=32, global_batch_size=32, lr=1e-2),
-        temperature=1.0,
-        num_optimizer_steps=10,
-        load_reference=False,
-    )
+
+    def sampling(seed):
+        return SamplingParams(max_new_tokens=40, temperature=1.0, num_samples=4, seed=seed)
+
+    def backend(model):
+        return Backend(
+            model,
+            TrainingConfig(micro_batch_size=32, global_batch_size=32),
+            OptimizerConfig(lr=1e-2),
+            SchedulerConfig(),
+            num_optimizer_steps=10,
+            head=LogprobHead(1.0),
+            load_reference=False,
+        )
+
     trainer, base = backend(config.model), backend(config.model.model_copy(update={"lora": None}))
     engine = VLLMGenerationBackend(**engine_kwargs(config))
     errors = {"start": consistency.probe(prompts, engine, trainer, tokenizer, sampling(0))}

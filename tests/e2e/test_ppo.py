@@ -12,7 +12,7 @@ from _kill import assert_resumes_like_a_run_never_killed
 from reinforge.algorithms import ppo
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.cli import main
-from reinforge.config.recipe_loader import load_recipe_config
+from reinforge.config.loader import load_recipe_config
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "ppo_demo.yaml"
@@ -29,9 +29,9 @@ def test_ppo_fits_the_critic_and_trains_the_policy_with_the_kl_penalty_in_the_re
         [
             "loss.kl_in_reward=true",
             "ppo.critic_epochs=2",
-            "grpo.max_steps=8",
-            "grpo.val_every=0",
-            "grpo.num_prompts_per_step=16",
+            "loop.max_steps=8",
+            "loop.val_every=0",
+            "rollout.num_prompts_per_step=16",
             "training.global_batch_size=128",
             "training.micro_batch_size=128",
             "data.max_val_prompts=32",
@@ -63,16 +63,16 @@ def test_ppo_fits_the_critic_and_trains_the_policy_with_the_kl_penalty_in_the_re
 
 
 RESUME = [
-    "grpo.max_steps=4",
+    "loop.max_steps=4",
     "checkpoint.save_every=1",
     "checkpoint.keep_last=2",
     "checkpoint.resume=auto",
-    "grpo.num_prompts_per_step=4",
+    "rollout.num_prompts_per_step=4",
     "training.global_batch_size=32",
     "training.micro_batch_size=32",
     "generation.max_new_tokens=40",
     "data.max_val_prompts=8",
-    "grpo.val_every=2",
+    "loop.val_every=2",
     "checkpoint.save_final=false",
     "cluster.num_threads=1",
     "ppo.critic_warmup_steps=1",
@@ -112,7 +112,7 @@ def test_a_ppo_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_never_kil
     "override, message",
     [
         ("model.lora.rank=8", "reinforge ppo does not train LoRA adapters yet"),
-        ("grpo.async_rollouts=true", "reinforge ppo is on-policy only"),
+        ("rollout.async_generation=true", "reinforge ppo is on-policy only"),
         ("ppo.lam=1.5", "ppo.lam"),
     ],
 )

@@ -14,15 +14,15 @@ import pytest
 import yaml
 
 from reinforge.algorithms import grpo, sft
-from reinforge.config import load_config
-from reinforge.config.recipe_loader import load_recipe_config
-from reinforge.config.schema import ModelConfig
+from reinforge.algorithms.grpo import load_config
+from reinforge.config.loader import load_recipe_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.format_env import FormatEnv, FormatEnvConfig
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 from reinforge.recipes.spec import load_recipe
@@ -33,15 +33,15 @@ ON, OFF = "compliance_rate/thinking_on", "compliance_rate/thinking_off"
 SFT_OVERRIDES = [
     "sft.max_steps=120",
     "training.global_batch_size=16",
-    "training.lr=2e-3",
-    "training.warmup_steps=5",
+    "optimizer.lr=2e-3",
+    "scheduler.warmup_steps=5",
     "data.val_fraction=0",
     "num_threads=1",
 ]
 GRPO_OVERRIDES = [
-    "grpo.max_steps=3",
-    "grpo.val_every=0",
-    "grpo.num_prompts_per_step=16",
+    "loop.max_steps=3",
+    "loop.val_every=0",
+    "rollout.num_prompts_per_step=16",
     "data.max_val_prompts=64",
     "cluster.num_threads=1",
     "checkpoint.save_final=false",
@@ -137,7 +137,7 @@ def test_gdpo_normalises_the_math_and_format_rewards_apart_from_the_sft_model(ch
     config = load_config(
         CONFIGS / "gdpo_demo.yaml",
         GRPO_OVERRIDES
-        + ["grpo.max_steps=2", f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={tmp_path / 'gdpo'}"],
+        + ["loop.max_steps=2", f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={tmp_path / 'gdpo'}"],
     )
     assert config.grpo.decoupled_normalization and config.env.extra_rewards == {"format": 0.5}
     rows = [json.loads(line) for line in (grpo.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]

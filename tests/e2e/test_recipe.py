@@ -20,8 +20,8 @@ from reinforge.recipes.runner import run_recipe
 
 RECIPE = PROJECT_ROOT / "configs" / "recipes" / "demo_progressive.yaml"
 SHORTER = [
-    "grpo.max_steps=2",
-    "grpo.num_prompts_per_step=4",
+    "loop.max_steps=2",
+    "rollout.num_prompts_per_step=4",
     "training.global_batch_size=16",
     "training.micro_batch_size=16",
     "data.max_val_prompts=8",
@@ -68,7 +68,7 @@ def test_each_stage_starts_from_the_previous_stage_final_weights_with_a_longer_c
     assert [f"stage {k} of 3" in stdout for k in (1, 2, 3)] == [True] * 3
     configs = [yaml.safe_load((run_dir / "stages" / name / "config.yaml").read_text()) for name in STAGES]
     assert [c["generation"]["max_new_tokens"] for c in configs] == [16, 32, 48]
-    assert [c["grpo"]["max_steps"] for c in configs] == [2, 2, 2]
+    assert [c["loop"]["max_steps"] for c in configs] == [2, 2, 2]
     assert configs[0]["model"]["name_or_path"] == "models/demo"
     finals = [run_dir / "stages" / name / "final" for name in STAGES]
     for config, previous_final in zip(configs[1:], finals):
@@ -133,10 +133,10 @@ def test_a_recipe_killed_in_stage_2_resumes_there_with_the_metrics_of_a_run_neve
 def test_rerunning_with_a_finished_stage_changed_is_refused_naming_stage_and_setting(finished_run, capsys):
     run_dir, _ = finished_run
     before = files_state(run_dir)
-    assert main(command(run_dir, "training.lr=3e-4")[3:]) == 2  # in-process: refused before anything loads
+    assert main(command(run_dir, "optimizer.lr=3e-4")[3:]) == 2  # in-process: refused before anything loads
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "reinforge: error: stage 1 of 3 (short, grpo) is finished with training.lr=0.0001"
+        "reinforge: error: stage 1 of 3 (short, grpo) is finished with optimizer.lr=0.0001"
     )
     assert "new run_dir" in lines[0]
     assert files_state(run_dir) == before
@@ -151,10 +151,11 @@ def test_an_sft_then_grpo_recipe_starts_an_unfinished_sft_stage_over_and_chains_
         f"run_dir: {tmp_path / 'run'}\nstages:\n"
         f"  - name: sft\n    algorithm: sft\n    config: {PROJECT_ROOT / 'configs' / 'sft_demo.yaml'}\n"
         f"    overrides: {{data.train_path: {chats}, data.val_fraction: 0, sft.max_steps: 2, sft.random_init: false,\n"
-        f"                training.global_batch_size: 8, training.warmup_steps: 0, num_threads: 1}}\n"
+        f"                training.global_batch_size: 8, scheduler.warmup_steps: 0, num_threads: 1}}\n"
         f"  - name: rl\n    config: {PROJECT_ROOT / 'configs' / 'grpo_demo.yaml'}\n"
-        f"    overrides: {{grpo.max_steps: 1, grpo.num_prompts_per_step: 2, grpo.num_generations_per_prompt: 4,\n"
-        f"                training.global_batch_size: 8, training.micro_batch_size: 8, data.max_val_prompts: 4, cluster.num_threads: 1}}\n"
+        f"    overrides: {{loop.max_steps: 1, rollout.num_prompts_per_step: 2, rollout.num_generations_per_prompt: 4,\n"
+        f"                training.global_batch_size: 8, training.micro_batch_size: 8, data.max_val_prompts: 4,\n"
+        f"                cluster.num_threads: 1}}\n"
     )
     leftover = tmp_path / "run" / "stages" / "01-sft"  # as a killed run leaves it
     leftover.mkdir(parents=True)
@@ -170,3 +171,51 @@ def test_an_sft_then_grpo_recipe_starts_an_unfinished_sft_stage_over_and_chains_
     trained, start = weights(leftover / "final"), weights(PROJECT_ROOT / "models" / "demo")
     assert any(not torch.equal(trained[name], start[name]) for name in start)
     assert rl["metrics"]["step"] == 1 and "val/accuracy" in rl["metrics"]
+
+
+CHAIN = PROJECT_ROOT / "configs" / "recipes" / "demo_rl_chain.yaml"
+CHAIN_STAGES = ["01-grpo", "02-ppo", "03-distill"]
+
+
+def chain_command(run_dir):
+    return [sys.executable, "-m", "reinforge.cli", "recipe", "--run-dir", str(run_dir), str(CHAIN), *SHORTER]
+
+
+def test_a_grpo_ppo_distill_recipe_killed_in_its_ppo_stage_resumes_there_like_a_run_never_killed(tmp_path):
+    """configs/recipes/demo_rl_chain.yaml: GRPO, then PPO (a critic beside the policy) from GRPO's final weights,
+    then distillation from PPO's. Killed once the PPO stage's first checkpoint is in place, the rerun skips the GRPO
+    stage, resumes PPO from its checkpoint (critic included) and runs distillation; every stage's metrics equal
+    those of the same recipe run through without a kill."""
+    reference = tmp_path / "uninterrupted"
+    result = subprocess.run(chain_command(reference), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    configs = [yaml.safe_load((reference / "stages" / name / "config.yaml").read_text()) for name in CHAIN_STAGES]
+    assert "ppo" in configs[1] and "grpo" not in configs[1] and "distill" in configs[2] and "grpo" in configs[0]
+    for config, previous in zip(configs[1:], CHAIN_STAGES):
+        assert config["model"]["name_or_path"] == str(reference / "stages" / previous / "final")
+
+    run_dir = tmp_path / "killed"
+    checkpoints = run_dir / "stages" / "02-ppo" / "checkpoints"
+    process = subprocess.Popen(chain_command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while process.poll() is None and time.time() < deadline:
+        if checkpoints.is_dir() and any(
+            p.name.startswith("step_") and (p / "COMPLETE").is_file() for p in checkpoints.iterdir()
+        ):
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    assert process.wait(timeout=60) == -signal.SIGKILL, process.stderr.read().decode()[-3000:]
+    assert not (run_dir / "stages" / "03-distill").exists()
+    assert any((p / "critic").is_dir() for p in checkpoints.iterdir() if p.name.startswith("step_"))
+
+    rerun = subprocess.run(chain_command(run_dir), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "stage 1 of 3 (grpo, grpo): finished earlier, skipped" in rerun.stdout
+    assert re.search(r"resumed from step_0000000[12]\b", rerun.stdout), rerun.stdout[-2000:]
+    assert comparable(run_dir / "stages" / "01-grpo") == comparable(reference / "stages" / "01-grpo")
+    for name in CHAIN_STAGES[1:]:  # other process histories: equal up to CPU kernels' rounding (see above)
+        resumed, uninterrupted = comparable(run_dir / "stages" / name), comparable(reference / "stages" / name)
+        assert len(resumed) == len(uninterrupted) == 3, name  # steps 0, 1, 2: none lost, none repeated
+        for row, expected in zip(resumed, uninterrupted):
+            assert row == pytest.approx(expected, rel=1e-3, abs=1e-6), (name, row["step"])

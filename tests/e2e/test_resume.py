@@ -11,23 +11,23 @@ import time
 from reinforge.paths import PROJECT_ROOT
 
 ARGS = [
-    "grpo.max_steps=5",
+    "loop.max_steps=5",
     "checkpoint.save_every=1",
     "checkpoint.keep_last=2",
     "checkpoint.resume=auto",
-    "grpo.num_prompts_per_step=4",
+    "rollout.num_prompts_per_step=4",
     "training.global_batch_size=32",
     "training.micro_batch_size=32",
     "generation.max_new_tokens=40",
     "data.max_val_prompts=8",
-    "grpo.val_every=2",
+    "loop.val_every=2",
     "checkpoint.save_final=false",
     "cluster.num_threads=1",
 ]
 
 
 def command(run_dir, max_steps: int = 5):
-    args = [arg if not arg.startswith("grpo.max_steps=") else f"grpo.max_steps={max_steps}" for arg in ARGS]
+    args = [arg if not arg.startswith("loop.max_steps=") else f"loop.max_steps={max_steps}" for arg in ARGS]
     return [
         sys.executable,
         "-m",
@@ -94,21 +94,21 @@ def test_a_run_killed_at_random_moments_resumes_to_the_same_metrics(tmp_path):
 def test_resuming_with_another_model_is_refused_naming_the_setting(tmp_path):
     run = tmp_path / "run"
     short = command(run)[: -len(ARGS) - 1] + [
-        "grpo.max_steps=1",
+        "loop.max_steps=1",
         "checkpoint.save_every=1",
         "checkpoint.resume=auto",
-        "grpo.num_prompts_per_step=4",
+        "rollout.num_prompts_per_step=4",
         "training.global_batch_size=32",
         "training.micro_batch_size=32",
         "data.max_val_prompts=4",
         f"logging.run_dir={run}",
     ]
     assert subprocess.run(short, capture_output=True, timeout=600).returncode == 0
-    other = subprocess.run(short + ["training.lr=3e-4"], capture_output=True, text=True, timeout=600)
+    other = subprocess.run(short + ["optimizer.lr=3e-4"], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2
     assert (
         other.stderr.strip().splitlines()[-1].startswith("reinforge: error: cannot resume from")
-        and "training.lr" in other.stderr
+        and "optimizer.lr" in other.stderr
     )
 
 

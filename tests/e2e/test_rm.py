@@ -6,7 +6,7 @@ import json
 import torch
 
 from reinforge.algorithms import rm
-from reinforge.config.recipe_loader import load_recipe_config
+from reinforge.config.loader import load_recipe_config
 from reinforge.data.preference import read_preference_records, tokenize_for_reward_model
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.judge import JudgeEnv, JudgeEnvConfig

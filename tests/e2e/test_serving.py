@@ -1,4 +1,5 @@
-"""`reinforge serve`: the policy behind an OpenAI-compatible endpoint, a real process, called with the real `openai` client.
+"""`reinforge serve`: the policy behind an OpenAI-compatible endpoint, a real process, called with the real `openai`
+client.
 
 The demo model answers arithmetic word problems; the tool demo model sometimes calls its calculator.
 Every assistant message carries the engine's prompt and generated token ids with their logprobs, a

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from reinforge.algorithms.sft import SFTRunConfig
 from reinforge.cli import main
-from reinforge.config.recipe_loader import load_recipe_config
+from reinforge.config.loader import load_recipe_config
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "sft_demo.yaml"
@@ -69,14 +69,18 @@ def test_sft_on_the_demo_chats_lowers_the_validation_loss(tmp_path):
 
 def test_sft_config_mistakes_are_one_line_errors_with_exit_status_2(tmp_path, capsys):
     for overrides, message in [
-        (["sft.max_step=3"], "unknown config key sft.max_step; did you mean sft.max_steps?"),
-        (["training.micro_batch_size=8"], "training.micro_batch_size does not apply to sft"),
         (
-            ["training.micro_batch_tokens=4096"],
-            "training.micro_batch_tokens does not apply to sft; set sft.micro_batch_tokens",
+            ["sft.max_step=3"],
+            "unknown config key sft.max_step: reinforge sft has no such setting; did you mean sft.max_steps?",
         ),
-        (["training.sequence_packing=false"], "training.sequence_packing does not apply to sft; set sft.packing"),
-        (["sft.micro_batch_tokens=100"], "sft.micro_batch_tokens=100 < data.max_seq_len=256"),
+        # settings SFT does not read are unknown keys, whatever their value (the RL recipes' default included)
+        (["training.micro_batch_size=32"], "unknown config key training.micro_batch_size: reinforge sft has no such"),
+        (["training.share_prompts=true"], "unknown config key training.share_prompts: reinforge sft has no such"),
+        (["grpo.normalize_std=true"], "unknown config key grpo.normalize_std: reinforge sft has no grpo section"),
+        (["sft.packing=true"], "unknown config key sft.packing: reinforge sft has no such setting"),
+        (["training.lr=1e-3"], "did you mean optimizer.lr?"),
+        (["training.micro_batch_tokens=100"], "training.micro_batch_tokens=100 < data.max_seq_len=256"),
+        (["training.backend=fsdp2"], "sft runs in one process for now"),
         (["data.val_path=data/demo/sft.jsonl"], "data.val_path and data.val_fraction are both set"),
         (["data.train_path=nope.jsonl"], "dataset file nope.jsonl does not exist"),
     ]:

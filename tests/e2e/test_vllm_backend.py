@@ -5,18 +5,21 @@ One engine per module: vLLM sets up process-wide state, so the engine lives in t
 import pytest
 import torch
 
-from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.algorithms import consistency
 from reinforge.data.batch import collate
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.errors import ConfigError
-from reinforge.generation import consistency
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.vllm_backend import VLLMGenerationBackend
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 from reinforge.rollout.single_turn import generate_trajectories
-from reinforge.training.torch_backend import TorchBackend
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 # One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("ray")
@@ -53,11 +56,13 @@ def test_a_block_size_the_cpu_kernel_cannot_take_is_a_config_error():
 
 def make_trainer(lr=3e-3):
     torch.manual_seed(0)
-    return TorchBackend(
+    return Backend(
         MODEL,
-        TrainingConfig(micro_batch_size=32, global_batch_size=32, lr=lr),
-        temperature=1.0,
+        TrainingConfig(micro_batch_size=32, global_batch_size=32),
+        OptimizerConfig(lr=lr),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(1.0),
         load_reference=False,
     )
 
@@ -131,7 +136,10 @@ def test_same_seed_gives_the_same_samples(engine, prompts):
     engine.update_weights(make_trainer().named_weights())
     ids = [p.token_ids for p in prompts[:2]]
     first, again, other = (engine.generate(ids, sampling(seed=s)) for s in (7, 7, 8))
-    tokens = lambda r: [[c.token_ids for c in group] for group in r.completions]
+
+    def tokens(result):
+        return [[c.token_ids for c in group] for group in result.completions]
+
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
 

@@ -79,7 +79,8 @@ def test_a_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
     """Like templates that drop past reasoning: an assistant turn renders differently once it is not last."""
     tokenizer.chat_template = (
         "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}"
-        "{%- if m['role'] != 'assistant' or loop.last %}{{- m['content'] }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if m['role'] != 'assistant' or loop.last %}{{- m['content'] }}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}{%- endfor %}"
         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
     )
     render_chat(chat(("user", "one"), ("assistant", "first")), tokenizer)  # one turn: still consistent

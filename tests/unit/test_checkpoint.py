@@ -78,12 +78,12 @@ def test_an_incomplete_or_corrupt_checkpoint_is_skipped_with_a_warning(tiny_mode
 
 
 def test_resuming_under_a_different_model_or_batch_is_refused_naming_the_setting(tmp_path):
-    saved = {"model": {"name_or_path": "models/demo"}, "training": {"lr": 1e-4}, "grpo": {"max_steps": 10}}
-    check_compatible(saved, {**saved, "grpo": {"max_steps": 20}}, tmp_path)  # a longer run is fine
+    saved = {"model": {"name_or_path": "models/demo"}, "optimizer": {"lr": 1e-4}, "loop": {"max_steps": 10}}
+    check_compatible(saved, {**saved, "loop": {"max_steps": 20}}, tmp_path)  # a longer run is fine
     with pytest.raises(ConfigError, match=r"model.name_or_path was 'models/demo' there and is 'Qwen/Qwen2.5-1.5B' now"):
         check_compatible(saved, {**saved, "model": {"name_or_path": "Qwen/Qwen2.5-1.5B"}}, tmp_path)
-    with pytest.raises(ConfigError, match="training.lr"):
-        check_compatible(saved, {**saved, "training": {"lr": 3e-4}}, tmp_path)
+    with pytest.raises(ConfigError, match=r"optimizer.lr was 0.0001 there and is 0.0003 now"):
+        check_compatible(saved, {**saved, "optimizer": {"lr": 3e-4}}, tmp_path)
 
 
 def test_pruning_keeps_the_newest_and_the_best(tiny_model_dir, tmp_path):

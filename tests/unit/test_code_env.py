@@ -28,7 +28,8 @@ from reinforge.envs.code_env import CodeEnv, CodeEnvConfig, extract_code
 from reinforge.envs.sandbox import SandboxLimits
 from reinforge.errors import DataError
 
-# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes
+# (see tests/conftest.py).
 pytestmark = [
     pytest.mark.xdist_group("sandbox"),
     pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning"),  # in MBPP code
@@ -82,7 +83,10 @@ def mutate(program: str, function: str, mutation: str) -> str:
     if mutation == "drop_last_line":
         return "\n".join(program.rstrip().splitlines()[:-1]) + "\n"
     assert mutation == "off_by_one"
-    return f"{program}\n\n_reference = {function}\n\ndef {function}(*args, **kwargs):\n    return _reference(*args, **kwargs) + 1\n"
+    return (
+        f"{program}\n\n_reference = {function}\n\n"
+        f"def {function}(*args, **kwargs):\n    return _reference(*args, **kwargs) + 1\n"
+    )
 
 
 MUTATIONS = ["wrong_constant", "drop_last_line", "off_by_one"]
@@ -278,10 +282,13 @@ def test_hostile_programs_are_contained_and_score_zero(tmp_path, monkeypatch):
         "infinite_loop": "while True:\n    pass",
         "fork_bomb": f"import os\nwhile True:\n    try:\n        if os.fork() == 0 and os.getpid() % 4 == 0:\n"
         f"            os.execv('/bin/sleep', ['sleep', '600', '{marker}'])\n    except OSError:\n        pass",
-        "thread_bomb": "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(600,)).start()",
+        "thread_bomb": (
+            "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(600,)).start()"
+        ),
         "memory_bomb": "chunks = []\nwhile True:\n    chunks.append(bytearray(100 << 20))",
         "output_flood": "import sys\nwhile True:\n    sys.stdout.write('spam' * 10000)",
-        "daemon": f"import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '600', '{marker}'])\n"
+        "daemon": f"import os\nif os.fork() == 0:\n    os.setsid()\n"
+        f"    os.execv('/bin/sleep', ['sleep', '600', '{marker}'])\n"
         "raise RuntimeError('a daemon alone does not pass')",
         **{f"write_{i}": f"open({path!r}, 'w').write('x')" for i, path in enumerate(files)},
         "socket": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",

@@ -7,9 +7,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms.ppo import CriticBatch, make_value_loss_fn
-from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import Trajectory, collate
-from reinforge.training.critic import CriticBackend
+from reinforge.model_config import ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.critic import critic_backend
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 
 def ragged_batch(num_rows=8, seed=0) -> CriticBatch:
@@ -33,10 +36,12 @@ def ragged_batch(num_rows=8, seed=0) -> CriticBatch:
     return batch
 
 
-def make_critic(model_dir, **training) -> CriticBackend:
+def make_critic(model_dir, **training) -> Backend:
     torch.manual_seed(0)
-    config = TrainingConfig(**{"micro_batch_size": 8, "global_batch_size": 8, "lr": 1e-2, **training})
-    critic = CriticBackend(ModelConfig(name_or_path=str(model_dir)), config, num_optimizer_steps=10)
+    config = TrainingConfig(**{"micro_batch_size": 8, "global_batch_size": 8, **training})
+    critic = critic_backend(
+        ModelConfig(name_or_path=str(model_dir)), config, OptimizerConfig(lr=1e-2), SchedulerConfig(), 10
+    )
     with torch.no_grad():  # a non-zero head, so that values (and the trunk's gradients) are not all 0
         critic.model.value_head.weight.copy_(
             torch.randn(critic.model.value_head.weight.shape, generator=torch.Generator().manual_seed(3))
@@ -44,7 +49,7 @@ def make_critic(model_dir, **training) -> CriticBackend:
     return critic
 
 
-def padded_values(critic: CriticBackend, batch: CriticBatch) -> torch.Tensor:
+def padded_values(critic: Backend, batch: CriticBatch) -> torch.Tensor:
     """The reference: one right-padded forward pass of the whole batch, V(s_t) = head(hidden of token t - 1)."""
     hidden = critic.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     values = critic.model.value_head(hidden).squeeze(-1)
@@ -75,9 +80,11 @@ def test_values_in_every_micro_batch_layout_equal_the_padded_one_batch_values(ti
 
 
 def test_a_new_critic_values_everything_at_zero(tiny_model_dir):
-    critic = CriticBackend(
+    critic = critic_backend(
         ModelConfig(name_or_path=str(tiny_model_dir)),
         TrainingConfig(micro_batch_size=8, global_batch_size=8),
+        OptimizerConfig(),
+        SchedulerConfig(),
         num_optimizer_steps=1,
     )
     assert critic.values(ragged_batch()).abs().max() == 0

@@ -1,5 +1,6 @@
-"""The curriculum (reinforge/data/curriculum.py): the progressive sampler against hand-computed batches, its
-exact resume, and the pass-rate pre-filter on the real demo model with the real math verifier."""
+"""The curriculum (reinforge/data/curriculum.py, reinforge/algorithms/curriculum_prefilter.py): the progressive
+sampler against hand-computed batches, its exact resume, and the pass-rate pre-filter on the real demo model with
+the real math verifier."""
 
 import json
 import math
@@ -7,26 +8,21 @@ import math
 import pytest
 import torch
 
-from reinforge.config import load_config
-from reinforge.config.schema import EnvConfig, ModelConfig
-from reinforge.data.curriculum import (
-    ProgressiveSampler,
-    build_prompt_sampler,
-    gaussian_targets,
-    prefilter_setup,
-    record_pass_rates,
-)
+from reinforge.algorithms.curriculum_prefilter import build_prompt_sampler, prefilter_setup
+from reinforge.algorithms.grpo import load_config
+from reinforge.data.curriculum import ProgressiveSampler, gaussian_targets, record_pass_rates
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
-from reinforge.envs.registry import build_envs
+from reinforge.envs.registry import EnvConfig, build_envs
 from reinforge.errors import ConfigError, DataError
 from reinforge.generation.hf import HFGenerationBackend
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 from reinforge.rollout.rollout import rollout
 
 CONFIG = PROJECT_ROOT / "configs" / "grpo_curriculum_demo.yaml"
-SMALL = ["grpo.num_prompts_per_step=4", "training.global_batch_size=32", "training.micro_batch_size=32"]
+SMALL = ["rollout.num_prompts_per_step=4", "training.global_batch_size=32", "training.micro_batch_size=32"]
 
 
 def config_with(*overrides: str):
@@ -117,7 +113,9 @@ def test_a_sampler_restored_from_its_json_state_continues_exactly_as_an_uninterr
 
 
 def test_records_with_pass_rates_build_the_progressive_sampler_without_sampling(tmp_path):
-    config = config_with("grpo.num_prompts_per_step=2", "training.global_batch_size=16", "training.micro_batch_size=16")
+    config = config_with(
+        "rollout.num_prompts_per_step=2", "training.global_batch_size=16", "training.micro_batch_size=16"
+    )
     prompts = fake_prompts([0.0, 0.25, 0.75, 1.0, 0.5])
     sampler, metrics = build_prompt_sampler(config, prompts, None, None, {}, tmp_path)
     assert isinstance(sampler, ProgressiveSampler)

@@ -9,14 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from reinforge.algorithms.distill import make_loss_fn
+from reinforge.algorithms.distill import DistillBatch, make_loss_fn
 from reinforge.algorithms.distill_config import DistillRunConfig
 from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
-from reinforge.algorithms.losses import Normalisers, token_mean
-from reinforge.config.schema import ModelConfig, TrainingConfig
-from reinforge.data.batch import Trajectory, collate
+from reinforge.algorithms.losses import token_mean
+from reinforge.data.batch import Normalisers, Trajectory, collate
+from reinforge.model_config import ModelConfig
+from reinforge.training.backend import Backend, with_outputs
+from reinforge.training.base import TrainingConfig
+from reinforge.training.heads import LogprobHead, LogprobsAt
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 from reinforge.training.teacher import Teacher
-from reinforge.training.torch_backend import TorchBackend
 
 TEMPERATURE = 0.8
 K = 5
@@ -33,49 +36,74 @@ def test_the_reverse_kl_advantage_is_teacher_minus_student_logprob_on_trained_to
     assert not advantages.requires_grad
 
 
-def test_topk_kl_forward_reverse_and_mixed_by_hand():
+def test_topk_kl_without_renormalising_uses_the_full_vocabulary_probabilities_by_hand():
     """Top-2 of the teacher p = (1/2, 1/4), the student q = (1/4, 1/4) at the same ids:
     forward = 1/2 ln(1/2 / 1/4) + 1/4 ln 1 = ln2 / 2 = 0.34657
     reverse = 1/4 ln(1/4 / 1/2) + 1/4 ln 1 = -ln2 / 4 = -0.17329 (mass outside the top-k is ignored, so it may be < 0)
     mixed, w = 0.75: 0.75 * ln2 / 2 - 0.25 * ln2 / 4 = 5 ln2 / 16 = 0.21661"""
     teacher = torch.log(torch.tensor([[[0.5, 0.25]]]))
     student = torch.log(torch.tensor([[[0.25, 0.25]]]))
-    assert topk_kl(student, teacher, "forward").item() == pytest.approx(LN2 / 2)
-    assert topk_kl(student, teacher, "reverse").item() == pytest.approx(-LN2 / 4)
-    assert topk_kl(student, teacher, "mixed", 0.75).item() == pytest.approx(5 * LN2 / 16)
+    assert topk_kl(student, teacher, "forward", renormalize=False).item() == pytest.approx(LN2 / 2)
+    assert topk_kl(student, teacher, "reverse", renormalize=False).item() == pytest.approx(-LN2 / 4)
+    assert topk_kl(student, teacher, "mixed", 0.75, renormalize=False).item() == pytest.approx(5 * LN2 / 16)
 
 
-def test_topk_kl_over_the_whole_vocabulary_is_the_exact_kl_and_its_gradient_is_q_minus_p():
+def test_topk_kl_renormalised_over_the_top_k_by_hand():
+    """The same top-2, renormalised over the two ids (NeMo-RL's default): the teacher p = (1/2, 1/4) / (3/4)
+    = (2/3, 1/3), the student q = (1/4, 1/4) / (1/2) = (1/2, 1/2):
+    forward = 2/3 ln((2/3) / (1/2)) + 1/3 ln((1/3) / (1/2)) = 2/3 ln(4/3) + 1/3 ln(2/3) = 5/3 ln2 - ln3 = 0.056633
+    reverse = 1/2 ln((1/2) / (2/3)) + 1/2 ln((1/2) / (1/3)) = 1/2 ln(3/4) + 1/2 ln(3/2) = ln3 - 3/2 ln2 = 0.058892
+    mixed, w = 0.75: 0.75 * 0.056633 + 0.25 * 0.058892 = 0.057198 (true KLs on two tokens: never negative)"""
+    teacher = torch.log(torch.tensor([[[0.5, 0.25]]]))
+    student = torch.log(torch.tensor([[[0.25, 0.25]]]))
+    forward, reverse = 5 / 3 * LN2 - math.log(3.0), math.log(3.0) - 1.5 * LN2
+    assert topk_kl(student, teacher, "forward", renormalize=True).item() == pytest.approx(forward)
+    assert topk_kl(student, teacher, "reverse", renormalize=True).item() == pytest.approx(reverse)
+    assert topk_kl(student, teacher, "mixed", 0.75, renormalize=True).item() == pytest.approx(
+        0.75 * forward + 0.25 * reverse
+    )
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_kl_over_the_whole_vocabulary_is_the_exact_kl_and_its_gradient_is_q_minus_p(renormalize):
     """With k = V the forward top-k KL is KL(p || q) exactly, and d KL(p || softmax(z)) / dz = q - p; the
-    reverse one is KL(q || p)."""
+    reverse one is KL(q || p). Renormalising over all V ids changes nothing."""
     gen = torch.Generator().manual_seed(0)
     teacher = torch.log_softmax(torch.randn(1, 1, 6, generator=gen), dim=-1)
     logits = torch.randn(1, 1, 6, generator=gen, requires_grad=True)
     student = torch.log_softmax(logits, dim=-1)
     p, q = teacher.exp(), student.exp()
-    forward = topk_kl(student, teacher, "forward")
+    forward = topk_kl(student, teacher, "forward", renormalize=renormalize)
     assert forward.item() == pytest.approx((p * (teacher - student)).sum().item(), abs=1e-6)
     assert forward.item() == pytest.approx(
         torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="sum").item(), abs=1e-6
     )
     forward.sum().backward()
     torch.testing.assert_close(logits.grad, (q - p).detach(), atol=1e-6, rtol=0)
-    assert topk_kl(student, teacher, "reverse").item() == pytest.approx(
+    assert topk_kl(student, teacher, "reverse", renormalize=renormalize).item() == pytest.approx(
         (q * (student - teacher)).sum().item(), abs=1e-6
     )
 
 
-def test_the_topk_loss_is_kl_coef_times_the_token_mean_of_the_kl_and_nothing_else_without_reward_weight():
-    """Two trained tokens, each with top-2 teacher (1/2, 1/4) and student (1/4, 1/4): forward KL ln2 / 2 each;
-    normaliser 4 tokens (the global batch's); kl_coef 2: loss = 2 * (2 * ln2 / 2) / 4 = ln2 / 2."""
-    config = DistillRunConfig.model_validate({"distill": {"loss": "topk_kl", "kl_coef": 2.0}, "loss": {"kl_coef": 0.0}})
-    batch = collate([Trajectory([5, 6], [7, 8], [0.0, 0.0], False, 1.0, 0, "math")], [0.0], pad_token_id=0)
+@pytest.mark.parametrize("renormalize, token_kl", [(False, LN2 / 2), (True, 5 / 3 * LN2 - math.log(3.0))])
+def test_the_topk_loss_is_kl_coef_times_the_token_mean_of_the_kl_and_nothing_else_without_reward_weight(
+    renormalize, token_kl
+):
+    """Two trained tokens, each with top-2 teacher (1/2, 1/4) and student (1/4, 1/4): forward KL ln2 / 2 each
+    (5/3 ln2 - ln3 with `distill.topk_renormalize`, the two tests above); normaliser 4 tokens (the global
+    batch's); kl_coef 2: loss = 2 * (2 * KL) / 4 = KL, the metric 2 * KL / 4 = KL / 2."""
+    config = DistillRunConfig.model_validate(
+        {"distill": {"loss": "topk_kl", "kl_coef": 2.0, "topk_renormalize": renormalize}, "loss": {"kl_coef": 0.0}}
+    )
+    batch = DistillBatch(
+        **vars(collate([Trajectory([5, 6], [7, 8], [0.0, 0.0], False, 1.0, 0, "math")], [0.0], pad_token_id=0))
+    )
     batch.old_logprobs = torch.zeros(1, 4)
     batch.teacher_topk_logprobs = torch.log(torch.tensor([0.5, 0.25])).expand(1, 4, 2)
     batch.topk_logprobs = torch.log(torch.tensor([0.25, 0.25])).expand(1, 4, 2)
     loss, metrics = make_loss_fn(config)(torch.zeros(1, 4), batch, Normalisers(num_tokens=4, num_sequences=2))
-    assert loss.item() == pytest.approx(LN2 / 2, abs=1e-6)
-    assert metrics["distill_topk_kl"].item() == pytest.approx(LN2 / 4, abs=1e-6)  # ln2/2 per token, 2 of 4 tokens here
+    assert loss.item() == pytest.approx(token_kl, abs=1e-6)
+    assert metrics["distill_topk_kl"].item() == pytest.approx(token_kl / 2, abs=1e-6)  # 2 of 4 tokens here
     assert metrics["pg_loss"].item() == 0.0
 
 
@@ -92,7 +120,7 @@ def ragged(num_rows=8, vocab=64, seed=0):
         trajectories.append(
             Trajectory(prompt, answer, [0.0] * len(answer), False, 0.0, row // 2, "math", response_mask=mask)
         )
-    batch = collate(trajectories, [0.0] * num_rows, pad_token_id=0)
+    batch = DistillBatch(**vars(collate(trajectories, [0.0] * num_rows, pad_token_id=0)))
     batch.teacher_topk_ids = torch.randint(0, vocab, (*batch.loss_mask.shape, K), generator=gen)
     batch.teacher_topk_logprobs = torch.log_softmax(torch.randn(*batch.loss_mask.shape, K, generator=gen), dim=-1)
     return batch
@@ -104,9 +132,14 @@ def full_vocab_logprobs(model, batch):
     return torch.nn.functional.pad(torch.log_softmax(logits[:, :-1] / TEMPERATURE, dim=-1), (0, 0, 1, 0))
 
 
-def topk_loss(logprobs_BT, micro, norm):
-    kl = token_mean(topk_kl(micro.topk_logprobs, micro.teacher_topk_logprobs, "mixed", 0.3), micro.loss_mask, norm)
+def topk_kl_loss(logprobs_BT, micro, norm):
+    kl_BT = topk_kl(micro.topk_logprobs, micro.teacher_topk_logprobs, "mixed", 0.3, renormalize=True)
+    kl = token_mean(kl_BT, micro.loss_mask, norm)
     return kl, {"loss": kl.detach()}
+
+
+# the loss declares that it reads the student's logprobs at the teacher's ids; the backend fills them in
+topk_loss = with_outputs(topk_kl_loss, LogprobsAt(ids="teacher_topk_ids", into="topk_logprobs"))
 
 
 @pytest.mark.parametrize(
@@ -129,11 +162,13 @@ def test_the_students_logprobs_at_the_teachers_ids_give_the_full_vocabulary_loss
     expected.backward()
     expected_gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    backend = TorchBackend(
+    backend = Backend(
         ModelConfig(name_or_path=str(tiny_model_dir)),
         TrainingConfig(global_batch_size=8, logprob_chunk_tokens=4, **training),
-        temperature=TEMPERATURE,
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
         num_optimizer_steps=1,
+        head=LogprobHead(TEMPERATURE),
         load_reference=False,
     )
     backend.optimizer.zero_grad(set_to_none=True)

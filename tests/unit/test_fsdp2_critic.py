@@ -1,6 +1,6 @@
-"""PPO's critic on FSDP2 (training/fsdp2_critic.py) with real torch.distributed (gloo) in real processes: two
-ranks give the torch critic's values, value-loss gradients and updated weights, and a sharded checkpoint
-round trip repeats the next step exactly.
+"""PPO's critic on FSDP2 ranks (training/critic.py with an `FSDP2Strategy`) with real torch.distributed (gloo) in
+real processes: two ranks give the torch critic's values, value-loss gradients and updated weights, and a sharded
+checkpoint round trip repeats the next step exactly.
 
 One world of 2 ranks runs the script once (module fixture: spawning the processes is the expensive part).
 Its head starts at zero, so the first step trains the head alone (the trunk's gradient is 0 through a zero
@@ -13,12 +13,15 @@ from test_critic import ragged_batch
 from test_fsdp2_worker import launch
 
 from reinforge.algorithms.ppo import make_value_loss_fn
-from reinforge.config.schema import ModelConfig, TrainingConfig
-from reinforge.training.critic import CriticBackend
-from reinforge.training.fsdp2_critic import FSDP2Critic
+from reinforge.model_config import ModelConfig
+from reinforge.training.base import TrainingConfig
+from reinforge.training.critic import critic_backend
+from reinforge.training.fsdp2 import FSDP2Strategy
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 NUM_STEPS = 3
-TRAINING = dict(micro_batch_size=2, global_batch_size=8, lr=1e-2)
+TRAINING = dict(micro_batch_size=2, global_batch_size=8)
+OPTIMIZER = OptimizerConfig(lr=1e-2)
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
 
@@ -46,14 +49,13 @@ def script(critic, batch, gathered_grads, save, load):
 def run_critic_rank(rank, world_size, port, model_dir, out_dir):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    critic = FSDP2Critic(
-        rank,
-        world_size,
-        "127.0.0.1",
-        port,
+    critic = critic_backend(
         ModelConfig(name_or_path=str(model_dir)),
         TrainingConfig(**TRAINING),
+        OPTIMIZER,
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        strategy=FSDP2Strategy(rank, world_size, "127.0.0.1", port),
     )
     state = str(out_dir / "critic_state")  # each rank writes its shards
     result = script(
@@ -73,8 +75,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     """(the two ranks' results, the torch critic's)."""
     two = launch(2, tiny_model_dir, tmp_path_factory.mktemp("fsdp2_critic"), target=run_critic_rank)
     torch.manual_seed(0)
-    critic = CriticBackend(
-        ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(**TRAINING), num_optimizer_steps=10
+    critic = critic_backend(
+        ModelConfig(name_or_path=str(tiny_model_dir)), TrainingConfig(**TRAINING), OPTIMIZER, SchedulerConfig(), 10
     )
     one = script(
         critic,

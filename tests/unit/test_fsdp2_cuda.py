@@ -13,9 +13,13 @@ from test_fsdp2_worker import NUM_STEPS, perturb
 from test_torch_backend import loss_fn, make_backend, make_batch
 
 from reinforge.algorithms.losses import token_mean
-from reinforge.cluster.network import free_port
-from reinforge.config.schema import ModelConfig, TrainingConfig
-from reinforge.training.fsdp2_worker import FSDP2Worker
+from reinforge.model_config import ModelConfig
+from reinforge.network import free_port
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.fsdp2 import FSDP2Strategy
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -23,15 +27,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def run(model_dir, dtype="float32", **training):
     """Logprobs, NUM_STEPS train steps and the final weights of one FSDP2 rank on the GPU."""
     torch.manual_seed(0)
-    worker = FSDP2Worker(
-        0,
-        1,
-        "127.0.0.1",
-        free_port(),
+    worker = Backend(
         ModelConfig(name_or_path=str(model_dir), dtype=dtype),
-        TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-3, **training),
-        temperature=0.7,
+        TrainingConfig(micro_batch_size=2, global_batch_size=8, **training),
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(0.7),
+        strategy=FSDP2Strategy(0, 1, "127.0.0.1", free_port()),
         load_reference=True,
     )
     try:

@@ -1,7 +1,7 @@
 """FSDP2 with LoRA (real gloo worlds in real processes): 2 ranks train the adapter exactly as 1 rank and
 as the single-process backend do, the reference is the base with the adapters off, the merged refit
 weights and the PEFT export are the trained policy, and a checkpoint holds the adapter and its AdamW
-state only, under the torch backend's names, and restores them exactly."""
+state only, under the single-process backend's names, and restores them exactly."""
 
 from functools import partial
 
@@ -14,33 +14,35 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms.losses import token_mean
-from reinforge.config.schema import ModelConfig, TrainingConfig
+from reinforge.model_config import LoraConfig, ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
 from reinforge.training.convert import policy_state_dict
-from reinforge.training.fsdp2_worker import FSDP2Worker
+from reinforge.training.fsdp2 import FSDP2Strategy
+from reinforge.training.heads import LogprobHead
 from reinforge.training.lora import adapter_state_dict
-from reinforge.training.lora_config import LoraConfig
-from reinforge.training.torch_backend import TorchBackend
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
 LORA = LoraConfig(rank=4, alpha=8.0)
-TRAINING = TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=1e-2)
+TRAINING = TrainingConfig(micro_batch_size=2, global_batch_size=8)
 LOSS = partial(loss_fn, token_mean, 0.1)
 
 
 def run_lora_rank(rank, world_size, port, model_dir, out_dir):
-    """NUM_STEPS steps, checkpoint and adapter export; then one more step, back to the checkpoint, the same step again."""
+    """NUM_STEPS steps, checkpoint and adapter export; then one more step, back to the checkpoint, the same step
+    again."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    worker = FSDP2Worker(
-        rank,
-        world_size,
-        "127.0.0.1",
-        port,
+    worker = Backend(
         ModelConfig(name_or_path=str(model_dir), lora=LORA),
         TRAINING,
-        temperature=0.7,
+        OptimizerConfig(lr=1e-2),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(0.7),
+        strategy=FSDP2Strategy(rank, world_size, "127.0.0.1", port),
         load_reference=True,
     )
     batch = make_batch()
@@ -72,13 +74,15 @@ def runs(tiny_model_dir, tmp_path_factory):
     return result
 
 
-def torch_backend(model_dir) -> TorchBackend:
+def single_process_backend(model_dir) -> Backend:
     torch.manual_seed(0)
-    return TorchBackend(
+    return Backend(
         ModelConfig(name_or_path=str(model_dir), lora=LORA),
         TRAINING,
-        temperature=0.7,
+        OptimizerConfig(lr=1e-2),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(0.7),
         load_reference=True,
     )
 
@@ -86,7 +90,7 @@ def torch_backend(model_dir) -> TorchBackend:
 def test_two_ranks_train_the_adapter_as_one_rank_and_the_single_process_backend_do(runs, tiny_model_dir):
     (one,), _ = runs[1]
     two, _ = runs[2]
-    backend = torch_backend(tiny_model_dir)
+    backend = single_process_backend(tiny_model_dir)
     batch = make_batch()
     perturb(batch, backend.logprobs(batch), backend.logprobs(batch, reference=True))
     expected = [backend.train_step(batch, LOSS) for _ in range(NUM_STEPS)]
@@ -107,11 +111,13 @@ def test_two_ranks_train_the_adapter_as_one_rank_and_the_single_process_backend_
 
 def test_the_reference_is_the_base_model_with_the_adapters_off(runs, tiny_model_dir):
     two, _ = runs[2]
-    base = TorchBackend(
+    base = Backend(
         ModelConfig(name_or_path=str(tiny_model_dir)),
         TRAINING,
-        temperature=0.7,
+        OptimizerConfig(lr=1e-2),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(0.7),
         load_reference=False,
     )
     expected = base.logprobs(make_batch())
@@ -132,7 +138,7 @@ def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_restores_the
 ):
     two, out_dir = runs[2]
     state = policy_state_dict(out_dir / "state")  # what reinforge convert reads
-    assert set(state) == set(adapter_state_dict(torch_backend(tiny_model_dir).model))  # the torch backend's names
+    assert set(state) == set(adapter_state_dict(single_process_backend(tiny_model_dir).model))  # its names
     dcp_to_torch_save(str(out_dir / "state"), str(tmp_path / "full.pt"))
     assert set(torch.load(tmp_path / "full.pt", weights_only=False)["optimizer"]["state"]) == set(state)
     (next_metrics, next_weights), (again_metrics, again_weights) = two[0]["next"], two[0]["next_after_load"]

@@ -1,4 +1,4 @@
-"""The FSDP2 worker with real torch.distributed (gloo) in real processes.
+"""The training backend on FSDP2 ranks (`FSDP2Strategy`) with real torch.distributed (gloo) in real processes.
 
 One world of 1 rank and one world of 2 ranks run the same script once (module fixture: spawning
 processes is the expensive part); the tests compare what they wrote.
@@ -15,8 +15,12 @@ from test_torch_backend import loss_fn, make_backend, make_batch
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms.losses import token_mean
-from reinforge.config.schema import ModelConfig, TrainingConfig
-from reinforge.training.fsdp2_worker import FSDP2Worker
+from reinforge.model_config import ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.fsdp2 import FSDP2Strategy
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 NUM_STEPS = 2
 # every test here on one xdist worker: the module fixture (three process worlds, ~35 s) then runs once, not on both
@@ -34,17 +38,14 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
     """The script every rank runs: logprobs, NUM_STEPS train steps, gather the weights, export."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    worker = FSDP2Worker(
-        rank,
-        world_size,
-        "127.0.0.1",
-        port,
+    worker = Backend(
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(
-            micro_batch_size=2, global_batch_size=8, lr=1e-3, activation_checkpointing=activation_checkpointing
-        ),
-        temperature=0.7,
+        TrainingConfig(micro_batch_size=2, global_batch_size=8, activation_checkpointing=activation_checkpointing),
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(temperature=0.7),
+        strategy=FSDP2Strategy(rank, world_size, "127.0.0.1", port),
         load_reference=True,
     )
     batch = make_batch()

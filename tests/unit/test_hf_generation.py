@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from reinforge.config.schema import ModelConfig
 from reinforge.data.batch import collate
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 from reinforge.rollout.single_turn import generate_trajectories
-from reinforge.training.torch_backend import token_logprobs
+from reinforge.training.micro_batching import token_logprobs
 
 MODEL = ModelConfig(name_or_path=str(PROJECT_ROOT / "models" / "demo"))
 

@@ -10,7 +10,8 @@ differentiated, only the loss computed on it).
 import pytest
 import torch
 
-from reinforge.algorithms.losses import KL_ESTIMATORS, Normalisers, grpo_loss, token_mean
+from reinforge.algorithms.losses import KL_ESTIMATORS, grpo_loss, token_mean
+from reinforge.data.batch import Normalisers
 
 V = 6
 
@@ -52,7 +53,8 @@ def reward_penalty_gradient(estimator, theta, log_q):
 def test_in_the_loss_k1_has_no_expected_gradient_k2_that_of_reverse_kl_k3_that_of_forward_kl(seed):
     """k1 = log pi - log q: grad = grad log pi, and E_pi[grad log pi] = sum grad pi = 0.
     k2 = (log pi - log q)^2 / 2: grad = (log pi - log q) grad log pi, whose expectation is grad KL(pi || q).
-    k3 = q/pi - 1 - log(q/pi): grad = (1 - q/pi) grad log pi, whose expectation is -sum q grad log pi = grad KL(q || pi)."""
+    k3 = q/pi - 1 - log(q/pi): grad = (1 - q/pi) grad log pi, whose expectation is -sum q grad log pi
+    = grad KL(q || pi)."""
     theta, log_q = distributions(seed)
     reverse, forward = exact_kl_gradients(theta, log_q)
     assert reverse.abs().max() > 1e-2 and (reverse - forward).abs().max() > 1e-2  # the two KLs' gradients differ here

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from reinforge.config import Config
+from reinforge.algorithms.grpo import GRPORunConfig
 from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
 from reinforge.logging.loggers import LoggersConfig, MetricLogger, check_backends
@@ -23,7 +23,7 @@ STEPS = {
 def log_run(run_dir, config: LoggersConfig, fail: bool = False) -> None:
     with pytest.raises(RuntimeError) if fail else nullcontext():
         with MetricLogger(run_dir, config) as logger:
-            logger.log_config(Config().model_dump(mode="json"))
+            logger.log_config(GRPORunConfig().model_dump(mode="json"))
             for step, metrics in STEPS.items():
                 logger.log(step, metrics)
             if fail:
@@ -135,9 +135,9 @@ def test_mlflow_file_store_holds_the_metrics_params_config_and_status(tmp_path):
     history = client.get_metric_history(run.info.run_id, "train/reward_mean")
     assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
     assert "train/grad_norm" not in run.data.metrics  # NaN is left out, as TensorBoard and W&B leave it
-    assert run.data.params["grpo.num_generations_per_prompt"] == "8"
+    assert run.data.params["rollout.num_generations_per_prompt"] == "8"
     assert run.data.params["model.name_or_path"] == "models/demo"
-    assert len(run.data.params) == len(flatten(Config().model_dump(mode="json")))  # >100: MLflow's batch limit
+    assert len(run.data.params) == len(flatten(GRPORunConfig().model_dump(mode="json")))  # >100: MLflow's batch limit
     artifact = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert "num_generations_per_prompt: 8" in open(artifact).read()
 

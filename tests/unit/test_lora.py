@@ -1,4 +1,4 @@
-"""LoRA (training/lora.py) against PEFT's own model on the same weights: the torch backend's packed,
+"""LoRA (training/lora.py) against PEFT's own model on the same weights: the training backend's packed,
 prompt-sharing, chunked-head passes with adapters give PEFT's logprobs and gradients; a fresh adapter
 is the base model; the merged refit weights are PEFT's `merge_and_unload`; the reference is the base."""
 
@@ -7,11 +7,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import Trajectory, collate
+from reinforge.model_config import LoraConfig, ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.heads import LogprobHead
 from reinforge.training.lora import adapter_state_dict, merge_lora_weights, scaling
-from reinforge.training.lora_config import LoraConfig
-from reinforge.training.torch_backend import TorchBackend, token_logprobs
+from reinforge.training.micro_batching import token_logprobs
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
 TEMPERATURE = 0.7
@@ -29,18 +32,20 @@ def make_batch(num_rows=8, group_size=4, seed=0):
     return collate(trajectories, torch.randn(num_rows, generator=gen).tolist(), pad_token_id=0)
 
 
-def lora_backend(model_dir, lora=LORA, load_reference=False) -> TorchBackend:
+def lora_backend(model_dir, lora=LORA, load_reference=False) -> Backend:
     torch.manual_seed(0)
-    return TorchBackend(
+    return Backend(
         ModelConfig(name_or_path=str(model_dir), lora=lora),
-        TrainingConfig(micro_batch_size=4, global_batch_size=8, lr=1e-2, micro_batch_tokens=40),
-        temperature=TEMPERATURE,
+        TrainingConfig(micro_batch_size=4, global_batch_size=8, micro_batch_tokens=40),
+        OptimizerConfig(lr=1e-2),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(TEMPERATURE),
         load_reference=load_reference,
     )
 
 
-def randomise_adapters(backend: TorchBackend) -> dict[str, torch.Tensor]:
+def randomise_adapters(backend: Backend) -> dict[str, torch.Tensor]:
     """Non-zero B (PEFT starts it at 0), so that the adapters change the outputs; returns the adapter state."""
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -81,13 +86,14 @@ def test_a_fresh_adapter_leaves_the_policy_equal_to_the_base_model(tiny_model_di
 
 def test_logprobs_and_gradients_equal_pefts_own_on_the_same_weights(tiny_model_dir):
     """The backend's passes (micro-batches of <= 40 positions, shared prompts, chunked head) against PEFT's model
-    called once on the padded batch; the loss is -sum(A_b * logp) / |M|."""
+    called once on the padded batch; the loss is -sum(A_bt * logp_bt) / |M| (A_bt: the
+    sequence's advantage on its trained tokens)."""
     backend, batch = lora_backend(tiny_model_dir), make_batch()
     adapters = randomise_adapters(backend)
     reference = peft_reference(tiny_model_dir, adapters)
     expected = plain_logprobs(reference, batch)
     mask = batch.loss_mask
-    (-(expected * batch.advantages[:, None]).sum() / mask.sum()).backward()
+    (-(expected * batch.advantages).sum() / mask.sum()).backward()
     ours = backend.logprobs(batch)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -95,7 +101,7 @@ def test_logprobs_and_gradients_equal_pefts_own_on_the_same_weights(tiny_model_d
     assert (ours - expected.detach()).abs().max() <= 1e-5
 
     def loss_fn(logprobs_BT, micro, norm):
-        return -(logprobs_BT * micro.advantages[:, None]).sum() / norm.num_tokens, {}
+        return -(logprobs_BT * micro.advantages).sum() / norm.num_tokens, {}
 
     backend.optimizer.zero_grad()
     backend.accumulate_gradients(batch, loss_fn)
@@ -153,7 +159,7 @@ def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_restores_the
     trained = lora_backend(tiny_model_dir)
 
     def loss_fn(logprobs_BT, micro, norm):
-        return -(logprobs_BT * micro.advantages[:, None]).sum() / norm.num_tokens, {}
+        return -(logprobs_BT * micro.advantages).sum() / norm.num_tokens, {}
 
     trained.train_step(batch, loss_fn)
     trained.save_state(tmp_path / "trainer")

@@ -3,7 +3,6 @@ import math
 import torch
 
 from reinforge.algorithms.losses import (
-    Normalisers,
     cispo_policy_gradient,
     clipped_policy_gradient,
     constant_normaliser,
@@ -14,6 +13,7 @@ from reinforge.algorithms.losses import (
     token_log_ratio,
     token_mean,
 )
+from reinforge.data.batch import Normalisers
 
 
 def test_clipped_policy_gradient_matches_hand_computed_values():
@@ -63,7 +63,8 @@ def test_token_and_sequence_aggregation_match_hand_computed_values():
 
 
 def test_grpo_loss_with_kl_matches_hand_computed_value():
-    """Two tokens, ratio 1 (logp = old), A = +1, kl_coef 0.1, ref logprobs giving k3 = 0.193147 on token 0 and 0 on token 1:
+    """Two tokens, ratio 1 (logp = old), A = +1, kl_coef 0.1, ref logprobs giving k3 = 0.193147 on token 0 and 0 on
+    token 1:
     per token: -1 + 0.1 * 0.193147 = -0.980685 and -1; token mean = -0.990343."""
     logp = torch.tensor([[math.log(0.5), math.log(0.5)]])
     ref = torch.tensor([[math.log(0.25), math.log(0.5)]])

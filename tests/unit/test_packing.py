@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reinforge.algorithms.losses import Normalisers
 from reinforge.algorithms.sft import nll_loss
+from reinforge.data.batch import Normalisers
 from reinforge.data.chat import ChatExample, render_chat
 from reinforge.data.packing import collate_examples, dense_mask, first_fit_decreasing, group_rows, micro_batches
 from reinforge.modeling import enable_activation_checkpointing

@@ -16,11 +16,14 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from reinforge.algorithms.losses import Normalisers, grpo_loss, token_mean
-from reinforge.config.schema import ModelConfig, TrainingConfig
-from reinforge.data.batch import Trajectory, collate
+from reinforge.algorithms.losses import grpo_loss, token_mean
+from reinforge.data.batch import Normalisers, Trajectory, collate
 from reinforge.data.packing import dense_mask, row_layout, sequence_rows, shared_prompt_rows
+from reinforge.model_config import ModelConfig
 from reinforge.paths import PROJECT_ROOT
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.heads import LogprobHead
 from reinforge.training.micro_batching import (
     LAYOUTS,
     LayoutCache,
@@ -29,8 +32,10 @@ from reinforge.training.micro_batching import (
     plan_micro_batches,
     select_micro_batch,
     split_to,
+    token_entropy,
+    token_logprobs,
 )
-from reinforge.training.torch_backend import TorchBackend, token_entropy, token_logprobs
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 TEMPERATURE = 0.7
 
@@ -66,12 +71,14 @@ def ragged_batch(num_rows=12, seed=0):
 
 def make_backend(model_dir, **training):
     torch.manual_seed(0)
-    config = TrainingConfig(global_batch_size=12, lr=1e-3, **{"micro_batch_size": 12, **training})
-    return TorchBackend(
+    config = TrainingConfig(global_batch_size=12, **{"micro_batch_size": 12, **training})
+    return Backend(
         ModelConfig(name_or_path=str(model_dir)),
         config,
-        temperature=TEMPERATURE,
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(TEMPERATURE),
         load_reference=False,
     )
 
@@ -236,33 +243,33 @@ def test_ranks_split_their_micro_batches_to_the_same_count():
 @pytest.mark.parametrize(
     "override, message",
     [
-        (["training.micro_batch_tokens=0"], "training.micro_batch_tokens=0 must be >= 1, or null"),
-        (["training.logprob_chunk_tokens=0"], "training.logprob_chunk_tokens=0 must be >= 1"),
+        (["training.micro_batch_tokens=0"], r"training.micro_batch_tokens: .*greater than or equal to 1 \(got 0\)"),
+        (["training.logprob_chunk_tokens=0"], r"training.logprob_chunk_tokens: .*greater than or equal to 1 \(got 0\)"),
     ],
 )
 def test_bad_micro_batching_settings_are_one_line_errors(override, message):
-    from reinforge.config import load_config
+    from reinforge.algorithms.grpo import load_config
     from reinforge.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as error:
         load_config(None, override)
+    assert "\n" not in str(error.value)
 
 
 def fsdp2_rank(rank, port, model_dir, out_dir, micro_batch_tokens):
     """One of 2 FSDP2 ranks: logprobs and one train step on `ragged_batch` with a token budget."""
-    from reinforge.training.fsdp2_worker import FSDP2Worker
+    from reinforge.training.fsdp2 import FSDP2Strategy
 
     torch.set_num_threads(1)
-    training = TrainingConfig(global_batch_size=12, micro_batch_size=12, lr=1e-3, micro_batch_tokens=micro_batch_tokens)
-    worker = FSDP2Worker(
-        rank,
-        2,
-        "127.0.0.1",
-        port,
+    training = TrainingConfig(global_batch_size=12, micro_batch_size=12, micro_batch_tokens=micro_batch_tokens)
+    worker = Backend(
         ModelConfig(name_or_path=str(model_dir)),
         training,
-        temperature=TEMPERATURE,
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(TEMPERATURE),
+        strategy=FSDP2Strategy(rank, 2, "127.0.0.1", port),
         load_reference=False,
     )
     batch, noise = ragged_batch()

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from reinforge.algorithms.losses import Normalisers
 from reinforge.algorithms.ppo_losses import (
     clipped_value_loss,
     explained_variance,
@@ -12,6 +11,7 @@ from reinforge.algorithms.ppo_losses import (
     terminal_rewards,
     whiten_tokens,
 )
+from reinforge.data.batch import Normalisers
 
 
 def test_gae_on_four_tokens_matches_the_hand_computed_recursion():
@@ -93,7 +93,8 @@ def test_value_loss_of_micro_batches_sums_to_the_whole_batch():
 def test_whitening_and_explained_variance_use_the_valid_tokens_only():
     """Valid returns [1, 2, 3, 4] (mean 2.5, population variance 1.25); values [1, 2, 3, 3] leave residuals
     [0, 0, 0, 1] (variance 0.1875): explained variance 1 - 0.1875 / 1.25 = 0.85. A constant critic at the
-    returns' mean explains 0; padding (value 100) changes nothing."""
+    returns' mean explains 0; padding (value 100) changes nothing. Whitening divides by the Bessel-corrected
+    std sqrt(5 / 3) (variance 1.25 * 4 / 3): the first token -1.5 / sqrt(5 / 3) = -1.16190."""
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     returns = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 100.0]])
     assert explained_variance(
@@ -101,7 +102,21 @@ def test_whitening_and_explained_variance_use_the_valid_tokens_only():
     ).item() == pytest.approx(0.85)
     assert explained_variance(returns, torch.full((2, 3), 2.5), mask).item() == pytest.approx(0.0)
     whitened = whiten_tokens(returns, mask)
-    mean, std = masked_mean_std(whitened, mask)
-    assert mean.item() == pytest.approx(0.0, abs=1e-6) and std.item() == pytest.approx(1.0, abs=1e-5)
+    mean, std = masked_mean_std(whitened, mask)  # population std of the whitened tokens: sqrt(3 / 4)
+    assert mean.item() == pytest.approx(0.0, abs=1e-6) and std.item() == pytest.approx(0.75**0.5, abs=1e-5)
     assert whitened[:, 2].tolist() == [0.0, 0.0]
-    assert whitened[0, 0].item() == pytest.approx(-1.5 / 1.25**0.5, abs=1e-5)
+    assert whitened[0, 0].item() == pytest.approx(-1.5 / (5 / 3) ** 0.5, abs=1e-5)
+
+
+def test_whitening_divides_by_the_bessel_corrected_std_with_eps_inside_the_square_root():
+    """Valid tokens [1, 3] (padding 50): mean 2, Bessel-corrected variance ((1 - 2)^2 + (3 - 2)^2) / (2 - 1) = 2,
+    so [-1, 1] / sqrt(2 + 1e-8) = [-0.70711, 0.70711] (the population std 1 would give [-1, 1]).
+    Valid [0, 2e-4]: mean 1e-4, variance 2 * (1e-4)^2 / 1 = 2e-8; with eps 1e-8 inside the root
+    1e-4 / sqrt(3e-8) = 1 / sqrt(3) = 0.57735 (eps added to the std would give 1e-4 / (1.41421e-4 + 1e-8) = 0.70706).
+    One valid token: x - mean = 0, so 0 (not 0 / 0)."""
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    whitened = whiten_tokens(torch.tensor([[1.0, 50.0], [3.0, 50.0]]), mask)
+    torch.testing.assert_close(whitened, torch.tensor([[-(0.5**0.5), 0.0], [0.5**0.5, 0.0]]))
+    tiny = whiten_tokens(torch.tensor([[0.0, 2e-4]]), torch.ones(1, 2))
+    torch.testing.assert_close(tiny, torch.tensor([[-(3**-0.5), 3**-0.5]]), atol=1e-5, rtol=0)
+    assert whiten_tokens(torch.tensor([[7.0, 9.0]]), torch.tensor([[1.0, 0.0]])).tolist() == [[0.0, 0.0]]

@@ -9,12 +9,13 @@ import torch
 from reinforge.algorithms import ppo
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.algorithms.rollout_source import RolloutBatch
-from reinforge.config.recipe_loader import load_recipe_config
-from reinforge.config.schema import ModelConfig
+from reinforge.config.loader import load_recipe_config
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers
-from reinforge.training.critic import CriticBackend
-from reinforge.training.torch_backend import TorchBackend
+from reinforge.model_config import ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import SchedulerConfig
 
 
 def rollouts() -> RolloutBatch:
@@ -30,7 +31,7 @@ def rollouts() -> RolloutBatch:
     return RolloutBatch(step=1, trajectories=trajectories, metrics={}, policy_version=0)
 
 
-def step(model_dir, *overrides: str) -> tuple[dict[str, float], bool, TorchBackend, CriticBackend]:
+def step(model_dir, *overrides: str) -> tuple[dict[str, float], bool, Backend, Backend]:
     """One step of a fresh policy and critic on `rollouts()`: (metrics without timings, whether the policy changed,
     the policy's trainer, the critic)."""
     config = load_recipe_config(
@@ -38,29 +39,37 @@ def step(model_dir, *overrides: str) -> tuple[dict[str, float], bool, TorchBacke
         None,
         [
             f"model.name_or_path={model_dir}",
-            "grpo.num_prompts_per_step=4",
-            "grpo.num_generations_per_prompt=2",
+            "rollout.num_prompts_per_step=4",
+            "rollout.num_generations_per_prompt=2",
             "training.global_batch_size=4",
             "training.micro_batch_size=4",
-            "training.lr=1e-3",
+            "optimizer.lr=1e-3",
             "ppo.critic_lr=1e-2",
             *overrides,
         ],
     )
     trainer = fresh_policy(config)
     learner = ppo.ppo_learner(config, trainer, SimpleNamespace(pad_token_id=0), cleanup=None)
-    metrics, trained = learner.train_on_batch(1, rollouts(), Timers())
+    result = learner.train_on_batch(1, rollouts(), Timers())
     return (
-        {k: v for k, v in metrics.items() if not k.startswith(("timing/", "perf/"))},
-        trained,
+        {k: v for k, v in result.metrics.items() if not k.startswith(("timing/", "perf/"))},
+        result.trained,
         trainer,
         learner.models["critic"],
     )
 
 
-def fresh_policy(config) -> TorchBackend:
+def fresh_policy(config) -> Backend:
     torch.manual_seed(0)
-    return TorchBackend(config.model, config.training, 1.0, num_optimizer_steps=4, load_reference=False)
+    return Backend(
+        config.model,
+        config.training,
+        config.optimizer,
+        SchedulerConfig(),
+        num_optimizer_steps=4,
+        head=LogprobHead(1.0),
+        load_reference=False,
+    )
 
 
 def weights(model) -> torch.Tensor:
@@ -81,18 +90,29 @@ def test_the_critic_before_or_after_the_actor_gives_the_same_step(tiny_model_dir
 def test_during_the_critic_warm_up_only_the_critic_trains(tiny_model_dir):
     metrics, trained, trainer, critic = step(tiny_model_dir, "ppo.critic_warmup_steps=1")
     assert not trained and metrics["train/num_optimizer_steps"] == 0 and "train/loss" not in metrics
-    untouched = TorchBackend(ModelConfig(name_or_path=str(tiny_model_dir)), trainer.config, 1.0, 4, False)
+    untouched = Backend(
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        trainer.config,
+        trainer.optimizer_config,
+        SchedulerConfig(),
+        num_optimizer_steps=4,
+        head=LogprobHead(1.0),
+        load_reference=False,
+    )
     assert torch.equal(weights(trainer.model), weights(untouched.model))
     assert metrics["train/critic_num_optimizer_steps"] == 2 and critic.model.value_head.bias.item() != 0
 
 
 def test_the_actor_trains_on_whitened_gae_advantages(tiny_model_dir):
     """A new critic values every state 0, so with gamma = lambda = 1 each token's GAE advantage is its sequence's
-    reward (1 or 0); whitened over the tokens they have mean 0 and std 1, and the returns are the rewards."""
+    reward (1 or 0); whitened over the n = 29 tokens they have mean 0 and Bessel-corrected std 1, so the logged
+    population std is sqrt(28 / 29) = 0.98261, and the returns are the rewards."""
     metrics, _, _, _ = step(tiny_model_dir, "ppo.lam=1.0")
     assert metrics["train/explained_variance"] == 0 and metrics["train/rollout_value_mean"] == 0
-    assert abs(metrics["train/advantage_token_mean"]) < 1e-6 and abs(metrics["train/advantage_token_std"] - 1) < 1e-4
-    assert metrics["train/gae_advantage_mean"] == metrics["train/return_mean"]
     lengths = [2 + row % 5 for row in range(8)]
+    num_tokens = sum(lengths)
+    assert abs(metrics["train/advantage_token_mean"]) < 1e-6
+    assert abs(metrics["train/advantage_token_std"] - ((num_tokens - 1) / num_tokens) ** 0.5) < 1e-4
+    assert metrics["train/gae_advantage_mean"] == metrics["train/return_mean"]
     expected = sum(n for row, n in enumerate(lengths) if row % 2) / sum(lengths)  # the fraction of tokens with reward 1
     assert abs(metrics["train/return_mean"] - expected) < 1e-6

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from reinforge.algorithms.dpo import DPORunConfig
 from reinforge.algorithms.rm import RMRunConfig
-from reinforge.config.recipe_loader import load_recipe_config
+from reinforge.config.loader import load_recipe_config
 from reinforge.data.preference import (
     PreferenceDataConfig,
     PreferenceRecord,
@@ -119,9 +119,14 @@ def test_demo_configs_load_and_unknown_keys_suggest_the_nearest_key_of_their_own
     )
     assert config.dpo.beta == 0.2 and config.model.name_or_path == "123"  # a string field keeps "123" a string
     assert load_recipe_config(RMRunConfig, PROJECT_ROOT / "configs" / "rm_demo.yaml").logging.run_dir == "runs/rm_demo"
-    with pytest.raises(ConfigError, match="unknown config key dpo.betaa; did you mean dpo.beta?"):
+    with pytest.raises(
+        ConfigError, match="unknown config key dpo.betaa: reinforge dpo has no such setting; did you mean dpo.beta"
+    ):
         load_recipe_config(DPORunConfig, None, ["dpo.betaa=0.2"])
-    with pytest.raises(ConfigError, match="unknown config key rm.max_step; did you mean rm.max_steps?"):
+    with pytest.raises(
+        ConfigError,
+        match="rm.max_step: reinforge rm has no such setting; did you mean rm.max_steps",
+    ):
         load_recipe_config(RMRunConfig, None, ["rm.max_step=3"])
 
 

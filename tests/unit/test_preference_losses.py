@@ -53,7 +53,8 @@ def test_dpo_loss_is_log_2_and_accuracy_one_half_when_the_policy_is_the_referenc
 
 
 def test_bradley_terry_loss_matches_hand_computed_values():
-    """r_c = [2, 0], r_r = [1, 0.5]: margins 1 and -0.5; -log sigmoid(1) = 0.313262, -log sigmoid(-0.5) = log(1 + e^0.5) = 0.974077;
+    """r_c = [2, 0], r_r = [1, 0.5]: margins 1 and -0.5; -log sigmoid(1) = 0.313262,
+    -log sigmoid(-0.5) = log(1 + e^0.5) = 0.974077;
     loss = (0.313262 + 0.974077) / 2 = 0.643669; reward_margin = 0.25; accuracy 1/2; chosen 1.0, rejected 0.75."""
     loss, metrics = bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.5]), 2)
     assert {name: round(float(value), 6) for name, value in metrics.items()} == {

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from reinforge.config import load_config
-from reinforge.config.schema import ModelConfig
+from reinforge.algorithms.grpo import load_config
 from reinforge.data.prompts import load_prompts, render_prompt
 from reinforge.errors import DataError
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 
@@ -40,7 +40,8 @@ def test_a_gym_row_renders_its_input_and_tools_and_keeps_its_own_developer_messa
     assert tokenizer.decode(prompt.token_ids) == (
         "<|im_start|>system\nYou help.\n\n"
         'You may call these tools, one call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:\n'
-        '{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}'
+        '{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, '
+        '"required": ["city"]}}'
         "<|im_end|>\n<|im_start|>user\nsf?<|im_end|>\n<|im_start|>assistant\n"
     )
 

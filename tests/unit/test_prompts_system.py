@@ -4,10 +4,10 @@ import inspect
 
 import pytest
 
-from reinforge.config import load_config
-from reinforge.config.schema import DataConfig, ModelConfig
-from reinforge.data.prompts import load_prompts, render_prompt
+from reinforge.algorithms.grpo import load_config
+from reinforge.data.prompts import DataConfig, load_prompts, render_prompt
 from reinforge.errors import DataError
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 

@@ -27,10 +27,10 @@ def write(path, text):
 
 def test_dotted_and_nested_overrides_make_one_tree():
     tree = expand_overrides(
-        {"grpo.max_steps": 3, "grpo": {"val_every": 0, "loss.x": 1}, "env": {"extra_rewards": {"format": 0.5}}}
+        {"loop.max_steps": 3, "loop": {"val_every": 0, "loss.x": 1}, "env": {"extra_rewards": {"format": 0.5}}}
     )
     assert tree == {
-        "grpo": {"max_steps": 3, "val_every": 0, "loss": {"x": 1}},
+        "loop": {"max_steps": 3, "val_every": 0, "loss": {"x": 1}},
         "env": {"extra_rewards": {"format": 0.5}},
     }
 
@@ -49,19 +49,19 @@ def test_stages_chain_run_dirs_and_final_weights(tmp_path):
     assert [s.config.generation.max_new_tokens for s in stages] == [16, 32, 48]
     assert [s.config.checkpoint.resume for s in stages] == ["auto"] * 3
     assert all(s.config.checkpoint.save_final for s in stages)
-    assert stages[2].config.training.lr == 2.5e-5 and stages[0].config.training.lr == 1e-4  # base's, then the stage's
+    assert stages[2].config.optimizer.lr == 2.5e-5 and stages[0].config.optimizer.lr == 1e-4  # base's, then the stage's
 
 
 def test_base_then_recipe_then_stage_then_command_line_overrides(tmp_path):
-    write(tmp_path / "base.yaml", "grpo:\n  max_steps: 7\n  val_every: 3\ntraining:\n  lr: 0.001\nseed: 1\n")
+    write(tmp_path / "base.yaml", "loop:\n  max_steps: 7\n  val_every: 3\noptimizer:\n  lr: 0.001\nseed: 1\n")
     recipe = write(
         tmp_path / "r.yaml",
-        "run_dir: x\nbase: base.yaml\noverrides: {grpo.max_steps: 8, seed: 2}\n"
-        "stages:\n  - name: a\n    overrides: {grpo: {max_steps: 9}}\n  - name: b\n",
+        "run_dir: x\nbase: base.yaml\noverrides: {loop.max_steps: 8, seed: 2}\n"
+        "stages:\n  - name: a\n    overrides: {loop: {max_steps: 9}}\n  - name: b\n",
     )
     a, b = stages_of(recipe, tmp_path / "run", ["seed=5"])
-    assert (a.config.grpo.max_steps, a.config.grpo.val_every, a.config.training.lr, a.config.seed) == (9, 3, 0.001, 5)
-    assert (b.config.grpo.max_steps, b.config.seed) == (8, 5)
+    assert (a.config.loop.max_steps, a.config.loop.val_every, a.config.optimizer.lr, a.config.seed) == (9, 3, 0.001, 5)
+    assert (b.config.loop.max_steps, b.config.seed) == (8, 5)
     assert a.config.checkpoint.save_final and b.config.checkpoint.save_final  # the default, kept for the last
 
 
@@ -74,7 +74,7 @@ def test_a_reward_model_stage_is_not_the_policy_the_next_stage_starts_from(tmp_p
         f"  - {{name: rl, config: {PROJECT_ROOT}/configs/grpo_demo.yaml}}\n",
     )
     sft, rm, rl = stages_of(recipe, tmp_path / "run")
-    assert [type(s.config).__name__ for s in (sft, rm, rl)] == ["SFTRunConfig", "RMRunConfig", "Config"]
+    assert [type(s.config).__name__ for s in (sft, rm, rl)] == ["SFTRunConfig", "RMRunConfig", "GRPORunConfig"]
     assert rm.config.model.name_or_path == str(sft.run_dir / "final")  # the reward model starts from the SFT policy
     assert rl.model_from is sft and rl.config.model.name_or_path == str(sft.run_dir / "final")
 
@@ -88,8 +88,8 @@ def test_a_reward_model_stage_is_not_the_policy_the_next_stage_starts_from(tmp_p
             r"unknown key stages\[0\].overides; did you mean overrides\?",
         ),
         (
-            "run_dir: x\nstages:\n  - {name: a, algorithm: ppo}\n",
-            r"stages\[0\].algorithm: Input should be 'grpo', 'sft', 'dpo' or 'rm'",
+            "run_dir: x\nstages:\n  - {name: a, algorithm: reinforce}\n",
+            r"stages\[0\].algorithm: Input should be 'grpo', 'ppo', 'distill', 'sft', 'dpo' or 'rm'",
         ),
         ("stages:\n  - {name: a}\n", r"run_dir is required"),
         ("run_dir: x\nstages: []\n", r"stages is empty"),
@@ -105,7 +105,11 @@ def test_recipe_file_mistakes_are_one_line_errors_naming_the_key(tmp_path, text,
 @pytest.mark.parametrize(
     "stage_overrides, message",
     [
-        ("{grpo.max_stepz: 3}", r"stage 2 \(b\): unknown config key grpo.max_stepz; did you mean grpo.max_steps\?"),
+        (
+            "{grpo.max_stepz: 3}",
+            r"stage 2 \(b\): unknown config key grpo.max_stepz: reinforge grpo has no such setting; "
+            r"did you mean loop.max_steps\?",
+        ),
         ("{generation.max_new_tokens: 0}", r"stage 2 \(b\): generation.max_new_tokens must be > 0"),
         ("{data.train_path: nope.jsonl}", r"stage 2 \(b\): data.train_path=nope.jsonl does not exist"),
         ("{logging.run_dir: elsewhere}", r"stage 2 \(b\): logging.run_dir is set by the recipe"),
@@ -131,8 +135,8 @@ def test_the_command_line_prints_a_bad_key_as_one_line(tmp_path, capsys):
     assert main(["recipe", str(recipe)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"reinforge: error: recipe {recipe}, stage 1 (a): unknown config key grpo.num_generatoins; "
-        "did you mean grpo.num_generations_per_prompt?"
+        f"reinforge: error: recipe {recipe}, stage 1 (a): unknown config key grpo.num_generatoins: "
+        "reinforge grpo has no such setting; did you mean rollout.num_generations_per_prompt?"
     ]
     assert not (tmp_path / "run").exists()
 
@@ -175,10 +179,10 @@ def test_deepscaler_recipe_validates_without_network_into_8k_16k_24k_stages(tmp_
         for s in (first, second, third)
     } == {("fsdp2", "vllm", 1.0)}
     assert [
-        (s.config.loss.kl_coef, s.config.loss.clip_eps_high, s.config.training.lr) for s in (first, second, third)
+        (s.config.loss.kl_coef, s.config.loss.clip_eps_high, s.config.optimizer.lr) for s in (first, second, third)
     ] == [(0.0, 0.2, 2e-6), (0.001, 0.28, 2e-6), (0.0001, 0.28, 5e-7)]
     assert (
-        first.config.grpo.num_prompts_per_step,
-        first.config.grpo.num_generations_per_prompt,
+        first.config.rollout.num_prompts_per_step,
+        first.config.rollout.num_generations_per_prompt,
         first.config.training.global_batch_size,
     ) == (128, 8, 64)

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from reinforge.algorithms.grpo import GRPORunConfig
 from reinforge.cli import main
-from reinforge.config import Config, save_config
+from reinforge.config.loader import save_config
 from reinforge.logging.report import phase_seconds, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -52,7 +53,7 @@ def grpo_rows(num_steps: int, val_every: int) -> list[dict]:
 
 
 def test_a_grpo_run_gets_every_plot_as_a_png_and_a_summary(tmp_path):
-    run_dir = write_run(tmp_path / "grpo-run", grpo_rows(120, val_every=20), Config())
+    run_dir = write_run(tmp_path / "grpo-run", grpo_rows(120, val_every=20), GRPORunConfig())
     written = write_report(run_dir)
     names = sorted(path.name for path in written)
     assert names == sorted(
@@ -85,8 +86,9 @@ def test_a_grpo_run_gets_every_plot_as_a_png_and_a_summary(tmp_path):
         "# Run report: grpo-run\n\n120 training steps (last step 120); 2h 43m 24s in timed phases"
     )
     assert '| `model.name_or_path` | "models/demo" |' in summary
-    assert "| `grpo.num_generations_per_prompt` | 8 |" in summary
-    assert "| `training.lr` | 1e-06 |" in summary
+    assert "| `rollout.num_generations_per_prompt` | 8 |" in summary
+    assert "| `loop.max_steps` | 20 |" in summary
+    assert "| `optimizer.lr` | 1e-06 |" in summary
     assert "| `val/accuracy` | 0.3 | 0.8 | 0.8 | 120 |" in summary
     assert "| `perf/tokens_per_s` | 181 | 300 | 300 | 120 |" in summary
     assert "| `perf/peak_rss_gb` | 1.51 | 1.6 | | |" in summary
@@ -136,7 +138,7 @@ def test_plots_of_metrics_the_run_did_not_log_are_skipped(tmp_path):
 
 
 def test_reinforge_report_prints_what_it_wrote_and_a_missing_run_is_a_one_line_error(tmp_path, capsys):
-    run_dir = write_run(tmp_path / "run", grpo_rows(5, val_every=5), Config())
+    run_dir = write_run(tmp_path / "run", grpo_rows(5, val_every=5), GRPORunConfig())
     assert main(["report", str(run_dir)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1] == str(run_dir / "report" / "summary.md")
@@ -144,8 +146,8 @@ def test_reinforge_report_prints_what_it_wrote_and_a_missing_run_is_a_one_line_e
 
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     assert (
-        capsys.readouterr().err
-        == f"reinforge: error: {tmp_path / 'nowhere' / 'metrics.jsonl'} does not exist; give the run directory of a reinforge run\n"
+        capsys.readouterr().err == f"reinforge: error: {tmp_path / 'nowhere' / 'metrics.jsonl'} does not exist; "
+        "give the run directory of a reinforge run\n"
     )
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from reinforge.config.schema import ModelConfig, TrainingConfig
 from reinforge.data.batch import collate
 from reinforge.data.prompts import render_prompt
 from reinforge.envs.base import EnvResponse
@@ -11,10 +10,14 @@ from reinforge.envs.format_env import FormatEnv, FormatEnvConfig
 from reinforge.envs.math_env import MathEnv
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
+from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 from reinforge.rollout.rollout import RolloutOptions, observation_token_ids, rollout
-from reinforge.training.torch_backend import TorchBackend
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 DEMO = ModelConfig(name_or_path=str(PROJECT_ROOT / "models" / "demo"))
 CHECK_AGAIN = "Check your answer and reply again."
@@ -111,11 +114,13 @@ def test_environment_tokens_are_never_trained_on_and_logprobs_stay_aligned(demo)
     observation_tokens = sum(len(t.response_ids) - sum(t.response_mask) for t in trajectories)
     assert batch.loss_mask.sum() == sum(sum(t.response_mask) for t in trajectories) and observation_tokens > 0
     # the trainer, reading the whole multi-turn sequence, gives the engine's logprobs to each policy token
-    trainer = TorchBackend(
+    trainer = Backend(
         DEMO,
         TrainingConfig(micro_batch_size=8, global_batch_size=8),
-        temperature=1.0,
+        OptimizerConfig(),
+        SchedulerConfig(),
         num_optimizer_steps=1,
+        head=LogprobHead(1.0),
         load_reference=False,
     )
     old = trainer.logprobs(batch)

@@ -19,7 +19,8 @@ import pytest
 
 from reinforge.envs.sandbox import SandboxLimits, run_python
 
-# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes
+# (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 ISOLATIONS = ["namespaces", "plain"]
@@ -232,7 +233,10 @@ def test_plain_isolation_still_keeps_the_caller_directories_read_only(tmp_path):
     """Plain mode's uid owns nothing but its directory; world-writable /tmp is its documented gap."""
     marker = new_marker()
     targets = [f"{os.getcwd()}/{marker}", f"{tmp_path}/{marker}"]
-    program = f"for path in {targets!r}:\n    try:\n        open(path, 'w')\n        print('wrote')\n    except OSError:\n        pass"
+    program = (
+        f"for path in {targets!r}:\n    try:\n        open(path, 'w')\n        print('wrote')\n"
+        "    except OSError:\n        pass"
+    )
     result = run_python(program, limits("plain"))
     assert result.status == "ok" and "wrote" not in result.stdout
     assert not any(Path(path).exists() for path in targets)

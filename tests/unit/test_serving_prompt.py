@@ -19,7 +19,7 @@ def tokenizer():
 
 
 def test_the_splice_keeps_the_sampled_tokens_and_templates_only_the_new_turn():
-    """The protocol doc's worked example (EOS = 2): turn 1 was prompted with [11, 12, 13, 40, 41] and
+    """A worked example (EOS = 2): turn 1 was prompted with [11, 12, 13, 40, 41] and
     generated [220, 17, 2]; the template re-renders that reply as 1001. The spliced prompt is the required
     prefix (its EOS included), then the template after its 2nd EOS (the template prefix has 2)."""
     template_prefix = [11, 12, 13, 40, 41, 1001, 2]

@@ -8,7 +8,8 @@ from reinforge.envs.math_env import MathEnv
 from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig, calculate
 from reinforge.errors import ConfigError
 
-# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes (see tests/conftest.py).
+# One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes
+# (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 

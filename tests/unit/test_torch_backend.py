@@ -4,11 +4,16 @@ from functools import partial
 import pytest
 import torch
 
-from reinforge.algorithms.grpo import computed_part, make_loss_fn
+from reinforge.algorithms.grpo import GRPORunConfig, computed_part
 from reinforge.algorithms.losses import grpo_loss, sequence_mean, token_mean
-from reinforge.config.schema import Config, LossConfig, ModelConfig, TrainingConfig
+from reinforge.algorithms.policy_loss import RewardKLLossConfig, policy_loss_fn
 from reinforge.data.batch import Trajectory, collate
-from reinforge.training.torch_backend import TorchBackend, token_logprobs
+from reinforge.model_config import ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.heads import LogprobHead
+from reinforge.training.micro_batching import token_logprobs
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 
 def make_batch(num_rows=8, seed=0):
@@ -27,13 +32,20 @@ def make_batch(num_rows=8, seed=0):
 
 def make_backend(model_dir, micro_batch_size, load_reference=False, **training):
     torch.manual_seed(0)
-    return TorchBackend(
+    return Backend(
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(micro_batch_size=micro_batch_size, global_batch_size=8, lr=1e-3, **training),
-        temperature=0.7,
+        TrainingConfig(micro_batch_size=micro_batch_size, global_batch_size=8, **training),
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
         num_optimizer_steps=10,
+        head=LogprobHead(temperature=0.7),
         load_reference=load_reference,
     )
+
+
+def make_loss_fn(config: GRPORunConfig):
+    """GRPO's loss function, as its learner builds it."""
+    return policy_loss_fn(config.loss, config.generation.max_new_tokens, config.off_policy)
 
 
 def loss_fn(aggregate, kl_coef, logprobs, micro, norm):
@@ -103,8 +115,10 @@ def test_old_logprobs_from_the_training_pass_give_the_step_of_a_separate_pass(ti
     """loss.old_logprobs=auto with one optimizer step per rollout: logp_old is the training pass's own
     logprobs, detached. The update, the loss, the importance weights and the mismatch metrics must be
     those of the separate no-grad pass it replaces."""
-    config = Config(
-        loss=LossConfig(is_correction=is_correction, clip_eps_high=0.28, is_sequence_low=0.9, is_sequence_high=1.1)
+    config = GRPORunConfig(
+        loss=RewardKLLossConfig(
+            is_correction=is_correction, clip_eps_high=0.28, is_sequence_low=0.9, is_sequence_high=1.1
+        )
     )
     batch = make_batch()
     noise = 0.2 * torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(2))
@@ -139,20 +153,22 @@ def test_leaving_out_zero_advantage_sequences_gives_the_same_update(tiny_model_d
     """grpo.skip_zero_advantage: the sequences of groups whose rewards were all equal are not run, the loss
     still divides by the whole batch's counts, so the step equals the whole batch's; metric means are over
     the sequences run."""
-    config = Config(loss=LossConfig(clip_eps_high=0.28, aggregation=aggregation))
+    config = GRPORunConfig(loss=RewardKLLossConfig(clip_eps_high=0.28, aggregation=aggregation))
     batch = make_batch()
     batch.advantages[[1, 2, 5]] = 0.0
     part = computed_part(batch, config)
     assert len(part) == 5 and part.normalisers().num_tokens == batch.num_valid_tokens()
-    assert computed_part(batch, Config(loss=LossConfig(kl_coef=0.1))) is batch  # a KL term: every sequence has a loss
+    assert (
+        computed_part(batch, GRPORunConfig(loss=RewardKLLossConfig(kl_coef=0.1))) is batch
+    )  # a KL term: every sequence has a loss
     overlong_filtered = replace(batch, loss_mask=batch.loss_mask.clone())
     overlong_filtered.loss_mask[7] = 0.0  # nothing to train on: left out too
     assert len(computed_part(overlong_filtered, config)) == 4
     nothing = replace(
-        batch, advantages=torch.zeros(len(batch))
+        batch, advantages=torch.zeros_like(batch.advantages)
     )  # the step still runs, on the shortest sequence per rank
     assert len(computed_part(nothing, config)) == 1
-    two_ranks = Config(training=TrainingConfig(backend="fsdp2", num_workers=2))
+    two_ranks = GRPORunConfig(training=TrainingConfig(backend="fsdp2", num_workers=2))
     assert len(computed_part(nothing, two_ranks)) == 2
     assert len(computed_part(batch, two_ranks)) == 6  # 5 sequences to train on, topped up to equal shares
     runs = []

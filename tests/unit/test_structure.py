@@ -1,0 +1,387 @@
+"""The house's structure, held by a test: the floor order of the packages, no import circles, Ray only in cluster/,
+no module over 450 lines, no tracked file naming a path outside the repository.
+
+Every import counts: at module level, inside a function (deferred, it still ties the two modules together) and
+under `if TYPE_CHECKING:` (it ties the design, if not the run), and so does a `"reinforge.module:attribute"` string
+that the code imports by name (recipes/stages.py). Each rule is a function from the parsed modules (or the tracked
+files) to its violations, so the tests below also plant one violation of each kind and check that the rule sees it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The floors, lowest first. A unit is a subpackage of reinforge/ or a module directly in it; every unit has a floor.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    # 0, the ground: the exception types users see, where the package's own files lie, and the config machinery
+    # (Section, the YAML loader, overrides, `defaults:` inheritance) that every component's config class is built on.
+    # No component's section lives here: a section sits beside its component, a recipe's root tree at the top.
+    ("errors", "paths", "config"),
+    # 1, utilities with no knowledge of RL: the run directory (atomic writes, run layout), HTTP exposure and guards
+    # (network.py), and model loading with its `model:` section (modeling.py, model_config.py).
+    ("run_dir", "network", "model_config", "modeling"),
+    # 2, what a run reads and writes: records, batches and chat rendering (data/), environments that score
+    # conversations (envs/), and metric names, loggers and reports (logging/, which reads the run's JSONL via data/).
+    ("data", "envs", "logging"),
+    # 3, the two backends: generating tokens (generation/) and computing logprobs and training on a batch (training/).
+    ("generation", "training"),
+    # 4, components built from the backends: Ray worker groups (cluster/), rollouts across turns and environments
+    # (rollout/), the OpenAI-compatible policy server (serving/), agents that call it (agents/), evaluation.
+    # The subcommand modules envs/cli.py, serving/cli.py and evaluation/cli.py import only their own floor and
+    # below, so they stay in their packages.
+    ("cluster", "rollout", "serving", "agents", "evaluation"),
+    # 5, the recipes' loops: GRPO, PPO, distillation, SFT, DPO, RM, and what builds their parts from config.
+    ("algorithms",),
+    # 6, the front doors: multi-stage recipes and the command line.
+    ("recipes", "cli"),
+)
+FLOOR_OF = {unit: floor for floor, units in enumerate(FLOORS) for unit in units}
+
+# Imports that climb from a lower floor to a higher one: (importer module, imported module, why), at most three.
+ALLOWED_CLIMBS: tuple[tuple[str, str, str], ...] = ()
+MAX_ALLOWED_CLIMBS = 3
+
+MAX_MODULE_LINES = 450
+
+# Paths that exist only on some machine, never in a user's clone: a workspace or home directory, or a folder beside
+# the repository. /tmp/ is allowed: the code and docs use it for scratch output and inside the sandbox, not to cite
+# a file the user should have.
+OUTSIDE_PATH = re.compile(r"(?<![\w.~-])/(work|home|root|Users)/|\.\./shared\b")
+# Dataset and model files hold records and weights, not prose; their READMEs and scripts are checked.
+DATA_FOLDERS = ("data/", "tests/data/", "models/")
+DATA_SUFFIXES = (".jsonl", ".json", ".safetensors", ".parquet")
+THIS_FILE = "tests/unit/test_structure.py"  # it spells the patterns it looks for
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str  # a module of the package, or the top-level name of another distribution ("ray")
+    line: int
+    type_only: bool
+
+    def __str__(self) -> str:
+        kind = " (type-only)" if self.type_only else ""
+        return f"{self.importer}:{self.line} imports {self.imported}{kind}"
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # reinforge.data.batch
+    num_lines: int
+    imports: list[Import]
+
+
+def module_name(relative: Path) -> str:
+    parts = relative.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def parse_modules(sources: dict[str, str]) -> dict[str, Module]:
+    """Modules from {path relative to the repository root: source}."""
+    names = {module_name(Path(path)) for path in sources}
+    modules = {}
+    for path, source in sources.items():
+        name = module_name(Path(path))
+        imports = imports_of(name, path.endswith("__init__.py"), ast.parse(source), names)
+        modules[name] = Module(name, len(source.splitlines()), imports)
+    return modules
+
+
+def load_modules(root: Path) -> dict[str, Module]:
+    """Every module of the package whose directory is `root`."""
+    return parse_modules({str(p.relative_to(root.parent)): p.read_text() for p in sorted(root.rglob("*.py"))})
+
+
+@cache
+def package() -> dict[str, Module]:
+    return load_modules(REPO / "reinforge")
+
+
+def _resolve(dotted: str, modules: set[str]) -> str:
+    """The longest prefix of `dotted` that is a module of the package; else the top-level name."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return parts[0]
+
+
+def imports_of(name: str, is_package: bool, tree: ast.Module, modules: set[str]) -> list[Import]:
+    """What module `name` (an __init__.py if `is_package`) imports, each resolved against the package's `modules`."""
+    found = []
+
+    def add(dotted: str, node: ast.AST, type_only: bool) -> None:
+        found.append(Import(name, _resolve(dotted, modules), node.lineno, type_only))
+
+    def visit(node: ast.AST, type_only: bool) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, type_only)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node, type_only)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                add(f"{base}.{alias.name}", node, type_only)  # `from pkg import submodule` imports the submodule
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"reinforge(\.\w+)+:\w+", node.value):  # imported by name with importlib
+                add(node.value.split(":")[0], node, type_only)
+        for child in ast.iter_child_nodes(node):
+            visit(child, type_only)
+
+    visit(tree, False)
+    return found
+
+
+def internal_imports(modules: dict[str, Module]) -> list[Import]:
+    """Imports between two modules of the package; a module importing its own package's __init__ is left out."""
+    return [
+        imp
+        for module in modules.values()
+        for imp in module.imports
+        if imp.imported in modules and imp.imported != imp.importer and not imp.importer.startswith(imp.imported + ".")
+    ]
+
+
+def unit_of(name: str) -> str:
+    """reinforge.data.batch -> data; reinforge.cli -> cli. The package's own __init__ (its version) has no unit."""
+    return name.split(".")[1] if "." in name else ""
+
+
+def units_without_floor(modules: dict[str, Module], floor_of: dict[str, int]) -> list[str]:
+    units = {unit_of(name) for name in modules} - {""}
+    return [f"{unit} has no floor in FLOORS" for unit in sorted(units - floor_of.keys())] + [
+        f"FLOORS names {unit}, which is not in the package" for unit in sorted(floor_of.keys() - units)
+    ]
+
+
+def climbing_imports(
+    modules: dict[str, Module], floor_of: dict[str, int], allowed: tuple[tuple[str, str, str], ...]
+) -> list[str]:
+    """Imports from a lower floor to a higher one not in `allowed`, and entries of `allowed` that no longer climb."""
+    climbs = {}
+    for imp in internal_imports(modules):
+        low, high = floor_of.get(unit_of(imp.importer)), floor_of.get(unit_of(imp.imported))
+        if low is not None and high is not None and low < high:
+            climbs.setdefault((imp.importer, imp.imported), f"{imp} (floor {low} -> {high})")
+    permitted = {(importer, imported) for importer, imported, _ in allowed}
+    return [message for pair, message in sorted(climbs.items()) if pair not in permitted] + [
+        f"ALLOWED_CLIMBS lists {importer} -> {imported}, which does not climb (any more): remove it"
+        for importer, imported in sorted(permitted - climbs.keys())
+    ]
+
+
+def import_circles(modules: dict[str, Module]) -> list[str]:
+    """Each strongly connected component of the module graph with more than one module (Tarjan's algorithm)."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for imp in internal_imports(modules):
+        graph[imp.importer].add(imp.imported)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(component) > 1:
+                circles.append("import circle: " + " <-> ".join(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(circles)
+
+
+def ray_outside_cluster(modules: dict[str, Module]) -> list[str]:
+    return [
+        str(imp)
+        for module in modules.values()
+        if not module.name.startswith("reinforge.cluster")
+        for imp in module.imports
+        if imp.imported == "ray"
+    ]
+
+
+def long_modules(modules: dict[str, Module], max_lines: int = MAX_MODULE_LINES) -> list[str]:
+    return [
+        f"{name} has {module.num_lines} lines (at most {max_lines})"
+        for name, module in sorted(modules.items())
+        if module.num_lines > max_lines
+    ]
+
+
+def outside_paths(files: dict[str, str]) -> list[str]:
+    """Lines of {path: text} that name a path outside the repository."""
+    return [
+        f"{path}:{number}: {match.group(0)!r} in {line.strip()[:100]!r}"
+        for path, text in sorted(files.items())
+        for number, line in enumerate(text.splitlines(), 1)
+        for match in OUTSIDE_PATH.finditer(line)
+    ]
+
+
+def tracked_text_files() -> dict[str, str]:
+    """The repository's tracked files, and new ones git does not ignore, that hold prose or code (not data records,
+    weights or binaries)."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: no tracked files to read")
+    command = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    listing = subprocess.run(command, cwd=REPO, capture_output=True, check=True, text=True).stdout
+    files = {}
+    for path in listing.split("\0"):
+        is_data = path.startswith(DATA_FOLDERS) and path.endswith(DATA_SUFFIXES)
+        if not path or path == THIS_FILE or is_data or not (REPO / path).is_file():
+            continue
+        raw = (REPO / path).read_bytes()
+        if b"\0" not in raw:
+            files[path] = raw.decode("utf-8", errors="replace")
+    return files
+
+
+def _report(violations: list[str]) -> str:
+    return "\n".join(violations)
+
+
+# The rules on the package as it is.
+
+
+def test_every_unit_of_the_package_has_a_floor():
+    assert not (problems := units_without_floor(package(), FLOOR_OF)), _report(problems)
+
+
+def test_no_module_imports_one_on_a_higher_floor():
+    assert not (problems := climbing_imports(package(), FLOOR_OF, ALLOWED_CLIMBS)), _report(problems)
+
+
+def test_each_allowed_climb_names_its_reason_and_there_are_few():
+    assert len(ALLOWED_CLIMBS) <= MAX_ALLOWED_CLIMBS
+    assert all(len(reason.split()) >= 3 for _, _, reason in ALLOWED_CLIMBS)
+
+
+def test_no_import_circles_counting_deferred_and_type_only_imports():
+    assert not (problems := import_circles(package())), _report(problems)
+
+
+def test_ray_is_imported_only_in_cluster():
+    assert not (problems := ray_outside_cluster(package())), _report(problems)
+
+
+def test_no_module_is_over_450_lines():
+    assert not (problems := long_modules(package())), _report(problems)
+
+
+def test_no_tracked_file_names_a_path_outside_the_repository():
+    assert not (problems := outside_paths(tracked_text_files())), _report(problems)
+
+
+# Each rule sees a violation planted in a synthetic package.
+
+FLOORS_AB = {"low": 0, "high": 1}
+TYPE_CHECKING_BLOCK = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+
+
+def test_an_upward_import_is_reported_at_module_level_in_a_function_and_type_only():
+    modules = parse_modules(
+        {
+            "reinforge/high/top.py": "",
+            "reinforge/low/a.py": "from reinforge.high.top import thing\n",
+            "reinforge/low/b.py": "def f():\n    from reinforge.high import top\n",
+            "reinforge/low/c.py": TYPE_CHECKING_BLOCK + "    import reinforge.high.top\n",
+            "reinforge/low/d.py": "NAME = 'reinforge.high.top:thing'\n",
+            "reinforge/high/ok.py": "from reinforge.low.a import x\n",
+        }
+    )
+    assert climbing_imports(modules, FLOORS_AB, ()) == [
+        "reinforge.low.a:1 imports reinforge.high.top (floor 0 -> 1)",
+        "reinforge.low.b:2 imports reinforge.high.top (floor 0 -> 1)",
+        "reinforge.low.c:4 imports reinforge.high.top (type-only) (floor 0 -> 1)",
+        "reinforge.low.d:1 imports reinforge.high.top (floor 0 -> 1)",
+    ]
+
+
+def test_an_allowed_climb_passes_and_a_stale_allowance_is_reported():
+    modules = parse_modules({"reinforge/high/top.py": "", "reinforge/low/a.py": "import reinforge.high.top\n"})
+    allowed = (("reinforge.low.a", "reinforge.high.top", "planted for the test"),)
+    assert climbing_imports(modules, FLOORS_AB, allowed) == []
+    stale = allowed + (("reinforge.low.b", "reinforge.high.top", "no longer imported"),)
+    assert climbing_imports(modules, FLOORS_AB, stale) == [
+        "ALLOWED_CLIMBS lists reinforge.low.b -> reinforge.high.top, which does not climb (any more): remove it"
+    ]
+
+
+def test_a_unit_missing_from_the_floors_is_reported():
+    modules = parse_modules({"reinforge/low/a.py": "", "reinforge/extra.py": ""})
+    assert units_without_floor(modules, FLOORS_AB) == [
+        "extra has no floor in FLOORS",
+        "FLOORS names high, which is not in the package",
+    ]
+
+
+def test_an_import_circle_through_a_type_only_import_is_reported():
+    modules = parse_modules(
+        {
+            "reinforge/x/__init__.py": "",
+            "reinforge/x/a.py": "from . import b\n",
+            "reinforge/x/b.py": TYPE_CHECKING_BLOCK + "    from reinforge.x.c import C\n",
+            "reinforge/x/c.py": "def f():\n    from .a import g\n",
+            "reinforge/x/d.py": "from reinforge.x import a\nimport reinforge.x\n",
+        }
+    )
+    assert import_circles(modules) == ["import circle: reinforge.x.a <-> reinforge.x.b <-> reinforge.x.c"]
+
+
+def test_ray_in_a_data_module_is_reported_and_in_cluster_is_not(tmp_path):
+    """Planted in a copy of the real data/ and cluster/, read from disk as the rule reads the package."""
+    for unit in ("data", "cluster"):
+        shutil.copytree(
+            REPO / "reinforge" / unit, tmp_path / "reinforge" / unit, ignore=shutil.ignore_patterns("*.pyc")
+        )
+    (tmp_path / "reinforge/data/planted.py").write_text('"""Planted."""\n\nimport ray.util\n')
+    (tmp_path / "reinforge/cluster/planted.py").write_text("import ray\n")
+    assert ray_outside_cluster(load_modules(tmp_path / "reinforge")) == ["reinforge.data.planted:3 imports ray"]
+
+
+def test_a_500_line_module_is_reported():
+    modules = parse_modules({"reinforge/data/long.py": "x = 1\n" * 500, "reinforge/data/ok.py": "x = 1\n" * 450})
+    assert long_modules(modules) == ["reinforge.data.long has 500 lines (at most 450)"]
+
+
+def test_a_path_outside_the_repository_is_reported():
+    files = {
+        "docs/a.md": "see /work/shared/docs/protocol.md\nor ../shared/docs/protocol.md\n",
+        "reinforge/b.py": "# /home/user/notes, https://example.com/work/page, /tmp/scratch, docs/work/x\n",
+    }
+    assert outside_paths(files) == [
+        "docs/a.md:1: '/work/' in 'see /work/shared/docs/protocol.md'",
+        "docs/a.md:2: '../shared' in 'or ../shared/docs/protocol.md'",
+        "reinforge/b.py:1: '/home/' in '# /home/user/notes, https://example.com/work/page, /tmp/scratch, docs/work/x'",
+    ]
