@@ -112,26 +112,8 @@ def build_engine(config: RLRunConfig, tokenizer, trainer: TrainingBackend, clean
         directory = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="reinforge-merged-")))
         config = config.model_copy(update={"model": merged_copy(config.model, directory)})
     if engines_on_ray(config):  # Ray is up: engines are a worker group too
-        from reinforge.cluster.generation_group import GenerationGroup
-
         share = config.cluster.colocate and config.training.backend == "fsdp2"
-        if gen.backend == "vllm":
-            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
-
-            worker_cls, kwargs = VLLMGenerationBackend, engine_kwargs(config)
-        else:
-            from reinforge.generation.hf import HFGenerationWorker
-
-            worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
-        engine = GenerationGroup(
-            worker_cls,
-            kwargs,
-            gen.num_workers,
-            num_cpus_per_engine=config.cluster.num_cpus_per_worker * (0.5 if share else 1.0),
-            num_gpus_per_engine=config.cluster.num_gpus_per_worker * (0.5 if share else 1.0),
-            timeout_s=config.cluster.worker_timeout_s,
-            share_with=trainer.group if share else None,
-        )
+        engine = engine_group(config, share_with=trainer.group if share else None)
     elif gen.backend == "hf":
         from reinforge.generation.hf import HFGenerationBackend
         from reinforge.modeling import load_model
@@ -150,6 +132,31 @@ def build_engine(config: RLRunConfig, tokenizer, trainer: TrainingBackend, clean
         engine = VLLMGenerationBackend(**engine_kwargs(config))
     cleanup.callback(engine.shutdown)
     return engine
+
+
+def engine_group(config: RLRunConfig, share_with=None):
+    """`generation.num_workers` engines as Ray actors (cluster/generation_group.py), each with a Ray worker's
+    resources, or half of them where it shares a training rank's bundle (`share_with`: the trainer's group)."""
+    from reinforge.cluster.generation_group import GenerationGroup
+
+    gen, fraction = config.generation, 0.5 if share_with is not None else 1.0
+    if gen.backend == "vllm":
+        from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
+
+        worker_cls, kwargs = VLLMGenerationBackend, engine_kwargs(config)
+    else:
+        from reinforge.generation.hf import HFGenerationWorker
+
+        worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
+    return GenerationGroup(
+        worker_cls,
+        kwargs,
+        gen.num_workers,
+        num_cpus_per_engine=config.cluster.num_cpus_per_worker * fraction,
+        num_gpus_per_engine=config.cluster.num_gpus_per_worker * fraction,
+        timeout_s=config.cluster.worker_timeout_s,
+        share_with=share_with,
+    )
 
 
 def write_placement(run_dir: Path, trainer, engine, envs: dict[str, Environment]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,9 @@ def save_run_checkpoint(
     """The trainer's and `models`' states (the backends a recipe trains beside the policy, `Learner.models`), the
     loop's `state` and the resolved config, as checkpoint `state.step`; older checkpoints pruned."""
     tree = yaml.safe_dump(config_tree(config, run_dir), sort_keys=False)
-    save_checkpoint(run_dir, state.step, trainer, asdict(state), tree, models)
+    # shallow: the pending rollout batches stay objects (asdict would turn them into dicts)
+    driver_state = {field.name: getattr(state, field.name) for field in fields(state)}
+    save_checkpoint(run_dir, state.step, trainer, driver_state, tree, models)
     prune(run_dir, config.checkpoint.keep_last, state.best.get("step"))
 
 

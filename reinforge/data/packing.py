@@ -4,13 +4,14 @@ Rows are filled first-fit decreasing (longest sequence first, into the first row
 never split. Inside a row, `position_ids` restart at 0 for every sequence; the padding at the end of a
 row is one more "sequence" of its own (positions 0, 1, ...), which nothing real attends to.
 
-One layout builder, `row_layout`, serves every trainer: SFT's conversations (`micro_batches`) and the RL
-backends' right-padded [B, T] TrainBatches (data/batch.py, training/micro_batching.py). Given prompt
-lengths it shares prompts: consecutive samples of one prompt in a row hold the prompt once, each answer
-at positions P, P+1, ... attending to the prompt and to itself only. Every hidden state is then the same
-function of the same inputs as unshared, and the prompt's gradient the sum over its samples, as it was:
-same logprobs, loss and gradients, with the prompt's G-1 copies not computed. Without prompt lengths
-nothing is shared: unshared packing is the case where no prompt is shared.
+One layout builder, `row_layout`, serves every recipe through the training backend's micro-batches
+(training/micro_batching.py): SFT's conversations and the RL recipes' sequences alike, as right-padded
+[B, T] TrainBatches (data/batch.py). Given prompt lengths it shares prompts: consecutive samples of one
+prompt in a row hold the prompt once, each answer at positions P, P+1, ... attending to the prompt and
+to itself only. Every hidden state is then the same function of the same inputs as unshared, and the
+prompt's gradient the sum over its samples, as it was: same logprobs, loss and gradients, with the
+prompt's G-1 copies not computed. Without prompt lengths nothing is shared: unshared packing is the case
+where no prompt is shared.
 
 Who attends to whom is a list of segments (a query range attending to a key prefix and, causally, to
 itself), grouped into `SegmentBucket`s of similar length and computed by training/segment_attention.py
@@ -25,8 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-
-from reinforge.data.chat import ChatExample
 
 # segments whose key length is within this ratio of the longest in their bucket share one padded call
 BUCKET_RATIO = 0.75
@@ -46,18 +45,6 @@ def first_fit_decreasing(lengths: list[int], max_row_tokens: int) -> list[list[i
         rows[row].append(index)
         room[row] -= lengths[index]
     return rows
-
-
-def group_rows(row_lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
-    """Rows per micro-batch, longest first, so that rows x the longest row <= max_batch_tokens."""
-    assert max(row_lengths, default=0) <= max_batch_tokens, "a row is longer than a micro-batch's token budget"
-    groups: list[list[int]] = []
-    for index in sorted(range(len(row_lengths)), key=lambda i: (-row_lengths[i], i)):
-        if groups and (len(groups[-1]) + 1) * row_lengths[groups[-1][0]] <= max_batch_tokens:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
-    return groups
 
 
 @dataclass
@@ -82,7 +69,9 @@ class SegmentBucket:
         return replace(self, mask=mask.unsqueeze(1))
 
     def to(self, device: torch.device) -> "SegmentBucket":
-        return SegmentBucket(*(t.to(device) for t in (self.query_index, self.key_index, self.query_valid, self.key_valid)))
+        return SegmentBucket(
+            *(t.to(device) for t in (self.query_index, self.key_index, self.query_valid, self.key_valid))
+        )
 
 
 def segment_buckets(segments: list[tuple[int, int, int, int]]) -> list[SegmentBucket]:
@@ -106,7 +95,9 @@ def segment_buckets(segments: list[tuple[int, int, int, int]]) -> list[SegmentBu
         key_valid = k[None, :] < (length + prefix)[:, None]
         query_index = torch.where(query_valid, start[:, None] + q[None, :], 0)
         in_prefix = k[None, :] < prefix[:, None]
-        key_index = torch.where(in_prefix, prefix_start[:, None] + k[None, :], start[:, None] + k[None, :] - prefix[:, None])
+        key_index = torch.where(
+            in_prefix, prefix_start[:, None] + k[None, :], start[:, None] + k[None, :] - prefix[:, None]
+        )
         buckets.append(SegmentBucket(query_index, torch.where(key_valid, key_index, 0), query_valid, key_valid))
     return buckets
 
@@ -142,9 +133,13 @@ class RowLayout:
     def to(self, device: torch.device) -> "RowLayout":
         """The layout on `device`, its segments' masks built there."""
         position_ids = self.position_ids.to(device)
-        segments = None if self.segments is None else [b.to(device).with_mask(position_ids.flatten()) for b in self.segments]
+        segments = (
+            None if self.segments is None else [b.to(device).with_mask(position_ids.flatten()) for b in self.segments]
+        )
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return RowLayout(self.input_ids.to(device), position_ids, mask, self.token_index.to(device), self.num_real_tokens, segments)
+        return RowLayout(
+            self.input_ids.to(device), position_ids, mask, self.token_index.to(device), self.num_real_tokens, segments
+        )
 
 
 def padded_layout(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> RowLayout:
@@ -159,8 +154,13 @@ def padded_layout(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -
     )
 
 
-def row_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], rows: list[list[int]], pad_token_id: int,
-               prompt_lengths_B: list[int] | None = None) -> RowLayout:
+def row_layout(
+    input_ids_BT: torch.Tensor,
+    lengths_B: list[int],
+    rows: list[list[int]],
+    pad_token_id: int,
+    prompt_lengths_B: list[int] | None = None,
+) -> RowLayout:
     """The rows' sequences (indices into the B sequences) end to end, right-padded to the widest row.
     With `prompt_lengths_B`, a sequence that follows one with the same prompt in its row reads that
     copy of the prompt and lays out its answer only; without, every sequence is laid out whole."""
@@ -170,8 +170,12 @@ def row_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], rows: list[list
         pieces, previous = [], None
         for b in row:
             prompt = prompt_lengths_B[b] if prompt_lengths_B is not None else 0
-            shares = (previous is not None and 0 < prompt < lengths_B[b] and prompt == prompt_lengths_B[previous]
-                      and torch.equal(input_ids_BT[b, :prompt], input_ids_BT[previous, :prompt]))
+            shares = (
+                previous is not None
+                and 0 < prompt < lengths_B[b]
+                and prompt == prompt_lengths_B[previous]
+                and torch.equal(input_ids_BT[b, :prompt], input_ids_BT[previous, :prompt])
+            )
             pieces.append((b, prompt if shares else 0))
             previous = b
         pieces_per_row.append(pieces)
@@ -197,8 +201,14 @@ def row_layout(input_ids_BT: torch.Tensor, lengths_B: list[int], rows: list[list
                 segments.append((flat, flat + end - start, flat, flat))
             start = end
         position_ids[r, start:] = torch.arange(width - start)
-    return RowLayout(input_ids=input_ids, position_ids=position_ids, attention_mask=None, token_index=token_index,
-                     num_real_tokens=sum(lengths_B), segments=segment_buckets(segments))
+    return RowLayout(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=None,
+        token_index=token_index,
+        num_real_tokens=sum(lengths_B),
+        segments=segment_buckets(segments),
+    )
 
 
 # --- Which sequences share a row --------------------------------------------------------------
@@ -210,8 +220,9 @@ def prompt_keys(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]) -> list
     return [ids.setdefault(input_ids_BT[b, :n].numpy().tobytes(), len(ids)) for b, n in enumerate(prompt_lengths_B)]
 
 
-def shared_prompt_rows(lengths: list[int], prompt_lengths: list[int], keys: list[int], max_run_tokens: int | None
-                       ) -> tuple[list[list[int]], list[int]]:
+def shared_prompt_rows(
+    lengths: list[int], prompt_lengths: list[int], keys: list[int], max_run_tokens: int | None
+) -> tuple[list[list[int]], list[int]]:
     """(rows of sequence indices, each row's width). The samples of each prompt form runs of consecutive
     sequences (a run: its prompt once, then the answers), as long as `max_run_tokens` allows (None: one
     run per prompt; a sample longer than the limit is a run of its own). The runs are then packed
@@ -244,64 +255,13 @@ def sequence_rows(lengths: list[int], pack: bool) -> list[list[int]]:
 
 def rows_by_token_budget(rows: list[list[int]], widths: list[int], max_batch_tokens: int) -> list[list[list[int]]]:
     """The rows (of the given widths) grouped into micro-batches whose forward computes at most
-    `max_batch_tokens` positions (rows x the widest row); a row wider than the budget is a micro-batch of its own."""
+    `max_batch_tokens` positions (rows x the widest row), widest rows first, each into the micro-batch being
+    filled while it fits; a row wider than the budget is a micro-batch of its own."""
     widths = [min(width, max_batch_tokens) for width in widths]
-    return [[rows[r] for r in group] for group in group_rows(widths, max_batch_tokens)]
-
-
-# --- SFT's micro-batches -----------------------------------------------------------------------
-
-
-@dataclass
-class PackedBatch:
-    """One SFT micro-batch: its conversations in a layout, and the loss mask in the layout's [R, W]."""
-
-    layout: RowLayout
-    loss_mask: torch.Tensor  # [R, W] float: 1 on trained (assistant) tokens
-
-    @property
-    def num_trained_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-
-def collate_examples(examples: list[ChatExample], rows: list[list[int]], pad_token_id: int, pack: bool) -> PackedBatch:
-    """The examples (`rows` index them) packed by `row_layout`, or one per row in a `padded_layout`."""
-    lengths = [len(e) for e in examples]
-    input_ids_BT = torch.full((len(examples), max(lengths)), pad_token_id, dtype=torch.long)
-    attention_mask_BT = torch.zeros_like(input_ids_BT)
-    loss_mask_BT = torch.zeros(input_ids_BT.shape)
-    for b, example in enumerate(examples):
-        input_ids_BT[b, : lengths[b]] = torch.tensor(example.token_ids)
-        attention_mask_BT[b, : lengths[b]] = 1
-        loss_mask_BT[b, : lengths[b]] = torch.tensor(example.loss_mask, dtype=torch.float32)
-    if pack:
-        layout = row_layout(input_ids_BT, lengths, rows, pad_token_id)
-    else:
-        order = [b for row in rows for b in row]
-        layout = padded_layout(input_ids_BT[order], attention_mask_BT[order])
-        layout.token_index = layout.token_index[torch.argsort(torch.tensor(order))]
-    loss_mask = torch.zeros(layout.num_slots).index_put((layout.token_index[attention_mask_BT.bool()],), loss_mask_BT[attention_mask_BT.bool()])
-    return PackedBatch(layout, loss_mask.view(layout.input_ids.shape))
-
-
-def micro_batches(
-    examples: list[ChatExample], max_row_tokens: int, max_batch_tokens: int, pad_token_id: int, pack: bool = True
-) -> list[PackedBatch]:
-    """All examples in micro-batches of at most `max_batch_tokens` positions: packed rows, or with
-    `pack=False` one example per row (grouped by length, which keeps the padding small)."""
-    for example in examples:
-        # The first token of an example is predicted from the last token of the one before it in the
-        # row: it must never be trained on (render_chat guarantees it).
-        assert example.loss_mask[0] == 0, "an example's first token is in the loss mask"
-    lengths = [len(e) for e in examples]
-    rows = first_fit_decreasing(lengths, max_row_tokens) if pack else [[i] for i in range(len(examples))]
-    row_lengths = [sum(lengths[i] for i in row) for row in rows]
-    batches = []
-    for group in group_rows(row_lengths, max_batch_tokens):
-        indices = [i for r in group for i in rows[r]]
-        local, start = [], 0
-        for r in group:
-            local.append(list(range(start, start + len(rows[r]))))
-            start += len(rows[r])
-        batches.append(collate_examples([examples[i] for i in indices], local, pad_token_id, pack))
-    return batches
+    groups: list[list[int]] = []
+    for index in sorted(range(len(widths)), key=lambda i: (-widths[i], i)):
+        if groups and (len(groups[-1]) + 1) * widths[groups[-1][0]] <= max_batch_tokens:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return [[rows[r] for r in group] for group in groups]

@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
+from reinforge.algorithms.builders import engine_group
 from reinforge.algorithms.grpo import load_config
-from reinforge.cluster.generation_group import GenerationGroup
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.errors import ConfigError
@@ -40,7 +40,7 @@ def test_an_engine_in_a_ray_actor_takes_new_weights_and_matches_the_trainer():
             param.add_(0.05 * torch.randn(param.shape, generator=generator))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        engine = GenerationGroup(run, num_cpus_per_engine=1, num_gpus_per_engine=0, share_with=None)
+        engine = engine_group(run)  # cluster.num_cpus_per_worker (1) CPU, no GPU
         engine.update_weights(model.state_dict().items())
         result = engine.generate([p.token_ids for p in prompts], SamplingParams(max_new_tokens=30, temperature=0.0))
         for prompt, completions in zip(prompts, result.completions):
@@ -54,9 +54,7 @@ def test_an_engine_in_a_ray_actor_takes_new_weights_and_matches_the_trainer():
         with pytest.raises(
             ConfigError, match=r"^generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"
         ):
-            GenerationGroup(
-                config("generation.vllm_block_size=48"), num_cpus_per_engine=1, num_gpus_per_engine=0, share_with=None
-            )
+            engine_group(config("generation.vllm_block_size=48"))
         deadline = time.monotonic() + 15  # Ray frees a removed placement group's resources asynchronously
         while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
             time.sleep(0.2)

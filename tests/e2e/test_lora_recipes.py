@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from reinforge.algorithms import dpo, rm, sft
+from reinforge.algorithms.pairs import pair_batch
 from reinforge.cli import main
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.preference import load_pairs, tokenize_for_policy
@@ -27,6 +28,7 @@ from reinforge.model_config import ModelConfig
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.convert import convert
 from reinforge.training.lora import adapter_disabled
+from reinforge.training.micro_batching import token_logprobs
 
 DEMO = PROJECT_ROOT / "models" / "demo"
 CONFIGS = {
@@ -106,11 +108,19 @@ def test_dpo_with_lora_raises_the_margin_against_the_base_model_as_reference(tmp
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     pairs = load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data)[:16]
     trained = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DEMO), final)
-    base_N2 = dpo.reply_logprobs(AutoModelForCausalLM.from_pretrained(DEMO), pairs, 32, tokenizer.pad_token_id)
+    base_N2 = reply_logprobs(AutoModelForCausalLM.from_pretrained(DEMO), pairs, tokenizer.pad_token_id)
     with adapter_disabled(trained):
-        reference_N2 = dpo.reply_logprobs(trained, pairs, 32, tokenizer.pad_token_id)
+        reference_N2 = reply_logprobs(trained, pairs, tokenizer.pad_token_id)
     assert (reference_N2 - base_N2).abs().max() <= 1e-5
-    assert (dpo.reply_logprobs(trained, pairs, 32, tokenizer.pad_token_id) - base_N2).abs().max() > 0.1
+    assert (reply_logprobs(trained, pairs, tokenizer.pad_token_id) - base_N2).abs().max() > 0.1
+
+
+@torch.no_grad()
+def reply_logprobs(model, pairs, pad_token_id: int) -> torch.Tensor:
+    """Each pair's (chosen, rejected) reply logprob [N, 2] from one padded forward of a plain model."""
+    batch = pair_batch(pairs, pad_token_id)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return (token_logprobs(logits, batch.input_ids, 1.0) * batch.loss_mask).sum(dim=1).view(-1, 2)
 
 
 def test_with_lora_a_per_batch_reference_gives_the_run_of_a_precomputed_one(tmp_path):

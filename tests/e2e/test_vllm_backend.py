@@ -90,7 +90,7 @@ def test_vllm_logprobs_match_the_trainer_before_and_after_three_refits(engine, p
         before = batch.old_logprobs
         trainer.train_step(
             batch,
-            lambda lp, micro, norm: ((-(lp * micro.loss_mask).sum(1) * micro.advantages).sum() / norm.num_tokens, {}),
+            lambda lp, micro, norm: (-(lp * micro.loss_mask * micro.advantages).sum() / norm.num_tokens, {}),
         )
         assert (trainer.logprobs(batch) - before).abs().max() > 1e-3, "the optimizer step should move the policy"
         engine.update_weights(trainer.named_weights())
