@@ -5,11 +5,7 @@ The reference in every test is the computation as it was before packing: one rig
 per row, the model's full [B, T, V] logits, `token_logprobs` and `token_entropy` over them.
 """
 
-import json
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +16,6 @@ from reinforge.algorithms.losses import grpo_loss, token_mean
 from reinforge.data.batch import Normalisers, Trajectory, collate
 from reinforge.data.packing import dense_mask, row_layout, sequence_rows, shared_prompt_rows
 from reinforge.model_config import ModelConfig
-from reinforge.paths import PROJECT_ROOT
 from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
 from reinforge.training.heads import LogprobHead
@@ -314,29 +309,6 @@ def test_fsdp2_ranks_with_unequal_token_budget_plans_train_like_one_process(tiny
         assert result["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], abs=1e-5)
     for name, weight in backend.named_weights():
         torch.testing.assert_close(ranks[0]["weights"][name], weight, atol=1e-5, rtol=0)
-
-
-# --- The benchmarks that measure this run (checks that they run, not measurements) -------------
-
-
-def run_bench(script, *args, timeout_s):
-    completed = subprocess.run(
-        [sys.executable, str(PROJECT_ROOT / "bench" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=PROJECT_ROOT,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(Path(args[args.index("--json") + 1]).read_text())
-
-
-def test_the_gpu_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
-    """bench/gpu_training_mfu.py is meant for a GPU; --tiny runs the same FSDP2 path on CPU (~7 s)."""
-    result = run_bench(
-        "gpu_training_mfu.py", "--tiny", "--steps", "1", "--json", str(tmp_path / "out.json"), timeout_s=120
-    )
-    assert result["median_step_s"] > 0 and result["train_step_flops"] > 0 and result["sequence_packing"]
 
 
 def grouped_batch(seed=1):
