@@ -57,7 +57,8 @@ def chat_segments(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizer
         if not (prompt.startswith(rendered) and full.startswith(prompt)):
             raise DataError(
                 f"the chat template does not render message {i} as an extension of the messages before it "
-                "(it rewrites earlier turns), so the assistant tokens cannot be located; use a prefix-consistent template"
+                "(it rewrites earlier turns), so the assistant tokens cannot be located; "
+                "use a prefix-consistent template"
             )
         reply = full[len(prompt) :]
         trained = reply.rstrip()
@@ -70,7 +71,10 @@ def chat_segments(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizer
 
 
 def render_chat(
-    record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, messages_key: str = "messages", system_prompt: str | None = None
+    record: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase,
+    messages_key: str = "messages",
+    system_prompt: str | None = None,
 ) -> ChatExample:
     """Token ids and loss mask of one chat record; `system_prompt` is put first unless the chat has a system message."""
     messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in record[messages_key]]

@@ -13,8 +13,10 @@ def decode_line(raw: bytes, path: Path, line_number: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path}:{line_number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                        "save the file as UTF-8") from None
+        raise DataError(
+            f"{path}:{line_number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def read_jsonl(path: str | Path, required_keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -31,12 +33,17 @@ def read_jsonl(path: str | Path, required_keys: tuple[str, ...] = ()) -> list[di
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{line_number}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove that line") from None
+                raise DataError(
+                    f"{path}:{line_number}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove that line"
+                ) from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{line_number}: expected a JSON object per line, got {type(record).__name__}")
             missing = [key for key in required_keys if key not in record]
             if missing:
-                raise DataError(f"{path}:{line_number}: record has no {', '.join(missing)} field; every record needs {', '.join(required_keys)}")
+                raise DataError(
+                    f"{path}:{line_number}: record has no {', '.join(missing)} field; "
+                    f"every record needs {', '.join(required_keys)}"
+                )
             records.append(record)
     if not records:
         raise DataError(f"dataset file {path} holds no records")

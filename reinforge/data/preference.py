@@ -86,9 +86,13 @@ def read_preference_records(path: str, system_prompt: str | None) -> list[Prefer
         if isinstance(raw.get("messages"), list) and raw["messages"]:
             messages = raw["messages"]
         elif isinstance(raw.get("prompt"), str):
-            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": raw["prompt"]}]
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+                {"role": "user", "content": raw["prompt"]}
+            ]
         else:
-            raise DataError(f"{where}: needs a `prompt` string or a non-empty `messages` list (the conversation before the reply)")
+            raise DataError(
+                f"{where}: needs a `prompt` string or a non-empty `messages` list (the conversation before the reply)"
+            )
         records.append(PreferenceRecord(messages=messages, chosen=raw["chosen"], rejected=raw["rejected"]))
     return records
 
@@ -101,7 +105,9 @@ def tokenize_for_policy(record: PreferenceRecord, tokenizer: PreTrainedTokenizer
     def reply(text: str) -> list[int]:
         return prompt_ids + list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
 
-    return TokenizedPair(chosen_ids=reply(record.chosen), rejected_ids=reply(record.rejected), num_prompt_tokens=len(prompt_ids))
+    return TokenizedPair(
+        chosen_ids=reply(record.chosen), rejected_ids=reply(record.rejected), num_prompt_tokens=len(prompt_ids)
+    )
 
 
 def tokenize_for_reward_model(record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase) -> TokenizedPair:
@@ -115,14 +121,18 @@ def tokenize_for_reward_model(record: PreferenceRecord, tokenizer: PreTrainedTok
     rejected_ids = render(record.messages + [{"role": "assistant", "content": record.rejected}], False)
     # Where the prompt ends: a template may tokenize the boundary differently in one piece, so at most
     # where the two sequences first differ.
-    shared = next((i for i, (a, b) in enumerate(zip(chosen_ids, rejected_ids)) if a != b), min(len(chosen_ids), len(rejected_ids)))
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(chosen_ids, rejected_ids)) if a != b), min(len(chosen_ids), len(rejected_ids))
+    )
     return TokenizedPair(chosen_ids, rejected_ids, num_prompt_tokens=min(len(render(record.messages, True)), shared))
 
 
 Tokenize = Callable[[PreferenceRecord, PreTrainedTokenizerBase], TokenizedPair]
 
 
-def load_pairs(path: str, tokenizer: PreTrainedTokenizerBase, tokenize: Tokenize, config: PreferenceDataConfig) -> list[TokenizedPair]:
+def load_pairs(
+    path: str, tokenizer: PreTrainedTokenizerBase, tokenize: Tokenize, config: PreferenceDataConfig
+) -> list[TokenizedPair]:
     """Read and tokenize a pair file, dropping pairs longer than `data.max_length`."""
     pairs = [tokenize(record, tokenizer) for record in read_preference_records(path, config.system_prompt)]
     kept = [p for p in pairs if max(len(p.chosen_ids), len(p.rejected_ids)) <= config.max_length]

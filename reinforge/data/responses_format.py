@@ -45,7 +45,9 @@ def create_params_to_chat(params: dict[str, Any]) -> tuple[list[dict[str, Any]],
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     elif not isinstance(items, list):
-        raise DataError(f"responses_create_params.input must be a string or a list of items, got {type(items).__name__}")
+        raise DataError(
+            f"responses_create_params.input must be a string or a list of items, got {type(items).__name__}"
+        )
     messages = items_to_chat(items)
     instructions = params.get("instructions")
     if instructions:
@@ -70,11 +72,18 @@ def items_to_chat(items: list[Any]) -> list[dict[str, Any]]:
             messages.append({"role": item["role"], "content": content_text(item.get("content"))})
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else content_text(output)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": output if isinstance(output, str) else content_text(output),
+                }
+            )
         else:
-            raise DataError(f"Responses item not supported (only messages, function_call, function_call_output and "
-                            f"reasoning): {json.dumps(item)[:100]}")
+            raise DataError(
+                f"Responses item not supported (only messages, function_call, function_call_output and "
+                f"reasoning): {json.dumps(item)[:100]}"
+            )
     return messages
 
 
@@ -89,8 +98,14 @@ def _gather(assistant: dict[str, Any], kind: str, item: dict[str, Any]) -> None:
         if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
             raise DataError(f"a function_call item needs a name and a call_id: {json.dumps(item)[:100]}")
         arguments = item.get("arguments", "{}")
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+        call = {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {
+                "name": item["name"],
+                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+            },
+        }
         assistant.setdefault("tool_calls", []).append(call)
 
 
@@ -106,8 +121,15 @@ def hermes_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def chat_to_response(messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None, model: str, response_id: str,
-                     parallel_tool_calls: bool = True, tool_choice: Any = "auto") -> dict[str, Any]:
+def chat_to_response(
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None,
+    model: str,
+    response_id: str,
+    parallel_tool_calls: bool = True,
+    tool_choice: Any = "auto",
+) -> dict[str, Any]:
     """The Responses object for the policy's side of a conversation (see the module doc); `tools`: the
     row's tools in Responses form, as Gym echoes them."""
     output: list[dict[str, Any]] = []
@@ -117,20 +139,37 @@ def chat_to_response(messages: list[dict[str, Any]], *, tools: list[dict[str, An
         if role == "assistant":
             text, calls = _assistant_calls(message, first_number=_num_calls(output) + 1)
             if text or not calls:
-                output.append({"id": f"msg_{len(output) + 1}", "type": "message", "role": "assistant", "status": "completed",
-                               "content": [{"type": "output_text", "text": text, "annotations": []}]})
+                output.append(
+                    {
+                        "id": f"msg_{len(output) + 1}",
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}],
+                    }
+                )
             output += [call for call in calls if call is not None]
             pending = [call["call_id"] if call else None for call in calls]
         elif role == "tool":
             call_id = message.get("tool_call_id") or (pending.pop(0) if pending else None)
             if call_id:
-                output.append({"type": "function_call_output", "call_id": call_id, "output": content_text(message.get("content"))})
+                output.append(
+                    {"type": "function_call_output", "call_id": call_id, "output": content_text(message.get("content"))}
+                )
         elif role in MESSAGE_ROLES:
             output.append({"type": "message", "role": role, "content": content_text(message.get("content"))})
         else:
             raise DataError(f"a message with role {role!r} cannot go into a Responses object")
-    return {"id": response_id, "object": "response", "created_at": 0, "model": model, "output": output,
-            "parallel_tool_calls": parallel_tool_calls, "tool_choice": tool_choice, "tools": tools or []}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": 0,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": parallel_tool_calls,
+        "tool_choice": tool_choice,
+        "tools": tools or [],
+    }
 
 
 def _assistant_calls(message: dict[str, Any], first_number: int) -> tuple[str, list[dict[str, Any] | None]]:
@@ -141,8 +180,13 @@ def _assistant_calls(message: dict[str, Any], first_number: int) -> tuple[str, l
         for number, call in enumerate(message["tool_calls"], start=first_number):
             function = call.get("function", {})
             arguments = function.get("arguments", "{}")
-            calls.append(_function_call(call.get("id") or f"call_{number}", function.get("name", ""),
-                                        arguments if isinstance(arguments, str) else json.dumps(arguments)))
+            calls.append(
+                _function_call(
+                    call.get("id") or f"call_{number}",
+                    function.get("name", ""),
+                    arguments if isinstance(arguments, str) else json.dumps(arguments),
+                )
+            )
         return text, calls
     parsed = [(block, parse_tool_calls(block.group(0))[0]) for block in TOOL_CALL.finditer(text)]
     if not parsed:
@@ -150,7 +194,7 @@ def _assistant_calls(message: dict[str, Any], first_number: int) -> tuple[str, l
     kept, end, calls, number = [], 0, [], first_number
     for block, call in parsed:
         if isinstance(call, ToolCall):
-            kept.append(text[end:block.start()])
+            kept.append(text[end : block.start()])
             end = block.end()
             calls.append(_function_call(f"call_{number}", call.name, call.arguments_json()))
             number += 1
@@ -172,11 +216,19 @@ def verdict_components(verdict: dict[str, Any], row: dict[str, Any]) -> dict[str
     the `row` it verified (Gym's multi-reward servers give each component as a field of its own too, and
     counters such as tool_use's `num_tool_calls` come only that way; NeMo-RL averages the same fields
     into its per-agent metrics). Flags (`mask_sample`) and the row's own numbers are not components."""
-    added = {key: float(value) for key, value in verdict.items()
-             if key not in row and key != "reward" and _is_finite_number(value)}
+    added = {
+        key: float(value)
+        for key, value in verdict.items()
+        if key not in row and key != "reward" and _is_finite_number(value)
+    }
     listed = verdict.get("reward_components") or {}
     return {**added, **{key: float(value) for key, value in listed.items() if _is_finite_number(value)}}
 
 
 def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value == value
+        and abs(value) != float("inf")
+    )

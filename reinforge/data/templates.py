@@ -71,7 +71,10 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str):
             raise DataError(f"a message needs a string role: {message!r:.80}")
-        normalized: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content_text(message.get("content"))}
+        normalized: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": content_text(message.get("content")),
+        }
         if message.get("tool_calls"):
             normalized["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
         for key in ("tool_call_id", "name"):
@@ -91,7 +94,11 @@ def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
             pass  # kept as the model wrote it; the template shows the string
-    return {"id": call.get("id", ""), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {
+        "id": call.get("id", ""),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -99,21 +106,33 @@ def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     return "tool_calls" in template and "tools" in template
 
 
-def render_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> str:
+def render_messages(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
     """The conversation as the chat template renders it (normalised first; see the module doc)."""
     if tokenizer.chat_template is None:
-        raise DataError("the model's tokenizer has no chat template; chat messages cannot be rendered (set data.use_chat_template=false "
-                        "for plain prompts)")
+        raise DataError(
+            "the model's tokenizer has no chat template; chat messages cannot be rendered "
+            "(set data.use_chat_template=false for plain prompts)"
+        )
     messages, tools = normalize_messages(messages), chat_tools(tools)
     if not supports_tools(tokenizer):
         messages, tools = _hermes_fallback(messages, tools), None
     kwargs = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
 
 
-def render_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               add_generation_prompt: bool = True) -> list[int]:
+def render_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """`render_messages`, tokenized as generation sees it (no special tokens added beyond the template's)."""
     text = render_messages(tokenizer, messages, tools, add_generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -124,12 +143,17 @@ def _hermes_fallback(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            calls = "".join(format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"])
+            calls = "".join(
+                format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+            )
             message = {"role": message["role"], "content": message["content"] + calls}
         out.append({"role": message["role"], "content": message["content"]})
     if tools:
         listing = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
-        text = ('You may call these tools, one call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:\n' + listing)
+        text = (
+            'You may call these tools, one call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:\n'
+            + listing
+        )
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
         else:

@@ -1,4 +1,5 @@
-"""Tool calls in the policy's text: the Hermes/Qwen convention, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+"""Tool calls in the policy's text: the Hermes/Qwen convention,
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
 One parser for everyone who reads the policy's output: the `tool_use` environment, NeMo Gym resources
 servers driven by reinforge (envs/gym.py), and the OpenAI-compatible endpoint, which returns the calls
