@@ -6,7 +6,10 @@
 #   2. bench/gpu_training_mfu.py on the 1.5B Qwen2.5-architecture model: compiled layers (with a kernel
 #      profile), eager (with a kernel profile), with activation checkpointing, and unpacked;
 #   3. bench/lora_memory.py on the same model: full fine-tuning against LoRA rank 16 (trainable parameters,
-#      optimizer state, peak GPU memory, step time), before the `quick` cut.
+#      optimizer state, peak GPU memory, step time);
+#   4. where the image has vLLM: tests/e2e/test_refit_verify_vllm.py, the refit verification against vLLM's
+#      GPU parameters (hashed where they are, no CPU read-back), a planted skipped weight and an adapter never
+#      loaded caught; before the `quick` cut.
 # Results go to $OUT (default /tmp/gpu_checks). The GPU image has torch and transformers but not all of
 # reinforge's light dependencies: put their wheels in .whl/ and they are installed to /tmp/site first.
 # For a Python 3.12 image, on a machine with PyPI:
@@ -33,6 +36,12 @@ timeout 120 python3 bench/gpu_training_mfu.py --profile --json "$OUT/mfu_packed.
 tail -20 "$OUT/mfu_packed.log"
 timeout 240 python3 bench/lora_memory.py --model qwen1.5b --json "$OUT/lora_memory.json" 2>&1 | grep -v Loading >"$OUT/lora_memory.log"
 tail -8 "$OUT/lora_memory.log"
+if python3 -c "import vllm" 2>/dev/null; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/e2e/test_refit_verify_vllm.py >"$OUT/refit_verify.log" 2>&1
+  echo "refit verify exit $?"; grep -E "passed|failed|PASSED|FAILED" "$OUT/refit_verify.log" | tail -6
+else
+  echo "refit verify: no vllm in this image, skipped"
+fi
 [ "${1:-all}" = quick ] && exit 0  # `gpu_checks.sh quick`: without the two variants below
 timeout 120 python3 bench/gpu_training_mfu.py --activation-checkpointing --json "$OUT/mfu_ac.json" 2>&1 | grep -v Loading | tail -25
 timeout 120 python3 bench/gpu_training_mfu.py --no-packing --json "$OUT/mfu_unpacked.json" 2>&1 | grep -v Loading | tail -25

@@ -9,16 +9,22 @@ when a run resumes. Two ways, chosen by `model.lora.sync` (model_config.py, `ada
   loads it (`load_adapter`); the engine's base weights are never rewritten. The directory is in the
   run directory so that engines in other processes (Ray) can read it.
 
-The consistency gate and the mismatch metrics do not know which way ran: they compare the engine's
-logprobs with the trainer's either way.
+Then, every `generation.verify_refit_every` steps and at resume, every engine proves it serves what was
+just sent (generation/weight_digest.py): the digest of each weight (or adapter tensor) where the engine
+holds it must equal the digest of the tensor sent, or the run stops with a `RefitMismatch` naming the
+engine and the weight. The consistency gate and the mismatch metrics do not know which way ran: they
+compare the engine's logprobs with the trainer's either way.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.generation.base import GenerationBackend
+from reinforge.generation.weight_digest import adapter_tensors, verify
+from reinforge.logging.metrics import Timers
 from reinforge.model_config import adapter_sync
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
@@ -26,12 +32,34 @@ from reinforge.training.base import TrainingBackend
 ADAPTER_DIR = "adapter"
 
 
-def refit(engine: GenerationBackend, trainer: TrainingBackend, config: RLRunConfig, run_dir: Path) -> None:
-    """Give `engine` the trainer's current policy, the way `model.lora.sync` says."""
+def verify_due(every: int, step: int | None) -> bool:
+    """Verify this refit? Every `every`th step's (never with 0), and always at resume (`step` None)."""
+    return every > 0 and (step is None or step % every == 0)
+
+
+def refit(
+    engine: GenerationBackend,
+    trainer: TrainingBackend,
+    config: RLRunConfig,
+    run_dir: Path,
+    step: int | None = None,
+    timers: Timers | None = None,
+) -> None:
+    """Give `engine` the trainer's current policy, the way `model.lora.sync` says, and verify it when due
+    (`step`: the step just trained, None at resume; the check's time is `timing/refit_verify_s`)."""
+    due = verify_due(config.generation.verify_refit_every, step)
+    timed = timers.time("refit_verify") if timers else nullcontext()
     if not adapter_sync(config):
-        engine.update_weights(trainer.named_weights())
+        weights = list(trainer.named_weights())
+        engine.update_weights(weights)
+        if due:
+            with timed:
+                verify(engine.weight_digests(), dict(weights))
         return
     adapter = (run_dir / ADAPTER_DIR).resolve()  # absolute: engine processes may run elsewhere
     with atomic_directory(adapter) as tmp:
         trainer.save_adapter(tmp)
     engine.load_adapter(str(adapter))
+    if due:
+        with timed:
+            verify(engine.adapter_digests(), adapter_tensors(adapter, config.model.dtype), what="LoRA adapter")

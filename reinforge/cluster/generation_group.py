@@ -18,6 +18,7 @@ import torch
 
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.generation.base import GenerationResult, SamplingParams
+from reinforge.generation.weight_digest import WeightDigests
 
 
 class GenerationGroup:
@@ -67,6 +68,19 @@ class GenerationGroup:
 
     def load_adapter(self, path: str) -> None:
         self.group.call("load_adapter", path)
+
+    def weight_digests(self) -> list[WeightDigests]:
+        """Every engine's `weight_digests`, each named as its worker (`generation[i]`)."""
+        return self._named(self.group.call("weight_digests"))
+
+    def adapter_digests(self) -> list[WeightDigests]:
+        """Every engine's `adapter_digests`, each named as its worker."""
+        return self._named(self.group.call("adapter_digests"))
+
+    def _named(self, per_engine: list[list[WeightDigests]]) -> list[WeightDigests]:
+        return [
+            replace(report, engine=name) for name, reports in zip(self.group.names, per_engine) for report in reports
+        ]
 
     def sleep(self) -> None:
         self.group.call("sleep")

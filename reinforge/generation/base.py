@@ -8,11 +8,14 @@ the distribution it sampled from. It exchanges token ids, never text. Implementa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol
 
 import torch
 
 from reinforge.config.section import Section
+
+if TYPE_CHECKING:
+    from reinforge.generation.weight_digest import WeightDigests
 
 
 class GenerationConfig(Section):
@@ -35,6 +38,11 @@ class GenerationConfig(Section):
     max_logprob_error: float = 1.05
     """Consistency gate: stop the run when the engine's and the trainer's logprobs of the same tokens
     differ by more than this token_mult_prob_error (checked at start-up and after the first refit)."""
+    verify_refit_every: int = 1
+    """Refit verification: after every Nth step's refit (and at resume) each engine proves it serves the
+    weights just sent, or the LoRA adapter just written: a sha256 digest of every weight where the engine
+    holds it equals the digest of the tensor the trainer sent; a mismatch stops the run naming the engine
+    and the first weight that differs. 1: every refit; 0: never (docs/algorithms.md)."""
     num_probe_prompts: int = 8
     """Training prompts sampled by the consistency probe."""
     vllm_max_model_len: int | None = None
@@ -96,6 +104,11 @@ class GenerationBackend(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights in place (the "refit"); names are Hugging Face parameter names."""
+        ...
+
+    def weight_digests(self) -> list["WeightDigests"]:
+        """A digest of every weight as each engine computes with it (weight_digest.py), for refit verification;
+        an engine with LoRA support also has `adapter_digests()`, of the adapter it generates with."""
         ...
 
     def sleep(self) -> None:

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.generation.weight_digest import WeightDigests, report
 
 
 class HFGenerationBackend:
@@ -89,6 +90,10 @@ class HFGenerationBackend:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=True)
+
+    def weight_digests(self) -> list[WeightDigests]:
+        """The digest of every weight the engine computes with (its state_dict, Hugging Face names)."""
+        return [report("hf engine", self.model.state_dict().items())]
 
     def sleep(self) -> None:
         """Nothing to release: the HF engine holds only the weights, which it needs for the refit."""

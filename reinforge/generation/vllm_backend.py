@@ -20,6 +20,11 @@ adapter's name) cannot reuse KV blocks computed with it. (vLLM's `load_inplace=T
 would reload the adapter from disk at every scheduler step.) Before the first load, e.g. the start-up
 probe, the engine samples from the base model, which a fresh adapter (B = 0) leaves unchanged.
 
+Refit verification (`weight_digests`, `adapter_digests`; generation/weight_digest.py) hashes what the engine
+computes with, inside its worker: on CPU vLLM frees a linear layer's parameter once oneDNN has packed it, so
+those weights are read back through the layer's own kernel (`read_back`); vLLM's `compute_weight_checksums`
+would hash the empty parameters there.
+
 Logprobs are vLLM's `processed_logprobs`: after temperature and top-k/top-p, i.e. of the
 distribution it sampled from, like the HF backend's. Prefix caching is on: the G samples of a prompt
 share its KV blocks.
@@ -33,6 +38,7 @@ from typing import Iterable
 import torch
 
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.generation.weight_digest import WeightDigests, report
 from reinforge.model_config import adapter_sync, vllm_max_lora_rank
 
 
@@ -71,6 +77,60 @@ def sampled_logprobs(sample) -> list[float]:
     flat = sample.logprobs
     assert list(flat.token_ids) == list(sample.token_ids), "vLLM returned logprobs for other tokens than it sampled"
     return list(flat.logprobs)
+
+
+def read_back(module: torch.nn.Module) -> torch.Tensor:
+    """The [N, K] weight a vLLM-CPU linear layer computes with, read back through its own GEMM kernel
+    (`cpu_linear`, oneDNN's packed copy; the parameter itself is freed): identity rows in, W^T out, exact
+    because each output is one weight times 1 plus zeros."""
+    weight = module.weight
+    k = weight.shape[1] if weight.numel() else getattr(module, "input_size_per_partition", None) or module.embedding_dim
+    eye = torch.eye(k, dtype=weight.dtype)
+    return torch.cat([module.cpu_linear(eye[i : i + 1024], weight, None) for i in range(0, k, 1024)]).T
+
+
+def served_weights(worker) -> WeightDigests:
+    """Run inside vLLM's worker: the digest of every weight as the engine computes with it, in vLLM's names
+    (fused qkv_proj/gate_up_proj, the padded vocabulary; a tied lm_head under its own name)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    model = worker.model_runner.get_model()
+    weights = []
+    for module_name, module in model.named_modules():
+        # On CPU, linear layers and the LM head compute through `cpu_linear`; an embedding looks its weight up.
+        gemm = hasattr(module, "cpu_linear") and (
+            isinstance(module, ParallelLMHead) or not isinstance(module, VocabParallelEmbedding)
+        )
+        for leaf, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{leaf}".replace(".base_layer.", ".")
+            weights.append((name, read_back(module) if gemm and leaf == "weight" else param))
+    return report("vllm engine", weights, getattr(type(model), "packed_modules_mapping", {}))
+
+
+def served_adapter(worker, adapter_id: int) -> WeightDigests:
+    """Run inside vLLM's worker: the digests of the LoRA tensors vLLM holds for adapter `adapter_id` (none when
+    it is not loaded), as `MODULE.lora_a` / `MODULE.lora_b` per target module (a packed qkv_proj's parts under
+    their own names), B with its scaling applied as vLLM computes with it."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    lora = manager.get_adapter(adapter_id)
+    tensors = []
+    for module, weights in (lora.loras if lora is not None else {}).items():
+        parent, _, last = module.rpartition(".")
+        packed = isinstance(weights.lora_a, list)
+        names = [f"{parent}.{part}" for part in manager.packed_modules_mapping[last]] if packed else [module]
+        parts = zip(
+            names,
+            weights.lora_a if packed else [weights.lora_a],
+            weights.lora_b if packed else [weights.lora_b],
+            weights.scaling if packed else [weights.scaling],
+        )
+        for name, lora_a, lora_b, scaling in parts:
+            if lora_a is not None:
+                tensors += [
+                    (f"{name}.lora_a", lora_a),
+                    (f"{name}.lora_b", lora_b if scaling == 1 else lora_b * scaling),
+                ]
+    return report("vllm engine", tensors)
 
 
 class VLLMGenerationBackend:
@@ -195,6 +255,18 @@ class VLLMGenerationBackend:
         self._wake("weights")  # the KV cache stays free until the next rollout
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+    def weight_digests(self) -> list[WeightDigests]:
+        """The digest of every weight the engine serves (refit verification, weight_digest.py)."""
+        self._wake("weights")
+        return self.llm.collective_rpc(served_weights)
+
+    def adapter_digests(self) -> list[WeightDigests]:
+        """The digests of the LoRA adapter the engine generates with; none when no adapter is loaded."""
+        loaded = self.adapter is not None and self.adapter.lora_int_id in self.llm.llm_engine.list_loras()
+        if not loaded:
+            return [WeightDigests(engine="vllm engine")]
+        return self.llm.collective_rpc(served_adapter, args=(self.adapter.lora_int_id,))
 
     def load_adapter(self, path: str) -> None:
         """Generate with the PEFT adapter in directory `path` from now on (loaded now, under a new id; the

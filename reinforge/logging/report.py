@@ -107,6 +107,7 @@ PHASE_ORDER = [
     "val",
 ]
 OUTSIDE_STEP = {"val"}  # timed apart from timing/step_s (see docs/metrics.md)
+NESTED = {"refit_verify"}  # timed inside another phase (the refit's verification, inside timing/refit_s)
 OVERLAPPED = {
     "generate",
     "reward",
@@ -290,6 +291,7 @@ def phase_seconds(rows: Rows) -> dict[str, list[tuple[int, float]]]:
             if key.startswith("timing/") and key.endswith("_s") and value is not None
         }
         step_total = named.pop("step", None)
+        named = {name: value for name, value in named.items() if name not in NESTED}
         if "rollout_wait" in named:  # async: the step waited `rollout_wait` for generation that ran alongside it
             named = {name: value for name, value in named.items() if name not in OVERLAPPED}
         if step_total is not None:
