@@ -11,7 +11,8 @@ which batch never depends on thread timing, so an async run is as reproducible a
 Every trajectory records the version that produced it.
 
 The engine is used by one thread at a time: the producer for a batch, or the trainer's thread for
-its turn (`engine_turn`): the refit, then the probes, validation and the checkpoint snapshot.
+its turn (`engine_turn`): the refit, then the probes, validation and the checkpoint snapshot. The trainer's thread
+waits at most `deadlines.rollout_wait_s` for either (then a `HangError`, reinforge/hang.py).
 
 Checkpoints: batches generated but not yet trained on come from policies that a resumed run no longer
 has, so they are saved with the checkpoint (`snapshot`, taken during the trainer's turn) together with
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from reinforge.data.batch import Trajectory
+from reinforge.hang import DeadlinesConfig, HangError
 from reinforge.logging.metrics import Timers
 
 
@@ -80,8 +82,10 @@ class AsyncRollouts:
         last_step: int,
         max_staleness: int,
         pending: list[RolloutBatch] = (),
+        wait_timeout_s: float = DeadlinesConfig().rollout_wait_s,
     ):
         self.produce, self.sampler, self.last_step, self.max_staleness = produce, sampler, last_step, max_staleness
+        self.wait_timeout_s = wait_timeout_s
         self._ready = {batch.step: batch for batch in pending}  # generated, not yet trained on
         self._next_step = start_step + 1 + len(self._ready)  # the next batch to generate
         self._engine_version = start_step  # the policy in the engine: trained through this step
@@ -117,16 +121,18 @@ class AsyncRollouts:
                 self._next_step, self._engine_busy = step + 1, False
                 self._cond.notify_all()
 
-    def _wait(self, predicate: Callable[[], bool]) -> None:
-        """Wait (holding the condition) until `predicate` holds; raise the producer's error if it died."""
-        self._cond.wait_for(lambda: predicate() or self._error is not None)
+    def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait (holding the condition) until `predicate` holds; raise the producer's error if it died, a
+        `HangError` after `wait_timeout_s`."""
+        if not self._cond.wait_for(lambda: predicate() or self._error is not None, timeout=self.wait_timeout_s):
+            raise HangError("rollouts", what, self.wait_timeout_s, "deadlines.rollout_wait_s").capture()
         if not predicate():
             raise self._error  # type: ignore[misc]
 
     def get(self, step: int, timers: Timers | None = None) -> RolloutBatch:
         """The batch for `step`, waiting for the producer if it is not ready yet (timing/rollout_wait_s)."""
         with (timers or Timers()).time("rollout_wait"), self._cond:
-            self._wait(lambda: step in self._ready)
+            self._wait(lambda: step in self._ready, f"the rollout producer's batch of step {step}")
             return self._ready.pop(step)
 
     @contextmanager
@@ -135,7 +141,8 @@ class AsyncRollouts:
         snapshot); first the batches that the older policy still owes are generated (timing/engine_wait_s)."""
         with timers.time("step"), timers.time("engine_wait"), self._cond:
             owed = min(version + self.max_staleness, self.last_step)
-            self._wait(lambda: not self._engine_busy and self._next_step > owed)
+            what = f"the rollout producer to finish the batches up to step {owed} and give the engine back"
+            self._wait(lambda: not self._engine_busy and self._next_step > owed, what)
             self._engine_busy, self._engine_version = True, version
         try:
             yield
@@ -171,8 +178,9 @@ def rollout_source(
     last_step: int,
     async_rollouts: bool,
     max_staleness: int,
-    pending: list[RolloutBatch] = (),
+    pending: list[RolloutBatch],
+    wait_timeout_s: float,
 ) -> SyncRollouts | AsyncRollouts:
     if not async_rollouts:
         return SyncRollouts(produce, sampler, start_step)
-    return AsyncRollouts(produce, sampler, start_step, last_step, max_staleness, pending)
+    return AsyncRollouts(produce, sampler, start_step, last_step, max_staleness, pending, wait_timeout_s)

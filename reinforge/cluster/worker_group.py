@@ -5,7 +5,9 @@ empty, then `setup` runs the worker class's `__init__` as a method, so an error 
 the worker can check) comes back as that exception, as any method's does. Every call fans out to all
 workers and fails fast: the first worker that dies (killed, out of memory, an exception) ends the call with a
 `WorkerFailed` that names it and shows the last lines of its log, while the others, which may be
-blocked in a collective with the dead one, are killed, never waited for.
+blocked in a collective with the dead one, are killed, never waited for. A call in which no worker finishes for
+`cluster.worker_timeout_s` ends with a `WorkerHang` that holds every worker's stack, taken before they are killed
+(reinforge/hang.py).
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from reinforge.cluster.config import ClusterConfig
-from reinforge.errors import ReinforgeError
+from reinforge.errors import InfrastructureError, ReinforgeError
+from reinforge.hang import HangError, register_workers, unregister_workers
 
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default session log directory
 PLACEMENT_TIMEOUT_S = 60.0  # resources that are not there within a minute will not appear
 
 
-class WorkerFailed(ReinforgeError):
-    """A worker process died or raised; the message names it and shows its last log lines."""
+class WorkerFailed(InfrastructureError):
+    """A worker process died or stopped answering; the message names it and shows its last log lines. A
+    supervised run restarts from its last checkpoint after it (cluster.max_restarts)."""
+
+
+class WorkerHang(WorkerFailed, HangError):
+    """A worker call in which no worker finished within `cluster.worker_timeout_s`."""
 
 
 def start_ray(config: ClusterConfig, num_cpus_needed: float) -> None:
@@ -108,6 +116,7 @@ class WorkerGroup:
         except ray.exceptions.RayActorError as exc:  # its process died starting
             self.shutdown()
             raise WorkerFailed(f"{name}: a worker failed to start: {_first_line(exc)}") from None
+        register_workers(dict(zip(self.names, self.pids)))
         self.call_each(
             "setup", [(kwargs_for_rank(rank, rank0_ip),) for rank in range(num_workers)]
         )  # all ranks at once
@@ -135,11 +144,12 @@ class WorkerGroup:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not done:
+                waiting = [names[ref] for ref in pending]
+                what = f"{', '.join(waiting)} to finish {method}"
+                error = WorkerHang(self.name, what, self.timeout_s, "cluster.worker_timeout_s")
+                error.capture(dict(zip(self.names, self.pids)))  # before they are killed
                 self.shutdown()
-                raise WorkerFailed(
-                    f"{self.name}.{method} made no progress for {self.timeout_s:.0f} s (cluster.worker_timeout_s); "
-                    "workers stopped"
-                )
+                raise error
             try:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
@@ -164,6 +174,7 @@ class WorkerGroup:
         for worker in getattr(self, "workers", []):
             ray.kill(worker, no_restart=True)
         self.workers = []
+        unregister_workers(getattr(self, "names", []))
         if self.placement_group is not None and self.owns_placement_group:
             remove_placement_group(self.placement_group)
         self.placement_group = None

@@ -32,7 +32,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from reinforge.network import Guard, one_line
-from reinforge.serving.errors import EndpointError, EpisodeOver, GenerationFailed, InvalidRequest, NotInRollout
+from reinforge.serving.errors import (
+    EndpointError,
+    EpisodeOver,
+    GenerationFailed,
+    GenerationTimedOut,
+    InvalidRequest,
+    NotInRollout,
+)
 from reinforge.serving.prompt import parse_generation
 from reinforge.serving.protocol import ChatCompletionRequest, TokenizeRequest, completion_choice, error_body
 from reinforge.serving.server import PolicyServer
@@ -42,6 +49,7 @@ STATUSES: dict[type[EndpointError], tuple[int, str]] = {  # error -> (HTTP statu
     EpisodeOver: (409, "conflict"),
     NotInRollout: (503, "unavailable"),
     GenerationFailed: (500, "server_error"),
+    GenerationTimedOut: (504, "timeout"),
 }
 
 
@@ -94,7 +102,12 @@ def build_app(server: PolicyServer) -> FastAPI:
     async def chat(body: ChatCompletionRequest, episode_id: str | None) -> dict:
         admission = server.admit(body, episode_id)
         try:
-            completions = await asyncio.wrap_future(admission.completions)
+            timeout_s = server.config.request_timeout_s
+            completions = await asyncio.wait_for(asyncio.wrap_future(admission.completions), timeout_s)
+        except TimeoutError:  # the request is cancelled: the batcher drops it if it has not started it
+            raise GenerationTimedOut(
+                f"no completion within {timeout_s:g} s (request_timeout_s): the engine is overloaded or stuck"
+            ) from None
         except Exception as exc:
             raise GenerationFailed(f"generation failed: {one_line(exc)}") from None
         server.record(admission, completions)

@@ -6,6 +6,9 @@ thread owns the engine: it takes every waiting request that shares the first one
 request has arrived for `batch_wait_s` (or the oldest has waited MAX_WAITS x that), at once when every agent
 known to be running is already waiting (`num_waiting_hint`): waiting longer could only add latency.
 A request with a seed of its own is generated alone, so that the seed alone decides its sample.
+
+Deadlines: a request whose waiter gave up (serving/app.py answers 504 after `request_timeout_s`, cancelling its
+future) is dropped if the engine has not started it; `drain` waits at most `request_timeout_s` (then a `HangError`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.hang import HangError
 
 MAX_WAITS = 10  # the oldest waiting request is generated after at most MAX_WAITS x batch_wait_s
 
@@ -39,8 +43,11 @@ class Batcher:
         max_batch_size: int,
         batch_wait_s: float,
         num_waiting_hint: Callable[[], int] | None = None,
+        *,
+        request_timeout_s: float,
     ):
         self.engine, self.max_batch_size, self.batch_wait_s = engine, max_batch_size, batch_wait_s
+        self.request_timeout_s = request_timeout_s
         self.num_waiting_hint = num_waiting_hint or (lambda: 0)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
@@ -66,9 +73,11 @@ class Batcher:
         return request.future
 
     def drain(self) -> None:
-        """Wait until every submitted request is answered."""
+        """Wait until every submitted request is answered; a `HangError` after `request_timeout_s`."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._pending and not self._running)
+            if not self._cond.wait_for(lambda: not self._pending and not self._running, self.request_timeout_s):
+                what, setting = "the engine to answer the requests in flight", "agent.endpoint.request_timeout_s"
+                raise HangError("policy endpoint", what, self.request_timeout_s, setting).capture()
 
     def close(self) -> None:
         with self._cond:
@@ -102,7 +111,8 @@ class Batcher:
                     )
                 if self._stopping:
                     for request in self._pending:
-                        request.future.set_exception(RuntimeError("the endpoint shut down before answering"))
+                        if request.future.set_running_or_notify_cancel():  # not given up on
+                            request.future.set_exception(RuntimeError("the endpoint shut down before answering"))
                     self._pending.clear()
                     self._cond.notify_all()
                     return
@@ -128,9 +138,12 @@ class Batcher:
                 rest.append(request)
         self._pending = rest
         self._first_arrival = time.monotonic() if rest else 0.0
-        return batch
+        # from here on a request cannot be cancelled; one whose waiter gave up (timed out) is dropped
+        return [request for request in batch if request.future.set_running_or_notify_cancel()]
 
     def _generate(self, batch: list[_Request]) -> None:
+        if not batch:
+            return
         params = batch[0].params
         if not batch[0].alone:  # a fresh, reproducible stream per engine call
             params = replace(params, seed=params.seed + 7_919 * self._num_calls)

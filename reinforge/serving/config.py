@@ -28,6 +28,9 @@ class ServingConfig(Section):
     (at most 10 x this after the first; not at all when every agent of the rollout is already waiting).
     Training wants full batches more than low latency: 64 agents starting at once arrive over some
     100 ms on a 2-core machine (docs/benchmarks.md). `reinforge serve` defaults to 0.02."""
+    request_timeout_s: float = 600.0
+    """The longest a request waits for its completion (queued, then generated); then it is answered with HTTP 504,
+    and a run's rollout stops waiting for the engine to answer the requests in flight (a `HangError`)."""
     max_tokens: int = 256
     """`reinforge serve`: completion length when a request gives no `max_tokens` (in a run:
     `generation.max_new_tokens`, which also caps what a request may ask for)."""
@@ -39,6 +42,7 @@ class ServingConfig(Section):
             (self.max_request_bytes >= 1, "max_request_bytes must be >= 1"),
             (self.max_batch_size >= 1, "max_batch_size must be >= 1"),
             (self.batch_wait_s >= 0, "batch_wait_s must be >= 0"),
+            (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
         ]
         for ok, message in checks:

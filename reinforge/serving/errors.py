@@ -1,6 +1,6 @@
 """Why the endpoint refuses or fails a request, in the server's words; serving/app.py maps each to an HTTP
 status and OpenAI's error body (`InvalidRequest` 400, `NotInRollout` 503, `EpisodeOver` 409,
-`GenerationFailed` 500)."""
+`GenerationFailed` 500, `GenerationTimedOut` 504)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,7 @@ class EpisodeOver(EndpointError):
 
 class GenerationFailed(EndpointError):
     """The engine raised while generating an admitted request."""
+
+
+class GenerationTimedOut(EndpointError):
+    """An admitted request not answered within `request_timeout_s`."""

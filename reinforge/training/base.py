@@ -43,6 +43,10 @@ class BackendConfig(Section):
     cpu_offload: bool = False
     """`fsdp2` on GPU: keep the sharded fp32 parameters, gradients and AdamW state in CPU memory and
     run the optimizer step there (FSDP2 CPUOffloadPolicy); frees GPU memory for 70B-class models."""
+    collective_timeout_s: float = Field(default=900.0, gt=0)
+    """`fsdp2`: the longest a rank waits in a torch.distributed collective (or at the rendezvous) for the other
+    ranks; then the collective raises on that rank and the run stops (torch.distributed's own default is 10 to 30
+    minutes). A hung rank is usually caught earlier by `cluster.worker_timeout_s`."""
     logprob_chunk_tokens: int = Field(default=2048, ge=1)
     """Apply the LM head to at most this many tokens at a time when computing logprobs and entropies (the
     training pass recomputes each chunk's logits in the backward pass), so memory grows with

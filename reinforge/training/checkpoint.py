@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ import torch
 from reinforge.config.section import Section
 from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
+from reinforge.hang import run_with_deadline
 from reinforge.run_dir import atomic_directory
 
 
@@ -56,7 +58,10 @@ class CheckpointConfig(Section):
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 # settings that may change between a run and its resumption: the length of the run, where it logs,
 # how it checkpoints, and where its workers run
-RESUMABLE_CHANGES = ("loop.max_steps", "loop.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts")
+RESUMABLE_CHANGES = (
+    *("loop.max_steps", "loop.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts"),
+    *("deadlines.", "training.collective_timeout_s", "agent.endpoint.request_timeout_s"),  # how long waits may take
+)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -70,9 +75,17 @@ def save_checkpoint(
     driver_state: dict[str, Any],
     config_yaml: str,
     models: dict[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically; returns its directory. `models`: backends trained beside the
-    policy (PPO's critic), each saved by its `save_state` into a directory of its name."""
+    policy (PPO's critic), each saved by its `save_state` into a directory of its name. A write that takes more than
+    `timeout_s` (`deadlines.checkpoint_s` in a run) raises a `HangError`; what it left is a temporary directory that
+    no resume reads."""
+    if timeout_s is not None:
+        write = partial(save_checkpoint, run_dir, step, trainer, driver_state, config_yaml, models)
+        return run_with_deadline(
+            write, timeout_s, "checkpoint", f"checkpoint {step} to be written", "deadlines.checkpoint_s"
+        )
     final = checkpoints_dir(run_dir) / f"step_{step:08d}"
     final.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(final) as tmp:

@@ -22,6 +22,7 @@ here: the cluster layer runs one `Backend` with an `FSDP2Strategy` per actor.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
@@ -125,6 +126,7 @@ class FSDP2Strategy:
             init_method=f"tcp://{self.master_addr}:{self.master_port}",
             rank=self.rank,
             world_size=self.world_size,
+            timeout=timedelta(seconds=training.collective_timeout_s),
         )
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there

@@ -1,0 +1,225 @@
+"""Deadlines on a run's waits, hang reports, and the step watchdog.
+
+Every blocking wait of an RL run has a deadline from config (docs/reliability.md "Deadlines" lists them all). A
+wait that runs past its deadline raises a `HangError`, whose one line names the component, what it waited for and
+for how long, and the setting to change. The stacks of every thread of the driver and, through py-spy where it is
+installed, of every Ray worker of the run are taken when the error is raised (`HangError.capture`), while the
+workers still exist; `hang_reports` writes them to RUN_DIR/hang_report.txt before the run's workers are released.
+
+The `Watchdog` covers what no single deadline does: the loop beats it at each phase of a step; when no beat comes for
+`deadlines.step_s`, it writes the report, raises its `HangError` in the main thread (through a signal, so a wait in
+the main thread is interrupted), and if the run has still not stopped GRACE_S later, ends the process with the exit
+status of an infrastructure failure (EXIT_STATUS, which a supervised run restarts after).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+from pydantic import Field
+
+from reinforge.config.section import Section
+from reinforge.errors import InfrastructureError
+
+GRACE_S = 30.0  # after the watchdog's signal, how long the run has to stop on its own before the process is ended
+EXIT_STATUS = 75  # EX_TEMPFAIL, as the CLI's for an InfrastructureError
+PY_SPY_TIMEOUT_S = 20.0  # for all the workers' dumps together
+REPORT_NAME = "hang_report.txt"
+T = TypeVar("T")
+
+
+class DeadlinesConfig(Section):
+    """`deadlines:` the RL loop's own waits. The deadlines of the waits inside a component sit in its section:
+    `cluster.worker_timeout_s`, `training.collective_timeout_s`, `agent.timeout_s`, `agent.endpoint.request_timeout_s`,
+    `env.remote.*.timeout_s`."""
+
+    rollout_wait_s: float = Field(default=1800.0, gt=0)
+    """Async generation: the longest the trainer waits for the rollout producer (a batch, or the engine's turn)."""
+    checkpoint_s: float = Field(default=1800.0, gt=0)
+    """The longest writing one checkpoint may take (the weights, the optimizer, the loop's state)."""
+    step_s: float = Field(default=3600.0, ge=0)
+    """The watchdog: a run in which no phase of a step (rollout, training, refit, validation, checkpoint) finishes
+    for this long is stopped; 0: no watchdog."""
+
+
+class HangError(InfrastructureError):
+    """A wait that ran past its deadline. `stacks`: the threads' and workers' stacks taken by `capture`;
+    `report`: the file they were written to, once written (the message then names it)."""
+
+    def __init__(self, component: str, what: str, seconds: float, setting: str):
+        super().__init__(component, what, seconds, setting)  # the args, so that it pickles (Ray carries errors)
+        self.component, self.what, self.seconds, self.setting = component, what, seconds, setting
+        self.stacks = ""
+        self.report: Path | None = None
+
+    def __str__(self) -> str:
+        line = f"{self.component}: waited {self.seconds:g} s for {self.what} ({self.setting}={self.seconds:g})"
+        return line + (f"; stacks in {self.report}" if self.report else "")
+
+    def capture(self, worker_pids: dict[str, int] | None = None) -> HangError:
+        """Take the stacks now: this process's threads, and the workers' (`worker_pids`, by default every
+        registered one)."""
+        self.stacks = stacks_text(registered_workers() if worker_pids is None else worker_pids)
+        return self
+
+
+_workers: dict[str, int] = {}  # name -> pid of the Ray workers alive in this process's run (cluster/ registers them)
+_workers_lock = threading.Lock()
+
+
+def register_workers(pids: dict[str, int]) -> None:
+    with _workers_lock:
+        _workers.update(pids)
+
+
+def unregister_workers(names: list[str]) -> None:
+    with _workers_lock:
+        for name in names:
+            _workers.pop(name, None)
+
+
+def registered_workers() -> dict[str, int]:
+    with _workers_lock:
+        return dict(_workers)
+
+
+def thread_stacks() -> str:
+    """Every thread of this process, named, with its stack (the innermost call last)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f'Thread {ident} "{names.get(ident, "?")}":\n' + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+def worker_stacks(pids: dict[str, int]) -> dict[str, str]:
+    """Each worker's Python stacks by py-spy (`py-spy dump --nonblocking`: a stopped process is read as it is), or
+    why there are none (py-spy missing, the process gone or on another machine)."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if not pids:
+        return {}
+    if py_spy is None:
+        return dict.fromkeys(pids, "(no stacks: py-spy is not installed; pip install py-spy)")
+    dumps = {
+        name: subprocess.Popen(
+            [py_spy, "dump", "--nonblocking", "--pid", str(pid)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, pid in pids.items()
+    }
+    deadline, stacks = time.monotonic() + PY_SPY_TIMEOUT_S, {}
+    for name, process in dumps.items():
+        try:
+            output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            stacks[name] = output if process.returncode == 0 else f"(no stacks: py-spy said: {output.strip()[-300:]})"
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stacks[name] = f"(no stacks: py-spy did not answer within {PY_SPY_TIMEOUT_S:g} s)"
+    return stacks
+
+
+def stacks_text(pids: dict[str, int]) -> str:
+    text = f"== driver (pid {os.getpid()}): every thread ==\n{thread_stacks()}\n"
+    for name, stack in worker_stacks(pids).items():
+        text += f"\n== Ray worker {name} (pid {pids[name]}) ==\n{stack}\n"
+    return text
+
+
+def write_hang_report(path: Path, error: HangError) -> Path:
+    """Write `error`'s line and its stacks (taken now if `capture` was not called) to `path`; the error names it."""
+    stacks = error.stacks or stacks_text(registered_workers())
+    path.write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {error}\n\n{stacks}")
+    error.report = path
+    return path
+
+
+@contextmanager
+def hang_reports(run_dir: Path) -> Iterator[None]:
+    """Write RUN_DIR/hang_report.txt for a `HangError` raised inside (unless it was written already), re-raise it."""
+    try:
+        yield
+    except HangError as error:
+        if error.report is None:
+            write_hang_report(run_dir / REPORT_NAME, error)
+        raise
+
+
+def run_with_deadline(fn: Callable[[], T], seconds: float, component: str, what: str, setting: str) -> T:
+    """`fn()`, on a thread of its own so that this thread stops waiting for it after `seconds` (a `HangError`; `fn`
+    is abandoned, it runs on a daemon thread); its exception if it raises."""
+    result: Future = Future()
+
+    def target() -> None:
+        try:
+            result.set_result(fn())
+        except BaseException as exc:  # re-raised in the caller's thread
+            result.set_exception(exc)
+
+    threading.Thread(target=target, name=f"reinforge-{component}", daemon=True).start()
+    try:
+        return result.result(timeout=seconds)
+    except TimeoutError:
+        raise HangError(component, what, seconds, setting).capture() from None
+
+
+class Watchdog:
+    """Stops a run in which nothing makes progress for `seconds`: see the module's docstring. A context manager;
+    `beat(what)` after every phase that finished (`what`: the one that starts, named in the error)."""
+
+    def __init__(self, seconds: float, report_path: Path, setting: str = "deadlines.step_s", grace_s: float = GRACE_S):
+        self.seconds, self.report_path, self.setting, self.grace_s = seconds, report_path, setting, grace_s
+        self.error: HangError | None = None
+        self._last_beat, self._what = time.monotonic(), "the first step"
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="reinforge-watchdog", daemon=True)
+        self._main = threading.main_thread()
+        self._old_handler: Any = None
+
+    def beat(self, what: str) -> None:
+        self._last_beat, self._what = time.monotonic(), what
+
+    def __enter__(self) -> Watchdog:
+        if not self.seconds:
+            return self
+        if threading.current_thread() is self._main:  # only the main thread may set a signal handler
+            self._old_handler = signal.signal(signal.SIGUSR1, self._raise)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stopped.set()
+        if self._old_handler is not None:
+            signal.signal(signal.SIGUSR1, self._old_handler)
+
+    def _raise(self, signum, frame) -> None:
+        if self.error is not None and not self._stopped.is_set():
+            raise self.error
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, self.seconds / 4)):
+            if time.monotonic() - self._last_beat >= self.seconds:
+                break
+        if self._stopped.is_set():
+            return
+        error = HangError("watchdog", f"{self._what} to make progress", self.seconds, self.setting).capture()
+        write_hang_report(self.report_path, error)
+        self.error = error
+        if self._old_handler is not None:
+            signal.pthread_kill(self._main.ident, signal.SIGUSR1)
+        if not self._stopped.wait(self.grace_s):
+            print(f"reinforge: error: {error} (the run did not stop within {self.grace_s:g} s: ended)", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(EXIT_STATUS)
