@@ -33,7 +33,8 @@ from reinforge.envs.registry import check_tasks
 from reinforge.errors import DataError
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.modeling import load_tokenizer
-from reinforge.rollout.rollout import RolloutOptions, rollout
+from reinforge.rollout.infra import NO_HOLES
+from reinforge.rollout.rollout import RolloutOptions, settled_rollout
 from reinforge.run_dir import atomic_directory
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ def measure_pass_rates(
         chunk = prompts[start : start + PROMPTS_PER_ROLLOUT]
         chunk_params = replace(params, seed=params.seed + 104_729 * index)
         passed = [0] * len(chunk)
-        for trajectory in rollout(chunk, engine, chunk_params, tokenizer, envs, options):
+        trajectories, _ = settled_rollout(chunk, engine, chunk_params, tokenizer, envs, options, NO_HOLES)
+        for trajectory in trajectories:  # no infrastructure failure left: each is the environment's verdict
             passed[trajectory.group] += trajectory.reward >= success_reward
         pass_rates += [count / params.num_samples for count in passed]
         console_print(f"curriculum pre-filter: {len(pass_rates)}/{len(prompts)} prompts sampled")

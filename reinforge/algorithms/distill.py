@@ -43,6 +43,7 @@ import torch
 from reinforge.algorithms.advantages import BASELINES, group_advantages
 from reinforge.algorithms.distill_config import DistillConfig, DistillRunConfig, TeacherConfig
 from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
+from reinforge.algorithms.grpo_advantages import valid_samples
 from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.policy_loss import policy_loss_fn
@@ -147,7 +148,9 @@ def train_on_batch(
         return StepResult(metrics, trained=False)
     rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.rollout.num_generations_per_prompt)
     baseline = BASELINES[distill.reward_baseline]
-    reward_advantages_PG = distill.reward_weight * group_advantages(rewards_PG, baseline, distill.reward_normalize_std)
+    reward_advantages_PG = distill.reward_weight * group_advantages(
+        rewards_PG, baseline, distill.reward_normalize_std, valid_PG=valid_samples(trajectories, rewards_PG)
+    )
     batch = collate(trajectories, reward_advantages_PG.flatten().tolist(), tokenizer.pad_token_id)
 
     with timers.time("teacher"):

@@ -25,7 +25,9 @@ def fill_with_informative_groups(
         trajectories = rollout_round(num_rounds)
         num_rounds += 1
         groups = [trajectories[start : start + group_size] for start in range(0, len(trajectories), group_size)]
-        keep = informative_groups(torch.tensor([[t.reward for t in group] for group in groups])).tolist()
+        rewards_PG = torch.tensor([[t.reward for t in group] for group in groups])
+        valid_PG = torch.tensor([[not t.excluded for t in group] for group in groups])  # infra failures: no reward
+        keep = informative_groups(rewards_PG, valid_PG).tolist()
         kept += [group for group, informative in zip(groups, keep) if informative]
         num_generated += len(groups)
         num_dropped += keep.count(False)

@@ -137,6 +137,7 @@ def step_advantages(
     tokens for the token-weighted whitening."""
     baseline = BASELINES[grpo.baseline]
     num_tokens_PG = batch.loss_mask.sum(dim=1).view_as(rewards_PG) if grpo.whiten_over == "tokens" else None
+    valid_PG = valid_samples(trajectories, rewards_PG)
     if grpo.decoupled_normalization:
         names, weights = reward_components(trajectories, extra_rewards)
         parts = [torch.tensor([t.components[name] for t in trajectories]).view_as(rewards_PG) for name in names] or [
@@ -144,11 +145,22 @@ def step_advantages(
         ]
         parts += shaping_PG  # each shaping term a component of weight 1
         weights_K = torch.tensor(weights + [1.0] * len(shaping_PG))
-        advantages_PG = decoupled_advantages(torch.stack(parts), weights_K, baseline, num_tokens_PG=num_tokens_PG)
+        advantages_PG = decoupled_advantages(
+            torch.stack(parts), weights_K, baseline, num_tokens_PG=num_tokens_PG, valid_PG=valid_PG
+        )
         return advantages_PG, {"train/num_reward_components": float(len(parts))}
     advantages_PG = group_advantages(
-        rewards_PG + sum(shaping_PG, torch.zeros_like(rewards_PG)), baseline, grpo.normalize_std
+        rewards_PG + sum(shaping_PG, torch.zeros_like(rewards_PG)), baseline, grpo.normalize_std, valid_PG=valid_PG
     )
     if grpo.whiten_advantages:
-        advantages_PG = batch_whiten(advantages_PG, num_tokens_PG=num_tokens_PG)
+        advantages_PG = batch_whiten(advantages_PG, num_tokens_PG=num_tokens_PG, valid_PG=valid_PG)
+        advantages_PG = advantages_PG if valid_PG is None else advantages_PG * valid_PG
     return advantages_PG, {}
+
+
+def valid_samples(trajectories: list[Trajectory], rewards_PG: torch.Tensor) -> torch.Tensor | None:
+    """[P, G] bool: False on the samples excluded for an infrastructure failure (or in a dropped group,
+    rollout/infra.py), which count in no group statistic; None when none is (every sample counts)."""
+    if not any(t.excluded for t in trajectories):
+        return None
+    return torch.tensor([not t.excluded for t in trajectories]).view_as(rewards_PG)

@@ -45,6 +45,10 @@ class Trajectory:
     components: dict[str, float] = field(default_factory=dict)  # named parts of the reward
     policy_version: int = 0  # the policy that generated it: trained through this many steps
     masked: bool = False  # not trained on (an env's mask_sample, a broken agent episode); its reward still counts
+    infra_failure: str | None = None  # the infrastructure failure that left it unscored (env_server, sandbox, ...)
+    infra_error: str = ""  # that failure in one line, naming the component
+    excluded: bool = False  # masked and in no statistic either: an infra failure, or in a group dropped for too few
+    prompt_ordinal: int = -1  # its prompt's place in the run's stream of drawn prompts (0, 1, ...; -1: not drawn)
 
 
 @dataclass
@@ -118,7 +122,9 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
         input_ids[row, :end] = torch.tensor(trajectory.prompt_ids + trajectory.response_ids)
         attention_mask[row, :end] = 1
         if not trajectory.masked:
-            loss_mask[row, num_prompt:end] = 1.0 if trajectory.response_mask is None else torch.tensor(trajectory.response_mask, dtype=torch.float32)
+            loss_mask[row, num_prompt:end] = (
+                1.0 if trajectory.response_mask is None else torch.tensor(trajectory.response_mask, dtype=torch.float32)
+            )
         gen_logprobs[row, num_prompt:end] = torch.tensor(trajectory.gen_logprobs, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,

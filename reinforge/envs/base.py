@@ -32,6 +32,11 @@ class EnvResponse:
     observation: list[dict[str, str]] | None = None  # messages to append when not done
     info: dict[str, Any] = field(default_factory=dict)  # per-sample facts, e.g. {"extracted": "42"}
     mask_sample: bool = False  # True: not trained on (its reward still counts in its group's baseline)
+    infra_failure: str | None = None
+    """Set when the environment's own machinery failed, not the policy's answer: `env_server` (a server
+    that kept failing), `timeout` (one that did not answer in time), `sandbox` (the sandbox itself crashed
+    or was killed from outside). The reward then means nothing: the rollout retries the episode and masks
+    it if it keeps failing (docs/environments.md); `info["infra_error"]` says what happened, in one line."""
 
 
 @dataclass
@@ -52,7 +57,8 @@ class Environment(Protocol):
     """
 
     def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
-        """Return one response per request, in order. Never raises for a bad model answer."""
+        """Return one response per request, in order. Never raises for a bad model answer; a failure of the
+        environment's own infrastructure is a response with `infra_failure` set, never a reward of 0."""
         ...
 
     def metrics(self) -> dict[str, float]:

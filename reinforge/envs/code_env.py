@@ -32,6 +32,12 @@ whatever stdin it expects) cannot be mistaken for a result, and the results of t
 before a timeout still count. A program that fails to load fails every test. This guards against
 accidents, not against a program written to forge results: it runs in the harness's interpreter.
 
+A run the sandbox itself failed (status `error`: the supervisor crashed, could not start, or was
+killed from outside) is no verdict on the program: the response has `infra_failure="sandbox"` and
+no reward (the rollout retries it, docs/environments.md). A program that crashes by itself (a
+nonzero exit, an uncaught exception, a signal it sent itself, a timeout within its own limits) is
+the answer's failure and scores as below.
+
 Reward: 1.0 when the program loads, every setup step succeeds, every test passes and the run ends
 normally (status ok: a program that passes and then hangs or floods its output fails), else 0; with
 `partial_credit`, the fraction of tests that passed, whatever happened after them (setup failures
@@ -40,9 +46,9 @@ sandbox's: ok, failed, timeout, killed, output_limit, error; or no_code), `passe
 `error`, the first failure's exception (or the sandbox's stderr tail when no step reported one).
 
 Metrics (since the last `metrics()` call): `samples`, `no_code`, `timeouts` (wall or CPU limit),
-`output_limits`, `sandbox_errors` (the sandbox itself failed to run the program), `pass_fraction_mean`
-(mean of passed / total over samples, no-code ones included as 0) and `run_s_mean` (mean sandbox
-wall time per run).
+`output_limits`, `sandbox_errors` (the sandbox itself failed to run the program: infrastructure
+failures), `pass_fraction_mean` (mean of passed / total over samples, no-code ones included as 0) and
+`run_s_mean` (mean sandbox wall time per run).
 
 Samples run concurrently on `num_parallel` threads, each driving one sandbox (a few processes);
 `step` may be called from several threads.
@@ -133,7 +139,23 @@ class CodeEnv:
                 info={"status": "no_code", "passed": 0, "total": total, "error": "no code"},
             )
         nonce = secrets.token_hex(16)
-        result = run_python(_harness(plan), self.config.sandbox, stdin=nonce + "\n")
+        try:
+            result = run_python(_harness(plan), self.config.sandbox, stdin=nonce + "\n")
+        except OSError as exc:  # the sandbox could not even start (no process, no pipe left)
+            result = SandboxResult("error", None, "", f"sandbox error: {exc!r}", 0.0)
+        if result.status == "error":  # the sandbox's failure, not the program's: no verdict on the answer
+            self._count(status="error", fraction=0.0, run_s=result.wall_s)
+            tail = result.stderr.strip().splitlines()
+            return EnvResponse(
+                reward=0.0,
+                info={
+                    "status": "error",
+                    "passed": 0,
+                    "total": total,
+                    "infra_error": f"sandbox: {tail[-1][:_MAX_ERROR_CHARS] if tail else 'no output'}",
+                },
+                infra_failure="sandbox",
+            )
         passed, all_ok, error = _tally(plan, result, nonce)
         fraction = passed / total
         self._count(status=result.status, fraction=fraction, run_s=result.wall_s)

@@ -19,8 +19,10 @@ them); the server holds the task's tools and its verifier. Per trajectory (`EnvR
 Fields reinforge adds to a record (e.g. `task`) are sent as they are: Gym's request models allow
 extra fields. Connection errors, timeouts and 5xx answers to seed and verify (and connection errors
 and timeouts of tool calls) are retried `max_retries` times, waiting `backoff_s`, then twice as long
-before each further retry; then `GymServerError` names the server, the route and the cause. A 4xx
-answer to seed or verify fails at once. So a call ends within about
+before each further retry; then the episode is an infrastructure failure (`EnvResponse.infra_failure`
+`gym_server`, or `timeout`; `info["infra_error"]` names the server, the route and the cause), which the
+rollout runs again with a fresh session (rollout/infra.py). A 4xx answer to seed or verify fails at once
+(`GymServerError`). So a call ends within about
 `(max_retries + 1) * timeout_s + backoff_s * (2**max_retries - 1)`. The trajectories of one `step`
 run concurrently, at most `max_concurrency` calls at a time.
 """
@@ -41,7 +43,7 @@ from reinforge.data.responses_format import chat_to_response, create_params_to_c
 from reinforge.data.tool_calls import ToolCall, parse_tool_calls
 from reinforge.envs.base import EnvRequest, EnvResponse
 from reinforge.envs.gym_config import GymResourcesConfig
-from reinforge.errors import DataError, ReinforgeError
+from reinforge.errors import ConfigError, DataError, ReinforgeError
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
 GYM_ROUTES = ("seed_session", "close_session", "verify", "aggregate_metrics", "reverify_mode", "health")
@@ -50,6 +52,14 @@ COUNTERS = ("seed_calls", "tool_calls", "tool_errors", "verify_calls", "masked")
 
 class GymServerError(ReinforgeError):
     """A NeMo Gym resources server that cannot be reached, keeps failing, or rejects a request."""
+
+
+class GymServerUnavailable(GymServerError):
+    """A server that kept failing (`kind` gym_server) or not answering in time (`kind` timeout), retries included."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class GymResourcesEnv:
@@ -68,7 +78,17 @@ class GymResourcesEnv:
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
-        return list(self._pool.map(self._step_one, requests))
+        return list(self._pool.map(self._step_or_infra_failure, requests))
+
+    def _step_or_infra_failure(self, request: EnvRequest) -> EnvResponse:
+        """The episode's response; a server that kept failing is the episode's infrastructure failure (rollout/infra.py
+        runs it again as a new episode, with a fresh session)."""
+        try:
+            return self._step_one(request)
+        except GymServerUnavailable as exc:
+            with self._lock:
+                self._sessions.pop(request.episode_id, None)
+            return EnvResponse(reward=0.0, infra_failure=exc.kind, info={"infra_error": str(exc)})
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -152,18 +172,40 @@ class GymResourcesEnv:
                 response = self._client.post(f"/{route}", json=body, headers=headers)
             except httpx.TransportError as exc:  # refused, reset, timed out, disconnected
                 cause = f"{type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}"
+                kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "gym_server"
                 continue
             if tool or response.status_code < 400:
                 return response
             cause = f"HTTP {response.status_code}: {_one_line(response.text[:300]) or response.reason_phrase}"
+            kind = "gym_server"
             if response.status_code < 500:
                 raise GymServerError(f"NeMo Gym resources server {self.url} rejected POST /{route}: {cause}")
         tries = f"{self.config.max_retries + 1} attempt{'s' if self.config.max_retries else ''}"
-        raise GymServerError(f"NeMo Gym resources server {self.url} failed POST /{route} after {tries}: {cause}")
+        raise GymServerUnavailable(
+            f"NeMo Gym resources server {self.url} failed POST /{route} after {tries}: {cause}", kind
+        )
 
     def _count(self, name: str) -> None:
         with self._lock:
             self.counts[name] += 1
+
+
+def check_resources_server(task: str, url: str, timeout_s: float = 5.0) -> None:
+    """Refuse, at start-up, a Gym server of another kind at `env.gym.<task>.url`: a gymnasium-style one (Gym's
+    blackjack, sokoban, tetris: `/reset` and `/step`, for Gym's gymnasium_agent) would answer the first
+    `/seed_session` with a 404 only once the model has loaded. Its route list comes from FastAPI's
+    `/openapi.json`; a server that does not answer, or lists no routes, is left to the calls themselves
+    (which retry, then name it)."""
+    try:
+        paths = set(httpx.get(f"{url.rstrip('/')}/openapi.json", timeout=timeout_s).json().get("paths") or {})
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return
+    if {"/reset", "/step"} <= paths and "/verify" not in paths:
+        raise ConfigError(
+            f"env.gym.{task}.url={url} is a gymnasium-style NeMo Gym server (/reset, /step), which env.gym does not "
+            "drive; env.gym takes resources servers (/seed_session, /verify); run it under Gym's gymnasium_agent "
+            "and give that agent as agent.gym.<name>.url (rollout.driver=agent)"
+        )
 
 
 def _json_object(response: httpx.Response) -> dict[str, Any]:

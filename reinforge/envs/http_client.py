@@ -4,8 +4,11 @@
 `batch_size`, `GET /metrics`, and `GET /tools` then `POST /tools/{name}` for each tool.
 
 Failures: a connection error, a timeout or a 5xx answer is retried `max_retries` times, waiting
-`backoff_s`, then twice as long before each further retry; after that, `EnvServerError` names the
-URL and the last cause. A 4xx answer (bad token, a record the environment cannot score, a request
+`backoff_s`, then twice as long before each further retry; after that, `/verify` answers each
+trajectory of that batch with an infrastructure failure (`EnvResponse.infra_failure`: `timeout` when
+the last try timed out, else `env_server`; `info["infra_error"]` names the URL and the last cause),
+which the rollout retries and masks (docs/environments.md), and the other routes raise
+`EnvServerError` with the same line. A 4xx answer (bad token, a record the environment cannot score, a request
 over the server's size limit) is not retried: it fails at once with the server's message. So a call
 never hangs: it ends within about `(max_retries + 1) * timeout_s + backoff_s * (2**max_retries - 1)`
 (httpx applies `timeout_s` to connecting, to sending and to each wait for response bytes).
@@ -32,6 +35,14 @@ class EnvServerError(ReinforgeError):
     """An environment server that cannot be reached, keeps failing, or rejects a request."""
 
 
+class EnvServerUnavailable(EnvServerError):
+    """A server that kept failing (`kind` env_server) or not answering in time (`kind` timeout), retries included."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class RemoteEnvConfig(Section):
     url: str = ""
     """Base URL of a `reinforge env serve` server, e.g. http://127.0.0.1:8100; empty: run the environment in-process."""
@@ -40,7 +51,8 @@ class RemoteEnvConfig(Section):
     timeout_s: float = 60.0
     """Time limit for connecting, sending, and each wait for the server's answer to one batch."""
     max_retries: int = 3
-    """Retries after a connection error, a timeout or a 5xx answer; then the run stops with the cause."""
+    """Retries after a connection error, a timeout or a 5xx answer; then the batch's trajectories are
+    infrastructure failures (retried by the rollout, `rollout.max_infra_retries`)."""
     backoff_s: float = 0.5
     """Wait before the first retry; each further retry waits twice as long."""
     batch_size: int = 256
@@ -104,7 +116,13 @@ class RemoteEnvironment:
                     for r in batch
                 ]
             }
-            results = self._call("POST", "/verify", body)["responses"]
+            try:
+                results = self._call("POST", "/verify", body)["responses"]
+            except EnvServerUnavailable as exc:  # the server's failure, not the answers': no reward at all
+                responses.extend(
+                    EnvResponse(reward=0.0, infra_failure=exc.kind, info={"infra_error": str(exc)}) for _ in batch
+                )
+                continue
             if len(results) != len(batch):
                 raise EnvServerError(
                     f"environment server {self.url} answered {len(results)} responses to {len(batch)} requests"
@@ -113,7 +131,12 @@ class RemoteEnvironment:
         return responses
 
     def metrics(self) -> dict[str, float]:
-        return self._call("GET", "/metrics")["metrics"]
+        """The server's counters; `metrics_unavailable` 1 (and none of them) when it kept failing: those
+        counters are lost, the run goes on."""
+        try:
+            return self._call("GET", "/metrics")["metrics"]
+        except EnvServerUnavailable:
+            return {"metrics_unavailable": 1.0}
 
     @functools.cached_property
     def tools(self) -> dict[str, Tool]:
@@ -144,6 +167,7 @@ class RemoteEnvironment:
                 response = self._client.request(method, path, json=body)
             except httpx.TransportError as exc:  # refused, reset, timed out, disconnected
                 cause = f"{type(exc).__name__}: {_one_line(exc)}"
+                kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "env_server"
                 continue
             if response.status_code < 400:
                 try:
@@ -152,11 +176,11 @@ class RemoteEnvironment:
                     raise EnvServerError(
                         f"{self.url}{path} answered with something other than JSON; is it a reinforge env server?"
                     ) from None
-            cause = f"HTTP {response.status_code}: {_detail(response)}"
+            cause, kind = f"HTTP {response.status_code}: {_detail(response)}", "env_server"
             if response.status_code < 500:
                 raise EnvServerError(f"environment server {self.url} rejected {method} {path}: {cause}")
         tries = f"{self.max_retries + 1} attempt{'s' if self.max_retries else ''}"
-        raise EnvServerError(f"environment server {self.url} failed {method} {path} after {tries}: {cause}")
+        raise EnvServerUnavailable(f"environment server {self.url} failed {method} {path} after {tries}: {cause}", kind)
 
 
 def _detail(response: httpx.Response) -> str:

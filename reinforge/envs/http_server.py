@@ -5,7 +5,8 @@ The verifier runs in its own process (or on another machine) and the trainer rea
 
     POST /verify         {"requests": [{"messages": [...], "record": {...}}, ...]}
                          (each may also carry "episode_id" and "last_turn")
-                         -> {"responses": [{"reward", "components", "done", "observation", "info", "mask_sample"}, ...]}
+                         -> {"responses": [{"reward", "components", "done", "observation", "info", "mask_sample",
+                             "infra_failure"}, ...]}
     GET  /health         -> {"status": "ok"}   (the only route open without the token)
     GET  /metrics        -> {"metrics": env.metrics()}   (counters since the last call, then reset)
     GET  /tools          -> {"tools": [{"name", "description", "parameters"}, ...]}
@@ -75,6 +76,7 @@ class VerifyResult(_Body):
     observation: list[dict[str, str]] | None
     info: dict[str, Any]
     mask_sample: bool = False
+    infra_failure: str | None = None
 
 
 class VerifyResponse(_Body):
@@ -141,6 +143,7 @@ def build_app(env: Environment, token: str | None, max_request_bytes: int) -> Fa
                 observation=r.observation,
                 info=r.info,
                 mask_sample=r.mask_sample,
+                infra_failure=r.infra_failure,
             )
             for r in responses
         ]

@@ -29,6 +29,7 @@ from reinforge.data.tool_calls import TOOL_CALL_END  # a turn that calls a tool 
 from reinforge.envs.base import Environment, EnvRequest, EnvResponse
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
+from reinforge.rollout.infra import InfraLimits, settle
 from reinforge.rollout.single_turn import generate_trajectories
 
 
@@ -61,6 +62,17 @@ class RolloutConfig(Section):
     """With `async_generation`: the most training steps the policy that generated a batch may lag behind
     the policy that trains on it. 0 is synchronous (same metrics as `async_generation=false`); 1
     overlaps each step's training with the next step's generation."""
+    max_infra_retries: int = Field(default=2, ge=0)
+    """Re-runs, from its prompt with a fresh session, of an episode whose infrastructure failed (an
+    environment or Gym server error, a sandbox crashed or killed from outside, an HTTP failure or
+    timeout; docs/environments.md); one still failing after them is masked: never trained on and left
+    out of its group's baseline and statistics."""
+    min_valid_per_group: int = Field(default=2, ge=1)
+    """A group left with fewer valid (not masked for infrastructure) samples than this is dropped from
+    the step (counted in rollout/infra_groups_dropped); at most the group size."""
+    max_infra_failure_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """The run stops, with one line naming the failure and its component, when more than this fraction
+    of a step's episodes are still masked for infrastructure after the retries, or no group is left."""
 
     @model_validator(mode="after")
     def _check_groups(self) -> "RolloutConfig":
@@ -68,6 +80,11 @@ class RolloutConfig(Section):
             raise ValueError(
                 "rollout.num_generations_per_prompt must be at least 2: a group baseline needs two samples; "
                 "set it to 2 or more"
+            )
+        if self.min_valid_per_group > self.num_generations_per_prompt:
+            raise ValueError(
+                f"rollout.min_valid_per_group={self.min_valid_per_group} is more than a group has "
+                f"(rollout.num_generations_per_prompt={self.num_generations_per_prompt}); set it to at most that"
             )
         return self
 
@@ -106,14 +123,23 @@ class ReinforgeRollout:
         tokenizer: PreTrainedTokenizerBase,
         envs: dict[str, Environment],
         options: RolloutOptions,
+        infra: InfraLimits,
     ):
-        self.engine, self.tokenizer, self.envs, self.options = engine, tokenizer, envs, options
+        self.engine, self.tokenizer, self.envs, self.options, self.infra = engine, tokenizer, envs, options, infra
+        self._metrics: dict[str, float] = {}
 
     def __call__(self, prompts: list[Prompt], params: SamplingParams, timers: Timers | None = None) -> list[Trajectory]:
-        return rollout(prompts, self.engine, params, self.tokenizer, self.envs, self.options, timers)
+        """The rollout, with its infrastructure failures retried (each from its prompt, a new episode id),
+        masked and their groups dropped (rollout/infra.py)."""
+        trajectories, self._metrics = settled_rollout(
+            prompts, self.engine, params, self.tokenizer, self.envs, self.options, self.infra, timers
+        )
+        return trajectories
 
     def metrics(self) -> dict[str, float]:
-        return {}  # the environments report their own (env/<task>/...)
+        """The last rollout's rollout/infra_* (the environments report their own, env/<task>/...)."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
 
 
 def rollout(
@@ -147,6 +173,10 @@ def rollout(
         continuing = []
         for index, response in zip(active, responses):
             turn_rewards[index].append(response.reward)
+            if response.infra_failure:  # no verdict: the episode ends here, and is retried (rollout/infra.py)
+                trajectories[index].infra_failure = response.infra_failure
+                trajectories[index].infra_error = response.info.get("infra_error", "")
+                continue
             trajectories[index].components.update(response.components)
             trajectories[index].masked |= response.mask_sample
             if response.done or not response.observation or turn == options.max_turns or trajectories[index].truncated:
@@ -183,6 +213,29 @@ def rollout(
     with timers.time("reward"):
         _add_extra_rewards(trajectories, conversations, prompts, envs, options.extra_rewards or {})
     return trajectories
+
+
+def settled_rollout(
+    prompts: list[Prompt],
+    engine: GenerationBackend,
+    params: SamplingParams,
+    tokenizer: PreTrainedTokenizerBase,
+    envs: dict[str, Environment],
+    options: RolloutOptions,
+    infra: InfraLimits,
+    timers: Timers | None = None,
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """`rollout`, with the episodes that failed on infrastructure run again from their prompt (a new episode
+    id each, one sample, a seed of its own per retry), masked if they keep failing, and their groups dropped
+    (rollout/infra.py); and the rollout/infra_* metrics."""
+    trajectories = rollout(prompts, engine, params, tokenizer, envs, options, timers)
+
+    def rerun(indices: list[int], retry: int) -> list[Trajectory]:
+        again = [prompts[trajectories[index].group] for index in indices]
+        fresh_params = replace(params, num_samples=1, seed=params.seed + 104_729 * (retry + 1))
+        return rollout(again, engine, fresh_params, tokenizer, envs, options, timers)
+
+    return settle(trajectories, params.num_samples, rerun, infra)
 
 
 def _assistant(text: str) -> dict[str, str]:
@@ -234,6 +287,9 @@ def _add_extra_rewards(
             EnvRequest(messages=conversations[i], record=prompts[t.group].record) for i, t in enumerate(trajectories)
         ]
         for trajectory, response in zip(trajectories, envs[name].step(requests)):
+            if response.infra_failure and not trajectory.infra_failure:
+                trajectory.infra_failure = response.infra_failure
+                trajectory.infra_error = response.info.get("infra_error", "")
             trajectory.components[name] = response.reward
             trajectory.reward += weight * response.reward
 

@@ -203,7 +203,7 @@ def test_bad_requests_get_a_one_line_4xx_and_are_not_retried(math_url):
     assert time.monotonic() - began < 5
 
 
-def test_a_server_killed_mid_run_makes_the_client_fail_fast_with_the_cause(tmp_path):
+def test_a_server_killed_mid_run_makes_the_client_answer_infra_failures_fast_with_the_cause(tmp_path):
     math_gold, math_wrong = math500_requests(100)
     with math_server(tmp_path) as (url, process):
         env = remote(url, max_retries=3, backoff_s=0.2, batch_size=50)
@@ -215,12 +215,15 @@ def test_a_server_killed_mid_run_makes_the_client_fail_fast_with_the_cause(tmp_p
             killed_at.append(time.monotonic())
 
         threading.Timer(0.3, kill).start()
-        with pytest.raises(EnvServerError) as error:
-            while True:  # batches of 50 MATH-500 answers keep a request in flight
-                env.step(math_gold + math_wrong)
+        failed = []
+        while not failed:  # batches of 50 MATH-500 answers keep a request in flight
+            responses = env.step(math_gold + math_wrong)
+            failed = [response for response in responses if response.infra_failure]
         elapsed = time.monotonic() - killed_at[0]
-    print(f"\nthe client gave up {elapsed:.2f} s after the server was killed: {error.value}")
-    message = str(error.value)
+        assert env.metrics() == {"metrics_unavailable": 1.0}  # the counters are lost, not the run
+    message = failed[-1].info["infra_error"]
+    print(f"\nthe client gave up {elapsed:.2f} s after the server was killed: {message}")
+    assert failed[-1].infra_failure == "env_server" and failed[-1].reward == 0.0
     assert message.startswith(f"environment server {url} failed POST /verify after 4 attempts: ")
     assert "ConnectError" in message and "\n" not in message
     assert elapsed < 15, f"the client took {elapsed:.1f} s to give up"

@@ -261,14 +261,14 @@ def test_a_rendered_prompt_with_a_system_message_before_the_rows_input_is_scored
     env.close()
 
 
-def test_a_server_that_is_down_fails_after_its_retries_with_one_line_naming_it():
+def test_a_server_that_is_down_is_an_infra_failure_after_its_retries_with_one_line_naming_it():
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     env = gym_env(url, timeout_s=2.0, max_retries=2, backoff_s=0.2)
     began = time.monotonic()
-    with pytest.raises(GymServerError) as error:
-        env.step([Episode(WEATHER_ROW, "e-down").turn(SF_CALL)])
+    (response,) = env.step([Episode(WEATHER_ROW, "e-down").turn(SF_CALL)])
     elapsed = time.monotonic() - began
-    message = str(error.value)
+    message = response.info["infra_error"]
+    assert response.infra_failure == "gym_server" and response.reward == 0.0
     assert message.startswith(
         f"NeMo Gym resources server {url} failed POST /seed_session after 3 attempts: ConnectError"
     )
@@ -276,7 +276,7 @@ def test_a_server_that_is_down_fails_after_its_retries_with_one_line_naming_it()
     env.close()
 
 
-def test_a_server_gone_mid_episode_fails_its_verify_and_the_launcher_left_nothing_running(tmp_path):
+def test_a_server_gone_mid_episode_is_an_infra_failure_of_its_verify_and_the_launcher_left_nothing_running(tmp_path):
     with gym_servers({"weather": GYM_CONFIG["weather"]}, tmp_path) as urls:
         env = gym_env(urls["weather"], max_retries=1)
         episode = Episode(WEATHER_ROW, "e-gone")
@@ -285,10 +285,11 @@ def test_a_server_gone_mid_episode_fails_its_verify_and_the_launcher_left_nothin
     port = int(urls["weather"].rsplit(":", 1)[1])
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the server still listens after gym_servers exited"
-    with pytest.raises(
-        GymServerError, match=rf"^NeMo Gym resources server {urls['weather']} failed POST /verify after 2 attempts"
-    ):
-        env.step([episode.turn("Cold.")])
+    (gone,) = env.step([episode.turn("Cold.")])
+    assert gone.infra_failure == "gym_server"
+    assert gone.info["infra_error"].startswith(
+        f"NeMo Gym resources server {urls['weather']} failed POST /verify after 2 attempts"
+    )
     env.close()
 
 
