@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from reinforge.errors import ReinforgeError
 from reinforge.model_config import ModelConfig
@@ -43,9 +51,61 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
         raise ReinforgeError(
             f"model.name_or_path={config.name_or_path}: could not load its tokenizer ({_first_line(exc)})"
         ) from None
+    if len(tokenizer) < 2:  # transformers builds an empty tokenizer for a directory without tokenizer files
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: {location} has no tokenizer (tokenizer.json, or vocab and "
+            "merges files); copy the tokenizer files of its base model there"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad id; it is always masked out
     return tokenizer
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model's config.json says it can take (None where it does not say)."""
+
+    max_positions: int | None  # max_position_embeddings: the longest sequence, prompt and completion together
+    vocab_size: int | None  # rows of the embedding: a token id must be below it
+
+
+def model_limits(config: ModelConfig) -> ModelLimits:
+    """The model's context length and vocabulary size, from its config alone (no weights are loaded)."""
+    location = model_location(config)
+    try:
+        model_config = AutoConfig.from_pretrained(location, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: could not read its config.json ({_first_line(exc)})"
+        ) from None
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    positions, vocab = (getattr(text_config, name, None) for name in ("max_position_embeddings", "vocab_size"))
+    return ModelLimits(int(positions) if positions else None, int(vocab) if vocab else None)
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_weights(config: ModelConfig) -> None:
+    """A local model directory must hold weights (a hub id is left to the download): checked before a run makes
+    its directory, so that one without them is one line, not a half-made run."""
+    path = resolve_path(config.name_or_path)
+    if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: {path} holds no weights (model.safetensors or "
+            "pytorch_model.bin); point it at a complete Hugging Face model directory"
+        )
+
+
+def check_fits_context(config: ModelConfig, num_tokens: int, setting: str) -> None:
+    """Refuse a run whose sequences (`setting`, e.g. `data.max_seq_len=4096`, of `num_tokens` tokens) can be longer
+    than the model's context: past it a rotary model computes positions it was never trained on, and says nothing."""
+    limit = model_limits(config).max_positions
+    if limit is not None and num_tokens > limit:
+        raise ReinforgeError(
+            f"{setting} exceeds the model's max_position_embeddings={limit} ({config.name_or_path}); lower it to "
+            f"{limit} or less"
+        )
 
 
 def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:

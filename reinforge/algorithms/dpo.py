@@ -51,7 +51,7 @@ from reinforge.data.prompts import PromptSampler
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import load_tokenizer
+from reinforge.modeling import check_fits_context, load_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.backend import Backend
 from reinforge.training.heads import LogprobHead
@@ -102,6 +102,7 @@ def train(config: DPORunConfig) -> PairRunResult:
         torch.set_num_threads(config.num_threads)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     tokenizer = load_tokenizer(config.model)
+    check_fits_context(config.model, config.data.max_length, f"data.max_length={config.data.max_length}")
     pad_id = tokenizer.pad_token_id
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_policy, config.data)
     val_pairs = (

@@ -51,7 +51,7 @@ from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import DTYPES, adapter_base, load_tokenizer, model_location
+from reinforge.modeling import DTYPES, adapter_base, check_fits_context, load_tokenizer, model_location
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.backend import Backend
 from reinforge.training.heads import ScalarHead
@@ -88,6 +88,7 @@ def train(config: RMRunConfig) -> PairRunResult:
         torch.set_num_threads(config.num_threads)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     tokenizer = load_tokenizer(config.model)
+    check_fits_context(config.model, config.data.max_length, f"data.max_length={config.data.max_length}")
     pad_id = tokenizer.pad_token_id
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_reward_model, config.data)
     val_pairs = (

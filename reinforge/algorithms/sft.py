@@ -43,7 +43,7 @@ from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import DTYPES, load_tokenizer, model_location
+from reinforge.modeling import DTYPES, check_fits_context, load_tokenizer, model_location
 from reinforge.paths import resolve_path
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training import lora
@@ -189,6 +189,7 @@ def train(config: SFTRunConfig) -> SFTResult:
         torch.set_num_threads(config.num_threads)
     lora.check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     tokenizer = load_tokenizer(config.model)
+    check_fits_context(config.model, config.data.max_seq_len, f"data.max_seq_len={config.data.max_seq_len}")
     train_examples, val_examples = load_datasets(config, tokenizer)
     backend = build_backend(config)
     # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.

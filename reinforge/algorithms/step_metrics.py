@@ -31,17 +31,24 @@ def per_task_means(trajectories: list[Trajectory], prefix: str, name: str) -> di
 
 
 def rollout_metrics(trajectories: list[Trajectory], rewards_PG: torch.Tensor) -> dict[str, float]:
+    """The rewards over the samples that count (not those excluded for an infrastructure failure, which have
+    none, nor the groups dropped for it: rollout/infra.py); the lengths over all."""
     lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+    valid_PG = torch.tensor([not t.excluded for t in trajectories]).view_as(rewards_PG)
+    rewards = rewards_PG[valid_PG] if valid_PG.any() else torch.zeros(1)
+    kept_groups_PG = rewards_PG[valid_PG.all(dim=1)]  # a kept group may still hold a masked sample: not in this one
     return {
-        "train/reward_mean": rewards_PG.mean().item(),
-        "train/reward_std": rewards_PG.std(unbiased=False).item(),
-        "train/zero_std_group_fraction": (rewards_PG.std(dim=1) == 0).float().mean().item(),
+        "train/reward_mean": rewards.mean().item(),
+        "train/reward_std": rewards.std(unbiased=False).item(),
+        "train/zero_std_group_fraction": (kept_groups_PG.std(dim=1) == 0).float().mean().item()
+        if len(kept_groups_PG)
+        else 0.0,
         "rollout/gen_len_mean": lengths.mean().item(),
         "rollout/gen_len_max": lengths.max().item(),
         "rollout/truncated_fraction": sum(t.truncated for t in trajectories) / len(trajectories),
         "rollout/prompt_len_mean": sum(len(t.prompt_ids) for t in trajectories) / len(trajectories),
         "rollout/turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
-        **per_task_means(trajectories, "train", "reward_mean"),
+        **per_task_means([t for t in trajectories if not t.excluded], "train", "reward_mean"),
     }
 
 
@@ -91,5 +98,15 @@ def train_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def env_metrics(envs: dict[str, Environment]) -> dict[str, float]:
-    return {f"env/{task}/{name}": value for task, env in envs.items() for name, value in env.metrics().items()}
+def env_metrics(envs: dict[str, Environment], scored: set[str]) -> dict[str, float]:
+    """`env/{task}/{name}`: the counters since the last call of each environment in `scored`, those that scored
+    something (the counters of one that scored nothing, all 0, would read as a verifier that never failed). Every
+    environment's counters are read, and so reset."""
+    counters = {task: env.metrics() for task, env in envs.items()}
+    return {f"env/{task}/{name}": value for task in scored & set(counters) for name, value in counters[task].items()}
+
+
+def scored_tasks(tasks: set[str], driver: str, extra_rewards: dict[str, float]) -> set[str]:
+    """The environments that scored trajectories of `tasks`: those tasks' and the extra rewards' when reinforge
+    drives the episodes; none when agents do (they score their own)."""
+    return tasks | set(extra_rewards) if driver == "reinforge" else set()

@@ -116,7 +116,8 @@ def _render_gym_row(
         raise DataError(f"a NeMo Gym row's {GYM_ROW_KEY}.input holds no messages")
     if not use_chat_template:
         raise DataError(
-            "NeMo Gym rows (records with responses_create_params) need the chat template: set data.use_chat_template=true"
+            "NeMo Gym rows (records with responses_create_params) need the chat template: "
+            "set data.use_chat_template=true"
         )
     if messages[0]["role"] not in ("system", "developer"):
         system = _system_message(record, system_prompt, system_key, str(messages[0]["content"])[:60])
@@ -128,6 +129,11 @@ def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBa
     """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`. Each record
     needs `data.prompt_key`, or `responses_create_params` (a NeMo Gym row)."""
     file = resolve_path(path)
+    if data.use_chat_template and not tokenizer.chat_template:
+        raise DataError(
+            f"{file}: the model's tokenizer has no chat template to render the prompts with; set "
+            "data.use_chat_template=false (plain text), or use a model whose tokenizer_config.json has one"
+        )
     prompts = []
     for index, record in enumerate(read_jsonl(file)):
         if GYM_ROW_KEY not in record and data.prompt_key not in record:
@@ -196,6 +202,11 @@ class PromptSampler:
             batch.append(self.prompts[self._order[self.position]])
             self.position += 1
         return batch
+
+    @property
+    def drawn(self) -> int:
+        """Prompts drawn so far: the next prompt's ordinal in the data stream."""
+        return self.epoch * len(self.prompts) + self.position
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

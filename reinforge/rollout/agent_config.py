@@ -34,6 +34,10 @@ class AgentConfig(Section):
     timeout_s: float = 300.0
     """An episode that has not ended after this long is abandoned: masked, counted
     (rollout/agent_timeout_fraction), never waited for again."""
+    first_call_timeout_s: float = 30.0
+    """A rollout of Gym agents whose episodes have sent the policy endpoint no request at all after this long
+    stops with one line: their model server (Gym's vllm_model) points elsewhere. Raise it for agents that set up
+    for longer before their first model call (a container per episode); 0: wait agent.timeout_s."""
     max_concurrency: int = 256
     """Most episodes in flight at once."""
     max_retries: int = 3
@@ -49,6 +53,7 @@ class AgentConfig(Section):
         names = [*self.python, *self.gym]
         checks = [
             (self.timeout_s > 0, "agent.timeout_s must be > 0"),
+            (self.first_call_timeout_s >= 0, "agent.first_call_timeout_s must be >= 0"),
             (self.max_concurrency >= 1, "agent.max_concurrency must be >= 1"),
             (self.max_retries >= 0 and self.backoff_s >= 0, "agent.max_retries and agent.backoff_s must be >= 0"),
             (

@@ -6,14 +6,19 @@ bounded by `agent.timeout_s`:
   rollout's `temperature`, `top_p` and `max_output_tokens` (as NeMo-RL stamps every row); the answer
   is Gym's verify result (`reward`, `reward_components`, `mask_sample`, and `response.output`, whose
   items carry the token ids of each model call). A server that cannot be reached is retried
-  (`agent.max_retries`, exponential `agent.backoff_s`), then the run stops with one line naming it;
-  an HTTP error answer fails that episode only.
+  (`agent.max_retries`, exponential `agent.backoff_s`); then, like a 5xx answer, the episode is an
+  infrastructure failure (`gym_server`: retried from scratch, then masked, rollout/infra.py; the run
+  stops with one line naming the server when too many are); a 4xx answer fails that episode only.
 - a Python agent, `module:function`, is called with `base_url` (the endpoint, under this episode's
   own path, so that its calls are recorded as its own) and `record`, plus whichever of `model`,
   `api_key`, `sampling` and `servers` its signature names. A plain function runs on a thread of its
   own (a hung one is abandoned at the timeout, never waited for); an `async def` runs on the loop and
   is cancelled at the timeout. It returns the reward, or a dict with `reward` and optionally
-  `reward_components` and `mask_sample`.
+  `reward_components` and `mask_sample`. An exception caused by an HTTP failure (a connection error,
+  a timeout or a 5xx answer anywhere in its chain of causes, e.g. openai's APIConnectionError) is an
+  infrastructure failure (`http`); any other exception is the agent's own failure (`failed`).
+
+An episode past `agent.timeout_s` is an infrastructure failure too (`timeout`).
 """
 
 from __future__ import annotations
@@ -30,13 +35,9 @@ from typing import Any, Callable
 import httpx
 
 from reinforge.data.responses_format import verdict_components
-from reinforge.errors import ConfigError, ReinforgeError
+from reinforge.errors import ConfigError
 
 OPTIONAL_ARGUMENTS = ("model", "api_key", "sampling", "servers")
-
-
-class AgentServerError(ReinforgeError):
-    """A NeMo Gym agent server that cannot be reached."""
 
 
 @dataclass
@@ -49,6 +50,7 @@ class EpisodeResult:
     mask_sample: bool = False
     error: str = ""
     gym_output: list[dict[str, Any]] | None = None  # a Gym agent's response.output items
+    infra_failure: str | None = None  # not the policy's: gym_server, http or timeout (rollout/infra.py)
 
 
 def import_agent(path: str) -> Callable[..., Any]:
@@ -57,7 +59,12 @@ def import_agent(path: str) -> Callable[..., Any]:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(
-            f"agent {path!r}: cannot import it ({exc}); give it as module:function with the module on PYTHONPATH"
+            f"agent {path!r}: cannot import it ({_one_line(exc)}); give it as module:function with the module on "
+            "PYTHONPATH"
+        ) from None
+    except Exception as exc:  # the module itself raised as it was imported (a syntax error, a failing import-time line)
+        raise ConfigError(
+            f"agent {path!r}: importing {module_name} raised {type(exc).__name__}: {_one_line(exc)}; fix the module"
         ) from None
     if not callable(function):
         raise ConfigError(f"agent {path!r} is not a function")
@@ -100,6 +107,22 @@ def stamped_row(record: dict[str, Any], temperature: float, top_p: float, max_to
     return row
 
 
+def check_agent_server(name: str, url: str, timeout_s: float = 5.0) -> None:
+    """Refuse, at start-up, a Gym server of another kind at `agent.gym.<name>.url` (a resources server, say): every
+    episode's `POST /run` would answer 404 only once the model has loaded. Its routes come from FastAPI's
+    `/openapi.json`; a server that does not answer, or lists no routes, is left to the episodes (retried, named)."""
+    try:
+        paths = set(httpx.get(f"{url.rstrip('/')}/openapi.json", timeout=timeout_s).json().get("paths") or {})
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return
+    if paths and "/run" not in paths:
+        shown = ", ".join(sorted(paths)[:6])
+        raise ConfigError(
+            f"agent.gym.{name}.url={url} is not a NeMo Gym agent server: it has no /run route (its routes: {shown}); "
+            "give the URL of a responses_api_agents server (e.g. simple_agent) whose resources server this is"
+        )
+
+
 class GymAgentRunner:
     def __init__(self, name: str, url: str, timeout_s: float, max_retries: int, backoff_s: float):
         self.name, self.url, self.timeout_s = name, url.rstrip("/"), timeout_s
@@ -117,7 +140,9 @@ class GymAgentRunner:
                 continue
             if response.status_code >= 400:
                 return EpisodeResult(
-                    "failed", error=f"Gym agent {self.name} answered HTTP {response.status_code}: {response.text[:200]}"
+                    "failed",
+                    error=f"Gym agent {self.name} answered HTTP {response.status_code}: {response.text[:200]}",
+                    infra_failure="gym_server" if response.status_code >= 500 else None,
                 )
             try:
                 body = response.json()
@@ -126,11 +151,18 @@ class GymAgentRunner:
             result = parse_result(body, f"Gym agent {self.name}", sent=row)
             output = (body.get("response") or {}).get("output") if isinstance(body.get("response"), dict) else None
             result.gym_output = output if isinstance(output, list) else []
+            if result.status == "ok" and result.gym_output and not any(_carries_ids(i) for i in result.gym_output):
+                result.error = (  # the episode is then `no_calls`: nothing ties it to the endpoint's records
+                    f"Gym agent {self.name} reported {len(result.gym_output)} output items and no token ids: set "
+                    "`return_token_id_information: true` on its model server (Gym's vllm_model)"
+                )
             return result
         tries = f"{self.max_retries + 1} attempt{'s' if self.max_retries else ''}"
-        raise AgentServerError(
-            f"NeMo Gym agent {self.name} at {self.url} cannot be reached after {tries}: {cause}; is it running? "
-            f"(agent.gym.{self.name}.url)"
+        return EpisodeResult(
+            "failed",
+            error=f"NeMo Gym agent {self.name} at {self.url} cannot be reached after {tries}: {cause}; is it running? "
+            f"(agent.gym.{self.name}.url)",
+            infra_failure="gym_server",
         )
 
 
@@ -152,10 +184,40 @@ class PythonAgentRunner:
             else:
                 value = await asyncio.wait_for(_on_own_thread(self.function, kwargs), self.timeout_s)
         except asyncio.TimeoutError:
-            return EpisodeResult("timeout", error=f"{where} did not finish within agent.timeout_s={self.timeout_s:g}")
-        except Exception as exc:  # the agent's own failure: this episode fails, the run goes on
-            return EpisodeResult("failed", error=f"{where} raised {type(exc).__name__}: {_one_line(exc)}")
+            return EpisodeResult(
+                "timeout",
+                error=f"{where} did not finish within agent.timeout_s={self.timeout_s:g}",
+                infra_failure="timeout",
+            )
+        except Exception as exc:  # this episode fails, the run goes on
+            infra = "http" if http_failure(exc) else None
+            return EpisodeResult(
+                "failed", error=f"{where} raised {type(exc).__name__}: {_one_line(exc)}", infra_failure=infra
+            )
         return parse_result(value, where, sent=record)
+
+
+# Transport failures by class name, so that any httpx (or a fork of it, as some openai builds vendor) and openai's
+# own wrappers count: connect, read and write errors and timeouts.
+_TRANSPORT_ERRORS = {"TransportError", "APIConnectionError", "APITimeoutError"}
+
+
+def http_failure(exc: BaseException) -> bool:
+    """Whether `exc`, or anything in its chain of causes, is an HTTP failure: a connection error, a timeout,
+    or a 5xx answer (an exception carrying a `response` with that `status_code`, as httpx's HTTPStatusError
+    and openai's APIStatusError do)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (ConnectionError, TimeoutError)) or any(
+            cls.__name__ in _TRANSPORT_ERRORS for cls in type(exc).__mro__
+        ):
+            return True
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int) and status >= 500:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _on_own_thread(function: Callable[..., Any], kwargs: dict[str, Any]) -> asyncio.Future:
@@ -189,3 +251,7 @@ def _on_own_thread(function: Callable[..., Any], kwargs: dict[str, Any]) -> asyn
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _carries_ids(item: Any) -> bool:
+    return isinstance(item, dict) and bool(item.get("generation_token_ids"))

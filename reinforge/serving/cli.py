@@ -63,7 +63,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 def run_serve_command(args: argparse.Namespace) -> None:
     from reinforge.errors import ConfigError
     from reinforge.model_config import ModelConfig
-    from reinforge.modeling import adapter_base, load_tokenizer
+    from reinforge.modeling import adapter_base, load_tokenizer, model_limits
     from reinforge.serving.app import build_app
     from reinforge.serving.config import ServingConfig
     from reinforge.serving.server import PolicyServer
@@ -97,6 +97,7 @@ def run_serve_command(args: argparse.Namespace) -> None:
             default_max_tokens=args.max_tokens,
             managed=False,
             token=token,
+            vocab_size=model_limits(model_config).vocab_size,
         )
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -115,27 +116,30 @@ def _engine(args: argparse.Namespace, model_config, tokenizer, cleanup: ExitStac
     """The generation engine and the context length it serves. vLLM loads a model directory: a `--adapter` is
     merged into a temporary one, deleted when the server stops (`cleanup`)."""
     from reinforge.errors import ConfigError
-    from reinforge.modeling import load_model, model_location
+    from reinforge.modeling import check_weights, load_model, model_limits, model_location
 
+    check_weights(model_config)  # vLLM's own error would be a traceback
+    limit = model_limits(model_config).max_positions
+    if args.max_model_len and limit and args.max_model_len > limit:
+        raise ConfigError(
+            f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings={limit}; lower it to "
+            f"{limit} or less, or leave it out"
+        )
     if args.backend == "hf":
         from reinforge.generation.hf import HFGenerationBackend
 
         model = load_model(model_config)
-        max_model_len = args.max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))
+        max_model_len = args.max_model_len or limit or 4096
         return HFGenerationBackend(model, tokenizer, args.max_batch_size), max_model_len
     try:
         from reinforge.generation.vllm_backend import VLLMGenerationBackend
     except ImportError:
         raise ConfigError("--backend vllm needs vLLM; run `make install`") from None
-    from transformers import AutoConfig
-
     if model_config.adapter:
         from reinforge.training.convert import merged_copy
 
         model_config = merged_copy(model_config, Path(cleanup.enter_context(tempfile.TemporaryDirectory())))
     location = model_location(model_config)
-    max_model_len = args.max_model_len or int(
-        getattr(AutoConfig.from_pretrained(location), "max_position_embeddings", 4096)
-    )
+    max_model_len = args.max_model_len or limit or 4096
     engine = VLLMGenerationBackend(model_path=location, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len)
     return engine, max_model_len

@@ -41,7 +41,8 @@ class ChatCompletionRequest(_Open):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    """A 64-bit integer, as the engines take it."""
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
     """Only the sampled token's logprob is known (0 or null)."""

@@ -70,8 +70,12 @@ class PolicyServer:
         default_max_tokens: int,
         managed: bool,
         token: str | None = None,
+        vocab_size: int | None = None,
     ):
+        """`vocab_size`: the model's (its embedding's rows; None: the tokenizer's length): every token id a
+        request sends back must be below it."""
         self.tokenizer, self.config = tokenizer, config
+        self.vocab_size = max(vocab_size or 0, len(tokenizer))
         self.max_model_len, self.default_max_tokens, self.managed, self.token = (
             max_model_len,
             default_max_tokens,
@@ -79,12 +83,19 @@ class PolicyServer:
             token,
         )
         self.model_name = config.model_name
-        self._batcher = Batcher(engine, config.max_batch_size, config.batch_wait_s, self._num_running)
+        self._batcher = Batcher(
+            engine,
+            config.max_batch_size,
+            config.batch_wait_s,
+            self._num_running,
+            request_timeout_s=config.request_timeout_s,
+        )
         self._lock = threading.Lock()  # guards `_session` against a request being admitted as it closes
         self._session: RolloutSession | None = None
         self._episode_ids = itertools.count()
         self._counts_lock = threading.Lock()
         self._counts = {"requests": 0, "rejected": 0}
+        self.num_received = 0  # every chat, tokenize or refused request since the start, never reset
         self._http: ThreadedServer | None = None
 
     @property
@@ -124,6 +135,7 @@ class PolicyServer:
         to the room the context leaves after the prompt."""
         with self._counts_lock:
             self._counts["requests"] += 1
+            self.num_received += 1
         if request.tool_choice not in (None, "auto", "none"):
             raise InvalidRequest(
                 f"tool_choice={request.tool_choice!r} is not supported: the policy decides whether to call a tool "
@@ -165,6 +177,8 @@ class PolicyServer:
     def tokenize(self, request: TokenizeRequest) -> list[int]:
         """vLLM's `/tokenize`: the prompt chat completions would use for `request.messages` (splice included),
         or the tokens of `request.prompt`; raises `InvalidRequest`."""
+        with self._counts_lock:
+            self.num_received += 1
         if (request.messages is None) == (request.prompt is None):
             raise InvalidRequest("bad request: give either messages (chat) or prompt (text)", "messages")
         if request.messages is not None:
@@ -177,6 +191,7 @@ class PolicyServer:
         """One more request answered with an error (malformed, refused or failed)."""
         with self._counts_lock:
             self._counts["rejected"] += 1
+            self.num_received += 1
 
     def metrics(self) -> dict[str, float]:
         """The endpoint's counts since the last call (requests, engine calls, batch sizes), then reset."""
@@ -223,10 +238,30 @@ class PolicyServer:
         required_prefix: list[int] | None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
+        self._check_token_ids(messages, required_prefix)
         try:
             return prompt_ids(self.tokenizer, messages, tools, required_prefix, add_generation_prompt)
         except DataError as exc:
             raise InvalidRequest(f"bad request: {exc}", "messages") from None
+
+    def _check_token_ids(self, messages: list[ChatMessage], required_prefix: list[int] | None) -> None:
+        """Token ids sent back (a spliced history's, a required prefix) must be the model's: the engine would fail
+        on one outside its vocabulary."""
+        fields = [
+            (f"messages[{index}].{name}", ids)
+            for index, message in enumerate(messages)
+            for name in ("prompt_token_ids", "generation_token_ids")
+            if (ids := getattr(message, name)) is not None
+        ]
+        fields += [("required_prefix_token_ids", required_prefix)] if required_prefix is not None else []
+        for name, ids in fields:
+            bad = next((token for token in ids if not 0 <= token < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"{name} holds token id {bad}, outside the model's vocabulary of {self.vocab_size} tokens "
+                    f"(0 to {self.vocab_size - 1}); send back the token ids this endpoint returned",
+                    name,
+                )
 
     def _managed_params(
         self, request: ChatCompletionRequest, session: RolloutSession | None, episode_id: str | None

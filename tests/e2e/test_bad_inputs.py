@@ -24,6 +24,9 @@ BAD_FILES = [
     "a_file",
     "run_latin1",
     "answers.jsonl",
+    "no_answer.jsonl",
+    "no_tokenizer",
+    "no_weights",
 ]
 LATIN1 = '{"prompt": "caf\xe9 costs 3 dollars", "answer": "3"}\n'.encode("latin-1")  # not UTF-8
 
@@ -45,6 +48,12 @@ def files(tmp_path):
     (tmp_path / "run_latin1").mkdir()
     (tmp_path / "run_latin1" / "metrics.jsonl").write_bytes(b'{"step": 0, "note": "caf\xe9"}\n')
     (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt": "1+1?", "answer": "2", "response": "2"}) + "\n")
+    (tmp_path / "no_answer.jsonl").write_text(json.dumps({"prompt": "1+1?"}) + "\n")
+    demo = PROJECT_ROOT / "models" / "demo"
+    for name, files in (("no_tokenizer", ["config.json"]), ("no_weights", ["config.json", "tokenizer.json"])):
+        (tmp_path / name).mkdir()
+        for file in files + (["tokenizer_config.json"] if name == "no_weights" else []):
+            (tmp_path / name / file).write_bytes((demo / file).read_bytes())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(BAD_FILES)
     return tmp_path
 
@@ -91,6 +100,52 @@ CASES = {
     "grpo: a value of the wrong type": (lambda d: grpo("loop.max_steps=many"), "loop.max_steps"),
     "grpo: an unknown key": (lambda d: grpo("grpo.max_stepz=3"), "did you mean loop.max_steps"),
     "grpo: an unknown value": (lambda d: grpo("generation.backend=tgi"), "generation.backend"),
+    "grpo: prompts longer than the model's context": (
+        lambda d: grpo("data.max_prompt_tokens=8192"),
+        "exceeds the model's max_position_embeddings=2048",
+    ),
+    "sft: chats longer than the model's context": (
+        lambda d: [
+            "sft",
+            "--config",
+            str(CONFIGS / "sft_demo.yaml"),
+            "data.max_seq_len=4096",
+            "training.micro_batch_tokens=4096",
+        ],
+        "data.max_seq_len=4096 exceeds the model's max_position_embeddings=2048",
+    ),
+    "dpo: pairs longer than the model's context": (
+        lambda d: ["dpo", "--config", str(CONFIGS / "dpo_demo.yaml"), "data.max_length=4096"],
+        "data.max_length=4096 exceeds the model's max_position_embeddings=2048",
+    ),
+    "rm: pairs longer than the model's context": (
+        lambda d: ["rm", "--config", str(CONFIGS / "rm_demo.yaml"), "data.max_length=4096"],
+        "data.max_length=4096 exceeds the model's max_position_embeddings=2048",
+    ),
+    "grpo: a math record without its answer": (
+        lambda d: grpo(f"data.train_path={d}/no_answer.jsonl"),
+        "a record of task math has no 'answer'",
+    ),
+    "grpo: a model directory without a tokenizer": (
+        lambda d: grpo(f"model.name_or_path={d}/no_tokenizer"),
+        "no_tokenizer has no tokenizer",
+    ),
+    "grpo: a model directory without weights": (
+        lambda d: grpo(f"model.name_or_path={d}/no_weights"),
+        "no_weights holds no weights",
+    ),
+    "eval: a model directory without weights": (
+        lambda d: ["eval", "--model", f"{d}/no_weights", "--benchmark", "gsm8k", "--k", "1", "--limit", "1"],
+        "no_weights holds no weights",
+    ),
+    "grpo: an agent whose module does not import": (
+        lambda d: ["grpo", "--config", str(CONFIGS / "grpo_agent_demo.yaml"), "agent.python.simple=no_such_mod:run"],
+        "agent 'no_such_mod:run': cannot import it (No module named 'no_such_mod')",
+    ),
+    "grpo: an agent module without that function": (
+        lambda d: ["grpo", "--config", str(CONFIGS / "grpo_agent_demo.yaml"), "agent.python.simple=json:no_such"],
+        "agent 'json:no_such': cannot import it",
+    ),
     "sft: a chat file that is not UTF-8": (
         lambda d: ["sft", "--config", str(CONFIGS / "sft_demo.yaml"), f"data.train_path={d}/latin1.jsonl"],
         "latin1.jsonl:1: not UTF-8 text",

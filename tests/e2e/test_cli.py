@@ -102,3 +102,13 @@ def test_an_unknown_option_or_a_stray_word_is_still_refused(capsys):
             parse_args(argv)
         assert exit_info.value.code == 2
         assert "unrecognized arguments" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_serve_refuses_a_context_longer_than_the_models_in_one_line():
+    """The demo model has 2048 positions; `--max-model-len 4096` would serve prompts it cannot position."""
+    result = subprocess.run(
+        [sys.executable, "-m", "reinforge.cli", "serve", "--model", "models/demo", "--max-model-len", "4096",
+         "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert_one_line_error(result, "--max-model-len 4096 exceeds the model's max_position_embeddings=2048")

@@ -171,3 +171,28 @@ def test_the_routes_answer_each_refusal_with_its_status_and_openai_error(make_se
     assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
     assert answered.status_code == 200 and answered.json()["count"] == len(answered.json()["tokens"])
     assert server.metrics()["rejected"] == 3
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field_and_the_vocabulary_size(make_server):
+    """The demo model has 449 tokens: a spliced assistant message with id 449, or a required prefix with -1,
+    is refused before it reaches the engine (which would fail with an index error, a 500)."""
+    server = make_server(managed=False)
+    server.start(build_app(server))
+    reply = {"role": "assistant", "content": "7", "prompt_token_ids": [1, 2], "generation_token_ids": [5, 449]}
+    history = [*HELLO, reply, {"role": "user", "content": "And 2 more?"}]
+    spliced = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": history}, timeout=TIMEOUT_S)
+    assert spliced.status_code == 400, spliced.text
+    assert spliced.json()["error"]["param"] == "messages[1].generation_token_ids"
+    assert "token id 449, outside the model's vocabulary of 449 tokens" in spliced.json()["error"]["message"]
+    with pytest.raises(InvalidRequest, match="required_prefix_token_ids holds token id -1") as refused:
+        server.tokenize(
+            TokenizeRequest(messages=[*HELLO, {"role": "assistant", "content": "7"}], required_prefix_token_ids=[3, -1])
+        )
+    assert refused.value.param == "required_prefix_token_ids"
+
+
+def test_a_seed_beyond_64_bits_is_a_400_naming_the_seed(make_server):
+    server = make_server(managed=False)
+    server.start(build_app(server))
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": HELLO, "seed": 2**70}, timeout=TIMEOUT_S)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "seed", answer.text
