@@ -224,7 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+RL_COMMANDS = ("grpo", "ppo", "distill", "demo")  # the RL loop's: checkpointed, so restartable (supervisor.py)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # torch's OpenMP threads spin up to 300,000 times at every barrier before they sleep: on cores another
@@ -233,8 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     # taken, so 2x is the floor), for about 5% alone; vLLM's generation is unchanged (docs/benchmarks.md). It
     # must be set before torch loads; the processes this one starts inherit it; a value you set wins.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    if args.command in RL_COMMANDS:
+        from reinforge import supervisor
+
+        limit = supervisor.max_restarts(getattr(args, "config", None) or str(DEMO_CONFIG), args.overrides)
+        if limit and not supervisor.supervised():
+            return supervisor.supervise(argv, limit)
     # Imports after parsing so that `--help` is instant.
-    from reinforge.errors import ReinforgeError
+    from reinforge.errors import InfrastructureError, ReinforgeError
 
     try:
         if args.command not in ("env", "report"):  # the commands that load models: transformers' errors only, no bars
@@ -244,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.command != "convert":
                 hf_logging.set_verbosity_error()
         run_command(args)
+    except InfrastructureError as exc:  # a worker died, a wait passed its deadline: restartable (supervisor.py)
+        print(f"reinforge: error: {exc}", file=sys.stderr)
+        return 75
     except ReinforgeError as exc:
         print(f"reinforge: error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,14 @@ from typing import Iterator
 
 from reinforge.errors import ConfigError
 
+RUN_DIR_FILE_ENV = "REINFORGE_RUN_DIR_FILE"  # set by reinforge/supervisor.py: where a run says where it writes
+
+
+def announce_run_dir(run_dir: Path) -> None:
+    """Tell the supervisor, if there is one, which run directory the run writes to (a restart resumes there)."""
+    if path := os.environ.get(RUN_DIR_FILE_ENV):
+        Path(path).write_text(str(Path(run_dir).resolve()))
+
 
 def check_run_dir(requested: str | Path, what: str = "logging.run_dir") -> None:
     """A one-line ConfigError now, before any work, if the directory could not be made: the nearest existing

@@ -16,6 +16,7 @@ from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.envs.base import Environment
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend
+from reinforge.rollout.infra import InfraLimits
 from reinforge.rollout.rollout import Episodes, ReinforgeRollout, RolloutOptions
 from reinforge.training.base import TrainingBackend
 from reinforge.training.optimizer import OptimizerConfig
@@ -181,6 +182,11 @@ def rollout_options(config: RLRunConfig) -> RolloutOptions:
     )
 
 
+def infra_limits(config: RLRunConfig) -> InfraLimits:
+    rollout = config.rollout
+    return InfraLimits(rollout.max_infra_retries, rollout.min_valid_per_group, rollout.max_infra_failure_fraction)
+
+
 def build_episodes(
     config: RLRunConfig,
     engine: GenerationBackend,
@@ -194,8 +200,9 @@ def build_episodes(
     the policy's endpoint, which then starts on loopback (with the environments `agent.serve_envs` serves
     the NeMo Gym way beside it); RUN_DIR/endpoint.json says where."""
     if config.rollout.driver == "reinforge":
-        return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config))
+        return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config), infra_limits(config))
     from reinforge.generation.vllm_backend import max_sequence_tokens
+    from reinforge.modeling import model_limits
     from reinforge.network import check_bind_address, token_from_env
     from reinforge.rollout.agent import AgentRollout, agent_of
     from reinforge.serving.app import build_app
@@ -213,11 +220,14 @@ def build_episodes(
         default_max_tokens=config.generation.max_new_tokens,
         managed=True,
         token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"),
+        vocab_size=model_limits(config.model).vocab_size,
     )
     server.start(build_app(server))
     cleanup.callback(server.stop)
     servers = {**agent.servers, **serve_gym_envs(agent.serve_envs, config.env, cleanup)}
-    episodes = AgentRollout(server, tokenizer, agent, servers, errors_path=run_dir / "agent_errors.jsonl")
+    episodes = AgentRollout(
+        server, tokenizer, agent, servers, infra_limits(config), errors_path=run_dir / "agent_errors.jsonl"
+    )
     (run_dir / "endpoint.json").write_text(
         json.dumps({"base_url": server.base_url, "model": server.model_name, "servers": servers}, indent=2)
     )

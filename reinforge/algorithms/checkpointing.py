@@ -3,9 +3,14 @@
 A resumed run continues as if it had never stopped: the trainer's weights, AdamW state and LR
 schedule, the prompt sampler's position, the RNG states and the validation history come back from
 the newest complete checkpoint, and so do the rollout batches that async generation had made ahead
-of training; the engine is refitted with the restored weights (algorithms/refit.py); metrics.jsonl is
-cut back to the checkpoint's step (the rows after it are recomputed, identically). The storage
+of training; the engine is refitted with the restored weights (algorithms/refit.py); metrics.jsonl and
+prompts.jsonl are cut back to the checkpoint's step (the rows after it are recomputed, identically). The storage
 format and its atomicity are `training/checkpoint.py`'s.
+
+prompts.jsonl accounts for the data: one row per step with the ordinals (places in the run's stream of drawn prompts,
+`PromptSampler.drawn`) of the prompts the step trained on. Cut back like metrics.jsonl at every resume, it lists what
+the final model was trained on: a run killed and resumed any number of times lists the same ordinals as a run never
+killed, none missing and none twice (tests/e2e/test_async_resume.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from reinforge.training.checkpoint import (
     save_checkpoint,
 )
 
+METRICS_FILE, PROMPTS_FILE = "metrics.jsonl", "prompts.jsonl"
+
 
 def open_run_dir(config: RLRunConfig, warn=print) -> tuple[Path, Path | None]:
     """(run directory, checkpoint to resume from). With `resume=auto` an existing `logging.run_dir` is
@@ -40,7 +47,8 @@ def open_run_dir(config: RLRunConfig, warn=print) -> tuple[Path, Path | None]:
         return make_run_dir(requested), None
     checkpoint = latest_checkpoint(requested, warn=warn)
     if checkpoint is None:
-        (requested / "metrics.jsonl").unlink(missing_ok=True)
+        for name in (METRICS_FILE, PROMPTS_FILE):
+            (requested / name).unlink(missing_ok=True)
         return requested, None
     saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
     check_compatible(saved, config_tree(config, requested), checkpoint)
@@ -76,7 +84,7 @@ def save_run_checkpoint(
     tree = yaml.safe_dump(config_tree(config, run_dir), sort_keys=False)
     # shallow: the pending rollout batches stay objects (asdict would turn them into dicts)
     driver_state = {field.name: getattr(state, field.name) for field in fields(state)}
-    save_checkpoint(run_dir, state.step, trainer, driver_state, tree, models)
+    save_checkpoint(run_dir, state.step, trainer, driver_state, tree, models, config.deadlines.checkpoint_s)
     prune(run_dir, config.checkpoint.keep_last, state.best.get("step"))
 
 
@@ -110,8 +118,27 @@ def resume_run(
         model.load_state(checkpoint / name)
     refit(engine, trainer, config, run_dir)
     sampler.load_state_dict(state.sampler)
-    truncate_metrics(run_dir / "metrics.jsonl", state.step)
+    for name in (METRICS_FILE, PROMPTS_FILE):
+        truncate_metrics(run_dir / name, state.step)
     return state
+
+
+def log_trained_prompts(run_dir: Path, step: int, trajectories) -> dict[str, float]:
+    """Append step `step`'s row to prompts.jsonl: the ordinals of the prompts its batch trains on, each once, and of
+    those whose every sample was left out (their group dropped for infrastructure failures, rollout/infra.py); return
+    them as `data/*` metrics (how many, the first and the last)."""
+    kept = {t.prompt_ordinal for t in trajectories if not t.excluded}
+    ordinals, dropped = sorted(kept), sorted({t.prompt_ordinal for t in trajectories} - kept)
+    versions = sorted({trajectory.policy_version for trajectory in trajectories})
+    row = {"step": step, "ordinals": ordinals, "dropped": dropped, "policy_versions": versions}
+    with open(run_dir / PROMPTS_FILE, "a") as file:
+        file.write(json.dumps(row) + "\n")
+    metrics = {"data/prompts_trained": float(len(ordinals)), "data/prompts_dropped": float(len(dropped))}
+    if ordinals:
+        metrics.update(
+            {"data/first_prompt_ordinal": float(ordinals[0]), "data/last_prompt_ordinal": float(ordinals[-1])}
+        )
+    return metrics
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

@@ -18,6 +18,7 @@ from reinforge.data.curriculum import CurriculumConfig
 from reinforge.data.prompts import DataConfig
 from reinforge.envs.registry import EnvConfig
 from reinforge.generation.base import GenerationConfig
+from reinforge.hang import DeadlinesConfig
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.model_config import VLLM_LORA_RANKS, ModelConfig, adapter_sync
 from reinforge.rollout.agent_config import AgentConfig
@@ -81,6 +82,7 @@ class RLRunConfig(Section):
     agent: AgentConfig = AgentConfig()
     cluster: ClusterConfig = ClusterConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    deadlines: DeadlinesConfig = DeadlinesConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @property
@@ -178,6 +180,7 @@ class RLRunConfig(Section):
                 "checkpoint.save_every and checkpoint.keep_last must be >= 0",
             ),
             (gen.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
+            (gen.verify_refit_every >= 0, "generation.verify_refit_every must be >= 0 (0 turns the check off)"),
             (
                 not (rollout.async_generation and gen.vllm_sleep_mode),
                 "rollout.async_generation=true keeps the engine generating while the trainer works, so it never "

@@ -3,8 +3,11 @@
 Each step: take the step's scored rollouts (generated now, or ahead of training under async generation,
 rollout_source.py); hand them to the recipe's `Learner` (its advantages, extra models and optimizer steps);
 copy the new weights into the generation engine ("refit"); check, after the first refit, that the engine really
-moved to the trainer's weights; validate every `loop.val_every` steps; log; checkpoint. With `rollout.driver=agent`
-agents drive the episodes through the policy's OpenAI-compatible endpoint (rollout/agent.py); the loop is the same.
+moved to the trainer's weights; validate every `loop.val_every` steps; log; checkpoint. Every wait has a deadline;
+a watchdog, beaten at each phase, stops a run that makes no progress for `deadlines.step_s`; a wait past its deadline
+writes RUN_DIR/hang_report.txt (every thread's and worker's stack) and ends the run with one line (hang.py).
+With `rollout.driver=agent` agents drive the episodes through the policy's OpenAI-compatible endpoint
+(rollout/agent.py); the loop is the same.
 
 A recipe is a file with a root config (an `RLRunConfig` plus its own sections) and a `make_learner(config,
 trainer, tokenizer, cleanup) -> Learner`; `run(config, make_learner)` does the rest. The loop never branches on
@@ -29,13 +32,21 @@ from reinforge.algorithms.builders import (
     start_ray_if_needed,
     write_placement,
 )
-from reinforge.algorithms.checkpointing import ResumeState, open_run_dir, resume_run, save_run_checkpoint, update_best
+from reinforge.algorithms.checkpointing import (
+    ResumeState,
+    log_trained_prompts,
+    open_run_dir,
+    resume_run,
+    save_run_checkpoint,
+    update_best,
+)
 from reinforge.algorithms.curriculum_prefilter import build_prompt_sampler
 from reinforge.algorithms.learner import MakeLearner, RolloutRound, RunResult
 from reinforge.algorithms.refit import refit
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.algorithms.rollout_source import rollout_source
-from reinforge.algorithms.step_metrics import env_metrics, per_task_means
+from reinforge.algorithms.run_checks import check_run_inputs
+from reinforge.algorithms.step_metrics import env_metrics, per_task_means, scored_tasks
 from reinforge.config.loader import save_config
 from reinforge.data.batch import Trajectory
 from reinforge.data.curriculum import batch_metrics
@@ -44,6 +55,7 @@ from reinforge.envs.base import Environment
 from reinforge.envs.registry import check_tasks
 from reinforge.evaluation.evaluate import ValidationBenchmark, benchmark_metrics, prepare_validation_benchmarks
 from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.hang import REPORT_NAME, Watchdog, hang_reports
 from reinforge.logging.capture import capture_dependency_logs
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import MetricLogger, check_backends
@@ -51,7 +63,7 @@ from reinforge.logging.memory import memory_metrics
 from reinforge.logging.metrics import Timers
 from reinforge.modeling import load_tokenizer
 from reinforge.rollout.rollout import Episodes
-from reinforge.run_dir import atomic_directory
+from reinforge.run_dir import announce_run_dir, atomic_directory
 from reinforge.training.base import TrainingBackend
 from reinforge.training.checkpoint import rng_state, set_rng_state
 from reinforge.training.lora import check_lora
@@ -79,10 +91,13 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
     check_tasks(tasks, config.env)
     check_backends(config.logging.loggers)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
+    check_run_inputs(config, train_prompts + val_prompts)  # no weights, too long for the model, agents not importable
 
     with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
         # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
         run_dir, resume_from = open_run_dir(config)
+        cleanup.enter_context(hang_reports(run_dir))  # exits last: a HangError's stacks were taken when it was raised
+        announce_run_dir(run_dir)  # to the supervisor, if any: a restart resumes here
         cleanup.enter_context(capture_dependency_logs(run_dir, config.logging.capture_dependency_logs))
         logging_here = config.logging.model_copy(update={"run_dir": str(run_dir)})
         save_config(config.model_copy(update={"logging": logging_here}), run_dir / "config.yaml")
@@ -111,7 +126,10 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
         with ConsoleLog(loop.max_steps, learner.title, completed=start_step) as console:
             resumed = f" (resumed from {resume_from.name})" if resume_from else ""
             console.print(f"run directory: {run_dir}{resumed}")
+            # from here on, not during start-up (model loading, the curriculum's pre-filter may take long)
+            watchdog = cleanup.enter_context(Watchdog(config.deadlines.step_s, run_dir / REPORT_NAME))
             if val_prompts and not state:
+                watchdog.beat("the first validation")
                 timers = Timers()
                 with timers.time("val"):
                     val_metrics = validate(val_prompts, episodes, engine, tokenizer, envs, config, benchmarks)
@@ -130,11 +148,13 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
                 config.rollout.async_generation,
                 config.rollout.max_staleness,
                 state.pending_rollouts if state else [],
+                config.deadlines.rollout_wait_s,
             )
             cleanup.callback(rollouts.close)
             if on_step_end:
                 on_step_end(start_step)
             for step in range(start_step + 1, loop.max_steps + 1):
+                watchdog.beat(f"step {step}'s rollouts and training")
                 timers = Timers()
                 with timers.time("step"):
                     batch = rollouts.get(step, timers)  # async: the wait for what generation ahead did not hide
@@ -142,10 +162,11 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
                 metrics = result.metrics
                 every = config.checkpoint.save_every
                 saving = bool(every) and (step % every == 0 or step == loop.max_steps)
+                watchdog.beat(f"step {step}'s refit and validation")
                 with rollouts.engine_turn(step, timers):  # the engine is ours: refit, then probe, validate, snapshot
                     if result.trained:
                         with timers.time("step"), timers.time("refit"):
-                            refit(engine, trainer, config, run_dir)  # merged weights, or the LoRA adapter
+                            refit(engine, trainer, config, run_dir, step, timers)  # weights or adapter, verified
                     if step == 1:  # the first refit must really have moved the engine to the trainer's weights
                         check_consistency(probe_prompts, engine, trainer, tokenizer, config, "after the first refit")
                     if val_prompts and (step == loop.max_steps or (loop.val_every and step % loop.val_every == 0)):
@@ -154,11 +175,13 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
                         val_history.append(metrics["val/accuracy"])
                     snapshot = rollouts.snapshot() if saving else None
                     rng = rng_state() if saving else None
+                watchdog.beat(f"step {step}'s logging and checkpoint")
                 metrics.update(timers.metrics())
                 metrics["perf/tokens_per_s"] = result.num_tokens / timers.seconds["step"]
                 metrics.update(memory_metrics("perf/"))  # the driver's
                 metrics.update(trainer.memory_metrics())  # each rank's, when the ranks are processes of their own
                 metrics.update(curriculum_metrics)
+                metrics.update(log_trained_prompts(run_dir, step, batch.trajectories))
                 metrics_log.log(step, metrics)
                 show = step % config.logging.console_every == 0 or "val/accuracy" in metrics
                 console.step(step, metrics, show_line=show)
@@ -170,6 +193,7 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
                     on_step_end(step)
 
             if config.checkpoint.save_final:
+                watchdog.beat("the final model to be saved")
                 with atomic_directory(run_dir / "final") as tmp:
                     trainer.save_pretrained(tmp)
                     tokenizer.save_pretrained(tmp)
@@ -199,12 +223,19 @@ def generate_batch(
     def rollout_round(round_index: int) -> list[Trajectory]:
         params = sampling_params(config, step)
         params = replace(params, seed=params.seed + 500_009 * round_index)  # a fresh stream per extra round
-        return episodes(sampler.next_batch(), params, timers)
+        first_ordinal = sampler.drawn
+        trajectories = episodes(sampler.next_batch(), params, timers)
+        for trajectory in trajectories:
+            trajectory.prompt_ordinal = first_ordinal + trajectory.group
+        tasks.update(trajectory.task for trajectory in trajectories)  # every round's, kept or not
+        return trajectories
 
+    tasks: set[str] = set()
     trajectories, metrics = collect_groups(rollout_round) if collect_groups else (rollout_round(0), {})
     if not config.rollout.async_generation:
         engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
-    counters = {**episodes.metrics(), **batch_metrics(sampler), **env_metrics(envs)}
+    scored = scored_tasks(tasks, config.rollout.driver, config.env.extra_rewards)
+    counters = {**episodes.metrics(), **batch_metrics(sampler), **env_metrics(envs, scored)}
     return trajectories, {**metrics, **counters, **timers.metrics()}
 
 
@@ -255,14 +286,16 @@ def validate(
     params = SamplingParams(
         max_new_tokens=gen.max_new_tokens, temperature=0.0, num_samples=1, stop_strings=tuple(gen.stop_strings)
     )
-    trajectories = episodes(prompts, params)
+    trajectories = [t for t in episodes(prompts, params) if not t.excluded]  # no verdict: infra failures
+    scored = scored_tasks({t.task for t in trajectories}, config.rollout.driver, config.env.extra_rewards)
+    scored |= {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
     agent_counters = {
         f"val/{name.split('/', 1)[1]}": value
         for name, value in episodes.metrics().items()
-        if name.startswith("rollout/agent_")
+        if name.startswith(("rollout/agent_", "rollout/infra_"))
     }
     return {
-        **{f"val/{name}": value for name, value in env_metrics(envs).items()},  # the validation's own env counters
+        **{f"val/{name}": value for name, value in env_metrics(envs, scored).items()},  # the validation's own
         **agent_counters,
         "val/accuracy": sum(t.reward for t in trajectories) / len(trajectories),
         "val/gen_len_mean": sum(len(t.response_ids) for t in trajectories) / len(trajectories),

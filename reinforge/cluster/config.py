@@ -4,6 +4,8 @@ Apart from the worker groups so that reading a config never imports Ray."""
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from reinforge.config.section import Section
 
 
@@ -21,5 +23,9 @@ class ClusterConfig(Section):
     colocate: bool = True
     """With Ray: true puts generation engine i in training rank i's resources (they take turns);
     false gives the engines resources of their own (split placement)."""
+    max_restarts: int = Field(default=3, ge=0)
+    """When a component dies (a training rank, an engine, the critic, a teacher, an env worker, the run's own process)
+    or hangs past its deadline, the run restarts itself from its last complete checkpoint, up to this many times
+    (each restart is logged in RUN_DIR/restarts.jsonl with its cause); 0: the run stops at the first such failure."""
     worker_timeout_s: float = 600.0
     """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""

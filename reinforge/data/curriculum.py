@@ -177,6 +177,11 @@ class ProgressiveSampler:
             random.Random(f"curriculum/{self.seed}/{self.epoch}/{b}").shuffle(pool)
         return pools
 
+    @property
+    def drawn(self) -> int:
+        """Prompts drawn so far: the next prompt's ordinal in the data stream."""
+        return self.step * self.batch_size
+
     def target_pass_rate(self) -> float:
         """The Gaussian's centre for the next batch."""
         progress = min(self.step / (self.num_steps - 1), 1.0) if self.num_steps > 1 else 0.0

@@ -62,6 +62,7 @@ def test_the_agent_demo_learns_to_call_its_calculator(tmp_path):
     for row in steps:
         assert row["rollout/agent_ok_fraction"] == 1 and row["rollout/agent_contiguous_fraction"] == 1
         assert row["train/token_mult_prob_error"] <= 1.05 and row["rollout/agent_model_calls_mean"] > 1
+        assert not [name for name in row if name.startswith(("env/", "val/env/"))], row  # the agents scored, no env
 
 
 def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_goes_on(tmp_path, monkeypatch):
@@ -83,10 +84,12 @@ def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_g
     assert len(steps) == 2
     for row in steps:
         fractions = {
-            kind: row[f"rollout/agent_{kind}_fraction"]
-            for kind in ("ok", "failed", "timeout", "noncontiguous", "no_calls")
+            kind: row[f"rollout/agent_{kind}_fraction"] for kind in ("ok", "failed", "noncontiguous", "no_calls")
         }
         assert all(value > 0 for value in fractions.values()), fractions
+        # a hung agent is an infrastructure failure: run again as a new episode (which may then be of any kind)
+        assert row["rollout/infra_timeout"] > 0
+        assert row["rollout/infra_retried"] == row["rollout/infra_timeout"] - row["rollout/infra_masked"]
         assert row["rollout/agent_mask_sample_fraction"] > 0
         masked = 1 - fractions["ok"] + row["rollout/agent_mask_sample_fraction"]
         assert row["rollout/agent_masked_fraction"] == pytest.approx(masked)
@@ -147,9 +150,19 @@ def test_an_agent_that_can_never_succeed_stops_the_run_with_the_endpoints_one_li
     )
 
 
-def test_a_gym_agent_server_that_is_down_is_retried_then_named_in_one_line(tmp_path):
+def test_a_gym_agent_server_that_is_down_is_retried_then_restarted_then_named_in_one_line(tmp_path):
+    """Every episode fails on the unreachable agent, after its retries: an infrastructure failure, so the supervised
+    run restarts once (cluster.max_restarts=1) and then stops with one line naming the agent, its URL and the bound."""
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
-    process = run_cli(tmp_path, f"agent.gym.weather.url={url}", "agent.max_retries=2", "agent.backoff_s=0.1")
-    assert_one_line_and_an_untouched_run_dir(
-        process, tmp_path / "run", f"NeMo Gym agent weather at {url} cannot be reached after 3 attempts"
+    process = run_cli(
+        tmp_path, f"agent.gym.weather.url={url}", "agent.max_retries=2", "agent.backoff_s=0.1", "cluster.max_restarts=1"
     )
+    assert process.returncode == 75 and "Traceback" not in process.stderr, process.stderr  # an infrastructure failure
+    lines = process.stderr.strip().splitlines()
+    cause = f"NeMo Gym agent weather at {url} cannot be reached after 3 attempts"
+    assert sum(line.startswith("reinforge: restart 1 of 1") and cause in line for line in lines) == 1, lines
+    assert lines[-1].startswith("reinforge: error: the run failed 2 times, the last time with: ") and cause in lines[-1]
+    assert lines[-1].endswith("gave up after cluster.max_restarts=1 restarts"), lines[-1]
+    restarts = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and cause in restarts[0]["cause"]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained on

@@ -125,6 +125,7 @@ RL_SECTIONS = {
     "agent",
     "cluster",
     "checkpoint",
+    "deadlines",
     "logging",
 }
 OFFLINE_SECTIONS = {

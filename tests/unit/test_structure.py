@@ -28,8 +28,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # No component's section lives here: a section sits beside its component, a recipe's root tree at the top.
     ("errors", "paths", "config"),
     # 1, utilities with no knowledge of RL: the run directory (atomic writes, run layout), HTTP exposure and guards
-    # (network.py), and model loading with its `model:` section (modeling.py, model_config.py).
-    ("run_dir", "network", "model_config", "modeling"),
+    # (network.py), model loading with its `model:` section (modeling.py, model_config.py), and deadlines, hang
+    # reports and the step watchdog (hang.py).
+    ("run_dir", "network", "model_config", "modeling", "hang"),
     # 2, what a run reads and writes: records, batches and chat rendering (data/), environments that score
     # conversations (envs/), and metric names, loggers and reports (logging/, which reads the run's JSONL via data/).
     ("data", "envs", "logging"),
@@ -42,8 +43,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("cluster", "rollout", "serving", "agents", "evaluation"),
     # 5, the recipes' loops: GRPO, PPO, distillation, SFT, DPO, RM, and what builds their parts from config.
     ("algorithms",),
-    # 6, the front doors: multi-stage recipes and the command line.
-    ("recipes", "cli"),
+    # 6, the front doors: multi-stage recipes, the command line and the supervisor that restarts a failed run.
+    ("recipes", "cli", "supervisor"),
 )
 FLOOR_OF = {unit: floor for floor, units in enumerate(FLOORS) for unit in units}
 

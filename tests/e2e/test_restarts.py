@@ -1,0 +1,136 @@
+"""Automatic recovery (cluster.max_restarts, reinforge/supervisor.py): a run whose process or training rank is killed
+with SIGKILL mid-step restarts itself from its last checkpoint and ends with the metrics of a run never killed; past
+the bound the command stops with one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reinforge.paths import PROJECT_ROOT
+
+ARGS = [
+    "loop.max_steps=4",
+    "rollout.num_prompts_per_step=4",
+    "training.global_batch_size=32",
+    "training.micro_batch_size=32",
+    "generation.max_new_tokens=24",
+    "data.max_val_prompts=4",
+    "loop.val_every=2",
+    "checkpoint.save_every=1",
+    "checkpoint.save_final=false",
+    "cluster.num_threads=1",
+]
+FSDP2 = ["training.backend=fsdp2", "training.num_workers=2"]
+
+
+def command(run_dir, *extra):
+    config = str(PROJECT_ROOT / "configs" / "grpo_demo.yaml")
+    return [
+        sys.executable,
+        "-m",
+        "reinforge.cli",
+        "grpo",
+        "--config",
+        config,
+        *ARGS,
+        *extra,
+        f"logging.run_dir={run_dir}",
+    ]
+
+
+def comparable(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
+
+
+def children(pid: int) -> list[int]:
+    """Every live descendant of `pid`, with its command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == pid:
+                found += [int(entry.name), *children(int(entry.name))]
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def run_and_kill(command_line, run_dir, victim_pattern: str) -> subprocess.CompletedProcess:
+    """Start the command; once step 2 is checkpointed and step 3 has begun, SIGKILL the newest process of its tree
+    whose command line contains `victim_pattern`; return the command's result."""
+    process = subprocess.Popen(command_line, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.time() + 300
+    while process.poll() is None and not marker.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # into step 3: generation or training
+    victims = [pid for pid in children(process.pid) if victim_pattern in cmdline(pid)]
+    assert victims, f"no process matching {victim_pattern!r} under the run"
+    os.kill(victims[-1], signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(command_line, process.returncode, stdout, stderr)
+
+
+def test_a_killed_run_process_restarts_from_its_checkpoint_and_ends_like_a_run_never_killed(tmp_path):
+    reference = subprocess.run(command(tmp_path / "reference"), capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = tmp_path / "killed"
+    result = run_and_kill(command(run), run, "reinforge.cli grpo")  # the run's own process: the torch backend's rank
+    assert result.returncode == 0, result.stderr[-3000:]
+    restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["cause"] == "the run's process was killed by SIGKILL", restarts
+    assert "reinforge: restart 1 of 3" in result.stderr and "(resumed from step_0000000" in result.stdout
+    assert comparable(run) == comparable(tmp_path / "reference")
+
+
+@pytest.mark.xdist_group("ray")
+def test_a_killed_fsdp2_rank_restarts_the_run_from_its_checkpoint_and_ends_like_a_run_never_killed(tmp_path):
+    reference = subprocess.run(command(tmp_path / "reference", *FSDP2), capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = tmp_path / "killed"
+    result = run_and_kill(command(run, *FSDP2), run, "ray::Backend")
+    assert result.returncode == 0, result.stderr[-3000:]
+    restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["cause"].startswith("training["), restarts
+    assert "died" in restarts[0]["cause"], restarts
+    assert comparable(run) == comparable(tmp_path / "reference")
+
+
+def test_past_cluster_max_restarts_the_command_stops_with_one_line(tmp_path):
+    """Every attempt is killed as soon as its run directory exists: one restart, then the end."""
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        command(run, "cluster.max_restarts=1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    killed, deadline = set(), time.time() + 120
+    while process.poll() is None and time.time() < deadline:
+        if (run / "config.yaml").exists():
+            for pid in children(process.pid):
+                if "reinforge.cli grpo" in cmdline(pid) and pid not in killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+        time.sleep(0.05)
+    stderr = process.stderr.read()
+    assert process.wait(timeout=30) == 128 + signal.SIGKILL and len(killed) == 2, (killed, stderr)
+    lines = stderr.strip().splitlines()
+    assert lines[-1] == (
+        "reinforge: error: the run failed 2 times, the last time with: the run's process was killed by SIGKILL; "
+        "gave up after cluster.max_restarts=1 restarts"
+    ), stderr
+    assert sum(line.startswith("reinforge: restart 1 of 1") for line in lines) == 1
+    assert len((run / "restarts.jsonl").read_text().splitlines()) == 1
