@@ -4,7 +4,14 @@ never killed."""
 import json
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
+
+
+def cli_command(recipe: str, config: str | Path, *args: str) -> list[str]:
+    """`python -m reinforge.cli RECIPE --config CONFIG ARGS...`, as a user types it."""
+    return [sys.executable, "-m", "reinforge.cli", recipe, "--config", str(config), *args]
 
 
 def kill_once_step_checkpointed(command: list[str], run_dir, step: int, timeout_s: float = 300) -> None:
@@ -37,3 +44,25 @@ def assert_resumes_like_a_run_never_killed(command_of, tmp_path, step: int) -> l
     assert f"resumed from step_{step:08d}" in resumed.stdout
     assert comparable_metrics(run) == comparable_metrics(reference)
     return comparable_metrics(run)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of process `pid` (children first, then theirs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == pid:
+                found += [int(entry.name), *descendants(int(entry.name))]
+    return found
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

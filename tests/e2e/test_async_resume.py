@@ -6,11 +6,11 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 
 import pytest
+from _kill import cli_command
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -37,8 +37,7 @@ ARGS = [
 
 
 def command(run_dir):
-    config = str(PROJECT_ROOT / "configs" / "grpo_demo.yaml")
-    return [sys.executable, "-m", "reinforge.cli", "grpo", "--config", config, *ARGS, f"logging.run_dir={run_dir}"]
+    return cli_command("grpo", PROJECT_ROOT / "configs" / "grpo_demo.yaml", *ARGS, f"logging.run_dir={run_dir}")
 
 
 def trained_prompts(run_dir) -> list[tuple[int, list[int]]]:

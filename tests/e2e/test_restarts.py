@@ -6,11 +6,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from _kill import cli_command, cmdline, descendants
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -30,44 +29,12 @@ FSDP2 = ["training.backend=fsdp2", "training.num_workers=2"]
 
 
 def command(run_dir, *extra):
-    config = str(PROJECT_ROOT / "configs" / "grpo_demo.yaml")
-    return [
-        sys.executable,
-        "-m",
-        "reinforge.cli",
-        "grpo",
-        "--config",
-        config,
-        *ARGS,
-        *extra,
-        f"logging.run_dir={run_dir}",
-    ]
+    return cli_command("grpo", PROJECT_ROOT / "configs" / "grpo_demo.yaml", *ARGS, *extra, f"logging.run_dir={run_dir}")
 
 
 def comparable(run_dir) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
-
-
-def children(pid: int) -> list[int]:
-    """Every live descendant of `pid`, with its command line."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if parent == pid:
-                found += [int(entry.name), *children(int(entry.name))]
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def run_and_kill(command_line, run_dir, victim_pattern: str) -> subprocess.CompletedProcess:
@@ -79,7 +46,7 @@ def run_and_kill(command_line, run_dir, victim_pattern: str) -> subprocess.Compl
     while process.poll() is None and not marker.exists() and time.time() < deadline:
         time.sleep(0.02)
     time.sleep(0.2)  # into step 3: generation or training
-    victims = [pid for pid in children(process.pid) if victim_pattern in cmdline(pid)]
+    victims = [pid for pid in descendants(process.pid) if victim_pattern in cmdline(pid)]
     assert victims, f"no process matching {victim_pattern!r} under the run"
     os.kill(victims[-1], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=600)
@@ -120,7 +87,7 @@ def test_past_cluster_max_restarts_the_command_stops_with_one_line(tmp_path):
     killed, deadline = set(), time.time() + 120
     while process.poll() is None and time.time() < deadline:
         if (run / "config.yaml").exists():
-            for pid in children(process.pid):
+            for pid in descendants(process.pid):
                 if "reinforge.cli grpo" in cmdline(pid) and pid not in killed:
                     os.kill(pid, signal.SIGKILL)
                     killed.add(pid)
