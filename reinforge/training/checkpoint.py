@@ -61,6 +61,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 RESUMABLE_CHANGES = (
     *("loop.max_steps", "loop.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts"),
     *("deadlines.", "training.collective_timeout_s", "agent.endpoint.request_timeout_s"),  # how long waits may take
+    *("agent.first_call_timeout_s", "generation.verify_refit_every"),  # a check's deadline and frequency
 )
 
 
