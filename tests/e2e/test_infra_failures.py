@@ -86,19 +86,8 @@ def score(text: str) -> float:
 @contextlib.contextmanager
 def served(env):
     """`build_app(env)` under uvicorn in a thread, on a socket bound here; yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(env, token=None, max_request_bytes=1 << 20), log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with served_app(build_app(env, token=None, max_request_bytes=1 << 20)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
