@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_command(commands)
 
+    from reinforge.training.plan_cli import add_plan_command
+
+    add_plan_command(commands)
+
     curriculum = commands.add_parser(
         "curriculum", help="offline pass-rate pre-filtering of a prompt file (Llama-Nemotron's curriculum)"
     )
@@ -204,6 +208,10 @@ def run_command(args: argparse.Namespace) -> None:
         config = load_recipe_config(RECIPES["grpo"].config_class, args.config, args.overrides)
         written, measured = prefilter_file(config, Path(args.out), args.keep_all)
         print(f"{args.out}: {written} of {measured} records")
+    elif args.command == "plan":
+        from reinforge.training.plan_cli import run_plan_command
+
+        run_plan_command(args)
     elif args.command == "report":
         from reinforge.logging.report import write_report
 
@@ -247,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     from reinforge.errors import InfrastructureError, ReinforgeError
 
     try:
-        if args.command not in ("env", "report"):  # the commands that load models: transformers' errors only, no bars
+        # the commands that load models: transformers' errors only, no bars
+        if args.command not in ("env", "report", "plan"):
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()

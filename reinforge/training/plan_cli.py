@@ -1,0 +1,160 @@
+"""`reinforge plan`: the layout planner's table (training/planner.py) for a model, a GPU count and a sequence
+length, the chosen layout and why, and the arithmetic of the chosen layout's terms."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from reinforge.training.planner import (
+    GIB,
+    LORA_TARGETS,
+    PERSISTENT,
+    Estimate,
+    ModelShape,
+    Plan,
+    Workload,
+    activation_bytes_per_token,
+    model_shape,
+    plan,
+)
+
+COLUMNS = ("params", "gathered", "grads", "optimizer", "activations", "logits", "reference")
+
+
+def add_plan_command(commands: argparse._SubParsersAction) -> None:
+    plan_parser = commands.add_parser(
+        "plan",
+        help="memory per GPU of each parallel layout of a model, and the fastest that fits",
+        description="For each candidate layout (dp_replicate x dp_shard x tp x cp), the memory per GPU of weights, "
+        "gradients, AdamW state, activations with and without activation checkpointing, logits, the reference "
+        "model and the generation engine; then the fastest layout that fits and why (docs/distributed.md, "
+        "'The planner'). Loads no model.",
+    )
+    plan_parser.add_argument("--model", required=True, help="a model directory (config.json) or a built-in name")
+    plan_parser.add_argument("--gpus", type=int, required=True, help="training GPUs")
+    plan_parser.add_argument("--gpu-memory", type=float, required=True, metavar="GB", help="memory per GPU, GiB")
+    plan_parser.add_argument("--seq-len", type=int, required=True, help="longest sequence, prompt + response")
+    plan_parser.add_argument("--micro-batch-tokens", type=int, help="tokens per micro-batch (default: --seq-len)")
+    plan_parser.add_argument("--gpus-per-node", type=int, default=8)
+    plan_parser.add_argument("--lora", type=int, metavar="RANK", help="train LoRA adapters of this rank")
+    plan_parser.add_argument(
+        "--lora-targets", default="all-linear", help="comma-separated module names, or all-linear (the default)"
+    )
+    plan_parser.add_argument("--kl", action="store_true", help="a frozen reference model for the KL term")
+    plan_parser.add_argument("--generation", choices=("colocated", "separate", "none"), default="colocated")
+    plan_parser.add_argument("--generation-sequences", type=int, default=16, help="sequences in the KV cache")
+    plan_parser.add_argument("--generation-tp", type=int, help="the engine's tensor-parallel size (default: auto)")
+    plan_parser.add_argument("--logprob-chunk-tokens", type=int, default=2048)
+    plan_parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    plan_parser.add_argument("--runtime-gb", type=float, help="fixed overhead per GPU or process, GiB")
+    plan_parser.add_argument("--fitting-only", action="store_true", help="list only the layouts that fit")
+
+
+def run_plan_command(args: argparse.Namespace) -> None:
+    targets = LORA_TARGETS if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+    workload = Workload(
+        seq_len=args.seq_len,
+        micro_batch_tokens=args.micro_batch_tokens,
+        logprob_chunk_tokens=args.logprob_chunk_tokens,
+        kl=args.kl,
+        lora_rank=args.lora,
+        lora_targets=targets,
+        generation=args.generation,
+        generation_sequences=args.generation_sequences,
+        generation_tp=args.generation_tp,
+        device=args.device,
+        runtime_gib=args.runtime_gb,
+    )
+    result = plan(model_shape(args.model), args.gpus, args.gpu_memory, workload, args.gpus_per_node)
+    print(format_plan(args.model, result, args.fitting_only))
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def _gib_unit(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
+    """The table (GiB per GPU; activations and totals without / with activation checkpointing), the choice."""
+    shape, workload, gpu_bytes = result.shape, result.workload, result.gpu_memory_gb * GIB
+    lines = [
+        f"{name}: {shape.parameters():,} parameters on {result.gpus} x {result.gpu_memory_gb:g} GiB, "
+        f"{workload.tokens} tokens per micro-batch, generation {workload.generation}; GiB per GPU, "
+        "activations and total without / with activation checkpointing",
+        f"{'layout (R x S x T x C)':<24}"
+        + "".join(f"{c:>11}" for c in COLUMNS[:4])
+        + f"{'activations':>16}{'logits':>8}{'ref':>6}{'engine+kv':>14}{'runtime':>9}{'total':>14}  fits",
+    ]
+    by_layout: dict = {}
+    for e in result.estimates:
+        by_layout.setdefault(e.layout, {})[e.activation_checkpointing] = e
+    for layout, pair in by_layout.items():
+        off, on = pair.get(False, pair.get(True)), pair.get(True, pair.get(False))
+        fits = [label for label, e in (("no ckpt", off), ("ckpt", on)) if e.fits(gpu_bytes)]
+        if fitting_only and not fits:
+            continue
+        engine = f"{_gib(sum(on.engine.values()))} @tp{on.engine_tp}" if on.engine else "-"
+        lines.append(
+            f"{'x'.join(map(str, (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp))):<24}"
+            + "".join(f"{_gib(on.terms[c]):>11}" for c in COLUMNS[:4])
+            + f"{_gib(off.terms['activations']) + ' / ' + _gib(on.terms['activations']):>16}"
+            + f"{_gib(on.terms['logits']):>8}{_gib(on.terms['reference']):>6}{engine:>14}"
+            + f"{_gib(on.terms['runtime']):>9}{_gib(off.total) + ' / ' + _gib(on.total):>14}  {', '.join(fits) or 'no'}"
+        )
+    if result.choice is None:
+        return "\n".join([*lines, f"nothing fits: {result.reason}"])
+    choice = result.choice
+    checkpointing = "on" if choice.activation_checkpointing else "off"
+    lines.append(f"choice: {choice.layout}, activation checkpointing {checkpointing}: {result.reason}")
+    return "\n".join([*lines, "arithmetic of the choice:", *arithmetic(shape, workload, choice)])
+
+
+def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
+    """Each term of `e` as the formula of training/planner.py with the numbers in."""
+    layout, b, t = e.layout, workload.element_bytes, e.terms
+    group, tp, layers, tokens = layout.shard_group, layout.tp, shape.num_hidden_layers, workload.tokens / layout.cp
+    params, lora = shape.parameters(), workload.lora_rank
+    trained = shape.lora_parameters(lora, workload.lora_targets) if lora else params
+    total = params + (trained if lora else 0)
+    per_token = activation_bytes_per_token(shape, b)
+    chunk, vocab = min(workload.logprob_chunk_tokens, tokens), math.ceil(shape.vocab_size / tp)
+    layer, root = shape.layer_parameters(), shape.root_parameters()
+    if e.activation_checkpointing:
+        activations = (
+            f"{layers} layers x {tokens:g} tokens x {shape.hidden_size} x {b} B / tp {tp} "
+            f"+ {tokens:g} tokens x {per_token:,.0f} B / tp {tp} (one layer recomputed)"
+        )
+    else:
+        activations = f"{layers} layers x {tokens:g} tokens x {per_token:,.0f} B / tp {tp}"
+    lines = [
+        f"  params      = 4 B x {total:,} / {group} = {_gib_unit(t['params'])}",
+        f"  gathered    = {b} B x (2 x {layer:,} + {root:,} + gradients {0 if lora else layer + root:,}) / tp {tp}"
+        f" = {_gib_unit(t['gathered'])}",
+        f"  grads       = 4 B x {trained:,} / {group} = {_gib_unit(t['grads'])}",
+        f"  optimizer   = 8 B x {trained:,} / {group} = {_gib_unit(t['optimizer'])}",
+        f"  activations = {activations} = {_gib_unit(t['activations'])}",
+        f"  logits      = {chunk:g} x {vocab:,} x ({b} + 12) B + {tokens:g} x {shape.hidden_size} x {4 + 3 * b} B"
+        f" / tp {tp} = {_gib_unit(t['logits'])}",
+        f"  reference   = {_gib_unit(t['reference'])}; runtime = {_gib_unit(t['runtime'])}",
+    ]
+    if e.engine:
+        kv_heads = max(shape.num_key_value_heads // e.engine_tp, 1)
+        lines += [
+            f"  engine      = 2 B x {params:,} / tp {e.engine_tp} = {_gib_unit(e.engine['engine weights'])}",
+            f"  kv cache    = {layers} x 2 x {kv_heads} x {shape.head_size} x {workload.generation_sequences} x "
+            f"{workload.seq_len} x 2 B = {_gib_unit(e.engine['kv cache'])}",
+        ]
+    training = sum(t.values())
+    if workload.generation == "colocated":
+        generation = sum(t[name] for name in PERSISTENT) + sum(e.engine.values())
+        lines.append(
+            f"  training phase {_gib_unit(training)}; generation phase (params, grads, optimizer, reference, "
+            f"runtime, engine, kv cache) {_gib_unit(generation)}; the larger: {_gib_unit(e.total)}"
+        )
+    else:
+        lines.append(f"  training phase {_gib_unit(training)}")
+    return lines
