@@ -142,14 +142,17 @@ class RowLayout:
         )
 
 
-def padded_layout(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> RowLayout:
-    """One sequence per row, right-padded as they are (the unpacked reference)."""
-    num_rows, width = input_ids_BT.shape
+def padded_layout(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, width_multiple: int = 1) -> RowLayout:
+    """One sequence per row, right-padded as they are (the unpacked reference); with `width_multiple`, to a width
+    it divides (masked positions: rows cut into that many pieces for sequence or context parallelism)."""
+    num_rows, length = input_ids_BT.shape
+    width = -(-length // width_multiple) * width_multiple
+    device = input_ids_BT.device
     return RowLayout(
-        input_ids=input_ids_BT,
-        position_ids=torch.arange(width, device=input_ids_BT.device).expand(num_rows, width),
-        attention_mask=attention_mask_BT,
-        token_index=torch.arange(num_rows * width, device=input_ids_BT.device).view(num_rows, width),
+        input_ids=torch.nn.functional.pad(input_ids_BT, (0, width - length)),
+        position_ids=torch.arange(width, device=device).expand(num_rows, width),
+        attention_mask=torch.nn.functional.pad(attention_mask_BT, (0, width - length)),
+        token_index=(torch.arange(num_rows, device=device)[:, None] * width + torch.arange(length, device=device)),
         num_real_tokens=int(attention_mask_BT.sum()),
     )
 
@@ -160,8 +163,10 @@ def row_layout(
     rows: list[list[int]],
     pad_token_id: int,
     prompt_lengths_B: list[int] | None = None,
+    width_multiple: int = 1,
 ) -> RowLayout:
-    """The rows' sequences (indices into the B sequences) end to end, right-padded to the widest row.
+    """The rows' sequences (indices into the B sequences) end to end, right-padded to the widest row (rounded up
+    to a multiple of `width_multiple`: rows cut into that many pieces for sequence or context parallelism).
     With `prompt_lengths_B`, a sequence that follows one with the same prompt in its row reads that
     copy of the prompt and lays out its answer only; without, every sequence is laid out whole."""
     input_ids_BT = input_ids_BT.cpu()
@@ -180,6 +185,7 @@ def row_layout(
             previous = b
         pieces_per_row.append(pieces)
     width = max(sum(lengths_B[b] - first for b, first in pieces) for pieces in pieces_per_row)
+    width = -(-width // width_multiple) * width_multiple
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     token_index = torch.zeros(input_ids_BT.shape, dtype=torch.long)

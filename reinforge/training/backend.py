@@ -24,6 +24,7 @@ from training/optimizer.py.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
@@ -93,10 +94,10 @@ class Backend:
         """`head`: an LM head at temperature 1 by default. `strategy`: this process by default (an
         `FSDP2Strategy` is set up here, in the rank's process). `row_tokens`: the width of a packed row (SFT packs
         conversations into rows of `data.max_seq_len`); None: the micro-batch's longest sequence."""
-        self.config, self.lora = training, model_config.lora
+        self.lora = model_config.lora
         self.head = head or LogprobHead(temperature=1.0)
         self.strategy = strategy or LocalStrategy()
-        self.strategy.setup(training)
+        self.config = training = self.strategy.setup(training)  # its `parallel` layout resolved
         self.row_tokens = row_tokens
         load_config = self.strategy.load_config(model_config)
         model, self.peft = self.head.load(load_config)
@@ -123,6 +124,11 @@ class Backend:
     def plan(self, lengths: list[int], prompts) -> MicroBatchPlan:
         """The micro-batches of sequences of these lengths (training/micro_batching.py)."""
         return plan_micro_batches(lengths, self.config, prompts, self.row_tokens)
+
+    def num_parameters(self) -> tuple[int, int]:
+        """(the model's parameters, the trained ones), whole-model counts on any rank (a sharded parameter, a
+        DTensor, counts its full shape)."""
+        return sum(p.numel() for p in self.model.parameters()), sum(p.numel() for p in self.trainable)
 
     # --- per-token passes ----------------------------------------------------------------------
 
@@ -197,16 +203,33 @@ class Backend:
     # --- weights and state ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, part: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's full weights with Hugging Face names (a collective on FSDP2 ranks: all must iterate); with
         LoRA the merged weights, W + (alpha / r) B A, the base left as it is. Tied parameters (lm_head and
-        embed_tokens) appear under both names as one tensor object, so `save_pretrained` writes the tie once."""
-        weights = self.strategy.full_state_dict(self.model)
+        embed_tokens) appear under both names as one tensor object, so `save_pretrained` writes the tie once.
+        `part`: only the weights of `weight_parts()[part]` (one decoder layer, or what is outside the layers)."""
+        names = None if part is None else self.weight_parts()[part]
+        weights = self.strategy.full_state_dict(self.model, names)
         yield from (merge_lora_weights(weights, scaling(self.lora)) if self.peft is not None else weights).items()
 
-    def full_state(self) -> list[tuple[str, torch.Tensor]]:
-        """`named_weights` as a list on the main rank (empty elsewhere): what a remote caller fetches for refit."""
-        weights = list(self.named_weights())
+    def weight_parts(self) -> list[list[str]]:
+        """The model's state-dict names by decoder layer (what is outside the layers first): the pieces a refit
+        gathers one at a time, so no rank holds more than one layer's full weights beside its shards."""
+        if not hasattr(self, "_weight_parts"):
+            parts: dict[int, list[str]] = {}
+            for name in self.model.state_dict():
+                layer = re.search(r"\.layers\.(\d+)\.", name)
+                parts.setdefault(int(layer.group(1)) if layer else -1, []).append(name)
+            self._weight_parts = [parts[key] for key in sorted(parts)]
+        return self._weight_parts
+
+    def num_weight_parts(self) -> int:
+        return len(self.weight_parts())
+
+    def full_state(self, part: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """`named_weights(part)` as a list on the main rank (empty elsewhere): what a remote caller fetches for
+        refit, one part at a time."""
+        weights = list(self.named_weights(part))
         return weights if self.strategy.is_main else []
 
     def save_pretrained(self, path: Path) -> None:

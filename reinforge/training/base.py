@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal, Protocol
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from reinforge.config.section import Section
 from reinforge.data.batch import Normalisers, TrainBatch
+from reinforge.training.parallel import ParallelConfig, ParallelSetting
 
 
 class BackendConfig(Section):
@@ -47,10 +48,28 @@ class BackendConfig(Section):
     """`fsdp2`: the longest a rank waits in a torch.distributed collective (or at the rendezvous) for the other
     ranks; then the collective raises on that rank and the run stops (torch.distributed's own default is 10 to 30
     minutes). A hung rank is usually caught earlier by `cluster.worker_timeout_s`."""
+    parallel: ParallelSetting = ParallelConfig()
+    """How `num_workers` ranks split the work: data-parallel shards and copies, tensor and context parallelism
+    (training/parallel.py; docs/distributed.md); `auto`: the layout the planner picks for the model and the
+    machine (training/planner.py)."""
     logprob_chunk_tokens: int = Field(default=2048, ge=1)
     """Apply the LM head to at most this many tokens at a time when computing logprobs and entropies (the
     training pass recomputes each chunk's logits in the backward pass), so memory grows with
     chunk x vocabulary, not with sequence length x vocabulary."""
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> "BackendConfig":
+        if not isinstance(self.parallel, ParallelConfig):
+            return self
+        if self.backend == "torch":
+            if not self.parallel.is_plain() or self.parallel.dp_replicate > 1 or self.parallel.dp_shard > 1:
+                raise ValueError(
+                    "training.parallel splits the model over ranks, which training.backend=torch (one process) "
+                    "does not have; set training.backend=fsdp2 and training.num_workers"
+                )
+        else:
+            self.parallel.resolved(self.num_workers)  # the dimensions multiply to the ranks, or a one-line error
+        return self
 
 
 class TrainingConfig(BackendConfig):

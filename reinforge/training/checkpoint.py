@@ -2,8 +2,9 @@
 
 Layout: `RUN_DIR/checkpoints/step_00000012/` holds
 - `trainer/`: the policy weights and the optimizer and LR-scheduler state, written by the training
-  backend (one file for the single-process backend; a sharded torch.distributed.checkpoint for
-  FSDP2, each rank writing its own shards);
+  backend as a torch.distributed.checkpoint by parameter name, each rank writing its own shards
+  (training/state.py), which any layout reads: a run may resume with another `training.backend`,
+  `training.num_workers` or `training.parallel` (one process, N FSDP2 ranks, a tensor-parallel mesh);
 - `driver.pt`: the loop's own state: step, data sampler position, RNG states, validation history,
   curriculum state;
 - `config.yaml`: the run's config, to refuse a resume under a different one;
@@ -57,9 +58,10 @@ class CheckpointConfig(Section):
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 # settings that may change between a run and its resumption: the length of the run, where it logs,
-# how it checkpoints, and where its workers run
+# how it checkpoints, where its workers run and how the model is laid out over them (checkpoints reshard)
 RESUMABLE_CHANGES = (
     *("loop.max_steps", "loop.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts"),
+    *("training.backend", "training.num_workers", "training.parallel.", "training.cpu_offload"),
     *("deadlines.", "training.collective_timeout_s", "agent.endpoint.request_timeout_s"),  # how long waits may take
     *("agent.first_call_timeout_s", "generation.verify_refit_every"),  # a check's deadline and frequency
 )

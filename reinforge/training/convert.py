@@ -1,9 +1,10 @@
 """`reinforge convert CHECKPOINT_DIR --out HF_DIR [--merge]`: a training checkpoint as a Hugging Face directory.
 
-A checkpoint holds the policy as the trainer saved it: one `state.pt` (single-process backend) or a
-sharded torch.distributed.checkpoint (FSDP2, any number of ranks). Either is read in one process,
-put into the model architecture named by the checkpoint's config.yaml, and written with
-`save_pretrained` plus the tokenizer, so transformers and vLLM load the result like any model.
+A checkpoint holds the policy as the trainer saved it, a torch.distributed.checkpoint of global tensors whatever
+the layout that wrote it (one process, N FSDP2 ranks, a tensor-parallel mesh: training/state.py), or one
+`state.pt` (the one-process format before it). Either is read in one process, put into the model architecture
+named by the checkpoint's config.yaml, and written with `save_pretrained` plus the tokenizer, so transformers
+and vLLM load the result like any model.
 
 A LoRA run's checkpoint holds only its adapter (keys such as `model.layers.0.self_attn.q_proj.lora_A.default.weight`):
 it is written as a PEFT adapter directory (what the run's `final/` holds), or with `--merge` as the merged
@@ -15,7 +16,6 @@ its adapter_config.json names. The output is written atomically and never over a
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,13 +27,10 @@ from reinforge.training.checkpoint import latest_checkpoint, verifies
 
 
 def policy_state_dict(trainer_dir: Path) -> dict[str, torch.Tensor]:
-    if (trainer_dir / "state.pt").is_file():
-        return torch.load(trainer_dir / "state.pt", weights_only=False)["model"]
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The policy's whole weights (or its LoRA adapter's) in a checkpoint's `trainer/`, of any layout."""
+    from reinforge.training.state import model_state_dict
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(trainer_dir), f"{tmp}/full.pt")
-        return torch.load(f"{tmp}/full.pt", weights_only=False)["model"]
+    return model_state_dict(trainer_dir)
 
 
 def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:

@@ -28,9 +28,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
@@ -39,10 +37,20 @@ from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import DTYPES
+from reinforge.training import state
 from reinforge.training.base import TrainingConfig
 from reinforge.training.lora import adapter_state_dict, is_adapter_key
 from reinforge.training.micro_batching import Prompts, select_micro_batch, split_to
+from reinforge.training.parallel import (
+    ParallelConfig,
+    build_mesh,
+    check_layout,
+    clip_gradients,
+    fsdp_mesh,
+    tensor_parallelize,
+)
 from reinforge.training.strategy import Compute, MicroBatch, Plan, batch_to
+from reinforge.training.ulysses import split_context
 
 
 def shard_model(
@@ -69,9 +77,10 @@ def shard_model(
 
 
 def reduce_metrics(
-    totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], device: torch.device
+    totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor], device: torch.device, group=None
 ) -> dict[str, float]:
-    """Sum `totals` and take the max/min of `extremes` over ranks (every rank has the same names)."""
+    """Sum `totals` and take the max/min of `extremes` over the ranks of `group` (all by default; every rank has
+    the same names)."""
     result = {}
     for names, op in (
         (sorted(totals), dist.ReduceOp.SUM),
@@ -81,7 +90,7 @@ def reduce_metrics(
         if not names:
             continue
         values = torch.stack([(totals | extremes)[n].float().to(device) for n in names])
-        dist.all_reduce(values, op=op)
+        dist.all_reduce(values, op=op, group=group)
         result.update(zip(names, values.tolist()))
     return result
 
@@ -108,8 +117,11 @@ class FSDP2Strategy:
         self.master_addr, self.master_port = master_addr, master_port
         self.is_main = rank == 0
 
-    def setup(self, training: TrainingConfig) -> None:
-        self.config = training
+    def setup(self, training: TrainingConfig) -> TrainingConfig:
+        if not isinstance(training.parallel, ParallelConfig):
+            raise ConfigError("training.parallel=auto must be resolved by the planner before the ranks start")
+        self.parallel = training.parallel.resolved(self.world_size)
+        self.config = training = training.model_copy(update={"parallel": self.parallel})
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             # under Ray each actor usually sees one GPU; LOCAL_RANK covers torchrun-style launches
@@ -128,9 +140,12 @@ class FSDP2Strategy:
             world_size=self.world_size,
             timeout=timedelta(seconds=training.collective_timeout_s),
         )
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.mesh = build_mesh(self.device.type, self.parallel)
+        # the ranks with distinct shares of each batch; tp and cp ranks of one share compute the same outputs
+        self.dp_group, self.dp_rank = self.mesh["dp"].get_group(), self.mesh["dp"].get_local_rank()
         # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
         self.offload_policy = CPUOffloadPolicy() if training.cpu_offload else None
+        return training
 
     def load_config(self, model_config: ModelConfig) -> ModelConfig:
         """fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32."""
@@ -140,15 +155,25 @@ class FSDP2Strategy:
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         # with offload FSDP2 moves the shards to CPU itself and unshards onto the GPU for compute
         placed = model if self.offload_policy else model.to(self.device)
-        return shard_model(placed, self.mesh, self.mp_policy, self.offload_policy)
+        check_layout(self.parallel, model.config.get_text_config())
+        if self.parallel.tp > 1 and any(is_adapter_key(name) for name, _ in model.named_parameters()):
+            raise ConfigError(
+                "model.lora with training.parallel.tp > 1 is not supported yet (the adapters would need their own "
+                "tensor-parallel split); set training.parallel.tp=1: FSDP2 shards the frozen base over the ranks"
+            )
+        if self.parallel.tp > 1:
+            tensor_parallelize(placed, self.mesh["tp"])
+        if self.parallel.cp > 1:  # its forward passes run on this rank's chunk of each row (training/ulysses.py)
+            split_context(placed, self.mesh["cp"].get_group())
+        return shard_model(placed, fsdp_mesh(self.mesh, self.parallel), self.mp_policy, self.offload_policy)
 
     def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
-        """The contiguous rows of `rank` (this one's by default); equal shares keep the ranks' collectives in step."""
-        assert len(batch) % self.world_size == 0, (
-            f"batch of {len(batch)} rows does not split over {self.world_size} ranks"
-        )
-        size = len(batch) // self.world_size
-        rank = self.rank if rank is None else rank
+        """The contiguous rows of data-parallel rank `rank` (this one's by default); equal shares keep the ranks'
+        collectives in step."""
+        shares = self.parallel.data_parallel
+        assert len(batch) % shares == 0, f"batch of {len(batch)} rows does not split over {shares} data-parallel ranks"
+        size = len(batch) // shares
+        rank = self.dp_rank if rank is None else rank
         return rank * size, (rank + 1) * size
 
     def micro_batches(self, batch: TrainBatch, plan: Plan) -> Iterator[MicroBatch]:
@@ -157,10 +182,10 @@ class FSDP2Strategy:
         same number of forward (and backward) passes on every rank."""
         lengths = batch.attention_mask.sum(dim=1).tolist()
         prompts = Prompts.of(batch, self.config)
-        shares = [self._share(batch, rank) for rank in range(self.world_size)]
+        shares = [self._share(batch, rank) for rank in range(self.parallel.data_parallel)]
         plans = [plan(lengths[start:end], prompts and prompts.slice(start, end)) for start, end in shares]
-        share_batch = batch.slice(*shares[self.rank])
-        for rows in split_to(plans[self.rank], max(len(p) for p in plans)):
+        share_batch = batch.slice(*shares[self.dp_rank])
+        for rows in split_to(plans[self.dp_rank], max(len(p) for p in plans)):
             micro, local_rows, indices = select_micro_batch(share_batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
 
@@ -171,25 +196,22 @@ class FSDP2Strategy:
         for indices, micro, rows in self.micro_batches(batch, plan):
             values_BT = compute(micro, rows)
             share_BT[indices, : values_BT.shape[1]] = values_BT
-        shares = [torch.empty_like(share_BT) for _ in range(self.world_size)]
-        dist.all_gather(shares, share_BT)
+        shares = [torch.empty_like(share_BT) for _ in range(self.parallel.data_parallel)]
+        dist.all_gather(shares, share_BT, group=self.dp_group)
         return torch.cat(shares).cpu() * batch.loss_mask
 
     def clip_gradients(self, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm over every rank's shards."""
-        parameters = [p for p in parameters if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-        if isinstance(grad_norm, DTensor):  # each rank's norm of its shard, pending a reduction
-            grad_norm = grad_norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
-        return grad_norm
+        return clip_gradients(parameters, max_norm)
 
     def reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
-        return reduce_metrics(totals, extremes, self.device)
+        return reduce_metrics(totals, extremes, self.device, self.dp_group)
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Full fp32 weights on every rank (a collective); keep_vars: tied names share one object."""
-        return gather(model.state_dict(keep_vars=True))
+    def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Full fp32 weights (of `names` only, when given) on every rank (a collective); keep_vars: tied names
+        share one object."""
+        state_dict = model.state_dict(keep_vars=True)
+        return gather(state_dict if names is None else {name: state_dict[name] for name in names})
 
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
         """Every rank gathers; rank 0 writes the Hugging Face directory."""
@@ -206,31 +228,14 @@ class FSDP2Strategy:
             peft.save_pretrained(path, state_dict={f"base_model.model.{name}": t for name, t in adapter.items()})
         dist.barrier()
 
-    def _state(self, model, optimizer, adapter_only: bool) -> tuple[dict, StateDictOptions]:
-        """The sharded model and AdamW state for torch.distributed.checkpoint; with LoRA the adapter's only
-        (`ignore_frozen_params` alone would keep the frozen embedding under its tied second name, lm_head)."""
-        # checkpoints skip the frozen base (the model's files hold it); load_state then fills only the adapter
-        options = StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-        if adapter_only:
-            model_state = {name: tensor for name, tensor in model_state.items() if is_adapter_key(name)}
-        return {"model": model_state, "optimizer": optimizer_state}, options
-
     def save_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:
-        """Sharded model and AdamW state (each rank writes its own shards; on several nodes `path` must be on a
-        shared filesystem) and the LR schedule's position."""
-        dcp.save(self._state(model, optimizer, adapter_only)[0], checkpoint_id=str(path))
-        if self.is_main:
-            torch.save(scheduler.state_dict(), path / "scheduler.pt")
-        dist.barrier()
+        """The checkpoint format of every layout (training/state.py): each rank writes its own shards (on several
+        nodes `path` must be on a shared filesystem), rank 0 the LR schedule's position."""
+        state.save_state(model, optimizer, scheduler, path, adapter_only, self.is_main, distributed=True)
 
     def load_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:
-        state, options = self._state(model, optimizer, adapter_only)
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
-        )
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        """A checkpoint written under any layout, each rank reading the pieces its shards cover."""
+        state.load_state(model, optimizer, scheduler, path, adapter_only, distributed=True)
 
     def shutdown(self) -> None:
         dist.destroy_process_group()

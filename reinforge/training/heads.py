@@ -23,7 +23,12 @@ from reinforge.data.batch import TrainBatch
 from reinforge.model_config import ModelConfig
 from reinforge.training.base import TrainingConfig
 from reinforge.training.lora import load_policy
-from reinforge.training.micro_batching import HiddenStates, micro_batch_logprobs_at, trained_hidden_states
+from reinforge.training.micro_batching import (
+    HiddenStates,
+    combine_context,
+    micro_batch_logprobs_at,
+    trained_hidden_states,
+)
 
 # load(model_config) -> (the model the backend calls, its PeftModel or None)
 LoadModel = Callable[[ModelConfig], tuple[torch.nn.Module, torch.nn.Module | None]]
@@ -107,4 +112,5 @@ class ScalarHead:
             logits_to_keep=1 if self.causal_lm else None,
         )
         values_N = getattr(model, self.module)(hidden_NH).squeeze(-1).float()
-        return values_N.new_zeros(micro.loss_mask.shape).index_put((b_index, t_index), values_N), micro, {}
+        values_BT = values_N.new_zeros(micro.loss_mask.shape).index_put((b_index, t_index), values_N)
+        return combine_context(model, values_BT), micro, {}

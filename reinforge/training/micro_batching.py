@@ -46,7 +46,9 @@ from reinforge.data.packing import (
 )
 from reinforge.errors import ConfigError
 from reinforge.training.base import TrainingConfig
+from reinforge.training.parallel import ParallelConfig, is_vocab_parallel, vocab_parallel_logprobs
 from reinforge.training.segment_attention import forward_layout
+from reinforge.training.ulysses import context_group, sequence_chunk, sum_over_group, ulysses_forward
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
 # Config attributes of models that scale or soft-cap the logits after the LM head (Gemma, Cohere, Granite, ...)
@@ -182,17 +184,22 @@ class LayoutCache:
         self.num_built = 0
 
     def get(
-        self, input_ids_BT: torch.Tensor, lengths: list[int], rows: list[list[int]], prompt_lengths: list[int] | None
+        self,
+        input_ids_BT: torch.Tensor,
+        lengths: list[int],
+        rows: list[list[int]],
+        prompt_lengths: list[int] | None,
+        width_multiple: int = 1,
     ) -> RowLayout:
         input_ids_BT = input_ids_BT.cpu()
         digest = hashlib.blake2b(input_ids_BT.numpy().tobytes(), digest_size=16)
-        digest.update(repr((input_ids_BT.shape, lengths, rows, prompt_lengths)).encode())
+        digest.update(repr((input_ids_BT.shape, lengths, rows, prompt_lengths, width_multiple)).encode())
         key = digest.digest()
         if key in self.layouts:
             self.layouts.move_to_end(key)
             return self.layouts[key]
         layout = self.layouts[key] = row_layout(
-            input_ids_BT, lengths, rows, 0, prompt_lengths
+            input_ids_BT, lengths, rows, 0, prompt_lengths, width_multiple
         )  # the pad token is never attended to nor read
         self.num_built += 1
         self.num_tokens += layout.num_real_tokens
@@ -207,11 +214,13 @@ LAYOUTS = (
 
 
 def micro_batch_layout(micro: TrainBatch, rows: list[list[int]], config: TrainingConfig) -> RowLayout:
-    """The micro-batch's layout on its device: packed (prompts shared or not) or one sequence per row."""
+    """The micro-batch's layout on its device: packed (prompts shared or not) or one sequence per row; its width a
+    multiple of the pieces the parallel layout cuts rows into (tensor x context parallelism)."""
+    multiple = config.parallel.sequence_shards if isinstance(config.parallel, ParallelConfig) else 1
     if not config.sequence_packing:
-        return padded_layout(micro.input_ids, micro.attention_mask)
+        return padded_layout(micro.input_ids, micro.attention_mask, multiple)
     prompt_lengths = micro.prompt_lengths.tolist() if Prompts.shared(micro, config) else None
-    layout = LAYOUTS.get(micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), rows, prompt_lengths)
+    layout = LAYOUTS.get(micro.input_ids, micro.attention_mask.sum(dim=1).tolist(), rows, prompt_lengths, multiple)
     return layout.to(micro.input_ids.device)
 
 
@@ -221,15 +230,17 @@ def head_chunk(
     """Logprobs [N] of the targets under softmax(lm_head(hidden) / temperature), and the entropies [N]
     of those distributions (no gradient): the formulas of `token_logprobs` and `token_entropy` below.
     Targets [N, K] (several token ids per position) give logprobs [N, K]."""
-    logits_NV = lm_head(hidden_NH).float() / temperature
-    logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
     targets_NK = targets_N if targets_N.dim() == 2 else targets_N.unsqueeze(-1)
-    logprobs_NK = logits_NV.gather(-1, targets_NK) - logsumexp_N.unsqueeze(-1)
-    logprobs_N = logprobs_NK if targets_N.dim() == 2 else logprobs_NK.squeeze(-1)
-    with torch.no_grad():
-        logp_NV = logits_NV - logsumexp_N.unsqueeze(-1)
-        entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
-    return logprobs_N, entropy_N
+    if is_vocab_parallel(lm_head.weight):  # tensor parallelism: this rank's rows of the vocabulary
+        logprobs_NK, entropy_N = vocab_parallel_logprobs(lm_head.weight, hidden_NH, targets_NK, temperature)
+    else:
+        logits_NV = lm_head(hidden_NH).float() / temperature
+        logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
+        logprobs_NK = logits_NV.gather(-1, targets_NK) - logsumexp_N.unsqueeze(-1)
+        with torch.no_grad():
+            logp_NV = logits_NV - logsumexp_N.unsqueeze(-1)
+            entropy_N = -(logp_NV.exp() * logp_NV).sum(dim=-1)
+    return (logprobs_NK if targets_N.dim() == 2 else logprobs_NK.squeeze(-1)), entropy_N
 
 
 @functools.cache
@@ -298,10 +309,18 @@ def micro_batch_logprobs_at(
         (b_index, t_index), logprobs if ids_BTK is None else logprobs[:, 0]
     )
     entropy_BT = torch.zeros(shape, device=micro.loss_mask.device).index_put((b_index, t_index), entropy_N)
+    logprobs_BT, entropy_BT = combine_context(model, logprobs_BT), combine_context(model, entropy_BT)
     if ids_BTK is None:
         return logprobs_BT, entropy_BT, None
     at_ids_BTK = hidden_NH.new_zeros(ids_BTK.shape, dtype=torch.float32).index_put((b_index, t_index), logprobs[:, 1:])
-    return logprobs_BT, entropy_BT, at_ids_BTK
+    return logprobs_BT, entropy_BT, combine_context(model, at_ids_BTK)
+
+
+def combine_context(model: torch.nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    """Per-token outputs of this rank's tokens (0 elsewhere) summed over the model's cp group, so every rank holds
+    all of them and computes the same loss (ulysses.py, `sum_over_group`); as they are without one."""
+    group = context_group(model)
+    return outputs if group is None else sum_over_group(outputs, group)
 
 
 def trained_hidden_states(
@@ -315,18 +334,30 @@ def trained_hidden_states(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The decoder's hidden states [N, H] at the N tokens on `micro.loss_mask` moved back by `shift` (1: the
     states that predict them; 0: their own), in the micro-batch's packed, prompt-sharing or padded layout;
-    those tokens' ids [N]; and their (row, column) indices in the micro-batch. `logits_to_keep` goes to the
+    those tokens' ids [N]; and their (row, column) indices in the micro-batch. With context parallelism
+    (`context_group`) the tokens whose states this rank's chunk of columns holds only: callers sum their outputs
+    over the group (`combine_context`). `logits_to_keep` goes to the
     model (1: a causal LM's head on one position per row; None: a model without that argument)."""
     layout = micro_batch_layout(micro, rows, config)
     # with logits_to_keep=1 the LM head runs on one position per row: `hidden` has what the head needs
-    forward_layout(model, layout, **({} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}))
-    hidden_RWH = hidden.take()
+    kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    group = context_group(model)
     b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
     assert bool((t_index >= shift).all()), "column 0 is in the loss mask"
     flat = layout.token_index[b_index, t_index]  # where each trained token sits in the layout
     # with shift 1, token t is predicted from the hidden state of token t - 1 of the same sequence (t > 0)
-    hidden_NH = hidden_RWH.flatten(0, 1)[layout.token_index[b_index, t_index - shift]]
-    return hidden_NH, layout.input_ids.flatten()[flat], (b_index, t_index)
+    source = layout.token_index[b_index, t_index - shift]
+    if group is None:
+        forward_layout(model, layout, **kwargs)
+        return hidden.take().flatten(0, 1)[source], layout.input_ids.flatten()[flat], (b_index, t_index)
+    # context parallelism: this rank's chunk of columns only, and the trained tokens whose state it holds
+    ulysses_forward(model, layout, group, **kwargs)
+    hidden_RCH, width = hidden.take(), layout.input_ids.shape[1]
+    chunk = sequence_chunk(width, group)
+    row, column = source // width, source % width
+    here = (column >= chunk.start) & (column < chunk.end)
+    hidden_NH = hidden_RCH[row[here], column[here] - chunk.start]
+    return hidden_NH, layout.input_ids.flatten()[flat[here]], (b_index[here], t_index[here])
 
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float) -> torch.Tensor:

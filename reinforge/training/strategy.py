@@ -17,9 +17,10 @@ import torch
 
 from reinforge.data.batch import TrainBatch
 from reinforge.model_config import ModelConfig
+from reinforge.training import state
 from reinforge.training.base import TrainingConfig
-from reinforge.training.lora import adapter_state_dict, load_adapter_state_dict
 from reinforge.training.micro_batching import MicroBatchPlan, Prompts, select_micro_batch
+from reinforge.training.parallel import ParallelConfig
 
 # plan(lengths, prompts) -> the micro-batches of sequences of these lengths (the backend's planner)
 Plan = Callable[[list[int], "Prompts | None"], MicroBatchPlan]
@@ -43,8 +44,9 @@ class Strategy(Protocol):
     device: torch.device
     is_main: bool  # the process that writes files and answers remote callers
 
-    def setup(self, training: TrainingConfig) -> None:
-        """Start what the strategy needs (a process group) in the process that trains."""
+    def setup(self, training: TrainingConfig) -> TrainingConfig:
+        """Start what the strategy needs (a process group) in the process that trains; the settings with
+        `training.parallel` resolved to this strategy's layout."""
         ...
 
     def load_config(self, model_config: ModelConfig) -> ModelConfig:
@@ -71,8 +73,8 @@ class Strategy(Protocol):
         """Summed metrics and `*_max`/`*_min` extremes over the whole batch."""
         ...
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The model's whole (unsharded) state dict."""
+    def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The model's whole (unsharded) state dict, or its tensors of `names`."""
         ...
 
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None: ...
@@ -95,8 +97,11 @@ class LocalStrategy:
         self.device = torch.device("cpu")
         self.config: TrainingConfig | None = None
 
-    def setup(self, training: TrainingConfig) -> None:
-        self.config = training
+    def setup(self, training: TrainingConfig) -> TrainingConfig:
+        parallel = ParallelConfig() if training.parallel == "auto" else training.parallel
+        parallel = parallel.resolved(1)  # one rank: a one-line error for tp or cp > 1
+        self.config = training.model_copy(update={"parallel": parallel})
+        return self.config
 
     def load_config(self, model_config: ModelConfig) -> ModelConfig:
         return model_config
@@ -123,8 +128,9 @@ class LocalStrategy:
     def reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
         return {name: float(value) for name, value in (totals | extremes).items()}
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return model.state_dict()
+    def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        state_dict = model.state_dict()
+        return state_dict if names is None else {name: state_dict[name] for name in names}
 
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
         model.save_pretrained(path)
@@ -133,22 +139,12 @@ class LocalStrategy:
         peft.save_pretrained(path)
 
     def save_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:
-        """One file, state.pt: the model's weights (with LoRA the adapter's only), AdamW and schedule state."""
-        path.mkdir(parents=True, exist_ok=True)
-        weights = adapter_state_dict(model) if adapter_only else model.state_dict()
-        torch.save(
-            {"model": weights, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-            path / "state.pt",
-        )
+        """The checkpoint format of every layout (training/state.py), written by this process alone."""
+        state.save_state(model, optimizer, scheduler, path, adapter_only, is_main=True)
 
     def load_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:
-        state = torch.load(path / "state.pt", weights_only=False)
-        if adapter_only:
-            load_adapter_state_dict(model, state["model"])
-        else:
-            model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        """A checkpoint of any layout, or a one-process `state.pt` of the format before it."""
+        state.load_state(model, optimizer, scheduler, path, adapter_only)
 
     def shutdown(self) -> None:
         pass

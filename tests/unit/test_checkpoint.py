@@ -70,7 +70,7 @@ def test_an_incomplete_or_corrupt_checkpoint_is_skipped_with_a_warning(tiny_mode
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, backend, {"step": step}, "")
     (tmp_path / "checkpoints" / "step_00000003" / "COMPLETE").unlink()  # never finished
-    with open(tmp_path / "checkpoints" / "step_00000002" / "trainer" / "state.pt", "r+b") as handle:
+    with open(tmp_path / "checkpoints" / "step_00000002" / "trainer" / "__0_0.distcp", "r+b") as handle:
         handle.truncate(100)  # a truncated copy
     warnings = []
     assert latest_checkpoint(tmp_path, warn=warnings.append).name == "step_00000001"
@@ -108,10 +108,10 @@ def test_a_checkpoint_whose_content_was_corrupted_keeps_its_sizes_but_fails_its_
     newest = tmp_path / "checkpoints" / "step_00000002"
     manifest = json.loads((newest / "COMPLETE").read_text())["files"]
     assert (
-        manifest["trainer/state.pt"]["sha256"]
-        == hashlib.sha256((newest / "trainer" / "state.pt").read_bytes()).hexdigest()
+        manifest["trainer/__0_0.distcp"]["sha256"]
+        == hashlib.sha256((newest / "trainer" / "__0_0.distcp").read_bytes()).hexdigest()
     )
-    with open(newest / "trainer" / "state.pt", "r+b") as handle:
+    with open(newest / "trainer" / "__0_0.distcp", "r+b") as handle:
         handle.seek(2000)
         chunk = handle.read(64)
         handle.seek(2000)

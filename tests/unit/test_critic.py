@@ -13,6 +13,7 @@ from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
 from reinforge.training.critic import critic_backend
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
+from reinforge.training.state import model_state_dict
 
 
 def ragged_batch(num_rows=8, seed=0) -> CriticBatch:
@@ -119,7 +120,7 @@ def test_the_critic_fits_the_returns_and_a_checkpoint_repeats_the_next_step(tiny
     restored.load_state(tmp_path / "critic")
     assert restored.train_step(batch, loss_fn) == after_save
     assert torch.equal(restored.values(batch), critic.values(batch))
-    assert "value_head.weight" in torch.load(tmp_path / "critic" / "state.pt", weights_only=False)["model"]
+    assert "value_head.weight" in model_state_dict(tmp_path / "critic")
     # the critic's trunk is its own copy: the base model on disk is untouched
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.equal(base.model.embed_tokens.weight, critic.model.model.embed_tokens.weight)
