@@ -3,7 +3,8 @@ generation engine and the environments. Every part is registered on `cleanup` as
 every exit path (the end of the run, an error, Ctrl-C) releases processes in reverse order.
 
 With `training.backend=torch`, `env.num_workers=0` and no Ray, everything runs in this process.
-With FSDP2 or verifier workers, the same interfaces are backed by Ray worker groups.
+With FSDP2 or verifier workers, the same interfaces are backed by Ray worker groups. SFT, DPO and RM build
+only their model here (`build_recipe_backend`), the same way.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.envs.base import Environment
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend
+from reinforge.generation.vllm_backend import max_sequence_tokens
 from reinforge.rollout.infra import InfraLimits
 from reinforge.rollout.rollout import Episodes, ReinforgeRollout, RolloutOptions
-from reinforge.training.base import TrainingBackend
+from reinforge.training.base import BackendConfig, TrainingBackend, TrainingConfig
+from reinforge.training.heads import Head
 from reinforge.training.optimizer import OptimizerConfig
+from reinforge.training.parallel import resolve_auto
 
 
 def uses_ray(config: RLRunConfig) -> bool:
@@ -70,7 +74,10 @@ def build_environments(config: RLRunConfig, tasks: set[str], cleanup: ExitStack)
 
 def build_trainer(config: RLRunConfig, cleanup: ExitStack) -> TrainingBackend:
     """The policy (with its frozen reference when the KL term needs one) on the run's training backend."""
-    sections = (config.model, config.training, config.optimizer, config.scheduler)
+    training, line = rl_training(config)
+    if line:
+        print(line, flush=True)
+    sections = (config.model, training, config.optimizer, config.scheduler)
     temperature, load_reference = config.generation.temperature, config.loss.kl_coef > 0
     if config.training.backend == "torch":
         from reinforge.training.backend import Backend
@@ -86,10 +93,80 @@ def build_trainer(config: RLRunConfig, cleanup: ExitStack) -> TrainingBackend:
     return trainer
 
 
+def rl_training(config: RLRunConfig) -> tuple[TrainingConfig, str | None]:
+    """An RL run's `training:` with `parallel=auto` resolved by the planner for its longest sequence, its engine's
+    placement and its reference model; the line that says the choice (None: the layout was given)."""
+    colocated = "colocated" if config.cluster.colocate else "separate"
+    training, line = resolve_auto(
+        config.training,
+        config.model,
+        max_sequence_tokens(config),
+        kl=config.loss.kl_coef > 0 and config.model.lora is None,
+        generation=colocated if config.generation.backend == "vllm" else "none",
+        num_gpus_per_worker=config.cluster.num_gpus_per_worker,
+    )
+    return training, line
+
+
+def build_recipe_backend(
+    config, num_optimizer_steps: int, head: Head, cleanup: ExitStack | None, rows_together: int = 1, **backend_kwargs
+):
+    """The model of a recipe that trains on batches of its own data (SFT, DPO, RM; `config` is its run config):
+    the training backend in this process (`training.backend=torch`), or on `training.num_workers` FSDP2 ranks in
+    Ray actors (`fsdp2`, cluster/fsdp2_group.py) behind the same methods, Ray started for them and stopped on
+    `cleanup` (which only they need). `rows_together`: rows of a batch that must stay on one rank (a preference
+    pair's two); `backend_kwargs`: more of the backend's arguments (`load_reference`, `row_tokens`)."""
+    seq_len = backend_kwargs.get("row_tokens") or getattr(config.data, "max_length", None) or config.data.max_seq_len
+    training, line = resolve_auto(
+        config.training.backend_config(),
+        config.model,
+        seq_len,
+        kl=backend_kwargs.get("load_reference", False),
+        num_gpus_per_worker=config.cluster.num_gpus_per_worker,
+    )
+    if line:
+        print(line, flush=True)
+    kwargs = dict(
+        model_config=config.model,
+        training=training,
+        optimizer=config.optimizer,
+        scheduler=config.scheduler,
+        num_optimizer_steps=num_optimizer_steps,
+        head=head,
+        **backend_kwargs,
+    )
+    if config.training.backend == "torch":
+        from reinforge.training.backend import Backend
+
+        return Backend(**kwargs)
+    from reinforge.cluster import worker_group  # Ray only where the run asks for it
+    from reinforge.cluster.fsdp2_group import FSDP2Group
+
+    assert cleanup is not None, "FSDP2 ranks need a cleanup that stops them"
+    cluster = config.cluster
+    cleanup.callback(worker_group.ensure_ray(cluster, config.training.num_workers * cluster.num_cpus_per_worker))
+    group = FSDP2Group(kwargs, cluster, config.seed, rows_together)
+    cleanup.callback(group.shutdown)
+    return group
+
+
+def check_backend(training: BackendConfig) -> None:
+    """`training.backend`, `num_workers` and `cpu_offload` agree (SFT's and the pair recipes' check at load time)."""
+    if training.num_workers < 1:
+        raise ValueError("training.num_workers must be >= 1")
+    if training.num_workers > 1 and training.backend != "fsdp2":
+        raise ValueError(
+            f"training.num_workers={training.num_workers} needs training.backend=fsdp2; the torch backend is one "
+            "process"
+        )
+    if training.cpu_offload and training.backend != "fsdp2":
+        raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
+
+
 def build_critic(config: RLRunConfig, optimizer: OptimizerConfig, cleanup: ExitStack):
     """A value model (the base model with a value head, training/critic.py) beside the policy, on the same
     training backend, with AdamW as `optimizer` says."""
-    sections = (config.model, config.training, optimizer, config.scheduler)
+    sections = (config.model, rl_training(config)[0], optimizer, config.scheduler)
     if config.training.backend == "torch":
         from reinforge.training.critic import critic_backend
 

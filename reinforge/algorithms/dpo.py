@@ -25,12 +25,14 @@ format (training/lora.py).
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 from pydantic import model_validator
 
+from reinforge.algorithms.builders import build_recipe_backend
 from reinforge.algorithms.losses import dpo_loss, sequence_logprobs, token_mean
 from reinforge.algorithms.pairs import (
     PairRunConfig,
@@ -53,7 +55,6 @@ from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.modeling import check_fits_context, load_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
-from reinforge.training.backend import Backend
 from reinforge.training.heads import LogprobHead
 from reinforge.training.lora import check_lora
 
@@ -96,6 +97,11 @@ class DPORunConfig(PairRunConfig):
 
 
 def train(config: DPORunConfig) -> PairRunResult:
+    with ExitStack() as cleanup:  # the FSDP2 ranks and Ray, on every way out
+        return run(config, cleanup)
+
+
+def run(config: DPORunConfig, cleanup: ExitStack) -> PairRunResult:
     dpo, training = config.dpo, config.training
     torch.manual_seed(config.seed)
     if config.num_threads:
@@ -117,17 +123,16 @@ def train(config: DPORunConfig) -> PairRunResult:
     )
 
     # per_batch keeps a frozen copy; with LoRA the policy with its adapters disabled is the reference
-    backend = Backend(
-        config.model,
-        config.training.backend_config(),
-        config.optimizer,
-        config.scheduler,
+    backend = build_recipe_backend(
+        config,
         dpo.max_steps,
-        head=LogprobHead(temperature=1.0),
+        LogprobHead(temperature=1.0),
+        cleanup,
+        rows_together=2,  # a pair's chosen and rejected rows
         load_reference=dpo.reference == "per_batch",
     )
     # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
-    use_reference = dpo.reference == "per_batch" or backend.peft is not None
+    use_reference = dpo.reference == "per_batch" or config.model.lora is not None
 
     def dpo_batch(pairs: list[TokenizedPair], reference_B: torch.Tensor | None = None) -> DPOBatch:
         return pair_batch(pairs, pad_id, batch_type=DPOBatch, reference_B=reference_B)

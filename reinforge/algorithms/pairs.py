@@ -1,10 +1,13 @@
 """What the two preference-pair recipes (`dpo.py`, `rm.py`) share: the run config's common sections and
 checks, pairs as a training batch, one optimizer step over a global batch of pairs and the held-out pass, both
-through the training backend (training/backend.py).
+through the training backend (training/backend.py), in this process or on FSDP2 ranks
+(algorithms/builders.py, `build_recipe_backend`).
 
 Batch sizes count sequences, as everywhere in `training`: a pair is two sequences (chosen and
 rejected, always in the same micro-batch), so `training.global_batch_size / 2` pairs make one
-optimizer step and `training.micro_batch_size / 2` pairs one forward/backward pass.
+optimizer step and `training.micro_batch_size / 2` pairs one forward/backward pass. The two are consecutive
+rows, so on FSDP2 ranks (each training on its contiguous share of a batch's rows) a share of an even number of
+rows holds whole pairs: `global_batch_size` must be a multiple of 2 x `num_workers`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 import torch
 from pydantic import model_validator
 
+from reinforge.algorithms.builders import check_backend
+from reinforge.cluster.config import ClusterConfig
 from reinforge.config.section import Section
 from reinforge.data.batch import TrainBatch
 from reinforge.data.preference import PreferenceDataConfig, TokenizedPair, collate_pairs
@@ -55,21 +60,26 @@ class PairRunConfig(Section):
     data: PreferenceDataConfig = PreferenceDataConfig()
     """The preference pairs."""
     training: PairTrainingConfig = PairTrainingConfig()
-    """The training backend and the batch sizes, in sequences (two per pair); only `backend: torch` for now."""
+    """The training backend (in this process, or `backend: fsdp2` on `num_workers` ranks) and the batch sizes, in
+    sequences (two per pair)."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """AdamW."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """The learning-rate schedule over the recipe's max_steps."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Whether to write the trained model to RUN_DIR/final."""
+    cluster: ClusterConfig = ClusterConfig()
+    """With `training.backend=fsdp2`: the Ray cluster the ranks run on and each rank's resources."""
 
     @model_validator(mode="after")
     def _check_training(self) -> "PairRunConfig":
         training = self.training
-        if training.backend != "torch" or training.num_workers != 1 or training.cpu_offload:
+        check_backend(training)
+        if training.global_batch_size % (2 * training.num_workers):
             raise ValueError(
-                "preference training runs in one process for now: set training.backend=torch, "
-                "training.num_workers=1, training.cpu_offload=false"
+                f"training.global_batch_size={training.global_batch_size} does not split into whole pairs over "
+                f"training.num_workers={training.num_workers} ranks: set it to a multiple of "
+                f"{2 * training.num_workers} (two sequences per pair per rank)"
             )
         if (
             training.global_batch_size < 2
@@ -88,10 +98,7 @@ class PairRunConfig(Section):
                 f"{training.global_batch_size}; set it to an even divisor of {training.global_batch_size}"
             )
         if self.model.lora and self.model.lora.quantize_base != "none":
-            raise ValueError(
-                "model.lora.quantize_base (QLoRA) is not supported by preference training, which runs in one CPU "
-                "process; set it to none"
-            )
+            raise ValueError("model.lora.quantize_base (QLoRA) is not supported by preference training; set it to none")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0 (0: torch's default)")
         if self.data.max_length < 2:

@@ -22,6 +22,7 @@ reward-model server) merges onto the base when it loads it.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from functools import partial
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ import torch
 from pydantic import model_validator
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
+from reinforge.algorithms.builders import build_recipe_backend
 from reinforge.algorithms.losses import bradley_terry_loss
 from reinforge.algorithms.pairs import (
     PairRunConfig,
@@ -53,7 +55,6 @@ from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import DTYPES, adapter_base, check_fits_context, load_tokenizer, model_location
 from reinforge.run_dir import atomic_directory, make_run_dir
-from reinforge.training.backend import Backend
 from reinforge.training.heads import ScalarHead
 from reinforge.training.lora import absolute_location, add_lora, check_lora, inner_model
 
@@ -78,12 +79,22 @@ class RMRunConfig(PairRunConfig):
     @model_validator(mode="after")
     def _check_rm(self) -> "RMRunConfig":
         check_schedule(self.rm.max_steps, self.rm.val_every, "rm")
+        if self.model.lora and self.training.backend == "fsdp2":  # FSDP2's adapter export keeps `.lora_` keys only
+            raise ValueError(
+                "model.lora with training.backend=fsdp2 is not supported by rm yet (the ranks' adapter export leaves "
+                "out the new score head); set training.backend=torch or model.lora=null"
+            )
         return self
 
 
 def train(config: RMRunConfig) -> PairRunResult:
+    with ExitStack() as cleanup:  # the FSDP2 ranks and Ray, on every way out
+        return run(config, cleanup)
+
+
+def run(config: RMRunConfig, cleanup: ExitStack) -> PairRunResult:
     rm, training = config.rm, config.training
-    torch.manual_seed(config.seed)  # also seeds the new scalar head
+    torch.manual_seed(config.seed)  # also seeds the new scalar head (FSDP2 ranks seed themselves the same way)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
@@ -106,9 +117,7 @@ def train(config: RMRunConfig) -> PairRunResult:
     head = ScalarHead(
         "score", from_previous_token=False, load_model=partial(load_scorer, pad_token_id=pad_id), causal_lm=False
     )
-    backend = Backend(
-        config.model, training.backend_config(), config.optimizer, config.scheduler, rm.max_steps, head=head
-    )
+    backend = build_recipe_backend(config, rm.max_steps, head, cleanup, rows_together=2)  # a pair's two rows
     pairs_per_step = training.global_batch_size // 2
     sampler = PromptSampler(train_pairs, pairs_per_step, config.seed, config.data.shuffle)  # draws pairs
     val_batch = pair_batch(val_pairs, pad_id, last_token_only=True) if val_pairs else None

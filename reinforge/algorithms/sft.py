@@ -17,13 +17,15 @@ than short ones, as in TRL and torchtune; a per-conversation mean would need a d
 
 With `model.lora` only PEFT's LoRA adapters are trained (their AdamW state only) and `final/` holds the
 adapter in PEFT's format (training/lora.py). The forward/backward, clipping and optimizer step go through the
-training backend (training/backend.py) with the policy's LM head; single process for now (`training.backend` must be
-`torch`: running SFT on FSDP2 ranks is the backend's strategy, not yet wired to a worker group).
+training backend (training/backend.py) with the policy's LM head, in this process (`training.backend=torch`) or on
+`training.num_workers` FSDP2 ranks (`fsdp2`), each training on its share of the global batch's conversations
+(algorithms/builders.py, `build_recipe_backend`): the same gradient, so the same run.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Iterator, Literal
@@ -32,7 +34,9 @@ import torch
 from pydantic import Field, model_validator
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from reinforge.algorithms.builders import build_recipe_backend, check_backend
 from reinforge.algorithms.losses import token_mean
+from reinforge.cluster.config import ClusterConfig
 from reinforge.config.loader import save_config
 from reinforge.config.section import Section
 from reinforge.data.batch import Normalisers, TrainBatch
@@ -131,15 +135,18 @@ class SFTRunConfig(Section):
     """Whether to write the trained model to RUN_DIR/final."""
     logging: LoggingConfig = LoggingConfig(run_dir="runs/sft")
     """Run directory and console output."""
+    cluster: ClusterConfig = ClusterConfig()
+    """With `training.backend=fsdp2`: the Ray cluster the ranks run on and each rank's resources."""
 
     @model_validator(mode="after")
     def _check(self) -> "SFTRunConfig":
         training, sft, data = self.training, self.sft, self.data
+        check_backend(training)
         checks = [
             (
-                training.backend == "torch" and training.num_workers == 1 and not training.cpu_offload,
-                "sft runs in one process for now: set training.backend=torch, training.num_workers=1 and "
-                "training.cpu_offload=false",
+                training.global_batch_size % training.num_workers == 0,
+                f"training.global_batch_size={training.global_batch_size} does not split over training.num_workers="
+                f"{training.num_workers} ranks: set it to a multiple of {training.num_workers}",
             ),
             (self.num_threads >= 0, "num_threads must be >= 0 (0: torch's default)"),
             (data.max_seq_len > 1, "data.max_seq_len must be > 1"),
@@ -162,8 +169,7 @@ class SFTRunConfig(Section):
             ),
             (
                 not (self.model.lora and self.model.lora.quantize_base != "none"),
-                "model.lora.quantize_base (QLoRA) is not supported by sft, which runs in one CPU process; "
-                "set it to none",
+                "model.lora.quantize_base (QLoRA) is not supported by sft; set it to none",
             ),
         ]
         for ok, message in checks:
@@ -183,6 +189,11 @@ class SFTResult:
 
 
 def train(config: SFTRunConfig) -> SFTResult:
+    with ExitStack() as cleanup:  # the FSDP2 ranks and Ray, on every way out
+        return run(config, cleanup)
+
+
+def run(config: SFTRunConfig, cleanup: ExitStack) -> SFTResult:
     sft = config.sft
     torch.manual_seed(config.seed)
     if config.num_threads:
@@ -191,7 +202,7 @@ def train(config: SFTRunConfig) -> SFTResult:
     tokenizer = load_tokenizer(config.model)
     check_fits_context(config.model, config.data.max_seq_len, f"data.max_seq_len={config.data.max_seq_len}")
     train_examples, val_examples = load_datasets(config, tokenizer)
-    backend = build_backend(config)
+    backend = build_backend(config, cleanup)
     # Only once the inputs are known to be good: a bad path never leaves a half-made run directory.
     run_dir = make_run_dir(config.logging.run_dir)
     save_config(
@@ -206,10 +217,10 @@ def train(config: SFTRunConfig) -> SFTResult:
 
     with ConsoleLog(sft.max_steps, "SFT") as console:
         console.print(f"run directory: {run_dir}")
+        num_parameters, num_trained = backend.num_parameters()
         console.print(
             f"{len(train_examples)} training / {len(val_examples)} validation conversations; "
-            f"{sum(p.numel() for p in backend.model.parameters()):,} parameters, "
-            f"{sum(p.numel() for p in backend.trainable):,} trained"
+            f"{num_parameters:,} parameters, {num_trained:,} trained"
         )
         if val_batch is not None:
             metrics = validate(backend, val_batch, console, step=0)
@@ -240,22 +251,13 @@ def train(config: SFTRunConfig) -> SFTResult:
     return SFTResult(run_dir=run_dir, first_val_loss=first, last_val_loss=last)
 
 
-def build_backend(config: SFTRunConfig) -> Backend:
-    """The training backend for SFT: the policy's LM head at temperature 1 (from random weights with
-    `sft.random_init`), micro-batches of `training.micro_batch_tokens` positions whose conversations are packed
-    (`training.sequence_packing`) into rows of `data.max_seq_len` tokens, AdamW over `sft.max_steps` steps."""
-    sft = config.sft
-    training = config.training.backend_config()
-    head = LogprobHead(temperature=1.0, load_model=random_model if sft.random_init else lora.load_policy)
-    return Backend(
-        config.model,
-        training,
-        config.optimizer,
-        config.scheduler,
-        sft.max_steps,
-        head=head,
-        row_tokens=config.data.max_seq_len,
-    )
+def build_backend(config: SFTRunConfig, cleanup: ExitStack | None = None) -> Backend:
+    """The training backend for SFT (in this process, or on FSDP2 ranks that `cleanup` stops): the policy's LM head
+    at temperature 1 (from random weights with `sft.random_init`), micro-batches of `training.micro_batch_tokens`
+    positions whose conversations are packed (`training.sequence_packing`) into rows of `data.max_seq_len` tokens,
+    AdamW over `sft.max_steps` steps."""
+    head = LogprobHead(temperature=1.0, load_model=random_model if config.sft.random_init else lora.load_policy)
+    return build_recipe_backend(config, config.sft.max_steps, head, cleanup, row_tokens=config.data.max_seq_len)
 
 
 def sft_step(backend: Backend, examples: list[ChatExample], pad_id: int) -> dict[str, float]:

@@ -2,7 +2,8 @@
 training/fsdp2.py) in Ray actors, behind the same training-backend interface as the backend in one process, so
 the RL loop does not know where its ranks run. Every rank gets the whole global batch (through the object store,
 once) and trains on its share; rank 0 answers. `FSDP2Ranks` is what every model trained on FSDP2 shares (the
-policy's `FSDP2Trainer` here, PPO's critic in cluster/fsdp2_critic_group.py)."""
+policy's `FSDP2Trainer` here, PPO's critic in cluster/fsdp2_critic_group.py, the SFT, DPO and RM models in
+cluster/fsdp2_group.py)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ class FSDP2Ranks:
             for name, value in metrics.items()
         }
 
+    def save_pretrained(self, path: Path) -> None:
+        self.group.call("save_pretrained", Path(path))
+
+    def save_adapter(self, path: Path) -> None:
+        self.group.call("save_adapter", Path(path))
+
     def save_state(self, path: Path) -> None:
         self.group.call("save_state", Path(path))
 
@@ -104,10 +111,7 @@ class FSDP2Trainer(FSDP2Ranks):
         return self.group.call("logprobs", batch, reference)[0]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.group.call("full_state")[0])
-
-    def save_pretrained(self, path: Path) -> None:
-        self.group.call("save_pretrained", Path(path))
-
-    def save_adapter(self, path: Path) -> None:
-        self.group.call("save_adapter", Path(path))
+        """The full weights one decoder layer at a time (`Backend.weight_parts`): the ranks gather a layer from their
+        shards and rank 0 hands it over before the next is gathered."""
+        for part in range(self.group.call("num_weight_parts")[0]):
+            yield from self.group.call("full_state", part)[0]

@@ -130,6 +130,7 @@ RL_SECTIONS = {
 }
 OFFLINE_SECTIONS = {
     "seed",
+    "cluster",
     "num_threads",
     "model",
     "data",

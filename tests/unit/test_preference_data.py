@@ -138,7 +138,7 @@ def test_demo_configs_load_and_unknown_keys_suggest_the_nearest_key_of_their_own
             ["training.global_batch_size=12", "training.micro_batch_size=8"],
             "does not divide training.global_batch_size=12",
         ),
-        (["training.backend=fsdp2"], "preference training runs in one process"),
+        (["training.backend=fsdp2", "training.num_workers=3"], "does not split into whole pairs"),
         (["dpo.beta=0"], "dpo.beta must be > 0"),
         (["dpo.max_steps=-1"], "dpo.max_steps must be >= 0"),
     ],
