@@ -5,8 +5,9 @@ splits it 49 + 48) trains 3 optimizer steps on GRPO's loss and on SFT's, in one 
 dp=2 x tp=2 (4 ranks), at cp=2 (Ulysses, training/ulysses.py) on sequences twice as long, and as two HSDP copies
 (dp_replicate=2); loss, gradient
 norm, entropy and every weight after the steps agree to 1e-5, for sdpa packed with shared prompts, eager unpacked,
-SFT's NLL packed, and a critic's squared error through a scalar value head (PPO's critic, the reward model's
-score head). One module fixture spawns each world once.
+SFT's NLL packed, a critic's squared error through a scalar value head (PPO's critic, the reward model's score
+head), and at tp=2 and cp=2 a Qwen3 (per-head q/k norms) and a Llama with activation checkpointing. One module
+fixture spawns each world once.
 """
 
 from functools import partial
@@ -16,7 +17,15 @@ import pytest
 import torch
 from test_fsdp2_worker import launch
 from test_torch_backend import loss_fn
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from reinforge.algorithms.losses import token_mean
 from reinforge.algorithms.sft import nll_loss
@@ -33,13 +42,19 @@ from reinforge.training.parallel import ParallelConfig, check_layout
 
 NUM_STEPS = 3
 METRICS = ("loss", "grad_norm", "entropy")
-# (name, attention implementation, training settings, loss)
+SHARED = dict(sequence_packing=True, share_prompts=True)
+# (name, model: its attention implementation or family, training settings, loss)
 SCENARIOS = (
     ("grpo_sdpa_shared", "sdpa", dict(sequence_packing=True, share_prompts=True), "grpo"),
     ("grpo_eager_padded", "eager", dict(sequence_packing=False), "grpo"),
     ("sft_sdpa_packed", "sdpa", dict(sequence_packing=True, share_prompts=False), "sft"),
-    ("critic_sdpa_shared", "sdpa", dict(sequence_packing=True, share_prompts=True), "value"),  # a scalar head
+    ("critic_sdpa_shared", "sdpa", SHARED, "value"),  # a scalar head
+    # the other families' plans (Qwen3's per-head q/k norms, Llama's bias-free projections), and activation
+    # checkpointing's recompute: at tp=2 and cp=2 only
+    ("qwen3_sdpa_shared", "qwen3", SHARED, "grpo"),
+    ("llama_checkpointed_shared", "llama", dict(SHARED, activation_checkpointing=True), "grpo"),
 )
+FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16)), "llama": (LlamaConfig, LlamaForCausalLM, {})}
 # (key, ranks, training.parallel); context parallelism trains on sequences twice as long
 LAYOUTS = (
     ("tp2", 2, dict(tp=2)),
@@ -48,12 +63,15 @@ LAYOUTS = (
     ("hsdp2", 2, dict(dp_replicate=2)),  # two model copies (HSDP's replicate dimension), one shard each
 )
 SCALE = {"tp2": 1, "dp2tp2": 1, "cp2": 2, "hsdp2": 1}
+RUNS = {"tp2": SCENARIOS, "cp2": SCENARIOS, "dp2tp2": SCENARIOS[:4], "hsdp2": SCENARIOS[:4]}
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
 
-def make_model_dir(path, attention):
+def make_model_dir(path, model):
+    """A Qwen2 with `model` as its attention implementation, or a Qwen3 or Llama (sdpa) of the same shape."""
     torch.manual_seed(0)
-    config = Qwen2Config(
+    config_class, model_class, extra = FAMILIES.get(model, (Qwen2Config, Qwen2ForCausalLM, {}))
+    config = config_class(
         vocab_size=97,
         hidden_size=64,
         intermediate_size=96,
@@ -62,9 +80,10 @@ def make_model_dir(path, attention):
         num_key_value_heads=2,
         max_position_embeddings=128,
         tie_word_embeddings=True,
-        attn_implementation=attention,
+        attn_implementation="sdpa" if model in FAMILIES else model,
+        **extra,
     )
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    model_class(config).save_pretrained(path)
     return path
 
 
@@ -116,10 +135,11 @@ def run_scenario(strategy, model_dir, training, loss, scale=1):
 def run_rank(rank, world_size, port, model_dirs, out_dir, parallel, scale):
     torch.set_num_threads(1)
     results = {}
-    for offset, (name, attention, training, loss) in enumerate(SCENARIOS):
+    layout = next(key for key, _, layout_parallel in LAYOUTS if layout_parallel == parallel)
+    for offset, (name, model, training, loss) in enumerate(RUNS[layout]):
         strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port + offset)
         training = dict(training, parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=world_size)
-        results[name] = run_scenario(strategy, model_dirs[attention], training, loss, scale)
+        results[name] = run_scenario(strategy, model_dirs[model], training, loss, scale)
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
@@ -127,11 +147,11 @@ def run_rank(rank, world_size, port, model_dirs, out_dir, parallel, scale):
 def runs(tmp_path_factory):
     """{"one": one process's results per scenario and sequence scale; each layout: every rank's per scenario}."""
     base = tmp_path_factory.mktemp("tp")
-    model_dirs = {attention: make_model_dir(base / attention, attention) for attention in ("sdpa", "eager")}
+    model_dirs = {model: make_model_dir(base / model, model) for model in ("sdpa", "eager", *FAMILIES)}
     results = {"model_dirs": model_dirs, "one": {}}
     for scale in (1, 2):
-        for name, attention, training, loss in SCENARIOS:
-            results["one"][name, scale] = run_scenario(None, model_dirs[attention], training, loss, scale)
+        for name, model, training, loss in SCENARIOS if scale == 1 else RUNS["cp2"]:
+            results["one"][name, scale] = run_scenario(None, model_dirs[model], training, loss, scale)
     for key, world_size, parallel in LAYOUTS:
         out_dir = base / key
         out_dir.mkdir()
@@ -139,8 +159,7 @@ def runs(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("layout", [key for key, _, _ in LAYOUTS])
-@pytest.mark.parametrize("scenario", [s[0] for s in SCENARIOS])
+@pytest.mark.parametrize("layout, scenario", [(key, s[0]) for key, _, _ in LAYOUTS for s in RUNS[key]])
 def test_tensor_and_context_parallel_training_equals_one_process(runs, layout, scenario):
     one = runs["one"][scenario, SCALE[layout]]
     assert one["metrics"][0]["grad_norm"] > 0
@@ -150,7 +169,8 @@ def test_tensor_and_context_parallel_training_equals_one_process(runs, layout, s
         for step in range(NUM_STEPS):
             for name in [name for name in METRICS if name in one["metrics"][step]]:
                 assert abs(ranked["metrics"][step][name] - one["metrics"][step][name]) <= 1e-5, (rank, step, name)
-    initial = Qwen2ForCausalLM.from_pretrained(runs["model_dirs"]["sdpa"]).state_dict()
+    model = next(model for name, model, _, _ in SCENARIOS if name == scenario)
+    initial = AutoModelForCausalLM.from_pretrained(runs["model_dirs"][model]).state_dict()
     weights = runs[layout][0][scenario]["weights"]
     assert weights.keys() == one["weights"].keys()
     for name, weight in one["weights"].items():
