@@ -218,6 +218,12 @@ def engine_group(config: RLRunConfig, share_with=None):
     from reinforge.cluster.generation_group import GenerationGroup
 
     gen, fraction = config.generation, 0.5 if share_with is not None else 1.0
+    if gen.backend == "vllm" and gen.vllm_tensor_parallel_size > 1 and config.cluster.num_gpus_per_worker > 0:
+        raise ReinforgeError(
+            f"generation.vllm_tensor_parallel_size={gen.vllm_tensor_parallel_size} with GPU workers in Ray is not "
+            "supported yet (an engine's actor holds one worker's GPUs); set it to 1, or run the engine in the "
+            "driver's process with training.backend=torch"
+        )
     if gen.backend == "vllm":
         from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Literal, Protocol
 
 import torch
+from pydantic import Field
 
 from reinforge.config.section import Section
 
@@ -45,6 +46,10 @@ class GenerationConfig(Section):
     and the first weight that differs. 1: every refit; 0: never (docs/algorithms.md)."""
     num_probe_prompts: int = 8
     """Training prompts sampled by the consistency probe."""
+    vllm_tensor_parallel_size: int = Field(default=1, ge=1)
+    """Tensor-parallel workers of each vLLM engine, whatever the trainer's layout (the refit sends whole tensors;
+    each worker loads its shards, and the refit check hashes each worker's shards). On CPU each worker gets an
+    equal share of the cores; on GPU one GPU each."""
     vllm_max_model_len: int | None = None
     """vLLM's context length; null: data.max_prompt_tokens + generation.max_new_tokens."""
     vllm_enforce_eager: bool | None = None

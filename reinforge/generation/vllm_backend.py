@@ -67,8 +67,25 @@ def engine_kwargs(config) -> dict:
         cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
         gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
         sleep_mode=gen.vllm_sleep_mode,
+        tensor_parallel_size=gen.vllm_tensor_parallel_size,
         lora_rank=config.model.lora.rank if adapter_sync(config) else None,
     )
+
+
+def cpu_binding(workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` tensor-parallel CPU workers: this process's cores in equal
+    contiguous shares ("0|1" for two workers on two cores); a one-line error when there are fewer cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        from reinforge.errors import ConfigError
+
+        raise ConfigError(
+            f"generation.vllm_tensor_parallel_size={workers} needs a core per worker on CPU, and this process has "
+            f"{len(cores)}; lower it to {len(cores)} or less"
+        )
+    share = len(cores) // workers
+    groups = [cores[i * share : (i + 1) * share] for i in range(workers)]
+    return "|".join(",".join(map(str, group)) for group in groups)
 
 
 def sampled_logprobs(sample) -> list[float]:
@@ -104,7 +121,11 @@ def served_weights(worker) -> WeightDigests:
         for leaf, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{leaf}".replace(".base_layer.", ".")
             weights.append((name, read_back(module) if gemm and leaf == "weight" else param))
-    return report("vllm engine", weights, getattr(type(model), "packed_modules_mapping", {}))
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    engine = "vllm engine" if size == 1 else f"vllm engine (tensor-parallel worker {rank} of {size})"
+    return report(engine, weights, getattr(type(model), "packed_modules_mapping", {}), rank, size)
 
 
 def served_adapter(worker, adapter_id: int) -> WeightDigests:
@@ -146,6 +167,7 @@ class VLLMGenerationBackend:
         gpu_memory_utilization: float = 0.5,
         sleep_mode: bool | None = None,
         lora_rank: int | None = None,
+        tensor_parallel_size: int = 1,
     ):
         on_gpu = torch.cuda.is_available()
         self.sleep_mode = on_gpu if sleep_mode is None else sleep_mode
@@ -174,6 +196,8 @@ class VLLMGenerationBackend:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if tensor_parallel_size > 1 and not on_gpu:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
         from vllm import LLM
 
         self.llm = LLM(
@@ -190,6 +214,10 @@ class VLLMGenerationBackend:
             # which CPU generators cannot do; whole-prompt prefills never need the rewind.
             enable_chunked_prefill=on_gpu,
             enable_sleep_mode=self.sleep_mode,
+            tensor_parallel_size=tensor_parallel_size,
+            # its workers are this process's children, in a Ray actor too (vLLM would pick its Ray executor there,
+            # which its CPU platform lacks)
+            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
             **({} if block_size is None else {"block_size": block_size}),
             **lora,
         )

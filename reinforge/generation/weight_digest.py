@@ -39,6 +39,8 @@ class WeightDigests:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # "float32", "bfloat16", ...
     packed_modules: dict[str, list[str]] = field(default_factory=dict)  # fused name -> its parts, in order
+    tp_rank: int = 0  # an engine of several tensor-parallel workers: this worker's shards
+    tp_size: int = 1
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -56,8 +58,10 @@ def digest_all(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, s
         return dict(zip([name for name, _ in named], pool.map(tensor_digest, [t for _, t in named])))
 
 
-def report(engine: str, named_tensors: Iterable[tuple[str, torch.Tensor]], packed=None) -> WeightDigests:
-    """An engine's `WeightDigests` of the tensors it serves."""
+def report(
+    engine: str, named_tensors: Iterable[tuple[str, torch.Tensor]], packed=None, tp_rank: int = 0, tp_size: int = 1
+) -> WeightDigests:
+    """An engine's (or one of its tensor-parallel workers') `WeightDigests` of the tensors it serves."""
     named = [(name, tensor.detach()) for name, tensor in named_tensors]
     return WeightDigests(
         engine=engine,
@@ -65,11 +69,32 @@ def report(engine: str, named_tensors: Iterable[tuple[str, torch.Tensor]], packe
         shapes={name: tuple(t.shape) for name, t in named},
         dtypes={name: str(t.dtype).removeprefix("torch.") for name, t in named},
         packed_modules=dict(packed or {}),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
     )
 
 
-def source_tensor(name: str, sent: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> torch.Tensor | None:
-    """The sent tensor behind engine weight `name`: itself, or a fused weight's parts concatenated (dim 0)."""
+def shard(tensor: torch.Tensor, shape: tuple[int, ...], rank: int, size: int) -> torch.Tensor | None:
+    """Tensor-parallel worker `rank`'s piece of a whole `tensor` that it holds as `shape`: the tensor itself where
+    they match (replicated), else its `rank`-th of `size` equal slices along the one dimension that differs, the
+    tensor zero-padded there first to `size` x the slice (a padded vocabulary)."""
+    if size == 1 or tuple(tensor.shape) == tuple(shape):
+        return tensor
+    if tensor.dim() != len(shape):
+        return None
+    differ = [d for d in range(tensor.dim()) if tensor.shape[d] != shape[d]]
+    if len(differ) != 1 or shape[differ[0]] * size < tensor.shape[differ[0]]:
+        return None
+    dim = differ[0]
+    padding = [0, 0] * (tensor.dim() - 1 - dim) + [0, shape[dim] * size - tensor.shape[dim]]
+    return torch.nn.functional.pad(tensor, padding).narrow(dim, rank * shape[dim], shape[dim])
+
+
+def source_tensor(
+    name: str, sent: dict[str, torch.Tensor], packed: dict[str, list[str]], rank: int = 0, size: int = 1
+) -> torch.Tensor | None:
+    """The sent tensor behind engine weight `name`: itself, or a fused weight's parts concatenated (dim 0); of an
+    engine of `size` tensor-parallel workers, worker `rank`'s shard of it (a fused weight: each part's, in order)."""
     if name in sent:
         return sent[name]
     module, _, leaf = name.rpartition(".")
@@ -77,7 +102,12 @@ def source_tensor(name: str, sent: dict[str, torch.Tensor], packed: dict[str, li
     if last in packed:
         parts = [f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}" for part in packed[last]]
         if all(part in sent for part in parts):
-            return torch.cat([sent[part].detach() for part in parts])
+            pieces = [sent[part].detach() for part in parts]
+            if size > 1:  # column-parallel: each part split over the workers
+                if any(piece.shape[0] % size for piece in pieces):
+                    return None
+                pieces = [piece.chunk(size)[rank] for piece in pieces]
+            return torch.cat(pieces)
     return None
 
 
@@ -95,8 +125,11 @@ def expected_digests(engine: WeightDigests, sent: dict[str, torch.Tensor], what:
     on all cores (each task builds its own tensor, so at most one per core is alive at a time)."""
 
     def expected(name: str) -> str:
-        source = source_tensor(name, sent, engine.packed_modules)
-        tensor = None if source is None else in_engine_layout(source, engine.shapes[name], engine.dtypes[name])
+        rank, size, shape = engine.tp_rank, engine.tp_size, engine.shapes[name]
+        source = source_tensor(name, sent, engine.packed_modules, rank, size)
+        if source is not None and name in sent:  # a whole sent tensor: the worker's slice of it
+            source = shard(source, shape, rank, size)
+        tensor = None if source is None else in_engine_layout(source, shape, engine.dtypes[name])
         if tensor is None:
             raise RefitMismatch(
                 f"refit check: cannot verify {engine.engine}: its {name} {list(engine.shapes[name])} has no "
@@ -114,7 +147,7 @@ def verify(reports: list[WeightDigests], sent: dict[str, torch.Tensor], what: st
     for engine in reports:
         if not engine.digests:
             raise RefitMismatch(f"refit check: {engine.engine} serves no {what}: it was never loaded")
-        layout = (tuple(engine.shapes.items()), tuple(engine.dtypes.items()))
+        layout = (tuple(engine.shapes.items()), tuple(engine.dtypes.items()), engine.tp_rank, engine.tp_size)
         if layout not in by_layout:
             by_layout[layout] = expected_digests(engine, sent, what)
         expected = by_layout[layout]

@@ -16,6 +16,7 @@ from reinforge.generation.weight_digest import (
     RefitMismatch,
     WeightDigests,
     in_engine_layout,
+    report,
     source_tensor,
     tensor_digest,
     verify,
@@ -118,3 +119,38 @@ def test_an_engine_weight_the_refit_cannot_produce_stops_saying_so_and_a_negativ
         verify([engine], {"w": torch.zeros(2, 2)})
     with pytest.raises(ConfigError, match="generation.verify_refit_every must be >= 0"):
         load_config(None, ["generation.verify_refit_every=-1"])
+
+
+def test_each_tensor_parallel_worker_is_checked_against_its_own_shards():
+    """Two workers hold vLLM's shards, built here by hand as vLLM lays them out: qkv fused per worker as
+    [q_r, k_r, v_r], o_proj split by columns, a 5-row vocabulary padded to 8 and split into 4 + 4, a norm whole."""
+    gen = torch.Generator().manual_seed(0)
+    sent = {
+        name: torch.randn(shape, generator=gen)
+        for name, shape in {
+            "m.attn.q_proj.weight": (4, 6),
+            "m.attn.k_proj.weight": (2, 6),
+            "m.attn.v_proj.weight": (2, 6),
+            "m.attn.o_proj.weight": (6, 4),
+            "m.embed.weight": (5, 6),
+            "m.norm.weight": (6,),
+        }.items()
+    }
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    padded_vocab = torch.cat([sent["m.embed.weight"], torch.zeros(3, 6)])
+
+    def worker(rank, o_proj=None):
+        q, k, v = (sent[f"m.attn.{p}_proj.weight"].chunk(2)[rank] for p in "qkv")
+        columns = sent["m.attn.o_proj.weight"][:, 2 * rank : 2 * rank + 2]
+        held = {
+            "m.attn.qkv_proj.weight": torch.cat([q, k, v]),
+            "m.attn.o_proj.weight": columns if o_proj is None else o_proj,
+            "m.embed.weight": padded_vocab[4 * rank : 4 * rank + 4],
+            "m.norm.weight": sent["m.norm.weight"],
+        }
+        return report(f"vllm engine (tensor-parallel worker {rank} of 2)", held.items(), packed, rank, 2)
+
+    verify([worker(0), worker(1)], sent)
+    wrong = sent["m.attn.o_proj.weight"][:, :2]  # worker 1 holding worker 0's columns
+    with pytest.raises(RefitMismatch, match=r"worker 1 of 2\) does not serve the weights just sent: m.attn.o_proj"):
+        verify([worker(0), worker(1, o_proj=wrong)], sent)
