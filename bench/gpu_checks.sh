@@ -9,7 +9,8 @@
 #      optimizer state, peak GPU memory, step time);
 #   4. where the image has vLLM: tests/e2e/test_refit_verify_vllm.py, the refit verification against vLLM's
 #      GPU parameters (hashed where they are, no CPU read-back), a planted skipped weight and an adapter never
-#      loaded caught; before the `quick` cut.
+#      loaded caught; before the `quick` cut;
+#   5. after it, on a machine of 4+ GPUs, bench/parallel_layouts.py: per-step time and MFU of dp, tp, cp and dp x tp (NCCL).
 # Results go to $OUT (default /tmp/gpu_checks). The GPU image has torch and transformers but not all of
 # reinforge's light dependencies: put their wheels in .whl/ and they are installed to /tmp/site first.
 # For a Python 3.12 image, on a machine with PyPI:
@@ -45,3 +46,10 @@ fi
 [ "${1:-all}" = quick ] && exit 0  # `gpu_checks.sh quick`: without the two variants below
 timeout 120 python3 bench/gpu_training_mfu.py --activation-checkpointing --json "$OUT/mfu_ac.json" 2>&1 | grep -v Loading | tail -25
 timeout 120 python3 bench/gpu_training_mfu.py --no-packing --json "$OUT/mfu_unpacked.json" 2>&1 | grep -v Loading | tail -25
+# Tensor and context parallelism over NCCL (training/parallel.py, training/ulysses.py) need 2+ GPUs: one rank each.
+if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+  timeout 300 python3 bench/parallel_layouts.py --hidden 2048 --layers 8 --peak-tflops 989 --json "$OUT/parallel_layouts.json" \
+    2>&1 | grep -v Loading | tail -8
+else
+  echo "parallel layouts: $(nvidia-smi -L | wc -l) GPU(s); tp, cp and dp x tp need one GPU per rank (4), skipped"
+fi
