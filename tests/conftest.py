@@ -5,7 +5,9 @@ overlap with each other carry an xdist group, and a group runs on one worker, te
 - "ray": every test that starts Ray or vLLM (they watch for leftover Ray processes, and each takes
   the machine's CPUs);
 - "sandbox": every test that starts sandboxes (some count the live sandbox processes);
-- "fsdp2_worker": tests/unit/test_fsdp2_worker.py, so that its costly module fixture runs once;
+- "fsdp2_worker": tests/unit/test_fsdp2_worker.py, test_tensor_parallel.py and test_reshard.py, whose module fixtures
+  spawn worlds of gloo ranks (one file's after another's, never two worlds at once);
+- "ulysses": tests/unit/test_ulysses.py, its world of two ranks once;
 - "gym": every test that starts NeMo Gym processes (from .gym-venv, `make gym-venv`), so that each
   module's servers start once and share the cores with one other worker only.
 Each worker keeps torch to one thread, and so do the processes it starts (OMP_NUM_THREADS), so that
