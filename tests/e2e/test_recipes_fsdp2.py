@@ -1,8 +1,8 @@
 """`reinforge sft|dpo|rm` with training.backend=fsdp2 training.num_workers=2: two real FSDP2 ranks in real Ray
-actors (gloo on CPU; for SFT also as two tensor-parallel ranks, and with the layout the planner picks) must train
-exactly as one process does, from the same (freshly drawn) weights: N ranks sum to
-the gradient of one global batch, so every step's loss and gradient norm, every validation metric (on held-out sets
-that do not split evenly over the ranks) and the final weights agree to float rounding."""
+actors (gloo on CPU; SFT's with the layout the planner picks) must train exactly as one process does, from the same
+(freshly drawn) weights: N ranks sum to the gradient of one global batch, so every step's loss and gradient norm,
+every validation metric (on held-out sets that do not split evenly over the ranks) and the final weights agree to
+float rounding."""
 
 import json
 import os
@@ -68,8 +68,9 @@ def close(a: float, b: float, tolerance: float = 1e-4) -> bool:
     return abs(a - b) <= tolerance * max(1.0, abs(a))
 
 
-# the layouts of the two ranks: FSDP2's two shards (SFT's chosen by the planner), or SFT's two tensor-parallel halves
-LAYOUTS = {"sft": ["training.parallel=auto"], "sft_tp2": ["training.parallel.tp=2"], "dpo": [], "rm": []}
+# the layouts of the two ranks: FSDP2's two shards (SFT's chosen by the planner); tensor parallelism's equality to
+# one process is tests/unit/test_tensor_parallel.py's (SFT's loss among them)
+LAYOUTS = {"sft": ["training.parallel=auto"], "dpo": [], "rm": []}
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))

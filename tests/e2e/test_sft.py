@@ -80,7 +80,7 @@ def test_sft_config_mistakes_are_one_line_errors_with_exit_status_2(tmp_path, ca
         (["sft.packing=true"], "unknown config key sft.packing: reinforge sft has no such setting"),
         (["training.lr=1e-3"], "did you mean optimizer.lr?"),
         (["training.micro_batch_tokens=100"], "training.micro_batch_tokens=100 < data.max_seq_len=256"),
-        (["training.backend=fsdp2"], "sft runs in one process for now"),
+        (["training.backend=fsdp2", "training.num_workers=3"], "does not split over training.num_workers=3 ranks"),
         (["data.val_path=data/demo/sft.jsonl"], "data.val_path and data.val_fraction are both set"),
         (["data.train_path=nope.jsonl"], "dataset file nope.jsonl does not exist"),
     ]:
