@@ -18,12 +18,14 @@ families listed in `TP_FAMILIES` (Qwen2, Qwen3, Llama, Mistral: the same module 
   slice of the intermediate dimension), the o and down projections row-wise, whose partial sums are
   reduce-scattered over the sequence;
 - between them the residual stream and the norms are sequence-parallel: each rank holds W / tp positions of
-  each row (rows are padded to a multiple of tp: data/packing.py's `width_multiple`) and all-gathers them
+  each row (rows are padded to a multiple of tp x cp: data/packing.py's `width_multiple`) and all-gathers them
   before the attention and the MLP;
 - the embedding and the LM head vocabulary-parallel (each rank holds V / tp rows, uneven where tp does not
   divide V: no padding, so nothing changes in the weights); the logprobs of the sampled tokens are computed
-  from each rank's slice of the logits with two all-reduces of [N] values, never the [N, V] logits
-  (`vocab_parallel_logprobs`, Megatron's vocab-parallel cross-entropy).
+  from each rank's slice of the logits with all-reduces of [N] values (the maximum, the sum of exponentials,
+  the sampled token's logit, the entropy's sum), never the [N, V] logits (`vocab_parallel_logprobs`,
+  Megatron's vocab-parallel cross-entropy). The embedding's output is all-reduced whole, so the model builds
+  its masks and rotary embeddings for every position, and the first layer takes its share of the positions.
 transformers' own tensor-parallel plans are not used: they do not shard the sequence, and they need the
 vocabulary divisible by tp.
 """
@@ -244,7 +246,12 @@ class _CopyToRanks(torch.autograd.Function):
 
 
 def is_vocab_parallel(weight: torch.Tensor) -> bool:
-    return isinstance(weight, DTensor) and weight.placements[-1] == Shard(0)
+    """An LM head's weight split over the vocabulary by tensor parallelism (FSDP2 has gathered its own shards)."""
+    return (
+        isinstance(weight, DTensor)
+        and weight.placements[-1] == Shard(0)
+        and (weight.device_mesh.mesh_dim_names or ("",))[-1] == "tp"
+    )
 
 
 def vocab_parallel_logprobs(
