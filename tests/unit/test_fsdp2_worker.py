@@ -62,12 +62,23 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
     worker.shutdown()
 
 
-def launch(world_size, model_dir, out_dir, *args, target=run_rank, timeout_s=120):
+def free_ports(count):
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago (bound together, so distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def launch(world_size, model_dir, out_dir, *args, target=run_rank, timeout_s=120, num_ports=1):
     """Run `target(rank, world_size, port, model_dir, out_dir, *args)` in `world_size` fresh processes on a
-    free port; fail (not hang) if one fails."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    free port (a list of `num_ports` distinct ones when more than one); fail, not hang, as soon as one fails."""
+    ports = free_ports(num_ports)
+    port = ports[0] if num_ports == 1 else ports
     context = mp.get_context("spawn")
     processes = [
         context.Process(target=target, args=(rank, world_size, port, model_dir, out_dir, *args))
@@ -76,11 +87,14 @@ def launch(world_size, model_dir, out_dir, *args, target=run_rank, timeout_s=120
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout_s
-    for process in processes:
-        process.join(max(deadline - time.monotonic(), 0))
+    while time.monotonic() < deadline and any(process.is_alive() for process in processes):
+        if any(process.exitcode not in (None, 0) for process in processes):
+            break  # the others would wait on it until their collective timeout
+        time.sleep(0.2)
     for process in processes:
         if process.is_alive():
             process.kill()
+        process.join()
     assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
 

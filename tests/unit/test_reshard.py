@@ -8,7 +8,6 @@ steps: 2 ranks -> one process, one process -> 2 ranks, and each with the uninter
 adapter's state saved on 2 ranks (tests/unit/test_fsdp2_lora.py's script) resumes in one process the same way.
 """
 
-import socket
 from functools import partial
 
 import pytest
@@ -48,8 +47,9 @@ def backend_on_ranks(rank, world_size, port, model_dir):
     )
 
 
-def run_rank(rank, world_size, port, model_dir, out_dir, second_port):
+def run_rank(rank, world_size, ports, model_dir, out_dir):
     """(A) 2 steps, save `two/`, a 3rd step; (B) on fresh ranks: the old format is refused, `one/` loads, a 3rd step."""
+    port, second_port = ports
     torch.set_num_threads(1)
     batch = torch.load(out_dir / "batch.pt", weights_only=False)
     saver = backend_on_ranks(rank, world_size, port, model_dir)
@@ -67,12 +67,6 @@ def run_rank(rank, world_size, port, model_dir, out_dir, second_port):
     result |= {"resumed": resumed.train_step(batch, STEP), "resumed_weights": dict(resumed.named_weights())}
     torch.save(result, out_dir / f"rank{rank}.pt")
     resumed.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def legacy_save(backend, path):
@@ -94,7 +88,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     legacy_next = one.train_step(batch, STEP)
     one.save_state(out_dir / "one")  # after step 2
     uninterrupted = {"metrics": one.train_step(batch, STEP), "weights": dict(one.named_weights())}
-    ranks = launch(2, tiny_model_dir, out_dir, free_port(), target=run_rank, timeout_s=180)
+    ranks = launch(2, tiny_model_dir, out_dir, target=run_rank, timeout_s=180, num_ports=2)
     return {"dir": out_dir, "batch": batch, "one": uninterrupted, "ranks": ranks, "legacy_next": legacy_next}
 
 

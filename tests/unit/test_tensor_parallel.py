@@ -132,12 +132,12 @@ def run_scenario(strategy, model_dir, training, loss, scale=1):
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights}
 
 
-def run_rank(rank, world_size, port, model_dirs, out_dir, parallel, scale):
+def run_rank(rank, world_size, ports, model_dirs, out_dir, parallel, scale):
     torch.set_num_threads(1)
     results = {}
     layout = next(key for key, _, layout_parallel in LAYOUTS if layout_parallel == parallel)
-    for offset, (name, model, training, loss) in enumerate(RUNS[layout]):
-        strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port + offset)
+    for port, (name, model, training, loss) in zip(ports, RUNS[layout], strict=True):
+        strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port)
         training = dict(training, parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=world_size)
         results[name] = run_scenario(strategy, model_dirs[model], training, loss, scale)
     torch.save(results, out_dir / f"rank{rank}.pt")
@@ -155,7 +155,10 @@ def runs(tmp_path_factory):
     for key, world_size, parallel in LAYOUTS:
         out_dir = base / key
         out_dir.mkdir()
-        results[key] = launch(world_size, model_dirs, out_dir, parallel, SCALE[key], target=run_rank, timeout_s=300)
+        ports = len(RUNS[key])  # one process group per scenario, each on a port of its own
+        results[key] = launch(
+            world_size, model_dirs, out_dir, parallel, SCALE[key], target=run_rank, timeout_s=300, num_ports=ports
+        )
     return results
 
 
