@@ -47,6 +47,18 @@ def vllm_max_lora_rank(rank: int) -> int:
     return next(size for size in VLLM_LORA_RANKS if size >= rank)
 
 
+class MoeConfig(Section):
+    """Mixture-of-experts settings (docs/moe.md); read only when the model has experts."""
+
+    router_replay: Literal["off", "rollout"] = "off"
+    """`rollout`: the trainer's forward routes every token of a trajectory to the experts the generation engine
+    chose when it sampled it, in every MoE layer (router replay: no train/inference routing mismatch); `off`: the
+    trainer's router chooses."""
+    aux_loss_coef: float = Field(default=0.0, ge=0)
+    """Weight of the auxiliary load-balancing loss (Switch Transformer's, as transformers computes it) added to
+    the training loss; 0 (the default in RL, as in NeMo-RL and veRL): logged, not trained on."""
+
+
 class ModelConfig(Section):
     name_or_path: str = "models/demo"
     """Hugging Face model id (e.g. Qwen/Qwen2.5-1.5B) or a local directory in Hugging Face format."""
@@ -56,6 +68,8 @@ class ModelConfig(Section):
     """Allow model code from the model's repository (only for architectures transformers lacks)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (training/lora.py); null: full fine-tuning."""
+    moe: MoeConfig = MoeConfig()
+    """Mixture-of-experts settings: router replay and the load-balancing loss (docs/moe.md)."""
     adapter: str | None = None
     """A trained PEFT adapter directory (a LoRA run's final/) merged into the weights of `name_or_path` when
     they load: to evaluate or serve a LoRA run, or to continue from a LoRA stage; it must have been trained

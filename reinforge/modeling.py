@@ -67,10 +67,47 @@ class ModelLimits:
 
     max_positions: int | None  # max_position_embeddings: the longest sequence, prompt and completion together
     vocab_size: int | None  # rows of the embedding: a token id must be below it
+    num_experts: int = 0  # routed experts per MoE layer (num_experts, num_local_experts, n_routed_experts); 0: dense
+
+
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's names for it
+# Routers whose forward is a softmax top-k (transformers 5.19), by class name: from hidden states [N, H] they return
+# (logits [N, E], scores [N, K]: the top-k probabilities, renormalised over the k when the model says so,
+# indices [N, K]). The generation engine records their indices and the trainer replays them (docs/moe.md).
+SOFTMAX_TOPK_ROUTERS = frozenset(
+    {
+        "Qwen3MoeTopKRouter",
+        "Qwen2MoeTopKRouter",
+        "OlmoeTopKRouter",
+        "FlexOlmoTopKRouter",
+        "Qwen3NextTopKRouter",
+        "MellumTopKRouter",
+        "Qwen3VLMoeTextTopKRouter",
+        "MixtralTopKRouter",
+        "MiniMaxTopKRouter",
+    }
+)
+
+
+def num_experts(config: PretrainedConfig) -> int:
+    """Routed experts per MoE layer of a transformers config (0: a dense model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(next((getattr(text, name) for name in EXPERT_COUNTS if getattr(text, name, None)), 0))
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    """Whether a transformers config describes a mixture-of-experts model."""
+    return num_experts(config) > 0
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's softmax top-k routers (`SOFTMAX_TOPK_ROUTERS`), in layer order (empty for a dense model, or one
+    whose router is of another kind)."""
+    return [m for m in model.modules() if any(c.__name__ in SOFTMAX_TOPK_ROUTERS for c in type(m).__mro__)]
 
 
 def model_limits(config: ModelConfig) -> ModelLimits:
-    """The model's context length and vocabulary size, from its config alone (no weights are loaded)."""
+    """The model's context length, vocabulary size and experts, from its config alone (no weights are loaded)."""
     location = model_location(config)
     try:
         model_config = AutoConfig.from_pretrained(location, trust_remote_code=config.trust_remote_code)
@@ -80,7 +117,7 @@ def model_limits(config: ModelConfig) -> ModelLimits:
         ) from None
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     positions, vocab = (getattr(text_config, name, None) for name in ("max_position_embeddings", "vocab_size"))
-    return ModelLimits(int(positions) if positions else None, int(vocab) if vocab else None)
+    return ModelLimits(int(positions) if positions else None, int(vocab) if vocab else None, num_experts(model_config))
 
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")

@@ -1,12 +1,13 @@
-"""Shared fixtures: a tiny random Qwen2 saved in Hugging Face format.
+"""Shared fixtures: a tiny random Qwen2 and a tiny random Qwen3-MoE saved in Hugging Face format.
 
 `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Tests that must not
 overlap with each other carry an xdist group, and a group runs on one worker, test after test:
 - "ray": every test that starts Ray or vLLM (they watch for leftover Ray processes, and each takes
   the machine's CPUs);
 - "sandbox": every test that starts sandboxes (some count the live sandbox processes);
-- "fsdp2_worker": tests/unit/test_fsdp2_worker.py, test_tensor_parallel.py and test_reshard.py, whose module fixtures
-  spawn worlds of gloo ranks (one file's after another's, never two worlds at once);
+- "fsdp2_worker": tests/unit/test_fsdp2_worker.py, test_tensor_parallel.py, test_reshard.py and
+  test_expert_parallel.py, whose module fixtures spawn worlds of gloo ranks (one file's after another's, never
+  two worlds at once);
 - "ulysses": tests/unit/test_ulysses.py, its world of two ranks once;
 - "gym": every test that starts NeMo Gym processes (from .gym-venv, `make gym-venv`), so that each
   module's servers start once and share the cores with one other worker only.
@@ -18,7 +19,7 @@ import os
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
 def pytest_configure(config):
@@ -46,3 +47,38 @@ def tiny_model_dir(tmp_path_factory):
     )
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
+
+
+def build_tiny_moe(path, **overrides):
+    """A 2-layer random Qwen3-MoE (vocab 64, 4 experts, top-2, head_dim 32: a size vLLM's CPU attention takes)
+    saved in `path`; `overrides` change its config."""
+    torch.manual_seed(0)
+    settings = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**(settings | overrides)))
+    with torch.no_grad():  # transformers starts routers at zero (every expert tied); give them a choice to make
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory):
+    """A 2-layer random Qwen3-MoE (`build_tiny_moe`) on disk, loadable with from_pretrained."""
+    return build_tiny_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 
 
@@ -49,6 +50,11 @@ class Trajectory:
     infra_error: str = ""  # that failure in one line, naming the component
     excluded: bool = False  # masked and in no statistic either: an infra failure, or in a group dropped for too few
     prompt_ordinal: int = -1  # its prompt's place in the run's stream of drawn prompts (0, 1, ...; -1: not drawn)
+    routed_experts: "np.ndarray | None" = None
+    """A mixture-of-experts policy's routes as the engine computed them: [prompt + response tokens, MoE layers,
+    top_k] expert indices (uint8, or int16 past 255 experts), for router replay (docs/moe.md); None: not
+    recorded. As vLLM returns them, the last token has none (it never ran through the engine): one row fewer,
+    and `collate` gives it -1 (generation/routes.py)."""
 
 
 @dataclass
@@ -64,6 +70,9 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, T]: the frozen reference policy's logprobs
     loss_normalisers: Normalisers | None = None  # the counts the loss divides by, when not this batch's own
     prompt_lengths: torch.Tensor | None = None  # [B] long: tokens of each sequence's prompt (training.share_prompts)
+    routed_experts: torch.Tensor | None = None
+    """[B, T, L, K] long: the engine's expert choices per token, MoE layer and top-k slot, -1 where none was
+    recorded (padding): router replay forces them in the trainer's forward (training/moe.py)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -102,6 +111,20 @@ class TrainBatch:
         return self.loss_normalisers or Normalisers(num_tokens=self.num_valid_tokens(), num_sequences=len(self))
 
 
+def collate_routes(trajectories: list[Trajectory], width: int) -> torch.Tensor | None:
+    """The trajectories' recorded expert routes as [B, width, L, K] long, -1 where a token has none (padding, or a
+    trajectory recorded without them); None when no trajectory has any."""
+    recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+    if not recorded:
+        return None
+    routes = torch.full((len(trajectories), width, *recorded[0].shape[1:]), -1, dtype=torch.long)
+    for row, trajectory in enumerate(trajectories):
+        if trajectory.routed_experts is not None:
+            tokens = torch.from_numpy(trajectory.routed_experts.astype(np.int64))
+            routes[row, : len(tokens)] = tokens[:width]
+    return routes
+
+
 def _rows(tensor: torch.Tensor, start: int, end: int, width: int) -> torch.Tensor:
     return tensor[start:end] if tensor.dim() == 1 else tensor[start:end, :width]
 
@@ -127,6 +150,7 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
             )
         gen_logprobs[row, num_prompt:end] = torch.tensor(trajectory.gen_logprobs, dtype=torch.float32)
     return TrainBatch(
+        routed_experts=collate_routes(trajectories, width),
         input_ids=input_ids,
         attention_mask=attention_mask,
         loss_mask=loss_mask,
