@@ -263,6 +263,7 @@ def sampling_params(config: RLRunConfig, step: int) -> SamplingParams:
         stop_strings=tuple(gen.stop_strings),
         num_samples=config.rollout.num_generations_per_prompt,
         seed=config.seed * 1_000_003 + step,  # a fresh, reproducible stream per step
+        record_routes=config.model.moe.router_replay == "rollout",  # the trainer replays the engine's routes
     )
 
 

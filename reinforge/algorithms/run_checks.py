@@ -1,7 +1,7 @@
 """Start-up checks of an RL run's inputs that need more than its config can see: the model directory (weights, its
-context length), the records (the math verifier's answers), the agents' code and the kind of each env.gym server.
-They run before the run directory is made (rl_loop.py), so that such an input is one line and never a half-made
-run directory, nor a run that trains on sequences its model cannot position."""
+context length, its experts), the records (the math verifier's answers), the agents' code and the kind of each
+env.gym server. They run before the run directory is made (rl_loop.py), so that such an input is one line and never a
+half-made run directory, nor a run that trains on sequences its model cannot position."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from reinforge.rollout.agent_runners import check_agent_server, import_agent
 def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:
     check_weights(config.model)
     check_context_length(config)
+    check_router_replay(config)
     if config.rollout.driver == "reinforge":
         check_math_records(prompts, config.env)
     for task, gym in config.env.gym.items():
@@ -57,6 +58,15 @@ def check_context_length(config: RLRunConfig) -> None:
         f"{config.generation.max_new_tokens}{turns} = {longest} tokens exceeds {where}; lower data.max_prompt_tokens "
         f"or generation.max_new_tokens{' (or rollout.max_turns)' if turns else ''}"
     )
+
+
+def check_router_replay(config: RLRunConfig) -> None:
+    """Router replay forces the trainer's MoE routers to the engine's choices: a model without experts has none."""
+    if config.model.moe.router_replay != "off" and not model_limits(config.model).num_experts:
+        raise ConfigError(
+            f"model.moe.router_replay={config.model.moe.router_replay}: model.name_or_path={config.model.name_or_path} "
+            "has no experts (a dense model: its config.json names no num_experts); set model.moe.router_replay=off"
+        )
 
 
 def check_math_records(prompts: list[Prompt], env: EnvConfig) -> None:

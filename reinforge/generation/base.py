@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Literal, Protocol
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -80,6 +81,9 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     num_samples: int = 1  # completions per prompt
     seed: int = 0
+    record_routes: bool = False
+    """Return each completion's mixture-of-experts routes (`Completion.routed_experts`), for router replay
+    (`model.moe.router_replay=rollout`); off, a dense model or a run without replay pays nothing."""
 
 
 @dataclass
@@ -90,6 +94,11 @@ class Completion:
     token_ids: list[int]  # generated tokens, including the stop token when one was produced
     logprobs: list[float]  # logprob of each generated token under the sampling distribution
     finish_reason: Literal["stop", "length"]  # "length": hit max_new_tokens (truncated)
+    routed_experts: np.ndarray | None = None
+    """With `SamplingParams.record_routes`: the experts the engine sent each token to, [prompt tokens + generated
+    tokens - 1, MoE layers, top_k] (uint8; int16 past 256 experts). As vLLM's `CompletionOutput.routed_experts`:
+    every token the engine ran through the model, the prompt's included; the last generated token never ran
+    (generation/routes.py). None when not asked for."""
 
 
 @dataclass

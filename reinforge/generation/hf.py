@@ -4,16 +4,24 @@ Batched `model.generate` with a KV cache and left padding. The logprob of each s
 from the scores that generate actually sampled from (after temperature, top-k and top-p), so it is the
 sampling distribution's logprob, as vLLM reports it. The engine keeps its own copy of the weights;
 `update_weights` copies the trainer's into it in place.
+
+With `params.record_routes` (a mixture-of-experts model, router replay) forward hooks on the routers read the
+experts of every token as generate computes with them: the prefill call gives the prompt's (left padding
+stripped), each decode call one generated token per row; each completion keeps those of its own tokens, by
+vLLM's convention (generation/routes.py: the last generated token, never fed back, has none). The hooks
+change nothing, so the tokens and logprobs are those of a run without them.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Iterable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.generation.routes import RouteRecorder, generation_routes, row_routes
 from reinforge.generation.weight_digest import WeightDigests, report
 
 
@@ -47,8 +55,25 @@ class HFGenerationBackend:
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
         stop_ids = list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
-        greedy = params.temperature == 0
-        output = self.model.generate(
+        recorder = RouteRecorder(self.model) if params.record_routes else None
+        with recorder.recording() if recorder else nullcontext():
+            output = self._generate(input_ids, attention_mask, stop_ids, params)
+        new_tokens_BN = output.sequences[:, width:]
+        scores_BNV = torch.stack(output.scores, dim=1).float()
+        logprobs_BN = torch.log_softmax(scores_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
+        completions = [
+            self._cut(new_tokens_BN[row].tolist(), logprobs_BN[row].tolist(), set(stop_ids), params)
+            for row in range(len(prompts))
+        ]
+        if recorder:
+            _attach_routes(completions, prompts, recorder, width)
+        return completions
+
+    def _generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, stop_ids: list[int], params: SamplingParams
+    ):
+        pad_id, greedy = self.tokenizer.pad_token_id, params.temperature == 0
+        return self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=params.max_new_tokens,
@@ -63,13 +88,6 @@ class HFGenerationBackend:
             output_scores=True,
             return_dict_in_generate=True,
         )
-        new_tokens_BN = output.sequences[:, width:]
-        scores_BNV = torch.stack(output.scores, dim=1).float()
-        logprobs_BN = torch.log_softmax(scores_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
-        return [
-            self._cut(new_tokens_BN[row].tolist(), logprobs_BN[row].tolist(), set(stop_ids), params)
-            for row in range(len(prompts))
-        ]
 
     def _cut(self, tokens: list[int], logprobs: list[float], stop_ids: set[int], params: SamplingParams) -> Completion:
         """Keep the tokens up to and including the first stop token or the end of a stop string."""
@@ -100,6 +118,15 @@ class HFGenerationBackend:
 
     def shutdown(self) -> None:
         self.model = None
+
+
+def _attach_routes(completions: list[Completion], prompts: list[list[int]], recorder: RouteRecorder, width: int):
+    """Give each completion of a left-padded chunk the routes of its own tokens (generation/routes.py)."""
+    prefill_BWLK, decode_BDLK = generation_routes(recorder.calls(), len(prompts), width)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        completion.routed_experts = row_routes(
+            prefill_BWLK, decode_BDLK, row, len(prompt), len(completion.token_ids), recorder.dtype
+        )
 
 
 class HFGenerationWorker(HFGenerationBackend):

@@ -19,7 +19,9 @@ reward, 0 when it has none, still counts in its group's baseline) and counted in
 An episode that failed on infrastructure (a Gym server's 5xx or no answer, an HTTP failure inside a
 Python agent, agent.timeout_s) is no verdict at all: it is run again as a new episode, then masked and
 left out of its group's statistics (rollout/infra.py, `rollout/infra_*`). `reward_components`
-are the trajectory's components (per-component metrics); `mask_sample` masks it.
+are the trajectory's components (per-component metrics); `mask_sample` masks it. With router replay the
+trajectory's routes are the last joined call's: its prompt is everything before its generation, so that one
+engine call routed every token of the trajectory but the last (generation/routes.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from reinforge.data.batch import Trajectory
@@ -60,6 +63,7 @@ class EpisodeTokens:
     gen_logprobs: list[float]  # 0 off the mask
     truncated: bool  # its last call hit the length limit
     contiguous: bool  # every call's prompt extended all that came before it
+    routed_experts: np.ndarray | None = None  # the last joined call's routes: it ran all earlier tokens as its prompt
 
 
 def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
@@ -78,7 +82,8 @@ def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
         mask += [0] * len(between) + [1] * len(call.generation_ids)
         logprobs += [0.0] * len(between) + list(call.logprobs)
         seen, last = call.prompt_ids + call.generation_ids, call
-    return EpisodeTokens(list(first.prompt_ids), response_ids, mask, logprobs, last.truncated, contiguous)
+    routes = last.routed_experts
+    return EpisodeTokens(list(first.prompt_ids), response_ids, mask, logprobs, last.truncated, contiguous, routes)
 
 
 def agent_of(record: dict[str, Any], config: AgentConfig) -> str:
@@ -318,6 +323,7 @@ class AgentRollout:
                 tokens.truncated,
                 len(episode.calls),
             )
+            trajectory.routed_experts = tokens.routed_experts
             trajectory.response_text = self.tokenizer.decode(episode.calls[-1].generation_ids, skip_special_tokens=True)
         return trajectory, status, tokens
 

@@ -9,7 +9,9 @@ another turn (one completion, continuing its own token sequence, so the engine's
 serves it). A trajectory ends when its environment says done, or after `max_turns` policy turns.
 Its reward is the last turn's or the sum over turns; the `extra_rewards` environments then score
 its final answer and add their weighted rewards as components. With `max_turns=1` this is plain
-single-turn GRPO.
+single-turn GRPO. With `params.record_routes` (router replay) a trajectory's routes are those of its last
+engine call, which ran all its earlier tokens (turns and observations) as its prompt: one forward's routes
+for every token but the last (generation/routes.py).
 """
 
 from __future__ import annotations
@@ -203,6 +205,7 @@ def rollout(
             trajectory.response_ids += completion.token_ids
             trajectory.response_mask += [1] * len(completion.token_ids)
             trajectory.gen_logprobs += completion.logprobs
+            trajectory.routed_experts = completion.routed_experts  # this call ran every earlier token as its prompt
             trajectory.truncated = completion.finish_reason == "length"
             trajectory.response_text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             trajectory.num_turns += 1

@@ -15,7 +15,8 @@ def generate_trajectories(
     params: SamplingParams,
     tokenizer: PreTrainedTokenizerBase,
 ) -> list[Trajectory]:
-    """`params.num_samples` unscored trajectories per prompt, grouped by prompt, in prompt order."""
+    """`params.num_samples` unscored trajectories per prompt, grouped by prompt, in prompt order; with
+    `params.record_routes`, each with the engine's routes of its tokens (the last one's excepted)."""
     result = engine.generate([p.token_ids for p in prompts], params)
     trajectories = []
     for group, (prompt, completions) in enumerate(zip(prompts, result.completions)):
@@ -30,6 +31,7 @@ def generate_trajectories(
                     group=group,
                     task="",
                     response_text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
+                    routed_experts=completion.routed_experts,  # with params.record_routes (router replay)
                 )
             )
     return trajectories

@@ -6,7 +6,8 @@ handed) is filed under that episode, in order. A call without one (a NeMo Gym ag
 server has one fixed base URL) is filed under its tokens: the episode's result lists the token ids of
 each of its calls, and each must be a call recorded here (`claim`), whose logprobs are then the ones
 the engine sampled with. Identical calls (same prompt, same tokens) are interchangeable: same
-policy, same distribution, same logprobs.
+policy, same distribution, same logprobs. With router replay each call keeps its routes (the experts the
+engine sent its tokens to).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass
@@ -24,6 +27,9 @@ class RecordedCall:
     generation_ids: list[int]  # including the stop token when there was one
     logprobs: list[float]  # of each generated token, under the distribution sampled from
     truncated: bool  # stopped by the length limit
+    routed_experts: np.ndarray | None = None
+    """With the run's router replay: the engine's routes of the call's prompt and generated tokens (all but the
+    last generated one), [tokens, MoE layers, top_k] (generation/base.py `Completion.routed_experts`)."""
 
 
 class CallRecorder:

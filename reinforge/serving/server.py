@@ -171,6 +171,7 @@ class PolicyServer:
                 list(completion.token_ids),
                 list(completion.logprobs),
                 completion.finish_reason == "length",
+                completion.routed_experts,  # with the run's router replay (its sampling asks for routes)
             )
             admission.session.recorder.record(call, admission.episode_id)
 
