@@ -35,13 +35,15 @@ import torch
 
 from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, load_model
+from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, is_moe, load_model, moe_routers
 from reinforge.training.base import LossFn, TrainingConfig
 from reinforge.training.heads import Head, LogprobHead, LogprobsAt
 from reinforge.training.lora import adapter_disabled, merge_lora_weights, scaling
 from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, plan_micro_batches
+from reinforge.training.moe import MoeRouting, RoutedTokens, forward_metrics, model_routing
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
 from reinforge.training.strategy import LocalStrategy, Strategy
+from reinforge.training.ulysses import context_group
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,12 @@ class Backend:
                 compile_decoder_layers(reference)
             self.reference = self.strategy.prepare(reference).eval()
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
+        self.moe = model_config.moe
+        replay = self.moe.router_replay == "rollout"
+        if is_moe(self.model.config) and (replay or moe_routers(self.model)):  # router replay, metrics: training/moe.py
+            MoeRouting(self.model, replay)
+            if replay and self.reference is not None:  # the reference's logprobs on the same routes
+                MoeRouting(self.reference, replay)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer_config = optimizer
         self.optimizer, self.scheduler = build_optimizer(self.trainable, optimizer, scheduler, num_optimizer_steps)
@@ -138,8 +146,11 @@ class Backend:
         (or its reference's: the frozen copy, or with LoRA the policy with its adapters disabled), or values."""
         model = self.reference if reference and self.peft is None else self.model
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
-        with adapter_disabled(self.peft if reference else None):
-            return self.strategy.per_token(batch, self.plan, partial(self._outputs, model))
+        try:
+            with adapter_disabled(self.peft if reference else None):
+                return self.strategy.per_token(batch, self.plan, partial(self._outputs, model))
+        finally:
+            clear_routing(model)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """`per_token` of a backend with an LM head: per-token logprobs [B, T], 0 off `batch.loss_mask`."""
@@ -181,19 +192,36 @@ class Backend:
         norm = batch.normalisers()
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
         extremes: dict[str, torch.Tensor] = {}
-        for _, micro, rows in self.strategy.micro_batches(batch, self.plan):
-            accumulate_metrics(totals, extremes, self._micro_pass(micro, rows, loss, norm, backward))
+        routed = RoutedTokens.of(batch) if model_routing(self.model) is not None else None
+        try:
+            for _, micro, rows in self.strategy.micro_batches(batch, self.plan):
+                accumulate_metrics(totals, extremes, self._micro_pass(micro, rows, loss, norm, backward, routed))
+        finally:
+            clear_routing(self.model)
         return self.strategy.reduce_metrics(totals, extremes)
 
     def _micro_pass(
-        self, micro: TrainBatch, rows: list[list[int]], loss: Loss, norm: Normalisers, backward: bool
+        self,
+        micro: TrainBatch,
+        rows: list[list[int]],
+        loss: Loss,
+        norm: Normalisers,
+        backward: bool,
+        routed: RoutedTokens | None = None,
     ) -> dict[str, torch.Tensor]:
         """Forward, loss (and backward) of one micro-batch; its detached metric contributions, summable over
-        micro-batches like the loss, with the head's per-token diagnostics (the policy's entropy) as token means."""
+        micro-batches like the loss, with the head's per-token diagnostics (the policy's entropy) as token means.
+        An MoE model's routing metrics (`routed`: the batch's token counts) come with them, and its auxiliary
+        load-balancing loss joins the loss with weight `model.moe.aux_loss_coef`."""
         outputs_BT, micro, diagnostics = self.head.forward(
             self.model, self.hidden[id(self.model)], micro, rows, self.config, loss.logprobs_at
         )
         value, metrics = loss(outputs_BT, micro, norm)
+        if (routing := model_routing(self.model)) is not None:
+            moe_metrics = forward_metrics(routing.statistics(context_group(self.model)), routed, routing.replay)
+            if self.moe.aux_loss_coef > 0:
+                value = value + self.moe.aux_loss_coef * moe_metrics["moe/aux_loss"]
+            metrics.update(moe_metrics)
         if backward:
             value.backward()
         mask, num_tokens = micro.loss_mask, max(norm.metric_tokens, 1)
@@ -264,6 +292,13 @@ class Backend:
 
     def shutdown(self) -> None:
         self.strategy.shutdown()
+
+
+def clear_routing(model: torch.nn.Module) -> None:
+    """Forget an MoE model's last routed forward (its routes and captured logits), so no later forward of the
+    model (a generation engine's, say) replays them."""
+    if (routing := model_routing(model)) is not None:
+        routing.clear()
 
 
 def with_outputs(loss_fn: LossFn, *logprobs_at: LogprobsAt) -> Loss:

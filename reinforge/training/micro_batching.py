@@ -46,6 +46,7 @@ from reinforge.data.packing import (
 )
 from reinforge.errors import ConfigError
 from reinforge.training.base import TrainingConfig
+from reinforge.training.moe import model_routing
 from reinforge.training.parallel import ParallelConfig, is_vocab_parallel, vocab_parallel_logprobs
 from reinforge.training.segment_attention import forward_layout
 from reinforge.training.ulysses import context_group, sequence_chunk, sum_over_group, ulysses_forward
@@ -339,9 +340,11 @@ def trained_hidden_states(
     over the group (`combine_context`). `logits_to_keep` goes to the
     model (1: a causal LM's head on one position per row; None: a model without that argument)."""
     layout = micro_batch_layout(micro, rows, config)
+    group = context_group(model)
+    if (routing := model_routing(model)) is not None:  # MoE: replay recorded routes, capture the routing
+        routing.prepare(micro, layout, None if group is None else sequence_chunk(layout.input_ids.shape[1], group))
     # with logits_to_keep=1 the LM head runs on one position per row: `hidden` has what the head needs
     kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
-    group = context_group(model)
     b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
     assert bool((t_index >= shift).all()), "column 0 is in the loss mask"
     flat = layout.token_index[b_index, t_index]  # where each trained token sits in the layout
