@@ -14,6 +14,9 @@ the same names as one process's (`model.layers.0.self_attn.q_proj.lora_A.default
 `reinforge convert` reads either. A value head (PPO's critic) sits on the root module, beside the embeddings,
 and is left whole after the root's forward for the head to be applied after the decoder, as the LM head is.
 
+With `training.parallel.ep` a mixture-of-experts model's experts are split over ranks and its tokens sent to
+them (training/expert_parallel.py); their FSDP2 shards are on a mesh of their own, with the same SUM reduction.
+
 Master weights and optimizer state are always fp32; forward/backward run in `model.dtype` (float32 on CPU,
 bfloat16 on GPU) through FSDP2's MixedPrecisionPolicy, and gradients are reduced in fp32. Ray is not imported
 here: the cluster layer runs one `Backend` with an `FSDP2Strategy` per actor.
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from transformers import PreTrainedModel
 
 from reinforge.data.batch import TrainBatch
@@ -39,6 +42,7 @@ from reinforge.model_config import ModelConfig
 from reinforge.modeling import DTYPES
 from reinforge.training import state
 from reinforge.training.base import TrainingConfig
+from reinforge.training.expert_parallel import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
 from reinforge.training.lora import adapter_state_dict, is_adapter_key
 from reinforge.training.micro_batching import Prompts, select_micro_batch, split_to
 from reinforge.training.parallel import (
@@ -58,14 +62,19 @@ def shard_model(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None = None,
+    experts_mesh: DeviceMesh | None = None,
 ) -> PreTrainedModel:
-    """FSDP2 on each decoder layer, then the root (embeddings, final norm and the tied lm_head).
+    """FSDP2 on each decoder layer, then the root (embeddings, final norm and the tied lm_head); with
+    `experts_mesh` (expert parallelism) first on each experts module, whose weights are sharded over `ep` already
+    (training/expert_parallel.py), on that mesh of the other data-parallel ranks.
 
     Gradients are SUM-reduced: the loss is already divided by the global token count, so FSDP2's
     default division by the world size would shrink the gradient N-fold. `set_gradient_divide_factor`
     acts on one module only, hence the loop; sum-only collectives avoid PREMUL_SUM, which gloo lacks.
     """
     offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
+    for experts in expert_modules(model) if experts_mesh is not None else ():
+        fully_shard(experts, mesh=experts_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
@@ -101,9 +110,19 @@ def gather(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     gathered: dict[int, torch.Tensor] = {}
     for tensor in state_dict.values():
         if id(tensor) not in gathered:
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            gathered[id(tensor)] = full.detach().cpu()
+            gathered[id(tensor)] = (full_tensor(tensor) if isinstance(tensor, DTensor) else tensor).detach().cpu()
     return {name: gathered[id(tensor)] for name, tensor in state_dict.items()}
+
+
+def full_tensor(tensor: DTensor) -> torch.Tensor:
+    """A DTensor whole, gathered one mesh dimension at a time from the innermost: FSDP2's strided shard beside
+    tensor or expert parallelism's Shard(0) then takes one all-gather per dimension, in the order DTensor wants
+    (`full_tensor` gathers the outer first, with a warning that its results might differ between ranks)."""
+    placements = list(tensor.placements)
+    for dim in reversed(range(tensor.device_mesh.ndim)):
+        placements[dim] = Replicate()
+        tensor = tensor.redistribute(tensor.device_mesh, placements)
+    return tensor.to_local()
 
 
 class FSDP2Strategy:
@@ -143,6 +162,8 @@ class FSDP2Strategy:
         self.mesh = build_mesh(self.device.type, self.parallel)
         # the ranks with distinct shares of each batch; tp and cp ranks of one share compute the same outputs
         self.dp_group, self.dp_rank = self.mesh["dp"].get_group(), self.mesh["dp"].get_local_rank()
+        # expert parallelism: `dp_shard_cp` unflattened into (edp_shard, ep) for the experts' weights
+        self.expert_mesh = expert_mesh(self.mesh, self.parallel) if self.parallel.ep > 1 else None
         # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
         self.offload_policy = CPUOffloadPolicy() if training.cpu_offload else None
         return training
@@ -165,7 +186,12 @@ class FSDP2Strategy:
             tensor_parallelize(placed, self.mesh["tp"])
         if self.parallel.cp > 1:  # its forward passes run on this rank's chunk of each row (training/ulysses.py)
             split_context(placed, self.mesh["cp"].get_group())
-        return shard_model(placed, fsdp_mesh(self.mesh, self.parallel), self.mp_policy, self.offload_policy)
+        experts_mesh = None
+        if self.expert_mesh is not None:  # each rank's experts, tokens sent to them (training/expert_parallel.py)
+            shard_experts(placed, self.expert_mesh["ep"])
+            experts_mesh = expert_fsdp_mesh(self.expert_mesh, self.parallel)
+        mesh = fsdp_mesh(self.mesh, self.parallel)
+        return shard_model(placed, mesh, self.mp_policy, self.offload_policy, experts_mesh)
 
     def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
         """The contiguous rows of data-parallel rank `rank` (this one's by default); equal shares keep the ranks'

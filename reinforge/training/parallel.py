@@ -11,6 +11,7 @@
 Ranks that differ only in `cp` or `tp` train on the same sequences; the batch is shared over
 `dp_replicate x dp_shard` ranks. FSDP2 shards the parameters over `dp_shard x cp` (cp ranks hold the same
 weights, so they shard them like data-parallel ranks, as torchtitan does) and replicates over `dp_replicate`.
+Expert parallelism (`ep`) borrows its ranks from `dp_shard x cp` (training/expert_parallel.py).
 
 Tensor parallelism (`tensor_parallelize`) follows Megatron's layout with PyTorch's styles, for the decoder
 families listed in `TP_FAMILIES` (Qwen2, Qwen3, Llama, Mistral: the same module names):
@@ -53,6 +54,7 @@ from torch.distributed.tensor.parallel import (
 from reinforge.config.section import Section
 from reinforge.errors import ConfigError
 from reinforge.modeling import model_location
+from reinforge.training.expert_parallel import check_expert_layout
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 TP_FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
@@ -71,20 +73,27 @@ class ParallelConfig(Section):
     cp: int = Field(default=1, ge=1)
     """Context-parallel ranks: each sequence's positions split over them (Ulysses: heads / tp must divide by cp)."""
     ep: int = Field(default=1, ge=1)
-    """Expert-parallel ranks for mixture-of-experts models (not yet: 1)."""
+    """Expert-parallel ranks of a mixture-of-experts model: its experts split over them, tokens sent to their
+    experts' rank by all-to-all (training/expert_parallel.py). Borrowed from FSDP2's shard ranks, not added to
+    them: it must divide dp_shard x cp and the experts per layer."""
 
     def resolved(self, num_workers: int) -> "ParallelConfig":
         """With `dp_shard` filled in; a one-line error when the dimensions do not multiply to `num_workers`."""
         others = self.dp_replicate * self.tp * self.cp
         dp_shard = num_workers // others if self.dp_shard == -1 else self.dp_shard
-        if self.ep != 1:
-            raise ConfigError("training.parallel.ep > 1 (expert parallelism) is not supported yet; set it to 1")
         if dp_shard < 1 or others * dp_shard != num_workers:
             raise ConfigError(
                 f"training.parallel: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
                 f"tp={self.tp} must multiply to training.num_workers={num_workers}; "
                 f"e.g. training.num_workers={others * max(dp_shard, 1)}, or dp_shard=-1 with a num_workers that "
                 f"{others} divides"
+            )
+        if (dp_shard * self.cp) % self.ep:
+            divisors = [e for e in range(1, dp_shard * self.cp + 1) if dp_shard * self.cp % e == 0]
+            raise ConfigError(
+                f"training.parallel.ep={self.ep} must divide dp_shard x cp = {dp_shard} x {self.cp} (expert "
+                f"parallelism borrows FSDP2's shard ranks); the nearest valid ep is "
+                f"{min(divisors, key=lambda e: (abs(e - self.ep), e))}"
             )
         return self.model_copy(update={"dp_shard": dp_shard})
 
@@ -107,7 +116,8 @@ ParallelSetting = ParallelConfig | Literal["auto"]
 
 
 def check_layout(parallel: ParallelConfig, text_config) -> None:
-    """The model can be split this way: a one-line error naming the nearest valid tp or cp otherwise."""
+    """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise."""
+    check_expert_layout(parallel, text_config)
     heads, kv_heads = text_config.num_attention_heads, getattr(text_config, "num_key_value_heads", None)
     kv_heads = kv_heads or heads
     if parallel.tp > 1:

@@ -6,7 +6,9 @@ process and for a sharded model of DTensors on N ranks), and `scheduler.pt`, the
 stores each tensor under its global shape, each writer's pieces at their offsets (one process writes one file,
 `__0_0.distcp`; N ranks one each), and a reader loads the pieces its own shards cover. So a checkpoint resumes
 under any layout: written on 2 FSDP2 ranks, read in one process or on ranks of another mesh, and back
-(tests/unit/test_reshard.py: the next step's loss, grad_norm and weights equal the uninterrupted run's to 1e-5),
+(tests/unit/test_reshard.py: the next step's loss, grad_norm and weights equal the uninterrupted run's to 1e-5;
+expert-parallel ranks' experts, DTensors on their own mesh, are stored whole the same way:
+tests/unit/test_expert_parallel.py),
 and `reinforge convert` reads the global tensors of any (`model_state_dict`).
 
 With LoRA (`adapter_only`) the state is the adapter's and its AdamW state's only: the frozen base is the model's
