@@ -25,6 +25,12 @@ computes with, inside its worker: on CPU vLLM frees a linear layer's parameter o
 those weights are read back through the layer's own kernel (`read_back`); vLLM's `compute_weight_checksums`
 would hash the empty parameters there.
 
+Mixture-of-experts models (generation/vllm_moe.py): the refit sends transformers' fused expert tensors as they
+are (vLLM's loader takes them), then re-prepacks the experts on CPU; with LoRA adapter sync (GPU only) the engine
+adapts only the modules the trainer's adapter has (`lora_targets`: attention, not the experts); with router
+replay (`model.moe.router_replay=rollout`, `route_experts`) vLLM records every token's experts and each
+`Completion` carries them (GPU only: Model Runner V2).
+
 Logprobs are vLLM's `processed_logprobs`: after temperature and top-k/top-p, i.e. of the
 distribution it sampled from, like the HF backend's. Prefix caching is on: the G samples of a prompt
 share its KV blocks.
@@ -38,6 +44,15 @@ from typing import Iterable
 import torch
 
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.generation.vllm_moe import (
+    check_lora_supported,
+    check_refit_supported,
+    check_routes_supported,
+    expert_prepack_isa,
+    padded_expert_width,
+    repack_experts,
+    route_array,
+)
 from reinforge.generation.weight_digest import WeightDigests, report
 from reinforge.model_config import adapter_sync, vllm_max_lora_rank
 
@@ -55,6 +70,7 @@ def max_sequence_tokens(config) -> int:
 def engine_kwargs(config) -> dict:
     """`VLLMGenerationBackend` arguments from an RL run's root config (in-process engine or Ray actor alike)."""
     from reinforge.modeling import model_location
+    from reinforge.training.lora import moe_lora_targets
 
     gen = config.generation
     return dict(
@@ -69,6 +85,8 @@ def engine_kwargs(config) -> dict:
         sleep_mode=gen.vllm_sleep_mode,
         tensor_parallel_size=gen.vllm_tensor_parallel_size,
         lora_rank=config.model.lora.rank if adapter_sync(config) else None,
+        lora_targets=moe_lora_targets(config.model) if adapter_sync(config) else None,
+        route_experts=config.model.moe.router_replay == "rollout",
     )
 
 
@@ -96,12 +114,20 @@ def sampled_logprobs(sample) -> list[float]:
     return list(flat.logprobs)
 
 
+def input_size(module: torch.nn.Module) -> int:
+    """K of a vLLM layer whose weight is freed: a tensor-parallel shard's, a replicated layer's (a MoE router), an
+    LM head's."""
+    return (
+        getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None) or module.embedding_dim
+    )
+
+
 def read_back(module: torch.nn.Module) -> torch.Tensor:
     """The [N, K] weight a vLLM-CPU linear layer computes with, read back through its own GEMM kernel
     (`cpu_linear`, oneDNN's packed copy; the parameter itself is freed): identity rows in, W^T out, exact
     because each output is one weight times 1 plus zeros."""
     weight = module.weight
-    k = weight.shape[1] if weight.numel() else getattr(module, "input_size_per_partition", None) or module.embedding_dim
+    k = weight.shape[1] if weight.numel() else input_size(module)
     eye = torch.eye(k, dtype=weight.dtype)
     return torch.cat([module.cpu_linear(eye[i : i + 1024], weight, None) for i in range(0, k, 1024)]).T
 
@@ -125,7 +151,8 @@ def served_weights(worker) -> WeightDigests:
 
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     engine = "vllm engine" if size == 1 else f"vllm engine (tensor-parallel worker {rank} of {size})"
-    return report(engine, weights, getattr(type(model), "packed_modules_mapping", {}), rank, size)
+    packed = getattr(type(model), "packed_modules_mapping", {})
+    return report(engine, weights, packed, rank, size, expert_prepack_isa(model))
 
 
 def served_adapter(worker, adapter_id: int) -> WeightDigests:
@@ -168,8 +195,14 @@ class VLLMGenerationBackend:
         sleep_mode: bool | None = None,
         lora_rank: int | None = None,
         tensor_parallel_size: int = 1,
+        lora_targets: list[str] | None = None,
+        route_experts: bool = False,
     ):
         on_gpu = torch.cuda.is_available()
+        if route_experts:
+            check_routes_supported(on_gpu)
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM returns routes from Model Runner V2 only
+        self.route_experts = route_experts
         self.sleep_mode = on_gpu if sleep_mode is None else sleep_mode
         if self.sleep_mode and not on_gpu:
             from reinforge.errors import ConfigError
@@ -186,12 +219,16 @@ class VLLMGenerationBackend:
             )
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
         self.lora_enabled = lora_rank is not None
+        if self.lora_enabled:
+            check_lora_supported(on_gpu, model_path)
         self.adapter = None  # the LoRARequest of the adapter `load_adapter` loaded last, used by every generate
         lora = (
             dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
             if self.lora_enabled
             else {}
         )
+        if self.lora_enabled and lora_targets is not None:  # LoRA layers only where the adapter has weights
+            lora["lora_target_modules"] = list(lora_targets)
         # Before importing vllm: it reads these when its engine starts.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
@@ -219,8 +256,12 @@ class VLLMGenerationBackend:
             # which its CPU platform lacks)
             distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
             **({} if block_size is None else {"block_size": block_size}),
+            **({"enable_return_routed_experts": True} if route_experts else {}),
             **lora,
         )
+        self.padded_experts = self.llm.collective_rpc(padded_expert_width)[0]
+        text_config = self.llm.llm_engine.model_config.hf_text_config
+        self.num_experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", 0)
 
     def sleep(self) -> None:
         """Release accelerator memory until the next refit or rollout (a no-op without sleep mode)."""
@@ -240,6 +281,8 @@ class VLLMGenerationBackend:
         self._wake("weights")
         self._wake("kv_cache")
         greedy = params.temperature == 0
+        routes = params.record_routes
+        assert self.route_experts or not routes, "routes need an engine built with route_experts (router replay)"
         per_prompt = [
             VLLMSamplingParams(
                 n=params.num_samples,
@@ -272,6 +315,7 @@ class VLLMGenerationBackend:
                         token_ids=list(sample.token_ids),
                         logprobs=sampled_logprobs(sample),
                         finish_reason="length" if sample.finish_reason == "length" else "stop",
+                        routed_experts=route_array(sample.routed_experts, self.num_experts) if routes else None,
                     )
                     for sample in output.outputs
                 ]
@@ -279,9 +323,11 @@ class VLLMGenerationBackend:
         return GenerationResult(completions=completions)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        check_refit_supported(self.padded_experts)
         weights = [(name, tensor.detach()) for name, tensor in named_tensors]
         self._wake("weights")  # the KV cache stays free until the next rollout
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts (vllm_moe.py)
         self.llm.reset_prefix_cache()
 
     def weight_digests(self) -> list[WeightDigests]:

@@ -6,16 +6,20 @@ of its CPU linear layers read back through the layer's own GEMM kernel (vLLM-CPU
 oneDNN's layout after loading and frees the parameter, so the parameter says nothing there). The expected
 digests come from the very tensors the refit sent, mapped into that layout: fused parameters (vLLM's
 `packed_modules_mapping`, e.g. q/k/v -> qkv_proj) are their parts concatenated along dim 0 in mapping
-order, cast to the engine's dtype, a padded vocabulary dimension zero-padded to the engine's shape. Equal
-digests are equal bytes: the check is exact, never a tolerance. For a LoRA adapter sync the engine reports
-the digests of the adapter tensors it loaded and serves (none when no adapter is loaded), and the expected
-ones are those of the adapter file the trainer wrote.
+order, cast to the engine's dtype, a padded vocabulary dimension zero-padded to the engine's shape. A
+mixture-of-experts layer's experts (vLLM's `w13_weight` [E, 2I, H] / `w2_weight` [E, H, I]) come from the
+fused `gate_up_proj` / `down_proj` the trainer sends (`expert_tensor`: each tensor-parallel worker's slice of
+the gate and of the up half, the intermediate size zero-padded to the engine's), prepacked as vLLM-CPU holds
+them (generation/vllm_moe.py). Equal digests are equal bytes: the check is exact, never a tolerance. For a
+LoRA adapter sync the engine reports the digests of the adapter tensors it loaded and serves (none when no
+adapter is loaded), and the expected ones are those of the adapter file the trainer wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +45,7 @@ class WeightDigests:
     packed_modules: dict[str, list[str]] = field(default_factory=dict)  # fused name -> its parts, in order
     tp_rank: int = 0  # an engine of several tensor-parallel workers: this worker's shards
     tp_size: int = 1
+    expert_prepack_isa: str | None = None  # vLLM-CPU: the ISA its MoE expert weights are prepacked for
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -59,8 +64,9 @@ def digest_all(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, s
 
 
 def report(
-    engine: str, named_tensors: Iterable[tuple[str, torch.Tensor]], packed=None, tp_rank: int = 0, tp_size: int = 1
-) -> WeightDigests:
+    engine: str, named_tensors: Iterable[tuple[str, torch.Tensor]], packed=None, tp_rank: int = 0, tp_size: int = 1,
+    expert_prepack_isa: str | None = None,
+) -> WeightDigests:  # fmt: skip
     """An engine's (or one of its tensor-parallel workers') `WeightDigests` of the tensors it serves."""
     named = [(name, tensor.detach()) for name, tensor in named_tensors]
     return WeightDigests(
@@ -71,6 +77,7 @@ def report(
         packed_modules=dict(packed or {}),
         tp_rank=tp_rank,
         tp_size=tp_size,
+        expert_prepack_isa=expert_prepack_isa,
     )
 
 
@@ -90,11 +97,30 @@ def shard(tensor: torch.Tensor, shape: tuple[int, ...], rank: int, size: int) ->
     return torch.nn.functional.pad(tensor, padding).narrow(dim, rank * shape[dim], shape[dim])
 
 
+def column_shards(pieces: list[torch.Tensor], rows: int | None, rank: int, size: int) -> list[torch.Tensor] | None:
+    """Worker `rank`'s rows of each part of a column-parallel fused weight it holds `rows` of: its 1/size of each; or,
+    where it holds more (vLLM replicates key/value heads when there are fewer than workers), its 1/size of the first
+    part (the queries) and of each later part the one head of `rows` per part that worker `rank` gets, rank x heads
+    // size (vLLM's `num_kv_head_replicas`)."""
+    if all(p.shape[0] % size == 0 for p in pieces) and rows in (None, sum(p.shape[0] // size for p in pieces)):
+        return [piece.chunk(size)[rank] for piece in pieces]
+    first, rest = pieces[0], pieces[1:]
+    if rows is None or not rest or first.shape[0] % size:
+        return None
+    per_part, remainder = divmod(rows - first.shape[0] // size, len(rest))
+    if remainder or per_part <= 0 or any(p.shape[0] != rest[0].shape[0] or p.shape[0] % per_part for p in rest):
+        return None
+    head = rank * (rest[0].shape[0] // per_part) // size
+    return [first.chunk(size)[rank]] + [piece[head * per_part : (head + 1) * per_part] for piece in rest]
+
+
 def source_tensor(
-    name: str, sent: dict[str, torch.Tensor], packed: dict[str, list[str]], rank: int = 0, size: int = 1
-) -> torch.Tensor | None:
+    name: str, sent: dict[str, torch.Tensor], packed: dict[str, list[str]], rank: int = 0, size: int = 1,
+    rows: int | None = None,
+) -> torch.Tensor | None:  # fmt: skip
     """The sent tensor behind engine weight `name`: itself, or a fused weight's parts concatenated (dim 0); of an
-    engine of `size` tensor-parallel workers, worker `rank`'s shard of it (a fused weight: each part's, in order)."""
+    engine of `size` tensor-parallel workers, worker `rank`'s shard of it (a fused weight: each part's, in order,
+    `column_shards` of the `rows` it holds)."""
     if name in sent:
         return sent[name]
     module, _, leaf = name.rpartition(".")
@@ -104,11 +130,45 @@ def source_tensor(
         if all(part in sent for part in parts):
             pieces = [sent[part].detach() for part in parts]
             if size > 1:  # column-parallel: each part split over the workers
-                if any(piece.shape[0] % size for piece in pieces):
-                    return None
-                pieces = [piece.chunk(size)[rank] for piece in pieces]
-            return torch.cat(pieces)
+                pieces = column_shards(pieces, rows, rank, size)
+            return None if pieces is None else torch.cat(pieces)
     return None
+
+
+EXPERT_WEIGHT = re.compile(r"^(?P<experts>.*\.experts)(?:\.routed_experts)?\.(?P<kind>w13|w2)_weight$")
+
+
+def expert_tensor(name: str, sent: dict[str, torch.Tensor], shape: tuple[int, ...], rank: int, size: int):
+    """The tensor behind a vLLM fused-MoE weight (`X.experts[.routed_experts].w13_weight` [E, 2P, H] or
+    `w2_weight` [E, H, P]) from the sent fused `X.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) or
+    `X.experts.down_proj` [E, H, I]: worker `rank` of `size` holds the rank-th 1/size of the intermediate size of
+    each part, zero-padded to the engine's P; None when `name` is no expert weight or nothing fits."""
+    match = EXPERT_WEIGHT.match(name)
+    if match is None:
+        return None
+    fused = sent.get(f"{match['experts']}.{'gate_up_proj' if match['kind'] == 'w13' else 'down_proj'}")
+    if fused is None or fused.dim() != 3 or fused.shape[0] != shape[0]:
+        return None
+    fused = fused.detach()
+    if match["kind"] == "w13":
+        parts, dim, padded = fused.chunk(2, dim=1), 1, shape[1] // 2
+    else:
+        parts, dim, padded = (fused,), 2, shape[2]
+    if any(part.shape[dim] % size or part.shape[dim] // size > padded for part in parts):
+        return None
+    pieces = [part.chunk(size, dim=dim)[rank] for part in parts]
+    padding = [[0, 0, 0, padded - piece.shape[1]] if dim == 1 else [0, padded - piece.shape[2]] for piece in pieces]
+    return torch.cat([torch.nn.functional.pad(piece, pad) for piece, pad in zip(pieces, padding)], dim=dim)
+
+
+def prepacked(tensor: torch.Tensor, isa: str | None) -> torch.Tensor:
+    """An expert weight as vLLM-CPU's fused-MoE kernel holds it: prepacked for `isa` by vLLM's own op; as it is
+    when `isa` is None (plain weights)."""
+    if isa is None:
+        return tensor
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    return cpu_prepack_moe_weight(tensor.contiguous(), isa)
 
 
 def in_engine_layout(tensor: torch.Tensor, shape: tuple[int, ...], dtype: str) -> torch.Tensor | None:
@@ -126,10 +186,15 @@ def expected_digests(engine: WeightDigests, sent: dict[str, torch.Tensor], what:
 
     def expected(name: str) -> str:
         rank, size, shape = engine.tp_rank, engine.tp_size, engine.shapes[name]
-        source = source_tensor(name, sent, engine.packed_modules, rank, size)
+        expert = None if name in sent else expert_tensor(name, sent, shape, rank, size)
+        source = (
+            expert if expert is not None else source_tensor(name, sent, engine.packed_modules, rank, size, shape[0])
+        )
         if source is not None and name in sent:  # a whole sent tensor: the worker's slice of it
             source = shard(source, shape, rank, size)
         tensor = None if source is None else in_engine_layout(source, shape, engine.dtypes[name])
+        if tensor is not None and expert is not None:
+            tensor = prepacked(tensor, engine.expert_prepack_isa)
         if tensor is None:
             raise RefitMismatch(
                 f"refit check: cannot verify {engine.engine}: its {name} {list(engine.shapes[name])} has no "
@@ -139,6 +204,16 @@ def expected_digests(engine: WeightDigests, sent: dict[str, torch.Tensor], what:
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return dict(zip(engine.digests, pool.map(expected, list(engine.digests))))
+
+
+def origin(name: str, engine: WeightDigests, sent: dict[str, torch.Tensor]) -> str:
+    """Where an engine weight comes from, when not from the sent tensor of its name, for an error message."""
+    if name in sent:
+        return ""
+    expert = EXPERT_WEIGHT.match(name)
+    if expert:
+        return f" (from {'gate_up_proj' if expert['kind'] == 'w13' else 'down_proj'})"
+    return f" (fused from {', '.join(engine.packed_modules.get(name.rpartition('.')[0].rpartition('.')[2], []))})"
 
 
 def verify(reports: list[WeightDigests], sent: dict[str, torch.Tensor], what: str = "weights") -> None:
@@ -153,10 +228,9 @@ def verify(reports: list[WeightDigests], sent: dict[str, torch.Tensor], what: st
         expected = by_layout[layout]
         for name, digest in engine.digests.items():
             if digest != expected[name]:
-                fused = engine.packed_modules.get(name.rpartition(".")[0].rpartition(".")[2], [])
-                parts = "" if name in sent else f" (fused from {', '.join(fused)})"
+                source = origin(name, engine, sent)
                 raise RefitMismatch(
-                    f"refit check: {engine.engine} does not serve the {what} just sent: {name}{parts} differs "
+                    f"refit check: {engine.engine} does not serve the {what} just sent: {name}{source} differs "
                     "(stale or wrongly loaded); the run stops rather than train off-policy"
                 )
 

@@ -15,6 +15,7 @@ from reinforge.training.planner import (
     Plan,
     Workload,
     activation_bytes_per_token,
+    expert_activation_bytes_per_token,
     model_shape,
     plan,
 )
@@ -78,14 +79,22 @@ def _gib_unit(value: float) -> str:
     return f"{value / GIB:.2f} GiB"
 
 
+def _numbers(layout, moe: bool) -> tuple[int, ...]:
+    """A layout's R x S x T x C column, with ep (E) for an MoE model."""
+    numbers = (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp)
+    return numbers + ((layout.ep,) if moe else ())
+
+
 def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
     """The table (GiB per GPU; activations and totals without / with activation checkpointing), the choice."""
     shape, workload, gpu_bytes = result.shape, result.workload, result.gpu_memory_gb * GIB
+    active = f" ({shape.active_parameters():,} active: top-{shape.num_experts_per_tok} of {shape.num_experts} experts)"
     lines = [
-        f"{name}: {shape.parameters():,} parameters on {result.gpus} x {result.gpu_memory_gb:g} GiB, "
+        f"{name}: {shape.parameters():,} parameters{active if shape.moe else ''} on {result.gpus} x "
+        f"{result.gpu_memory_gb:g} GiB, "
         f"{workload.tokens} tokens per micro-batch, generation {workload.generation}; GiB per GPU, "
         "activations and total without / with activation checkpointing",
-        f"{'layout (R x S x T x C)':<24}"
+        f"{'layout (R x S x T x C' + (' x E)' if shape.moe else ')'):<24}"
         + "".join(f"{c:>11}" for c in COLUMNS[:4])
         + f"{'activations':>16}{'logits':>8}{'ref':>6}{'engine+kv':>14}{'runtime':>9}{'total':>14}  fits",
     ]
@@ -99,7 +108,7 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
             continue
         engine = f"{_gib(sum(on.engine.values()))} @tp{on.engine_tp}" if on.engine else "-"
         lines.append(
-            f"{'x'.join(map(str, (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp))):<24}"
+            f"{'x'.join(map(str, _numbers(layout, shape.moe))):<24}"
             + "".join(f"{_gib(on.terms[c]):>11}" for c in COLUMNS[:4])
             + f"{_gib(off.terms['activations']) + ' / ' + _gib(on.terms['activations']):>16}"
             + f"{_gib(on.terms['logits']):>8}{_gib(on.terms['reference']):>6}{engine:>14}"
@@ -118,24 +127,33 @@ def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
     layout, b, t = e.layout, workload.element_bytes, e.terms
     group, tp, layers, tokens = layout.shard_group, layout.tp, shape.num_hidden_layers, workload.tokens / layout.cp
     params, lora = shape.parameters(), workload.lora_rank
-    trained = shape.lora_parameters(lora, workload.lora_targets) if lora else params
-    total = params + (trained if lora else 0)
+    adapters = shape.lora_parameters(lora, workload.lora_targets) if lora else 0
+    experts = layers * shape.expert_parameters()
+    moe = f" + experts {experts:,} / {layout.expert_group}" if shape.moe else ""  # over dp_shard x cp only
+    weights = f"({params - experts + adapters:,} / {group}{moe})" if shape.moe else f"{params + adapters:,} / {group}"
+    trained = f"{adapters:,} / {group}" if lora else weights
     per_token = activation_bytes_per_token(shape, b)
+    per_layer = f"{per_token:,.0f} B / tp {tp}"
+    if shape.moe:
+        per_layer = f"({per_layer} + {expert_activation_bytes_per_token(shape, b):,.0f} B (experts))"
     chunk, vocab = min(workload.logprob_chunk_tokens, tokens), math.ceil(shape.vocab_size / tp)
-    layer, root = shape.layer_parameters(), shape.root_parameters()
+    layer, root = f"{shape.layer_parameters() - shape.expert_parameters():,}", f"{shape.root_parameters():,}"
+    gathered = f"(2 x {layer} + {root} + gradients {0 if lora else f'{layer} + {root}'}) / tp {tp}"
+    if shape.moe:
+        layer = f"({layer} / tp {tp} + experts {shape.expert_parameters():,} / ep {layout.ep})"
+        gathered = f"(2 x {layer} + {root} / tp {tp} + gradients {0 if lora else f'{layer} + {root} / tp {tp}'})"
     if e.activation_checkpointing:
         activations = (
             f"{layers} layers x {tokens:g} tokens x {shape.hidden_size} x {b} B / tp {tp} "
-            f"+ {tokens:g} tokens x {per_token:,.0f} B / tp {tp} (one layer recomputed)"
+            f"+ {tokens:g} tokens x {per_layer} (one layer recomputed)"
         )
     else:
-        activations = f"{layers} layers x {tokens:g} tokens x {per_token:,.0f} B / tp {tp}"
+        activations = f"{layers} layers x {tokens:g} tokens x {per_layer}"
     lines = [
-        f"  params      = 4 B x {total:,} / {group} = {_gib_unit(t['params'])}",
-        f"  gathered    = {b} B x (2 x {layer:,} + {root:,} + gradients {0 if lora else layer + root:,}) / tp {tp}"
-        f" = {_gib_unit(t['gathered'])}",
-        f"  grads       = 4 B x {trained:,} / {group} = {_gib_unit(t['grads'])}",
-        f"  optimizer   = 8 B x {trained:,} / {group} = {_gib_unit(t['optimizer'])}",
+        f"  params      = 4 B x {weights} = {_gib_unit(t['params'])}",
+        f"  gathered    = {b} B x {gathered} = {_gib_unit(t['gathered'])}",
+        f"  grads       = 4 B x {trained} = {_gib_unit(t['grads'])}",
+        f"  optimizer   = 8 B x {trained} = {_gib_unit(t['optimizer'])}",
         f"  activations = {activations} = {_gib_unit(t['activations'])}",
         f"  logits      = {chunk:g} x {vocab:,} x ({b} + 12) B + {tokens:g} x {shape.hidden_size} x {4 + 3 * b} B"
         f" / tp {tp} = {_gib_unit(t['logits'])}",

@@ -41,6 +41,15 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
   transformers and reinforge's training backend, measured by bench/plan_memory.py).
 Validated against measured peaks: docs/benchmarks.md ("Planner") and docs/distributed.md ("The planner").
 
+Mixture-of-experts models (training/model_shape.py; training/expert_parallel.py): the experts' P_e = L x E x 3 H
+I_moe parameters are sharded over dp_shard x cp ranks only, split over ep of them and FSDP2-sharded over the
+other dp_shard x cp / ep (tp ranks hold them whole): params 4 P_e, grads 4 P_e and AdamW 8 P_e, each / (dp_shard
+x cp), beside the dense part's / S. ep is the largest that divides dp_shard x cp and E (it adds no rank; FSDP2
+then gathers only a rank's E / ep experts: the gathered term counts E / ep experts per layer). Activations
+follow the active parameters: a token's top_k routed copies each keep the expert's gate, silu(gate), up, their
+product (4 I_moe b) and the token's hidden (H b), not divided by tp, and an fp32 router logit per expert.
+`reinforge plan` prints both counts, total and active (a token's: top_k / E of the experts).
+
 Speed (`relative_step_time`) only ranks the layouts that fit; it predicts no seconds. Activation checkpointing
 recomputes the forward: +20% step time (measured: 4.50 s against 3.75 s, docs/benchmarks.md, 1.5B on one
 H200). Each doubling of tp costs 10%: its all-gathers and reduce-scatters of activations are on the critical
@@ -53,133 +62,34 @@ smaller cp, then the layout that needs the least memory.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from reinforge.errors import ConfigError
+from reinforge.training.model_shape import (  # noqa: F401  (re-exported: the planner's API)
+    KNOWN_MODELS,
+    LORA_TARGETS,
+    ModelShape,
+    model_shape,
+    shape_of_config,
+)
 
 GIB = 2**30
 GPU_RUNTIME_GIB = 3.0
 CPU_PROCESS_GIB = 0.42  # bench/plan_memory.py: peak RSS of a process that imported torch + transformers + backend
 AC_COST, TP_COST, CP_COST, CROSS_NODE_FSDP_COST = 0.20, 0.10, 0.05, 0.10
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs of a Llama/Qwen2-style decoder (a Hugging Face config's fields)."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2's q/k/v projections have biases, Llama's none
-    head_dim: int | None = None
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer of one decoder layer."""
-        h, q, kv, i = self.hidden_size, self.num_attention_heads * self.head_size, self.kv_width, self.intermediate_size
-        return dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, i), up_proj=(h, i),
-                    down_proj=(i, h))  # fmt: skip
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_key_value_heads * self.head_size
-
-    def layer_parameters(self) -> int:
-        """One decoder layer: its linear layers, q/k/v biases where the model has them, two RMSNorm weights."""
-        q = self.num_attention_heads * self.head_size
-        bias = q + 2 * self.kv_width if self.attention_bias else 0
-        return sum(i * o for i, o in self.linear_shapes().values()) + bias + 2 * self.hidden_size
-
-    def root_parameters(self) -> int:
-        """Embeddings, the LM head when untied, the final norm."""
-        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
-
-    def parameters(self) -> int:
-        return self.num_hidden_layers * self.layer_parameters() + self.root_parameters()
-
-    def lora_parameters(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
-        """A and B of every targeted linear layer of every decoder layer: rank x (in + out) each."""
-        shapes = self.linear_shapes()
-        return self.num_hidden_layers * sum(rank * sum(shapes[name]) for name in targets if name in shapes)
-
-
-def _qwen2(h, layers, heads, kv, i, vocab, tied):
-    return ModelShape(h, layers, heads, kv, i, vocab, tied, attention_bias=True)
-
-
-def _llama(h, layers, heads, kv, i):
-    return ModelShape(h, layers, heads, kv, i, 128256, tie_word_embeddings=False, attention_bias=False)
-
-
-# From each model's config.json on the Hugging Face Hub, for planning offline.
-KNOWN_MODELS = {
-    "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
-    "Qwen2.5-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, True),
-    "Qwen2.5-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
-    "Qwen2.5-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
-    "Qwen2.5-72B": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
-    "Llama-3-8B": _llama(4096, 32, 32, 8, 14336),
-    "Llama-3-70B": _llama(8192, 80, 64, 8, 28672),  # Llama 3.1-70B and 3.3-70B have the same shape
-}
-
-
-def shape_of_config(config: dict) -> ModelShape:
-    """The shape from a Hugging Face config (config.json's dict; a multimodal one's text_config)."""
-    config = config.get("text_config", config)
-    return ModelShape(
-        hidden_size=config["hidden_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-        attention_bias=config.get("attention_bias", config.get("model_type") == "qwen2"),
-        head_dim=config.get("head_dim"),
-    )
-
-
-def model_shape(name_or_path: str) -> ModelShape:
-    """A local model directory (its config.json), a built-in name (`KNOWN_MODELS`, also as a Hub id such as
-    Qwen/Qwen2.5-1.5B or meta-llama/Llama-3.3-70B-Instruct), or a Hub id in the local Hugging Face cache."""
-    path = Path(name_or_path)
-    if (path / "config.json").is_file():
-        return shape_of_config(json.loads((path / "config.json").read_text()))
-    base = name_or_path.rsplit("/", 1)[-1].lower().replace("llama-3.1-", "llama-3-").replace("llama-3.3-", "llama-3-")
-    for name, shape in KNOWN_MODELS.items():
-        if base == name.lower() or base.startswith(name.lower() + "-"):
-            return shape
-    try:
-        from transformers import AutoConfig
-
-        return shape_of_config(AutoConfig.from_pretrained(name_or_path, local_files_only=True).to_dict())
-    except (OSError, ValueError):  # not in the cache; not a valid Hub id
-        raise ConfigError(
-            f"no model config for {name_or_path!r}: give a directory with a config.json or one of "
-            f"{', '.join(KNOWN_MODELS)}"
-        ) from None
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How the GPUs split the work; the product of the four is the GPU count."""
+    """How the GPUs split the work; the product of the four is the GPU count (ep borrows from dp_shard x cp)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     cp: int
+    ep: int = 1  # expert-parallel ranks of an MoE model
 
     @property
     def gpus(self) -> int:
@@ -190,8 +100,14 @@ class Layout:
         """The ranks that share one copy of the weights, gradients and AdamW state."""
         return self.dp_shard * self.cp * self.tp
 
+    @property
+    def expert_group(self) -> int:
+        """The ranks that share one copy of the experts: ep x FSDP2's dp_shard x cp / ep, not tp."""
+        return self.dp_shard * self.cp
+
     def __str__(self) -> str:
-        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} cp={self.cp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} cp={self.cp}{ep}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -209,7 +125,9 @@ def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int = 8) -> l
             dp = gpus // (tp * cp)
             nodes = gpus // node if gpus % node == 0 else 1
             for replicate in (r for r in _divisors(nodes) if dp % r == 0):
-                layouts.append(Layout(replicate, dp // replicate, tp, cp))
+                shard = dp // replicate
+                ep = max(e for e in _divisors(shard * cp) if shape.num_experts % e == 0) if shape.moe else 1
+                layouts.append(Layout(replicate, shard, tp, cp, ep))
     return layouts
 
 
@@ -247,11 +165,20 @@ class Workload:
 
 
 def activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
-    """Bytes autograd keeps per token in one decoder layer (module docstring): two RMSNorms, attention, MLP."""
+    """Bytes autograd keeps per token in one decoder layer (module docstring): two RMSNorms, attention, the dense
+    MLP (an MoE layer's experts: `expert_activation_bytes_per_token`)."""
     b, q = element_bytes, shape.num_attention_heads * shape.head_size
     norms = 2 * shape.hidden_size * (4 + 2 * b)
     attention = 5 * q * b + 4 * shape.num_attention_heads
-    return norms + attention + 4 * shape.intermediate_size * b
+    return norms + attention + (0 if shape.moe else 4 * shape.intermediate_size * b)
+
+
+def expert_activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
+    """Bytes an MoE layer keeps per token for its experts (module docstring), not sliced by tp; 0 when dense."""
+    if not shape.moe:
+        return 0.0
+    slot = 4 * shape.moe_intermediate_size * element_bytes + shape.hidden_size * element_bytes
+    return shape.num_experts_per_tok * slot + 4 * shape.num_experts
 
 
 def engine_terms(shape: ModelShape, workload: Workload, engine_tp: int) -> dict[str, float]:
@@ -267,31 +194,34 @@ def memory_terms(
     shape: ModelShape, layout: Layout, workload: Workload, activation_checkpointing: bool
 ) -> dict[str, float]:
     """Bytes per GPU of the training phase, term by term (module docstring); no engine."""
-    b, tp, group = workload.element_bytes, layout.tp, layout.shard_group
+    b, tp, group, experts = workload.element_bytes, layout.tp, layout.shard_group, layout.expert_group
     lora = workload.lora_rank is not None
-    params = shape.parameters() + (shape.lora_parameters(workload.lora_rank, workload.lora_targets) if lora else 0)
-    trained = shape.lora_parameters(workload.lora_rank, workload.lora_targets) if lora else params
+    adapters = shape.lora_parameters(workload.lora_rank, workload.lora_targets) if lora else 0
+    expert = shape.num_hidden_layers * shape.expert_parameters()  # P_e: sharded over `experts` ranks only
+    dense = shape.parameters() - expert
+    weights = (dense + adapters) / group + expert / experts
+    trained = adapters / group if lora else weights
     sharded = layout.dp_shard * layout.cp > 1
     gathered = 0.0
     if b < 4 or sharded:
-        copies = 2 * shape.layer_parameters() + shape.root_parameters()
-        grads = 0 if lora else shape.layer_parameters() + shape.root_parameters()
-        gathered = b * (copies + grads) / tp
+        layer = (shape.layer_parameters() - shape.expert_parameters()) / tp + shape.expert_parameters() / layout.ep
+        root = shape.root_parameters() / tp
+        gathered = b * (2 * layer + root + (0 if lora else layer + root))
     tokens = workload.tokens / layout.cp
-    per_layer = activation_bytes_per_token(shape, b) * tokens / tp
+    per_layer = tokens * (activation_bytes_per_token(shape, b) / tp + expert_activation_bytes_per_token(shape, b))
     inputs = shape.num_hidden_layers * tokens * shape.hidden_size * b / tp
     chunk = min(workload.logprob_chunk_tokens, tokens)
     runtime = workload.runtime_gib
     if runtime is None:
         runtime = GPU_RUNTIME_GIB if workload.device == "gpu" else CPU_PROCESS_GIB
     return {
-        "params": 4 * params / group,
+        "params": 4 * weights,
         "gathered": gathered,
-        "grads": 4 * trained / group,
-        "optimizer": 8 * trained / group,
+        "grads": 4 * trained,
+        "optimizer": 8 * trained,
         "activations": inputs + per_layer if activation_checkpointing else shape.num_hidden_layers * per_layer,
         "logits": chunk * math.ceil(shape.vocab_size / tp) * (b + 12) + tokens * shape.hidden_size * (4 + 3 * b) / tp,
-        "reference": 4 * shape.parameters() / group if workload.kl and not lora else 0.0,
+        "reference": 4 * (dense / group + expert / experts) if workload.kl and not lora else 0.0,
         "runtime": runtime * GIB,
     }
 
@@ -442,4 +372,5 @@ def auto_layout(
         model_shape(name), gpus, gpu_memory_gb, Workload(seq_len, **workload), gpus_per_node, checkpointing
     )
     layout = chosen.layout
-    return dict(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, cp=layout.cp)
+    ep = dict(ep=layout.ep) if layout.ep > 1 else {}
+    return dict(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, cp=layout.cp) | ep

@@ -160,3 +160,60 @@ def test_the_cpu_prediction_is_within_15_percent_of_a_measured_one_process_step(
     result = json.loads(out.read_text())["layouts"]["demo:local"]
     assert result["within_tolerance"], result
     assert result["predicted_terms_gib"]["activations"] > 0.05  # the step is more than the process baseline
+
+
+TINY_MOE = ModelShape(8, 2, 2, 1, 16, 32, True, False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4)
+
+
+def test_qwen3_30b_a3b_has_30_5b_parameters_of_which_3_3b_are_active(capsys):
+    """48 layers, H 2048, 32 heads of 128 (Q 4096), 4 kv heads (512), 128 experts of width 768, top-8, V 151936,
+    untied. A layer: attention 2048 x 4096 + 2 x 2048 x 512 + 4096 x 2048 = 18,874,368; router 128 x 2048 = 262,144;
+    experts 128 x 3 x 2048 x 768 = 603,979,776; norms 2 x 2048 + q/k norms 2 x 128 = 4,352: 623,120,640. Root
+    2 x 151,936 x 2048 + 2048 = 622,331,904. Total 48 x 623,120,640 + 622,331,904 = 30,532,122,624 (the public 30.5B).
+    Active: all but the 48 x 603,979,776 = 28,991,029,248 expert parameters, plus 8/128 of them (1,811,939,328):
+    3,353,032,704 (the public 3.3B)."""
+    shape = model_shape("Qwen/Qwen3-30B-A3B-Instruct-2507")
+    assert shape == KNOWN_MODELS["Qwen3-30B-A3B"]
+    assert shape.parameters() == 30_532_122_624 and shape.active_parameters() == 3_353_032_704
+    argv = ["plan", "--model", "Qwen3-30B-A3B", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "4096"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3-30B-A3B: 30,532,122,624 parameters (3,353,032,704 active: top-8 of 128 experts)" in out
+    assert "params      = 4 B x (1,541,093,376 / 8 + experts 28,991,029,248 / 8)" in out and " ep=8" in out
+
+
+def test_moe_parameter_counts_are_those_of_the_transformers_model(tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=32, hidden_size=8, intermediate_size=16, moe_intermediate_size=4, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    model = Qwen3MoeForCausalLM(config)
+    shape = model_shape(str(tmp_path))
+    assert shape.parameters() == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert shape.active_parameters() == shape.parameters() - experts + experts * 2 // 4
+
+
+def test_moe_memory_terms_with_expert_parallelism_by_hand():
+    """TINY_MOE: H 8, 2 layers, 2 heads of 4, 1 kv head, 4 experts of width 4, top-2, V 32, tied, no biases.
+    A layer: attention 64 + 32 + 32 + 64 = 192, router 4 x 8 = 32, experts 4 x 3 x 8 x 4 = 384, norms 16: 624; root
+    264; P = 1512, of which P_e = 768 experts and 744 the rest. On GPU (b = 2), 10 tokens:
+    dp_shard 4, ep 4: params 4 x (744 / 4 + 768 / 4) = 1512; a gathered layer 240 + 384 / ep 4 = 336, gathered
+    2 x (2 x 336 + 264 + 336 + 264) = 3072 (ep 1: 2 x (2 x 624 + 264 + 624 + 264) = 4800);
+    dp_shard 2, tp 2, ep 2: the experts shard over dp_shard x cp = 2 only: params 4 x (744 / 4 + 768 / 2) = 2280.
+    Activations per token and layer: norms 2 x 8 x (4 + 4) = 128, attention 5 x 8 x 2 + 4 x 2 = 88 (/ tp); experts
+    2 routed x (4 x 4 x 2 + 8 x 2) + 4 x 4 router logits = 112 (not / tp): 2 x 10 x (216 + 112) = 6560 at tp 1."""
+    workload = Workload(seq_len=10, runtime_gib=0.0)
+    assert TINY_MOE.parameters() == 1512 and TINY_MOE.active_parameters() == 1512 - 768 + 384
+    # ep: the largest that divides dp_shard x cp and the experts
+    assert candidate_layouts(TINY_MOE, 4) == [Layout(1, 4, 1, 1, 4), Layout(1, 2, 1, 2, 4)]
+    terms = memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 4), workload, activation_checkpointing=False)
+    assert (terms["params"], terms["grads"], terms["optimizer"]) == (1512, 1512, 3024)
+    assert terms["gathered"] == 3072 and terms["activations"] == 6560
+    assert memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 1), workload, False)["gathered"] == 4800
+    assert memory_terms(TINY_MOE, Layout(1, 2, 2, 1, 2), workload, False)["params"] == 2280
+    assert auto_layout("Qwen3-30B-A3B", 8, 80, 4096)["ep"] == 8

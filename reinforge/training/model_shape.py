@@ -1,0 +1,165 @@
+"""The shape of a decoder model as the layout planner (training/planner.py) sees it: its sizes from a Hugging Face
+config or a built-in table, and its parameter counts, by part: each layer's attention, MLP or mixture of experts,
+norms, and the embeddings and LM head.
+
+Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE's routed experts, Mixtral; every layer an MoE layer, no shared
+expert): each layer has a router [E, H] and E experts of three [H, I_moe] matrices (`expert_parameters`) instead
+of the dense MLP. The total counts every expert; the active parameters (`active_parameters`), what one token
+computes with, count top_k / E of the experts and everything else: Qwen3-30B-A3B's 30.5B total, 3.3B active.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from reinforge.errors import ConfigError
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a Llama/Qwen2/Qwen3(-MoE)-style decoder (a Hugging Face config's fields)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2's q/k/v projections have biases, Llama's none
+    head_dim: int | None = None
+    num_experts: int = 0  # routed experts per layer of a mixture of experts; 0: a dense model
+    num_experts_per_tok: int = 0  # top_k: the experts each token is sent to
+    moe_intermediate_size: int = 0  # I_moe: one expert's MLP width
+    qk_norm: bool = False  # Qwen3: an RMSNorm weight on each head's queries and keys (head_dim each)
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one decoder layer: attention, and the dense MLP's (an MoE layer has
+        experts instead: `expert_parameters`)."""
+        h, q, kv, i = self.hidden_size, self.num_attention_heads * self.head_size, self.kv_width, self.intermediate_size
+        attention = dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h))
+        return attention if self.moe else attention | dict(gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h))
+
+    def expert_parameters(self) -> int:
+        """One layer's routed experts: E x (gate, up, down) of H x I_moe each (0 for a dense model)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_key_value_heads * self.head_size
+
+    def layer_parameters(self) -> int:
+        """One decoder layer: its linear layers, q/k/v biases where the model has them, two RMSNorm weights (and
+        Qwen3's query and key norms); an MoE layer's router [E, H] and experts."""
+        q = self.num_attention_heads * self.head_size
+        bias = q + 2 * self.kv_width if self.attention_bias else 0
+        norms = 2 * self.hidden_size + (2 * self.head_size if self.qk_norm else 0)
+        router = self.num_experts * self.hidden_size
+        return sum(i * o for i, o in self.linear_shapes().values()) + bias + norms + router + self.expert_parameters()
+
+    def root_parameters(self) -> int:
+        """Embeddings, the LM head when untied, the final norm."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    def parameters(self) -> int:
+        return self.num_hidden_layers * self.layer_parameters() + self.root_parameters()
+
+    def active_parameters(self) -> int:
+        """The parameters one token computes with: all but the experts, and top_k / E of those."""
+        experts = self.num_hidden_layers * self.expert_parameters()
+        routed = experts * self.num_experts_per_tok // self.num_experts if self.moe else 0
+        return self.parameters() - experts + routed
+
+    def lora_parameters(self, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+        """A and B of every targeted linear layer of every decoder layer: rank x (in + out) each."""
+        shapes = self.linear_shapes()
+        return self.num_hidden_layers * sum(rank * sum(shapes[name]) for name in targets if name in shapes)
+
+
+def _qwen2(h, layers, heads, kv, i, vocab, tied):
+    return ModelShape(h, layers, heads, kv, i, vocab, tied, attention_bias=True)
+
+
+def _llama(h, layers, heads, kv, i):
+    return ModelShape(h, layers, heads, kv, i, 128256, tie_word_embeddings=False, attention_bias=False)
+
+
+# From each model's config.json on the Hugging Face Hub, for planning offline.
+KNOWN_MODELS = {
+    "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
+    "Qwen2.5-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen2.5-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
+    "Qwen2.5-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
+    "Qwen2.5-72B": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
+    "Llama-3-8B": _llama(4096, 32, 32, 8, 14336),
+    "Llama-3-70B": _llama(8192, 80, 64, 8, 28672),  # Llama 3.1-70B and 3.3-70B have the same shape
+    "Qwen3-30B-A3B": ModelShape(
+        2048,
+        48,
+        32,
+        4,
+        6144,
+        151936,
+        False,
+        False,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        qk_norm=True,
+    ),  # fmt: skip
+}
+
+
+def shape_of_config(config: dict) -> ModelShape:
+    """The shape from a Hugging Face config (config.json's dict; a multimodal one's text_config)."""
+    config = config.get("text_config", config)
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0  # Qwen-MoE's, Mixtral's
+    return ModelShape(
+        hidden_size=config["hidden_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        attention_bias=config.get("attention_bias", config.get("model_type") == "qwen2"),
+        head_dim=config.get("head_dim"),
+        num_experts=experts,
+        num_experts_per_tok=config.get("num_experts_per_tok") or 0 if experts else 0,
+        moe_intermediate_size=(config.get("moe_intermediate_size") or config["intermediate_size"]) if experts else 0,
+        qk_norm=config.get("model_type", "").startswith("qwen3"),
+    )
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """A local model directory (its config.json), a built-in name (`KNOWN_MODELS`, also as a Hub id such as
+    Qwen/Qwen2.5-1.5B or meta-llama/Llama-3.3-70B-Instruct), or a Hub id in the local Hugging Face cache."""
+    path = Path(name_or_path)
+    if (path / "config.json").is_file():
+        return shape_of_config(json.loads((path / "config.json").read_text()))
+    base = name_or_path.rsplit("/", 1)[-1].lower().replace("llama-3.1-", "llama-3-").replace("llama-3.3-", "llama-3-")
+    for name, shape in KNOWN_MODELS.items():
+        if base == name.lower() or base.startswith(name.lower() + "-"):
+            return shape
+    try:
+        from transformers import AutoConfig
+
+        return shape_of_config(AutoConfig.from_pretrained(name_or_path, local_files_only=True).to_dict())
+    except (OSError, ValueError):  # not in the cache; not a valid Hub id
+        raise ConfigError(
+            f"no model config for {name_or_path!r}: give a directory with a config.json or one of "
+            f"{', '.join(KNOWN_MODELS)}"
+        ) from None
