@@ -10,7 +10,9 @@
 #   4. where the image has vLLM: tests/e2e/test_refit_verify_vllm.py, the refit verification against vLLM's
 #      GPU parameters (hashed where they are, no CPU read-back), a planted skipped weight and an adapter never
 #      loaded caught; before the `quick` cut;
-#   5. after it, on a machine of 4+ GPUs, bench/parallel_layouts.py: per-step time and MFU of dp, tp, cp and dp x tp (NCCL).
+#   5. bench/moe_replay.py on the MoE demo (models/moe_demo) in bfloat16: router replay off and on with the HF
+#      engine, and with vLLM where the image has it (vLLM records routes on a GPU only: Model Runner V2);
+#   6. after the `quick` cut, on a machine of 4+ GPUs, bench/parallel_layouts.py: per-step time and MFU of dp, tp, cp and dp x tp (NCCL).
 # Results go to $OUT (default /tmp/gpu_checks). The GPU image has torch and transformers but not all of
 # reinforge's light dependencies: put their wheels in .whl/ and they are installed to /tmp/site first.
 # For a Python 3.12 image, on a machine with PyPI:
@@ -42,6 +44,10 @@ if python3 -c "import vllm" 2>/dev/null; then
   echo "refit verify exit $?"; grep -E "passed|failed|PASSED|FAILED" "$OUT/refit_verify.log" | tail -6
 else
   echo "refit verify: no vllm in this image, skipped"
+fi
+timeout 240 python3 bench/moe_replay.py --engine hf --dtype bfloat16 --steps 4 --json "$OUT/moe_replay_hf.json" 2>&1 | tail -3
+if python3 -c "import vllm" 2>/dev/null; then
+  timeout 300 python3 bench/moe_replay.py --engine vllm --dtype bfloat16 --steps 4 --json "$OUT/moe_replay_vllm.json" 2>&1 | tail -3
 fi
 [ "${1:-all}" = quick ] && exit 0  # `gpu_checks.sh quick`: without the two variants below
 timeout 120 python3 bench/gpu_training_mfu.py --activation-checkpointing --json "$OUT/mfu_ac.json" 2>&1 | grep -v Loading | tail -25

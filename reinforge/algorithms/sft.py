@@ -261,7 +261,7 @@ def build_backend(config: SFTRunConfig, cleanup: ExitStack | None = None) -> Bac
 
 
 def sft_step(backend: Backend, examples: list[ChatExample], pad_id: int) -> dict[str, float]:
-    """One optimizer step on one global batch of conversations. Returns its metrics."""
+    """One optimizer step on one global batch of conversations. Returns its metrics (an MoE's routing among them)."""
     timers = Timers()
     batch = examples_batch(examples, pad_id)
     with timers.time("step"):
@@ -277,6 +277,7 @@ def sft_step(backend: Backend, examples: list[ChatExample], pad_id: int) -> dict
         "train/num_micro_batches": len(plan),
         "perf/packing_efficiency": sum(lengths) / num_slots,
         "perf/tokens_per_s": sum(lengths) / timers.seconds["step"],
+        **{f"train/{name}": value for name, value in updates.items() if name.startswith("moe/")},  # an MoE's routing
         **timers.metrics(),
     }
 
