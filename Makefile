@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install gym-venv demo lint test bench build-demo-model build-demo-teacher clean
+.PHONY: install gym-venv demo lint test bench build-demo-model build-demo-teacher build-moe-demo-model clean
 
 install: $(STAMP)
 
@@ -42,7 +42,7 @@ lint: install
 # The linter first, then the tests: two xdist workers; tests that must not overlap share an xdist group
 # (tests/conftest.py).
 test: install gym-venv lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=40
 
 # Every benchmark with its default arguments, each writing bench/results/NAME.json (docs/benchmarks.md
 # keeps the results); bench/_*.py are their shared helpers. The `bench` extra brings TRL for grpo_vs_trl.
@@ -58,6 +58,9 @@ build-demo-model: install
 
 build-demo-teacher: install  # the distillation demo's teacher, from models/demo
 	$(BIN)/python scripts/build_demo_teacher.py
+
+build-moe-demo-model: install  # the mixture-of-experts demo model, on models/demo's tokenizer and data/demo
+	$(BIN)/python scripts/build_moe_demo_model.py
 
 clean:
 	rm -rf $(VENV) $(GYM_VENV) runs .pytest_cache
