@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from reinforge.data.batch import TrainBatch
@@ -110,19 +110,8 @@ def gather(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     gathered: dict[int, torch.Tensor] = {}
     for tensor in state_dict.values():
         if id(tensor) not in gathered:
-            gathered[id(tensor)] = (full_tensor(tensor) if isinstance(tensor, DTensor) else tensor).detach().cpu()
+            gathered[id(tensor)] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
     return {name: gathered[id(tensor)] for name, tensor in state_dict.items()}
-
-
-def full_tensor(tensor: DTensor) -> torch.Tensor:
-    """A DTensor whole, gathered one mesh dimension at a time from the innermost: FSDP2's strided shard beside
-    tensor or expert parallelism's Shard(0) then takes one all-gather per dimension, in the order DTensor wants
-    (`full_tensor` gathers the outer first, with a warning that its results might differ between ranks)."""
-    placements = list(tensor.placements)
-    for dim in reversed(range(tensor.device_mesh.ndim)):
-        placements[dim] = Replicate()
-        tensor = tensor.redistribute(tensor.device_mesh, placements)
-    return tensor.to_local()
 
 
 class FSDP2Strategy:

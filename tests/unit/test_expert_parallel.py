@@ -22,7 +22,7 @@ from reinforge.errors import ConfigError
 from reinforge.model_config import ModelConfig
 from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
-from reinforge.training.fsdp2 import FSDP2Strategy, full_tensor
+from reinforge.training.fsdp2 import FSDP2Strategy
 from reinforge.training.heads import LogprobHead
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 from reinforge.training.parallel import ParallelConfig, check_layout
@@ -69,7 +69,7 @@ def expert_gradients(backend, batch):
     backend.optimizer.zero_grad(set_to_none=True)
     backend.accumulate_gradients(batch, LOSS)
     parameters = [(name, p) for name, p in backend.model.named_parameters() if ".experts." in name]
-    grads = {name: full_tensor(p.grad) if isinstance(p.grad, DTensor) else p.grad.clone() for name, p in parameters}
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for name, p in parameters}
     backend.optimizer.zero_grad(set_to_none=True)
     return grads
 
