@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +20,24 @@ def write_result(path: Path, result: dict) -> None:
     """A benchmark's numbers as indented JSON at `path` (bench/results/NAME.json by default), its folder made."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+
+
+def run_cli(arguments: list[str], steps: int, val_every: int) -> tuple[list[dict], float]:
+    """`reinforge ARGUMENTS` for `steps` steps in a subprocess with a temporary run directory (no final
+    checkpoint): its metrics.jsonl rows and wall time; a failed run exits with the tail of its stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            *(sys.executable, "-m", "reinforge.cli", *arguments),
+            *(f"loop.max_steps={steps}", f"loop.val_every={val_every}", f"logging.run_dir={tmp}/run"),
+            "checkpoint.save_final=false",
+        ]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"reinforge {' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return rows, wall
 
 
 # A Qwen2 of ~30M parameters (27.5M with the demo tokenizer's 449-token vocabulary)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import run_cli, write_result  # noqa: E402
+
 RUNS = {
     "grpo": ["grpo", "--config", str(ROOT / "configs" / "grpo_demo.yaml")],
     "distill": ["distill", "--config", str(ROOT / "configs" / "distill_demo.yaml")],  # the top-k KL (forward, k = 64)
@@ -35,22 +36,7 @@ RUNS = {
 
 
 def curve(arguments: list[str], steps: int, val_every: int, num_threads: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable,
-            "-m",
-            "reinforge.cli",
-            *arguments,
-            f"loop.max_steps={steps}",
-            f"loop.val_every={val_every}",
-            f"logging.run_dir={tmp}/run",
-            "checkpoint.save_final=false",
-            f"cluster.num_threads={num_threads}",
-        ]
-        start = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows, wall = run_cli([*arguments, f"cluster.num_threads={num_threads}"], steps, val_every)
     return {
         "val_accuracy": {row["step"]: row["val/accuracy"] for row in rows if "val/accuracy" in row},
         "train_reward_mean": {row["step"]: row["train/reward_mean"] for row in rows if "train/reward_mean" in row},
@@ -65,22 +51,9 @@ def first_step_reaching(accuracies: dict[int, float], target: float) -> int | No
 
 def teacher_accuracy(num_threads: int) -> float:
     """The teacher's greedy validation accuracy: a zero-step GRPO run from models/demo_teacher."""
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable,
-            "-m",
-            "reinforge.cli",
-            "grpo",
-            "--config",
-            str(ROOT / "configs" / "grpo_demo.yaml"),
-            "loop.max_steps=0",
-            "model.name_or_path=models/demo_teacher",
-            f"logging.run_dir={tmp}/run",
-            "checkpoint.save_final=false",
-            f"cluster.num_threads={num_threads}",
-        ]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        return json.loads((Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()[0])["val/accuracy"]
+    arguments = [*RUNS["grpo"], "model.name_or_path=models/demo_teacher", f"cluster.num_threads={num_threads}"]
+    rows, _ = run_cli(arguments, steps=0, val_every=5)
+    return rows[0]["val/accuracy"]
 
 
 def main() -> None:
@@ -109,8 +82,7 @@ def main() -> None:
         },
         "runs": results,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
+    write_result(args.json, out)
     print(
         f"GRPO ends at {target:.3f} after {args.steps} steps; "
         f"first step reaching it: {out['first_step_reaching_grpo_final']}; "

@@ -15,45 +15,24 @@ the trainer's forwards differ only in summation order, so few routes flip; bfloa
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import write_result  # noqa: E402
+from _common import run_cli, write_result  # noqa: E402
 
 METRICS = ("train/token_mult_prob_error", "train/moe/router_disagreement", "train/moe/replayed_share")
 
 
 def run(replay: str, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable,
-            "-m",
-            "reinforge.cli",
-            "grpo",
-            "--config",
-            str(ROOT / "configs" / "grpo_moe_demo.yaml"),
-            f"loop.max_steps={args.steps}",
-            "loop.val_every=0",
-            f"logging.run_dir={tmp}/run",
-            "checkpoint.save_final=false",
-            f"model.dtype={args.dtype}",
-            f"model.moe.router_replay={replay}",
-            f"generation.backend={args.engine}",
-            # bf16 logprobs differ by more than the fp32 start-up gate allows; this benchmark measures them
-            "generation.max_logprob_error=100",
-        ]
-        start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if done.returncode != 0:
-            raise SystemExit(f"reinforge grpo (router_replay={replay}) failed:\n{done.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    arguments = [
+        *("grpo", "--config", str(ROOT / "configs" / "grpo_moe_demo.yaml")),
+        *(f"model.dtype={args.dtype}", f"model.moe.router_replay={replay}", f"generation.backend={args.engine}"),
+        # bf16 logprobs differ by more than the fp32 start-up gate allows; this benchmark measures them
+        "generation.max_logprob_error=100",
+    ]
+    rows, wall = run_cli(arguments, args.steps, val_every=0)
     steps = [row for row in rows if "train/token_mult_prob_error" in row]
     result = {name: [row.get(name) for row in steps] for name in METRICS}
     result |= {f"{name}_mean": _mean(result[name]) for name in METRICS}

@@ -99,6 +99,10 @@ class Completion:
     tokens - 1, MoE layers, top_k] (uint8; int16 past 256 experts). As vLLM's `CompletionOutput.routed_experts`:
     every token the engine ran through the model, the prompt's included; the last generated token never ran
     (generation/routes.py). None when not asked for."""
+    token_versions: list[int] | None = None
+    """The policy version that sampled each generated token (the trainer's step count when the engine got its
+    weights): one version for every token unless the weights changed while the request ran (in-flight
+    generation, generation/in_flight.py). None: the engine does not say (the version of the whole request)."""
 
 
 @dataclass

