@@ -86,7 +86,7 @@ SKIP_ZERO_ADVANTAGE = {"demo": True, "30m": False}
 PHASES = ("generate", "reward", "logprobs", "train", "refit")
 # reinforge's async mode (rollout.max_staleness=1): the engine in a Ray actor with one core generates the next
 # batch while the trainer (one thread, the other core) trains on this one
-ASYNC = ("rollout.async_generation=true", "rollout.max_staleness=1", "cluster.num_threads=1")
+ASYNC = ("rollout.mode=async", "rollout.max_staleness=1", "cluster.num_threads=1")
 
 
 def reinforge_overrides(

@@ -33,7 +33,7 @@ def uses_ray(config: RLRunConfig) -> bool:
 def engines_on_ray(config: RLRunConfig) -> bool:
     """FSDP2 runs put the engines on Ray beside the ranks; async GRPO puts them there too, so that they
     generate in processes of their own while the trainer works."""
-    return config.training.backend == "fsdp2" or config.rollout.async_generation
+    return config.training.backend == "fsdp2" or config.rollout.mode == "async"
 
 
 def start_ray_if_needed(config: RLRunConfig, cleanup: ExitStack) -> None:
@@ -208,6 +208,10 @@ def build_engine(config: RLRunConfig, tokenizer, trainer: TrainingBackend, clean
                 "is present)"
             ) from None
         engine = VLLMGenerationBackend(**engine_kwargs(config))
+    if config.rollout.mode == "in_flight":  # one driver thread owns the engine; weights land between its steps
+        from reinforge.generation.in_flight import InFlightEngine
+
+        engine = InFlightEngine(engine, config.rollout.in_flight_kv_cache, config.deadlines.rollout_wait_s)
     cleanup.callback(engine.shutdown)
     return engine
 

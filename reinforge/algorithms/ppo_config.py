@@ -82,6 +82,6 @@ class PPORunConfig(RLRunConfig):
             raise ValueError(
                 "reinforge ppo does not train LoRA adapters yet (the critic is a full model); set model.lora=null"
             )
-        if self.rollout.async_generation:
-            raise ValueError("reinforge ppo is on-policy only; set rollout.async_generation=false")
+        if self.rollout.mode != "sync":
+            raise ValueError(f"reinforge ppo is on-policy only; rollout.mode={self.rollout.mode}: set it to sync")
         return self

@@ -32,7 +32,8 @@ MOVED_KEYS = {
     **{f"grpo.{name}": f"rollout.{name}" for name in ("num_prompts_per_step", "num_generations_per_prompt")},
     **{f"grpo.{name}": f"rollout.{name}" for name in ("max_turns", "turn_reward", "max_observation_tokens")},
     "grpo.rollout": "rollout.driver",
-    "grpo.async_rollouts": "rollout.async_generation",
+    "grpo.async_rollouts": "rollout.mode=async",
+    "rollout.async_generation": "rollout.mode=async",
     "grpo.max_staleness": "rollout.max_staleness",
     **{f"grpo.{name}": f"loop.{name}" for name in ("max_steps", "val_every", "val_benchmarks")},
     **{f"grpo.{name}": f"loop.{name}" for name in ("val_benchmark_limit", "val_benchmark_k")},
@@ -99,8 +100,8 @@ class RLRunConfig(Section):
 
     @property
     def off_policy(self) -> bool:
-        """Whether generation may run ahead of training (async generation with staleness >= 1)."""
-        return self.rollout.async_generation and self.rollout.max_staleness > 0
+        """Whether generation may run ahead of training (async or in-flight generation with staleness >= 1)."""
+        return self.rollout.mode != "sync" and self.rollout.max_staleness > 0
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> "RLRunConfig":
@@ -129,10 +130,24 @@ class RLRunConfig(Section):
                 f"{training.num_workers} with cluster.colocate=true: each engine shares one training rank's "
                 "resources; lower generation.num_workers or set cluster.colocate=false"
             )
-        if rollout.async_generation and training.backend == "fsdp2" and self.cluster.colocate:
+        if rollout.mode != "sync" and training.backend == "fsdp2" and self.cluster.colocate:
             raise ValueError(
-                "rollout.async_generation=true with training.backend=fsdp2 needs cluster.colocate=false: the engines "
+                f"rollout.mode={rollout.mode} with training.backend=fsdp2 needs cluster.colocate=false: the engines "
                 "generate while the ranks train, so they need resources of their own"
+            )
+        if rollout.mode == "in_flight" and training.backend == "fsdp2":
+            raise ValueError(
+                "rollout.mode=in_flight runs the engine in the driver process for now, beside the torch backend; "
+                "set training.backend=torch, or rollout.mode=async for FSDP2 ranks"
+            )
+        if (
+            rollout.mode == "in_flight"
+            and rollout.in_flight_kv_cache == "recompute"
+            and self.generation.backend != "vllm"
+        ):
+            raise ValueError(
+                "rollout.in_flight_kv_cache=recompute needs generation.backend=vllm (the HF engine keeps the KV cache "
+                "of a request in flight); set it to keep"
             )
         if self.env.num_workers < 0:
             raise ValueError("env.num_workers must be >= 0 (0: score in the driver process)")
@@ -182,8 +197,8 @@ class RLRunConfig(Section):
             (gen.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
             (gen.verify_refit_every >= 0, "generation.verify_refit_every must be >= 0 (0 turns the check off)"),
             (
-                not (rollout.async_generation and gen.vllm_sleep_mode),
-                "rollout.async_generation=true keeps the engine generating while the trainer works, so it never "
+                not (rollout.mode != "sync" and gen.vllm_sleep_mode),
+                f"rollout.mode={rollout.mode} keeps the engine generating while the trainer works, so it never "
                 "sleeps; set generation.vllm_sleep_mode to false or null",
             ),
             (

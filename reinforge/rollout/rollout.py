@@ -37,7 +37,7 @@ from reinforge.rollout.single_turn import generate_trajectories
 
 class RolloutConfig(Section):
     """`rollout:` how a step's trajectories are produced: who drives the episodes, how many, over how many turns,
-    and whether generation runs ahead of training."""
+    and when generation runs (beside training, ahead of it, or without ever stopping)."""
 
     driver: Literal["reinforge", "agent"] = "reinforge"
     """Who drives an episode: `reinforge` samples the turns itself and asks the environments (env.*);
@@ -55,15 +55,28 @@ class RolloutConfig(Section):
     """Multi-turn reward: the last turn's, or the sum over turns (e.g. with per-call penalties)."""
     max_observation_tokens: int = 256
     """Longest observation appended in one turn; longer ones are cut (the chat template's framing kept)."""
-    async_generation: bool = False
-    """Async RL: the next steps' rollouts are generated while the current step trains, at most
-    `max_staleness` policy versions behind; the engine pauses only for each refit. The engines then run
-    as Ray actors with resources of their own (`generation.num_workers` x `cluster.num_cpus_per_worker`
-    / `num_gpus_per_worker`; with FSDP2, `cluster.colocate=false`)."""
+    mode: Literal["sync", "async", "in_flight"] = "sync"
+    """When rollouts are generated. `sync`: each step's batch when the step starts, by the policy the last refit
+    installed. `async`: the next steps' batches while the current step trains, each by one policy at most
+    `max_staleness` versions behind; the engine pauses for each refit, and the engines run as Ray actors with
+    resources of their own (`generation.num_workers` x `cluster.num_cpus_per_worker` / `num_gpus_per_worker`;
+    with FSDP2, `cluster.colocate=false`). `in_flight`: the engine never stops: a pool of prompts is always
+    being generated, finished groups stream to the trainer, and each refit lands between two decoding steps
+    with the requests kept, so one sequence may span several policy versions (every token records its own;
+    `max_staleness` bounds the oldest token's; docs/algorithms.md "In-flight generation")."""
     max_staleness: int = Field(default=1, ge=0)
-    """With `async_generation`: the most training steps the policy that generated a batch may lag behind
-    the policy that trains on it. 0 is synchronous (same metrics as `async_generation=false`); 1
-    overlaps each step's training with the next step's generation."""
+    """With `mode=async` or `in_flight`: the most training steps the policy that generated a batch (in flight:
+    a trajectory's oldest token) may lag behind the policy that trains on it. Under `async`, 0 is synchronous
+    (same metrics as `mode=sync`) and 1 overlaps each step's training with the next step's generation; under
+    `in_flight` a group whose oldest token is older is generated again from its prompt (never trained on, its
+    prompt not lost)."""
+    in_flight_kv_cache: Literal["keep", "recompute"] = "keep"
+    """With `mode=in_flight`, a request's KV cache when new weights land while it runs: `keep` (the keys and
+    values of its earlier tokens stay as the older weights computed them, as in PipelineRL) or `recompute` (vLLM
+    only: dropped, and recomputed from the new weights when the request is scheduled again)."""
+    in_flight_pool_groups: int | None = Field(default=None, ge=1)
+    """With `mode=in_flight`: prompts (groups of `num_generations_per_prompt`) kept in generation at once;
+    null: twice `num_prompts_per_step`, so a step's worth is always being generated while another is trained."""
     max_infra_retries: int = Field(default=2, ge=0)
     """Re-runs, from its prompt with a fresh session, of an episode whose infrastructure failed (an
     environment or Gym server error, a sandbox crashed or killed from outside, an HTTP failure or
@@ -191,6 +204,8 @@ def rollout(
             trajectory.response_ids += observation_ids
             trajectory.response_mask += [0] * len(observation_ids)
             trajectory.gen_logprobs += [0.0] * len(observation_ids)
+            if trajectory.token_versions:
+                trajectory.token_versions += trajectory.token_versions[-1:] * len(observation_ids)
             conversations[index] += response.observation
             continuing.append(index)
         if not continuing:
@@ -205,6 +220,8 @@ def rollout(
             trajectory.response_ids += completion.token_ids
             trajectory.response_mask += [1] * len(completion.token_ids)
             trajectory.gen_logprobs += completion.logprobs
+            if trajectory.token_versions is not None and completion.token_versions is not None:
+                trajectory.token_versions += completion.token_versions
             trajectory.routed_experts = completion.routed_experts  # this call ran every earlier token as its prompt
             trajectory.truncated = completion.finish_reason == "length"
             trajectory.response_text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)

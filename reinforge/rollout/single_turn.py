@@ -32,6 +32,7 @@ def generate_trajectories(
                     task="",
                     response_text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
                     routed_experts=completion.routed_experts,  # with params.record_routes (router replay)
+                    token_versions=completion.token_versions,  # when the engine says (in-flight generation)
                 )
             )
     return trajectories

@@ -56,7 +56,7 @@ def comparable(rows):
 
 def test_async_with_staleness_0_equals_the_synchronous_run(tmp_path):
     synchronous = run(tmp_path / "sync")
-    asynchronous = run(tmp_path / "async", "rollout.async_generation=true", "rollout.max_staleness=0")
+    asynchronous = run(tmp_path / "async", "rollout.mode=async", "rollout.max_staleness=0")
     assert comparable(asynchronous) == comparable(synchronous)
     assert [row["rollout/policy_lag"] for row in asynchronous[1:]] == [0, 0, 0, 0]
     assert (tmp_path / "async" / "placement.json").is_file()  # the engine really ran as a Ray actor
@@ -64,7 +64,7 @@ def test_async_with_staleness_0_equals_the_synchronous_run(tmp_path):
 
 def test_async_staleness_1_is_one_policy_behind_and_resumes_exactly_after_sigkill(tmp_path):
     extra = (
-        "rollout.async_generation=true",
+        "rollout.mode=async",
         "rollout.max_staleness=1",
         "checkpoint.save_every=1",
         "checkpoint.resume=auto",

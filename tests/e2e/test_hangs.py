@@ -79,13 +79,13 @@ def test_a_stopped_training_rank_ends_the_run_at_the_worker_timeout_with_its_sta
     assert seconds < 10 + 40  # the wait, the stack dumps, the workers' release
 
 
-def test_a_stopped_engine_under_async_generation_ends_the_run_at_the_rollout_deadline(tmp_path):
+def test_a_stopped_engine_under_async_rollouts_ends_the_run_at_the_rollout_deadline(tmp_path):
     """The trainer waits 4 s for the batch that the stopped engine never makes; the producer thread, blocked in the
     engine call, gives up at the worker timeout (10 s), then the run's workers are released."""
     result, seconds, victim = stop_a_worker_once_stepping(
         tmp_path,
         "ray::HFGenerationWorker",
-        "rollout.async_generation=true",
+        "rollout.mode=async",
         "rollout.max_staleness=1",
         "deadlines.rollout_wait_s=4",
         "cluster.worker_timeout_s=10",

@@ -113,7 +113,7 @@ def test_a_ppo_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_never_kil
     "override, message",
     [
         ("model.lora.rank=8", "reinforge ppo does not train LoRA adapters yet"),
-        ("rollout.async_generation=true", "reinforge ppo is on-policy only"),
+        ("rollout.mode=async", "reinforge ppo is on-policy only"),
         ("ppo.lam=1.5", "ppo.lam"),
     ],
 )

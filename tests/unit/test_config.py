@@ -41,7 +41,7 @@ def test_unknown_key_in_a_yaml_file_is_an_error_with_a_suggestion(tmp_path):
         ("grpo.max_turns", "rollout.max_turns"),
         ("grpo.max_staleness", "rollout.max_staleness"),
         ("grpo.rollout", "rollout.driver"),
-        ("grpo.async_rollouts", "rollout.async_generation"),
+        ("grpo.async_rollouts", "rollout.mode=async"),
         ("grpo.overlong_buffer_tokens", "overlong.buffer_tokens"),
         ("grpo.overlong_filtering", "overlong.filtering"),
         ("training.lr", "optimizer.lr"),
