@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from reinforge.config.section import Section
 
@@ -57,6 +57,11 @@ class MoeConfig(Section):
     aux_loss_coef: float = Field(default=0.0, ge=0)
     """Weight of the auxiliary load-balancing loss (Switch Transformer's, as transformers computes it) added to
     the training loss; 0 (the default in RL, as in NeMo-RL and veRL): logged, not trained on."""
+
+    @field_validator("router_replay", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value):
+        return "off" if value is False else value  # YAML reads a bare `off` (router_replay=off) as false
 
 
 class ModelConfig(Section):

@@ -4,10 +4,13 @@ sequences span two policy versions; no token is older than `rollout.max_stalenes
 twice; the token metrics are logged each step; and the engine's logprobs still agree with the trainer's."""
 
 import json
+import random
+import signal
 import subprocess
 import sys
 
 import pytest
+from _kill import cli_command
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -56,3 +59,39 @@ def test_in_flight_grpo_spans_updates_within_the_staleness_bound_and_trains_each
     assert all(row["train/token_mult_prob_error"] < 1.05 for row in steps)
     ordinals = [ordinal for row in prompts for ordinal in row["ordinals"]]
     assert len(ordinals) == len(set(ordinals)) == 8 * len(steps)
+
+
+def test_an_in_flight_run_killed_at_five_random_moments_loses_no_prompt_and_trains_none_twice(tmp_path):
+    """Which groups finish first depends on timing, so the prompts of each step are not those of another run; what
+    must hold: every prompt drawn is trained once, or is still owed (finished or to be generated again) in the last
+    checkpoint."""
+    from reinforge.training.checkpoint import load_driver_state
+
+    run_dir = tmp_path / "run"
+    args = [*ARGS, "loop.max_steps=6", "rollout.num_prompts_per_step=4", "training.global_batch_size=32"]
+    args += ["training.micro_batch_size=32", "checkpoint.save_every=1", "checkpoint.resume=auto"]
+    args += ["cluster.max_restarts=0", "generation.max_new_tokens=24"]
+    command = cli_command("grpo", PROJECT_ROOT / "configs" / "grpo_demo.yaml", *args, f"logging.run_dir={run_dir}")
+    rng, kills = random.Random(29), 0
+    for _ in range(5):
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(timeout=rng.uniform(6, 16))  # start-up takes ~5 s, a step ~1 s
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            kills += process.wait(timeout=60) == -signal.SIGKILL
+        if process.returncode == 0:
+            break
+    final = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert kills >= 3, kills
+    prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in prompts] == [1, 2, 3, 4, 5, 6]
+    trained = [ordinal for row in prompts for ordinal in row["ordinals"]]
+    assert len(trained) == len(set(trained)) == 24  # none twice
+    last = load_driver_state(run_dir / "checkpoints" / "step_00000006")
+    (pending,) = last["pending_rollouts"]
+    owed = [ordinal for ordinal, *_ in pending.ready] + [ordinal for ordinal, _ in pending.redo]
+    assert last["sampler"]["epoch"] == 0  # the demo's training prompts are not all drawn: ordinal = position
+    drawn = last["sampler"]["position"]
+    assert sorted(trained + owed) == list(range(drawn))  # none lost

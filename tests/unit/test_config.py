@@ -230,3 +230,8 @@ def test_missing_config_file_and_bad_yaml_are_one_line_errors(tmp_path):
     bad.write_text("loop:\n  max_steps: [1,\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
         load_config(bad)
+
+
+def test_router_replay_off_on_the_command_line_is_off_not_yaml_false():
+    assert load_config(None, ["model.moe.router_replay=off"]).model.moe.router_replay == "off"
+    assert load_config(None, ["model.moe.router_replay=rollout"]).model.moe.router_replay == "rollout"
