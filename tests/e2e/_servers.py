@@ -1,8 +1,11 @@
 """Starting reinforge's own servers (`reinforge env serve`, `reinforge serve`) as real processes for tests."""
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,3 +49,41 @@ def cli_server(
         process.terminate()
         process.wait(timeout=30)
         log.close()
+
+
+@contextlib.contextmanager
+def server_process(command, health_url, startup_timeout_s, env=None):
+    """Run `command` in its own process group until the block ends; yields (process, startup seconds)."""
+    start = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    output = []  # drained in a thread so a chatty server never blocks on a full pipe
+    reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        while True:
+            if process.poll() is not None:
+                reader.join(5)
+                raise RuntimeError(
+                    f"{command[:3]} exited with {process.returncode}:\n"
+                    + b"".join(output[-40:]).decode(errors="replace")
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(health_url, timeout=1).status_code == 200:
+                    break
+            if time.monotonic() - start > startup_timeout_s:
+                raise RuntimeError(
+                    f"{command[:3]} not healthy after {startup_timeout_s} s:\n"
+                    + b"".join(output[-40:]).decode(errors="replace")
+                )
+            time.sleep(0.2)
+        yield process, time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)  # the group: vLLM's engine runs in a child process
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

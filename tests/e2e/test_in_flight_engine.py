@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _fresh import run_in_fresh_process
 from transformers import AutoModelForCausalLM
 
 from reinforge.data.jsonl import read_jsonl
@@ -125,14 +125,7 @@ def vllm_run(out_path) -> None:
 
 @pytest.fixture(scope="module")
 def vllm_samples(tmp_path_factory):
-    out = tmp_path_factory.mktemp("in_flight") / "samples.json"
-    process = mp.get_context("spawn").Process(target=vllm_run, args=(out,))
-    process.start()
-    process.join(timeout=400)
-    if process.is_alive():
-        process.kill()
-    assert process.exitcode == 0, process.exitcode
-    return json.loads(out.read_text())
+    return run_in_fresh_process(vllm_run, out=tmp_path_factory.mktemp("in_flight") / "samples.json")
 
 
 @pytest.mark.parametrize("kv_cache", ["keep", "recompute"])

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _fresh import run_in_fresh_process as fresh_process
 from conftest import build_tiny_moe
 
 from reinforge.errors import ConfigError
@@ -168,14 +168,7 @@ def tensor_parallel_run(model_dir, work, out_path) -> None:
 def run_in_fresh_process(target, model_dir, work) -> dict:
     for name in ("tokenizer.json", "tokenizer_config.json"):  # vLLM loads a tokenizer; token ids < 64 only
         shutil.copy(PROJECT_ROOT / "models" / "demo" / name, model_dir / name)
-    out = work / "outcomes.json"
-    process = mp.get_context("spawn").Process(target=target, args=(model_dir, work, out))
-    process.start()
-    process.join(timeout=400)
-    if process.is_alive():
-        process.kill()
-    assert process.exitcode == 0, process.exitcode
-    return json.loads(out.read_text())
+    return fresh_process(target, model_dir, work, out=work / "outcomes.json")
 
 
 @pytest.fixture(scope="module")
