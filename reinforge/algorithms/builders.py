@@ -31,9 +31,9 @@ def uses_ray(config: RLRunConfig) -> bool:
 
 
 def engines_on_ray(config: RLRunConfig) -> bool:
-    """FSDP2 runs put the engines on Ray beside the ranks; async GRPO puts them there too, so that they
-    generate in processes of their own while the trainer works."""
-    return config.training.backend == "fsdp2" or config.rollout.mode == "async"
+    """FSDP2 runs put the engines on Ray beside the ranks; async and in-flight GRPO put them there too, so that
+    they generate in processes of their own while the trainer works."""
+    return config.training.backend == "fsdp2" or config.rollout.mode != "sync"
 
 
 def start_ray_if_needed(config: RLRunConfig, cleanup: ExitStack) -> None:
@@ -208,10 +208,6 @@ def build_engine(config: RLRunConfig, tokenizer, trainer: TrainingBackend, clean
                 "is present)"
             ) from None
         engine = VLLMGenerationBackend(**engine_kwargs(config))
-    if config.rollout.mode == "in_flight":  # one driver thread owns the engine; weights land between its steps
-        from reinforge.generation.in_flight import InFlightEngine
-
-        engine = InFlightEngine(engine, config.rollout.in_flight_kv_cache, config.deadlines.rollout_wait_s)
     cleanup.callback(engine.shutdown)
     return engine
 
@@ -236,6 +232,21 @@ def engine_group(config: RLRunConfig, share_with=None):
         from reinforge.generation.hf import HFGenerationWorker
 
         worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
+    if config.rollout.mode == "in_flight":  # engines that take concurrent calls; weights land between their steps
+        from reinforge.cluster.generation_group import InFlightGroup
+
+        rollout = config.rollout
+        pool = rollout.in_flight_pool_groups or 2 * rollout.num_prompts_per_step
+        return InFlightGroup(
+            worker_cls,
+            kwargs,
+            rollout.in_flight_kv_cache,
+            max_concurrency=pool * rollout.num_generations_per_prompt + 16,  # a call per episode, and the refit's
+            num_engines=gen.num_workers,
+            num_cpus_per_engine=config.cluster.num_cpus_per_worker,
+            num_gpus_per_engine=config.cluster.num_gpus_per_worker,
+            timeout_s=config.cluster.worker_timeout_s,
+        )
     return GenerationGroup(
         worker_cls,
         kwargs,

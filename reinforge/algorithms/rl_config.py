@@ -135,11 +135,6 @@ class RLRunConfig(Section):
                 f"rollout.mode={rollout.mode} with training.backend=fsdp2 needs cluster.colocate=false: the engines "
                 "generate while the ranks train, so they need resources of their own"
             )
-        if rollout.mode == "in_flight" and training.backend == "fsdp2":
-            raise ValueError(
-                "rollout.mode=in_flight runs the engine in the driver process for now, beside the torch backend; "
-                "set training.backend=torch, or rollout.mode=async for FSDP2 ranks"
-            )
         if (
             rollout.mode == "in_flight"
             and rollout.in_flight_kv_cache == "recompute"

@@ -5,12 +5,15 @@ samples exactly what an in-process engine would; the others with seed streams of
 merged in prompt order. A refit puts the weights in the object store once and every engine loads them;
 a LoRA adapter sync hands every engine the adapter's path instead (in the run directory: on several nodes
 it must be on a shared filesystem).
+`InFlightGroup` is the same for in-flight generation (`rollout.mode=in_flight`): engines that keep generating
+while their weights are updated, each call of the rollout workers sent whole to one engine.
 With `cluster.colocate=true` engine i shares training rank i's placement bundle (they take turns on
 the same resources); otherwise the engines get bundles of their own.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Iterable
 
@@ -87,3 +90,54 @@ class GenerationGroup:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+class InFlightGroup(GenerationGroup):
+    """In-flight engines (generation/in_flight.py's `InFlightWorker`, each wrapping `engine_cls(**engine_kwargs)`)
+    as Ray actors that take up to `max_concurrency` calls at once: the rollout workers, the endpoint and the refit
+    call from threads of their own. A `generate` call goes whole to the engine with the fewest calls running (a
+    group's samples stay on one engine, where they share the prompt's cache); new weights go to every engine."""
+
+    def __init__(self, engine_cls: type, engine_kwargs: dict, kv_cache: str, max_concurrency: int, **group_kwargs):
+        worker_kwargs = dict(engine_cls=engine_cls, engine_kwargs=engine_kwargs, kv_cache=kv_cache,
+                             wait_timeout_s=group_kwargs["timeout_s"])  # fmt: skip
+        from reinforge.generation.in_flight import InFlightWorker
+
+        self.group = WorkerGroup(
+            "generation",
+            InFlightWorker,
+            group_kwargs["num_engines"],
+            lambda rank, _: worker_kwargs,
+            num_cpus_per_worker=group_kwargs["num_cpus_per_engine"],
+            num_gpus_per_worker=group_kwargs["num_gpus_per_engine"],
+            timeout_s=group_kwargs["timeout_s"],
+            max_concurrency=max_concurrency,
+        )
+        self._lock = threading.Lock()
+        self._calls = [0] * len(self.group.workers)
+        self._version = 0
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+        with self._lock:
+            rank = min(range(len(self._calls)), key=self._calls.__getitem__)
+            self._calls[rank] += 1
+        try:
+            return self.group.call_rank(rank, "generate", prompt_token_ids, params)
+        finally:
+            with self._lock:
+                self._calls[rank] -= 1
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self.group.call("set_version", version)
+        self._version = version
+
+    def metrics(self) -> dict[str, float]:
+        """The engines' `generation/*` since the last call: idle fraction and sequences per step averaged, updates
+        of one engine (each takes every update)."""
+        per_engine = self.group.call("metrics")
+        return {name: sum(m[name] for m in per_engine) / len(per_engine) for name in per_engine[0]}

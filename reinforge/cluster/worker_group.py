@@ -78,10 +78,12 @@ class WorkerGroup:
         timeout_s: float,
         share_with: "WorkerGroup | None" = None,
         actor_fraction: float = 1.0,
+        max_concurrency: int = 1,
     ):
         """With `share_with`, the workers go into that group's bundles (worker i into bundle i) instead
         of bundles of their own: colocation. `actor_fraction` of a bundle is what each actor asks for,
-        leaving the rest to the group that will share it."""
+        leaving the rest to the group that will share it. `max_concurrency` > 1: each worker runs up to that
+        many calls at once, each on a thread of its own (Ray's threaded actors), for a worker that is thread-safe."""
         self.name, self.timeout_s = name, timeout_s
         bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
         self.owns_placement_group = share_with is None
@@ -104,6 +106,7 @@ class WorkerGroup:
             actor_cls.options(
                 num_cpus=num_cpus_per_worker * actor_fraction,
                 num_gpus=num_gpus_per_worker * actor_fraction,
+                max_concurrency=max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),
@@ -139,7 +142,14 @@ class WorkerGroup:
     def call_each(self, method: str, args_per_worker: list[tuple]) -> list[Any]:
         """Run `method(*args_per_worker[i])` on worker i, all at once; results in rank order."""
         refs = [getattr(worker, method).remote(*args) for worker, args in zip(self.workers, args_per_worker)]
-        names = dict(zip(refs, self.names))
+        return self._wait(method, refs, self.names)
+
+    def call_rank(self, rank: int, method: str, *args: Any) -> Any:
+        """Run `method(*args)` on worker `rank` alone (thread-safe: concurrent calls wait each for its own)."""
+        return self._wait(method, [getattr(self.workers[rank], method).remote(*args)], [self.names[rank]])[0]
+
+    def _wait(self, method: str, refs: list, names_in_order: list[str]) -> list[Any]:
+        names = dict(zip(refs, names_in_order))
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)

@@ -18,7 +18,9 @@ rollout workers, the agents' endpoint, validation, the refit) goes through it, f
   of the version that sampled each token either way.
 - `weight_digests`, `adapter_digests`, `load_adapter` run on the driver between steps too.
 
-`metrics()` gives, since its last call, the share of wall time the engine had nothing to compute
+In a run, the engine is an `InFlightWorker` in a process of its own (a Ray actor that takes concurrent calls,
+cluster/generation_group.py), so that it does not share the trainer's interpreter. `metrics()` gives, since its
+last call, the share of wall time the engine had nothing to compute
 (`generation/idle_fraction`), the updates applied and the mean number of sequences per step.
 """
 
@@ -173,6 +175,9 @@ class InFlightEngine:
         return bool(self._stopping or self._requests or self._commands or self._running)
 
     def _run(self) -> None:
+        # torch's thread count (`cluster.num_threads`) for this thread's OpenMP team before the engine's first step:
+        # vLLM's CPU attention plans its work for the team size it sees when it builds a step's metadata
+        torch.get_num_threads()
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work)
@@ -245,6 +250,18 @@ class InFlightEngine:
             self._counts["busy_s"] += seconds
             self._counts["steps"] += steps
             self._counts["sequences"] += sequences * steps
+
+
+class InFlightWorker(InFlightEngine):
+    """An `InFlightEngine` that builds its own engine (`engine_cls(**engine_kwargs)`): what runs in a process of its
+    own (cluster/generation_group.py's InFlightGroup), the calls of every caller arriving on threads of its own."""
+
+    def __init__(self, engine_cls: type, engine_kwargs: dict, kv_cache: KvCachePolicy, wait_timeout_s: float):
+        super().__init__(engine_cls(**engine_kwargs), kv_cache, wait_timeout_s)
+
+    def set_version(self, version: int) -> None:
+        """The version of the weights the engine computes with (the start-up or resume refit's)."""
+        self.version = version
 
 
 def versions_of(completion: Completion, default: int) -> list[int]:
