@@ -4,10 +4,12 @@ start-up and after the first refit, and logs it every step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from reinforge.algorithms.losses import metric_mean
-from reinforge.data.batch import Normalisers, TrainBatch, collate
+from reinforge.data.batch import Normalisers, TrainBatch, collate, sampled_by
 from reinforge.data.prompts import Prompt
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend, SamplingParams
@@ -37,11 +39,43 @@ def mismatch_contributions(
     }
 
 
-def mismatch_metrics(batch: TrainBatch) -> dict[str, float]:
-    """`mismatch_contributions` of a whole batch with `old_logprobs` as the trainer's, as `train/*` metrics."""
-    norm = Normalisers(num_tokens=batch.num_valid_tokens(), num_sequences=len(batch))
-    contributions = mismatch_contributions(batch.old_logprobs, batch.gen_logprobs, batch.loss_mask, norm)
-    return {f"train/{name}": value.item() for name, value in contributions.items()}
+def mismatch_metrics(
+    batch: TrainBatch, mask_BT: torch.Tensor | None = None, prefix: str = "train/"
+) -> dict[str, float]:
+    """`mismatch_contributions` of a whole batch (over `mask_BT`, default its loss mask) with `old_logprobs` as the
+    trainer's, as `{prefix}*` metrics."""
+    mask_BT = batch.loss_mask if mask_BT is None else mask_BT
+    norm = Normalisers(num_tokens=int(mask_BT.sum()), num_sequences=len(batch))
+    contributions = mismatch_contributions(batch.old_logprobs, batch.gen_logprobs, mask_BT, norm)
+    return {f"{prefix}{name}": value.item() for name, value in contributions.items()}
+
+
+def version_matched_mismatch(
+    batch: TrainBatch, trajectories: list, version: int, trainer=None, kept: list[int] = ()
+) -> dict[str, float]:
+    """The mismatch over the trained tokens, each compared with the weights of the policy version that sampled it:
+    `batch.old_logprobs` are policy `version`'s; the `trainer`, under the versions it `kept` (`keep_version`,
+    rollout.version_check), gives the other tokens' logprobs, one pass per version. (In async and
+    in-flight runs `train/token_mult_prob_error` compares every token with the current policy, so it also counts
+    how far the policy moved since an older version sampled it.) `train/version_matched/token_share`: the share of
+    trained tokens compared; with none, only that share."""
+    width = batch.loss_mask.shape[1]
+    matched_BT = batch.loss_mask * sampled_by(trajectories, version, width)
+    logprobs_BT = batch.old_logprobs * matched_BT
+    for older in [v for v in kept if v != version]:
+        mask_BT = batch.loss_mask * sampled_by(trajectories, older, width)
+        rows = [row for row in range(len(batch)) if mask_BT[row].any()]
+        if not rows:
+            continue
+        part = batch.select(rows)
+        part.loss_mask = mask_BT[rows, : part.loss_mask.shape[1]]
+        logprobs_BT[rows, : part.loss_mask.shape[1]] += trainer.logprobs(part, version=older) * part.loss_mask
+        matched_BT[rows, : part.loss_mask.shape[1]] += part.loss_mask
+    share = {"train/version_matched/token_share": float(matched_BT.sum()) / max(batch.num_valid_tokens(), 1)}
+    if not matched_BT.any():
+        return share
+    matched = mismatch_metrics(replace(batch, old_logprobs=logprobs_BT), matched_BT, prefix="train/version_matched/")
+    return share | {name: value for name, value in matched.items() if "is_ratio" not in name}
 
 
 def probe(prompts: list[Prompt], engine: GenerationBackend, trainer, tokenizer, params: SamplingParams) -> float:

@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 from pydantic import model_validator
 
+from reinforge.algorithms.consistency import version_matched_mismatch
 from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
 from reinforge.algorithms.grpo_advantages import (
     GRPOConfig,
@@ -124,10 +125,16 @@ def train_on_batch(
         batch.loss_mask *= torch.tensor([[0.0 if t.truncated else 1.0] for t in trajectories])
 
     with timers.time("logprobs"):  # else the loss takes the training pass's as the old policy's
-        if loss.old_logprobs == "recompute" or len(batch) > global_batch or loss.kl_in_reward:
+        # rollout.version_check compares each token's sampling version with this pass (and the kept versions')
+        check = config.rollout.mode != "sync" and config.rollout.version_check
+        if loss.old_logprobs == "recompute" or len(batch) > global_batch or loss.kl_in_reward or check:
             batch.old_logprobs = trainer.logprobs(batch)
         if loss.kl_coef > 0:
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
+    if config.rollout.mode != "sync" and batch.old_logprobs is not None:
+        with timers.time("version_check"):  # each token against the version that sampled it
+            kept = trainer.keep_version(step - 1, config.rollout.max_staleness + 1) if check else []
+            metrics |= version_matched_mismatch(batch, trajectories, step - 1, trainer, kept)
     kl_penalties_PG = -kl_reward_penalties(batch, loss).view_as(rewards_PG)  # loss.kl_in_reward
     shaping = [
         term for term, on in ((penalties_PG, overlong.buffer_tokens > 0), (kl_penalties_PG, loss.kl_in_reward)) if on

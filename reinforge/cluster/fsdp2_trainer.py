@@ -107,8 +107,11 @@ class FSDP2Trainer(FSDP2Ranks):
             actor_fraction=0.5 if cluster.colocate else 1.0,
         )
 
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        return self.group.call("logprobs", batch, reference)[0]
+    def logprobs(self, batch: TrainBatch, reference: bool = False, version: int | None = None) -> torch.Tensor:
+        return self.group.call("logprobs", batch, reference, version)[0]
+
+    def keep_version(self, version: int, depth: int) -> list[int]:
+        return self.group.call("keep_version", version, depth)[0]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights one decoder layer at a time (`Backend.weight_parts`): the ranks gather a layer from their

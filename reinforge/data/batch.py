@@ -128,6 +128,17 @@ def collate_routes(trajectories: list[Trajectory], width: int) -> torch.Tensor |
     return routes
 
 
+def sampled_by(trajectories: list[Trajectory], version: int, width: int) -> torch.Tensor:
+    """[B, width] float: 1 on the response tokens that policy `version` sampled (`Trajectory.token_versions`, or
+    the whole response's `policy_version`), 0 elsewhere."""
+    mask = torch.zeros((len(trajectories), width), dtype=torch.float32)
+    for row, trajectory in enumerate(trajectories):
+        start = len(trajectory.prompt_ids)
+        versions = trajectory.token_versions or [trajectory.policy_version] * len(trajectory.response_ids)
+        mask[row, start : start + len(versions)] = torch.tensor([float(v == version) for v in versions])
+    return mask
+
+
 def _rows(tensor: torch.Tensor, start: int, end: int, width: int) -> torch.Tensor:
     return tensor[start:end] if tensor.dim() == 1 else tensor[start:end, :width]
 

@@ -77,6 +77,11 @@ class RolloutConfig(Section):
     in_flight_pool_groups: int | None = Field(default=None, ge=1)
     """With `mode=in_flight`: prompts (groups of `num_generations_per_prompt`) kept in generation at once;
     null: twice `num_prompts_per_step`, so a step's worth is always being generated while another is trained."""
+    version_check: bool = False
+    """With `mode=async` or `in_flight`: compare every trained token with the weights of the policy version that
+    sampled it (`train/version_matched/*`): the trainer keeps its trained parameters of the last
+    `max_staleness + 1` versions (on the CPU) and runs one more logprobs pass per older version in a step.
+    Off: only the tokens of the trainer's current version are compared (no extra pass)."""
     max_infra_retries: int = Field(default=2, ge=0)
     """Re-runs, from its prompt with a fresh session, of an episode whose infrastructure failed (an
     environment or Gym server error, a sandbox crashed or killed from outside, an HTTP failure or

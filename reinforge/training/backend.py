@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.model_config import ModelConfig
@@ -122,6 +123,7 @@ class Backend:
             if replay and self.reference is not None:  # the reference's logprobs on the same routes
                 MoeRouting(self.reference, replay)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.versions: dict[int, list[torch.Tensor]] = {}  # keep_version's copies
         self.optimizer_config = optimizer
         self.optimizer, self.scheduler = build_optimizer(self.trainable, optimizer, scheduler, num_optimizer_steps)
 
@@ -152,9 +154,28 @@ class Backend:
         finally:
             clear_routing(model)
 
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        """`per_token` of a backend with an LM head: per-token logprobs [B, T], 0 off `batch.loss_mask`."""
-        return self.per_token(batch, reference)
+    def logprobs(self, batch: TrainBatch, reference: bool = False, version: int | None = None) -> torch.Tensor:
+        """`per_token` of a backend with an LM head: per-token logprobs [B, T], 0 off `batch.loss_mask`; `version`:
+        under the trained parameters `keep_version` kept as that policy version."""
+        if version is None:
+            return self.per_token(batch, reference)
+        current = [_local(p).detach().clone() for p in self.trainable]
+        with torch.no_grad():
+            try:
+                for param, kept in zip(self.trainable, self.versions[version]):
+                    _local(param).copy_(kept)
+                return self.per_token(batch)
+            finally:
+                for param, value in zip(self.trainable, current):
+                    _local(param).copy_(value)
+
+    def keep_version(self, version: int, depth: int) -> list[int]:
+        """Keep a CPU copy of the trained parameters (this rank's shards) as policy `version`, and only the last
+        `depth` versions; returns the versions kept (rollout.version_check)."""
+        self.versions[version] = [_local(p).detach().to("cpu", copy=True) for p in self.trainable]
+        for old in sorted(self.versions)[:-depth]:
+            del self.versions[old]
+        return sorted(self.versions)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """`per_token` of a backend with a scalar head (PPO's critic): V(s_t) [B, T], 0 off `batch.loss_mask`."""
@@ -292,6 +313,11 @@ class Backend:
 
     def shutdown(self) -> None:
         self.strategy.shutdown()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a DTensor's local shard (FSDP2, tensor parallel), else the parameter."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def clear_routing(model: torch.nn.Module) -> None:

@@ -102,8 +102,13 @@ LossFn = Callable[[torch.Tensor, TrainBatch, Normalisers], tuple[torch.Tensor, d
 
 
 class TrainingBackend(Protocol):
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        """Per-token logprobs [B, T] of the policy (or the reference policy), without gradients."""
+    def logprobs(self, batch: TrainBatch, reference: bool = False, version: int | None = None) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the policy (or the reference policy, or an earlier policy version that
+        `keep_version` kept), without gradients."""
+        ...
+
+    def keep_version(self, version: int, depth: int) -> list[int]:
+        """Keep the trained parameters as policy `version` (the last `depth` versions); the versions kept."""
         ...
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:

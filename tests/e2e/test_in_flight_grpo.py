@@ -1,7 +1,8 @@
 """In-flight GRPO end to end (`rollout.mode=in_flight`) on the demo, with the HF engine (waves, the KV cache kept)
 and with vLLM (continuous batching, the cache recomputed): refits land while groups are being generated, so some
 sequences span two policy versions; no token is older than `rollout.max_staleness` allows; no prompt is trained
-twice; the token metrics are logged each step; and the engine's logprobs still agree with the trainer's."""
+twice; the token metrics are logged each step; and the engine's logprobs still agree with the trainer's (with
+`rollout.version_check`, each token's with the weights of the version that sampled it)."""
 
 import json
 import random
@@ -47,7 +48,12 @@ def run(run_dir, *extra):
     "engine",
     [
         ("generation.backend=hf", "loop.max_steps=6"),
-        ("generation.backend=vllm", "loop.max_steps=5", "rollout.in_flight_kv_cache=recompute"),
+        (
+            "generation.backend=vllm",
+            "loop.max_steps=5",
+            "rollout.in_flight_kv_cache=recompute",
+            "rollout.version_check=true",
+        ),
     ],
     ids=["hf", "vllm"],
 )
@@ -58,6 +64,9 @@ def test_in_flight_grpo_spans_updates_within_the_staleness_bound_and_trains_each
     assert all(row["rollout/versions_per_sequence_mean"] >= 1 for row in steps)
     assert all(0 <= row["generation/idle_fraction"] <= 1 for row in steps)
     assert all(row["train/token_mult_prob_error"] < 1.05 for row in steps)
+    if "rollout.version_check=true" in engine:  # every token against the weights of the version that sampled it
+        assert all(row["train/version_matched/token_share"] == 1.0 for row in steps)
+        assert all(row["train/version_matched/token_mult_prob_error"] < 1.05 for row in steps)
     ordinals = [ordinal for row in prompts for ordinal in row["ordinals"]]
     assert len(ordinals) == len(set(ordinals)) == 8 * len(steps)
 
