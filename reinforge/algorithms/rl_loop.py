@@ -259,9 +259,12 @@ def in_flight_rollouts(config: RLRunConfig, sampler, episodes: Episodes, engine,
     def produce_group(ordinal: int, prompt: Prompt) -> tuple[list[Trajectory], dict[str, float]]:
         timers = Timers()
         params = replace(sampling_params(config, 0), seed=config.seed * 1_000_003 + 7_919 * (ordinal + 1))
+        started = engine.version  # no token of the group is older
         trajectories = episodes([prompt], params, timers)
         for trajectory in trajectories:
             trajectory.prompt_ordinal = ordinal
+            if trajectory.token_versions is None:  # an episode with no tokens (it failed) or whose calls did not say
+                trajectory.policy_version = started
         return trajectories, timers.metrics()
 
     def step_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.generation.base import GenerationResult, SamplingParams
 from reinforge.hang import HangError
 
 KvCachePolicy = Literal["keep", "recompute"]
@@ -262,8 +262,3 @@ class InFlightWorker(InFlightEngine):
     def set_version(self, version: int) -> None:
         """The version of the weights the engine computes with (the start-up or resume refit's)."""
         self.version = version
-
-
-def versions_of(completion: Completion, default: int) -> list[int]:
-    """Each generated token's policy version (`default`, the request's, where the engine gave none)."""
-    return completion.token_versions or [default] * len(completion.token_ids)

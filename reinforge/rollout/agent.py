@@ -64,6 +64,9 @@ class EpisodeTokens:
     truncated: bool  # its last call hit the length limit
     contiguous: bool  # every call's prompt extended all that came before it
     routed_experts: np.ndarray | None = None  # the last joined call's routes: it ran all earlier tokens as its prompt
+    token_versions: list[int] | None = None
+    """Per response token, the policy version that sampled it (an observation token: the one before it's); None
+    when a call does not say (only in-flight engines do)."""
 
 
 def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
@@ -71,8 +74,9 @@ def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
     with everything before it, the sequence stops before that call and `contiguous` is False."""
     first = calls[0]
     response_ids, mask, logprobs = list(first.generation_ids), [1] * len(first.generation_ids), list(first.logprobs)
+    versions = list(first.token_versions or [])
     seen = first.prompt_ids + first.generation_ids
-    contiguous, last = True, first
+    contiguous, last, labelled = True, first, first.token_versions is not None
     for call in calls[1:]:
         if call.prompt_ids[: len(seen)] != seen:
             contiguous = False
@@ -81,9 +85,20 @@ def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
         response_ids += between + call.generation_ids
         mask += [0] * len(between) + [1] * len(call.generation_ids)
         logprobs += [0.0] * len(between) + list(call.logprobs)
+        labelled = labelled and call.token_versions is not None
+        versions += versions[-1:] * len(between) + list(call.token_versions or [])  # observations: the token before's
         seen, last = call.prompt_ids + call.generation_ids, call
     routes = last.routed_experts
-    return EpisodeTokens(list(first.prompt_ids), response_ids, mask, logprobs, last.truncated, contiguous, routes)
+    return EpisodeTokens(
+        list(first.prompt_ids),
+        response_ids,
+        mask,
+        logprobs,
+        last.truncated,
+        contiguous,
+        routes,
+        versions if labelled else None,
+    )
 
 
 def agent_of(record: dict[str, Any], config: AgentConfig) -> str:
@@ -323,7 +338,7 @@ class AgentRollout:
                 tokens.truncated,
                 len(episode.calls),
             )
-            trajectory.routed_experts = tokens.routed_experts
+            trajectory.routed_experts, trajectory.token_versions = tokens.routed_experts, tokens.token_versions
             trajectory.response_text = self.tokenizer.decode(episode.calls[-1].generation_ids, skip_special_tokens=True)
         return trajectory, status, tokens
 

@@ -30,6 +30,9 @@ class RecordedCall:
     routed_experts: np.ndarray | None = None
     """With the run's router replay: the engine's routes of the call's prompt and generated tokens (all but the
     last generated one), [tokens, MoE layers, top_k] (generation/base.py `Completion.routed_experts`)."""
+    token_versions: list[int] | None = None
+    """Per generated token, the policy version that sampled it (in-flight generation, `Completion.token_versions`);
+    None: the engine did not say."""
 
 
 class CallRecorder:

@@ -172,6 +172,7 @@ class PolicyServer:
                 list(completion.logprobs),
                 completion.finish_reason == "length",
                 completion.routed_experts,  # with the run's router replay (its sampling asks for routes)
+                completion.token_versions,  # in flight: a call may span an update
             )
             admission.session.recorder.record(call, admission.episode_id)
 

@@ -22,6 +22,15 @@ def test_two_contiguous_calls_join_into_one_sequence_trained_on_the_generated_to
     assert tokens.contiguous and tokens.truncated
 
 
+def test_an_episode_across_an_update_keeps_each_tokens_version():
+    """In flight, call 1 was sampled by versions 3 then 4 (an update landed inside it), call 2 by 4; the tool
+    result between them takes the version of the token before it. A call that does not say: no versions."""
+    first = RecordedCall([1, 2], [3, 4], [-0.1, -0.2], False, token_versions=[3, 4])
+    second = RecordedCall([1, 2, 3, 4, 7, 8], [5, 6], [-0.3, -0.4], False, token_versions=[4, 5])
+    assert join_calls([first, second]).token_versions == [3, 4, 4, 4, 4, 5]
+    assert join_calls([first, call([1, 2, 3, 4, 7], [5])]).token_versions is None
+
+
 def test_a_call_whose_prompt_rewrites_the_history_breaks_the_episode_there():
     tokens = join_calls([call([1, 2], [3, 4]), call([1, 2, 9, 7], [5]), call([1, 2, 3, 4, 6], [8])])
     assert not tokens.contiguous
