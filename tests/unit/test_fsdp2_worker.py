@@ -4,6 +4,7 @@ One world of 1 rank and one world of 2 ranks run the same script once (module fi
 processes is the expensive part); the tests compare what they wrote.
 """
 
+import random
 import socket
 import time
 from functools import partial
@@ -63,15 +64,20 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
 
 
 def free_ports(count):
-    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago (bound together, so distinct)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago, drawn below the kernel's ephemeral
+    range (and above Ray's worker ports, 10002-19999): a launch uses its ports over minutes, and a port the
+    kernel hands out for outgoing connections (Ray's, vLLM's, the other xdist worker's) could be taken meanwhile."""
+    ports, rng = [], random.Random()
+    while len(ports) < count:
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def launch(world_size, model_dir, out_dir, *args, target=run_rank, timeout_s=120, num_ports=1):
