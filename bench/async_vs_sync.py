@@ -1,20 +1,27 @@
-"""Async GRPO (rollout.max_staleness=1) against synchronous GRPO, the same steps: against the plain
-in-process run, and against max_staleness=0 on the same placement (engine in a Ray actor, trainer on
-one thread), where the only difference is generating ahead.
+"""Synchronous, async and in-flight GRPO, the same steps, on two workloads: trained tokens per second, the engine's
+idle fraction, the final validation accuracy, and where each step's time goes.
 
-    python bench/async_vs_sync.py --steps 20 --json bench/results/async_vs_sync.json
+    python bench/async_vs_sync.py --workload longtail --engine vllm --steps 30
+    python bench/async_vs_sync.py --workload demo --steps 20
 
-Each setting is one `reinforge grpo --config configs/grpo_demo.yaml` run as a subprocess, with the
-same seed; the runs alternate (sync, async, sync, async, ...) for `--repeats` rounds so that load from
-other jobs hits both alike. Reported per setting: the process's wall time (start-up included), the sum
-of `timing/step_s` over the steps (the training loop alone: generation the trainer waited for, logprobs,
-training, refit), the median step time, the mean training reward over the last 5 steps and the final
-validation accuracy. Both settings use the whole machine: synchronous with torch's default threads
-(all cores) in one process; async with the trainer on one thread and the engine in a Ray actor with
-one CPU of its own (configs/grpo_async_demo.yaml), with max_staleness 0 (generation waits for each refit)
-or 1. In-flight generation (`rollout.mode=in_flight`, the engine in the driver process, refits between decoding
-steps) runs beside them; `trained_tokens_per_s` is the tokens trained on over the loop's time, and in-flight runs
-report the engine's idle fraction. `--engine vllm` runs every setting with vLLM.
+Each setting is one `reinforge grpo` run as a subprocess, with the same seed; the settings alternate for `--repeats`
+rounds so that load from other jobs hits them alike. Reported per setting: the process's wall time (start-up
+included), the sum of `timing/step_s` over the steps (the training loop alone), the median step time,
+`trained_tokens_per_s` (tokens trained on over the loop's time), the mean training reward over the last 5 steps,
+the final validation accuracy, the engine's idle fraction (in flight), token staleness, the largest
+train/inference mismatch over all tokens and, with `rollout.version_check`, over each token against the version
+that sampled it, and the mean of every `timing/*` per step. Every setting uses the whole machine: synchronous with
+torch's default threads (all cores) in one process; async and in-flight with the trainer on one thread and the
+engine in a Ray actor with one CPU of its own.
+
+- `--workload demo` (configs/grpo_demo.yaml; answers of ~33 tokens): sync, async with max_staleness 0 (the
+  async placement, generation not ahead) and 1, in-flight.
+- `--workload longtail` (configs/grpo_longtail_demo.yaml, whose policy the SFT stage configs/longtail_sft_demo.yaml
+  makes first, ~2 minutes, when runs/longtail_sft_demo/final is missing): a tenth of the answers 10-40x longer, as
+  a reasoning model's. Sync, async (max_staleness 1, configs/grpo_async_demo.yaml's), in-flight (max_staleness 8:
+  a long answer spans many updates; 48 prompts in flight), and in-flight with `rollout.version_check`.
+
+`--engine vllm` runs every setting with vLLM. Results: bench/results/async_vs_sync[_longtail][_vllm].json.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,12 +39,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from _common import run_cli, write_result  # noqa: E402
 
-ASYNC = ["--config", str(ROOT / "configs" / "grpo_async_demo.yaml")]
-SETTINGS = {
-    "sync, in-process": ["--config", str(ROOT / "configs" / "grpo_demo.yaml")],
-    "async, max_staleness=0": ASYNC + ["rollout.max_staleness=0"],  # the same placement, generation not ahead
-    "async, max_staleness=1": ASYNC,
-    "in_flight": ["--config", str(ROOT / "configs" / "grpo_demo.yaml"), "rollout.mode=in_flight"],
+CONFIGS = ROOT / "configs"
+LONGTAIL_SFT = ROOT / "runs" / "longtail_sft_demo" / "final"
+ASYNC = ["--config", str(CONFIGS / "grpo_async_demo.yaml")]
+LONGTAIL = ["--config", str(CONFIGS / "grpo_longtail_demo.yaml"), f"model.name_or_path={LONGTAIL_SFT}"]
+# Async and in-flight runs: the trainer on one thread, each engine in a Ray actor with one CPU of its own.
+IN_FLIGHT = ["rollout.mode=in_flight", "cluster.num_threads=1"]
+WORKLOADS = {
+    "demo": {
+        "sync": ["--config", str(CONFIGS / "grpo_demo.yaml")],
+        "async, max_staleness=0": ASYNC + ["rollout.max_staleness=0"],  # the same placement, not ahead
+        "async": ASYNC,
+        "in_flight": ["--config", str(CONFIGS / "grpo_demo.yaml"), *IN_FLIGHT],
+    },
+    # A tenth of the answers ~10-40x longer: in flight, a long answer spans many updates, so its oldest token may
+    # be 8 versions old (with 1, the long ones would be generated again and again), and 48 prompts are in flight.
+    "longtail": {
+        "sync": LONGTAIL,
+        "async": LONGTAIL + ["rollout.mode=async", "rollout.max_staleness=1", "cluster.num_threads=1"],
+        "in_flight": LONGTAIL + [*IN_FLIGHT, "rollout.max_staleness=8", "rollout.in_flight_pool_groups=48"],
+        "in_flight, version_check": LONGTAIL
+        + [*IN_FLIGHT, "rollout.max_staleness=8", "rollout.in_flight_pool_groups=48", "rollout.version_check=true"],
+    },
 }
 
 
@@ -44,7 +68,16 @@ def run(arguments: list[str], steps: int, engine: str) -> dict:
     rows, wall = run_cli(["grpo", *arguments, f"generation.backend={engine}"], steps, val_every=steps)
     steps_rows = [r for r in rows if r["step"] > 0]
     loop_s = sum(r["timing/step_s"] for r in steps_rows)
-    idle = [r["generation/idle_fraction"] for r in steps_rows if "generation/idle_fraction" in r]
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in steps_rows if key in r]
+        return statistics.mean(values) if values else None
+
+    def largest(key: str) -> float | None:
+        values = [r[key] for r in steps_rows if key in r]
+        return max(values) if values else None
+
+    timings = sorted({key for r in steps_rows for key in r if key.startswith("timing/")})
     return {
         "wall_s": wall,
         "loop_s": loop_s,
@@ -52,9 +85,30 @@ def run(arguments: list[str], steps: int, engine: str) -> dict:
         "trained_tokens_per_s": sum(r["perf/tokens_per_s"] * r["timing/step_s"] for r in steps_rows) / loop_s,
         "reward_last5": statistics.mean(r["train/reward_mean"] for r in steps_rows[-5:]),
         "val_accuracy": steps_rows[-1].get("val/accuracy"),
-        "policy_lag_mean": statistics.mean(r["rollout/policy_lag"] for r in steps_rows),
-        "engine_idle_fraction": statistics.mean(idle) if idle else None,
+        "policy_lag_mean": mean("rollout/policy_lag"),
+        "engine_idle_fraction": mean("generation/idle_fraction"),
+        "response_length_max": largest("rollout/gen_len_max"),
+        "token_staleness_max": largest("rollout/token_staleness_max"),
+        "spanning_update_fraction": mean("rollout/spanning_update_fraction"),
+        "regenerated": sum(r.get("rollout/in_flight_regenerated", 0) for r in steps_rows),
+        "token_mult_prob_error_max": largest("train/token_mult_prob_error"),
+        "version_matched_error_max": largest("train/version_matched/token_mult_prob_error"),
+        "version_matched_share_min": min(
+            (r["train/version_matched/token_share"] for r in steps_rows if "train/version_matched/token_share" in r),
+            default=None,
+        ),
+        "time_per_step": {key: mean(key) for key in timings},  # where the time goes (means over the steps)
     }
+
+
+def longtail_model() -> None:
+    """The long-tail workload's policy (stage 1, configs/longtail_sft_demo.yaml) when it is not there yet."""
+    if (LONGTAIL_SFT / "config.json").exists():
+        return
+    command = [sys.executable, "-m", "reinforge.cli", "sft", "--config", str(CONFIGS / "longtail_sft_demo.yaml")]
+    command.append(f"logging.run_dir={LONGTAIL_SFT.parent}")
+    if subprocess.run(command, cwd=ROOT).returncode != 0:
+        raise SystemExit("the long-tail SFT stage (configs/longtail_sft_demo.yaml) failed")
 
 
 def main() -> None:
@@ -62,20 +116,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "async_vs_sync.json")
+    parser.add_argument("--workload", default="demo", choices=tuple(WORKLOADS))
+    parser.add_argument("--json", type=Path, help="default: bench/results/async_vs_sync[_longtail][_vllm].json")
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    suffix = "".join(f"_{part}" for part in (args.workload, args.engine) if part not in ("demo", "hf"))
+    args.json = args.json or ROOT / "bench" / "results" / f"async_vs_sync{suffix}.json"
+    settings = WORKLOADS[args.workload]
+    if args.workload == "longtail":
+        longtail_model()
+    results: dict[str, list[dict]] = {name: [] for name in settings}
     for _ in range(args.repeats):
-        for name, arguments in SETTINGS.items():
+        for name, arguments in settings.items():
             results[name].append(run(arguments, args.steps, args.engine))
             print(name, json.dumps(results[name][-1]), flush=True)
-    summary = {
-        name: {key: None if runs[0][key] is None else statistics.median(r[key] for r in runs) for key in runs[0]}
-        for name, runs in results.items()
-    }
-    sync, same_placement, asynchronous, in_flight = (summary[name] for name in SETTINGS)
+    summary = {name: _median(runs) for name, runs in results.items()}
+    sync, asynchronous, in_flight = (summary[name] for name in ("sync", "async", "in_flight"))
     out = {
         "steps": args.steps,
+        "workload": args.workload,
+        "model": "demo",
         "engine": args.engine,
         "repeats": args.repeats,
         "machine": f"{os.cpu_count()} CPUs",
@@ -83,22 +142,27 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "settings": summary,
         "runs": results,
-        "loop_speedup": sync["loop_s"] / asynchronous["loop_s"],
-        "wall_speedup": sync["wall_s"] / asynchronous["wall_s"],
-        "loop_speedup_same_placement": same_placement["loop_s"] / asynchronous["loop_s"],
-        "wall_speedup_same_placement": same_placement["wall_s"] / asynchronous["wall_s"],
+        "async_loop_speedup": sync["loop_s"] / asynchronous["loop_s"],
+        "async_tokens_vs_sync": asynchronous["trained_tokens_per_s"] / sync["trained_tokens_per_s"],
         "in_flight_tokens_vs_sync": in_flight["trained_tokens_per_s"] / sync["trained_tokens_per_s"],
         "in_flight_tokens_vs_async": in_flight["trained_tokens_per_s"] / asynchronous["trained_tokens_per_s"],
     }
     write_result(args.json, out)
     for name, values in summary.items():
-        print(f"{name:26s} " + "  ".join(f"{k}={v:.3f}" for k, v in values.items() if v is not None))
+        print(f"{name:26s} " + "  ".join(f"{k}={v:.3f}" for k, v in values.items() if isinstance(v, float)))
     print(
-        f"max_staleness=1 against in-process sync: loop {out['loop_speedup']:.2f}x, wall {out['wall_speedup']:.2f}x; "
-        f"against max_staleness=0 on the same placement: loop {out['loop_speedup_same_placement']:.2f}x, "
-        f"wall {out['wall_speedup_same_placement']:.2f}x; in-flight trained tokens/s: "
-        f"{out['in_flight_tokens_vs_sync']:.2f}x sync, {out['in_flight_tokens_vs_async']:.2f}x async -> {args.json}"
+        f"trained tokens/s: async {out['async_tokens_vs_sync']:.2f}x sync; in-flight "
+        f"{out['in_flight_tokens_vs_sync']:.2f}x sync, {out['in_flight_tokens_vs_async']:.2f}x async, "
+        f"engine idle {in_flight['engine_idle_fraction']:.3f} -> {args.json}"
     )
+
+
+def _median(runs: list[dict]) -> dict:
+    """Each number's median over the repeats (the first run's where it is not a number)."""
+    return {
+        key: statistics.median(r[key] for r in runs) if isinstance(value, (int, float)) else value
+        for key, value in runs[0].items()
+    }
 
 
 if __name__ == "__main__":
