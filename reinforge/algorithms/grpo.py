@@ -12,8 +12,8 @@ As implemented, relative to GRPO (Shao et al. 2024, arXiv:2402.03300):
    the reference model is not even loaded.
 3. Clip bounds may be asymmetric (`clip_eps_high`, DAPO's clip-higher) and dual clip is optional.
 4. The old logprobs come from the trainer, not the generation engine, so the ratio is exactly 1 on
-   the first optimizer step; the engine's logprobs are kept to measure train/inference mismatch. With
-   one optimizer step per rollout they are the training pass's own (`loss.old_logprobs`).
+   the first optimizer step; the engine's logprobs are kept to measure train/inference mismatch. Those of the
+   first global batch are its training pass's own; only later global batches' need a pass (`loss.old_logprobs`).
 
 The GRPO family are settings of this recipe (configs/*_demo.yaml, docs/algorithms.md): DAPO (dynamic sampling,
 overlong reward shaping and filtering, clip-higher, token-level loss), GSPO (sequence-level ratio), Dr.GRPO (no
@@ -42,7 +42,13 @@ from reinforge.algorithms.grpo_advantages import (
     step_advantages,
 )
 from reinforge.algorithms.learner import Learner, RunResult, StepResult
-from reinforge.algorithms.policy_loss import RewardKLLossConfig, kl_in_reward, policy_loss_fn
+from reinforge.algorithms.policy_loss import (
+    RewardKLLossConfig,
+    kl_in_reward,
+    old_policy_logprobs,
+    policy_loss_fn,
+    split_old_logprobs,
+)
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.algorithms.rl_loop import run
 from reinforge.algorithms.rollout_source import RolloutBatch
@@ -127,11 +133,11 @@ def train_on_batch(
     with timers.time("logprobs"):  # else the loss takes the training pass's as the old policy's
         # rollout.version_check compares each token's sampling version with this pass (and the kept versions')
         check = config.rollout.mode != "sync" and config.rollout.version_check
-        if loss.old_logprobs == "recompute" or len(batch) > global_batch or loss.kl_in_reward or check:
-            batch.old_logprobs = trainer.logprobs(batch)
+        whole = loss.old_logprobs == "recompute" or loss.kl_in_reward or check
+        old_from = old_policy_logprobs(trainer, batch, global_batch, whole)
         if loss.kl_coef > 0:
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
-    if config.rollout.mode != "sync" and batch.old_logprobs is not None:
+    if config.rollout.mode != "sync" and old_from == 0:
         with timers.time("version_check"):  # each token against the version that sampled it
             kept = trainer.keep_version(step - 1, config.rollout.max_staleness + 1) if check else []
             metrics |= version_matched_mismatch(batch, trajectories, step - 1, trainer, kept)
@@ -144,7 +150,7 @@ def train_on_batch(
     )
     batch.advantages = advantages_PG.flatten().unsqueeze(1) * batch.loss_mask  # each sequence's on its tokens
     with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
-        global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
+        global_batches = split_old_logprobs(batch, global_batch, old_from)
         updates = [
             trainer.train_step(computed_part(b, config), loss_fn) for b in global_batches if b.num_valid_tokens()
         ]

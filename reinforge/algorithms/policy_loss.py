@@ -21,6 +21,7 @@ from reinforge.algorithms.losses import (
 )
 from reinforge.config.section import Section
 from reinforge.data.batch import TrainBatch
+from reinforge.training.base import TrainingBackend
 
 
 class PolicyLossConfig(Section):
@@ -69,8 +70,9 @@ class PolicyLossConfig(Section):
     rollout is one optimizer step (`training.global_batch_size` >= its sequences) the policy being trained
     is the old policy, so the training pass's own logprobs, detached, are logp_old (the ratio is 1 in value
     and its gradient is the policy gradient, as in TRL), and no separate forward pass is spent on them; with
-    several optimizer steps per rollout they are computed in a pass of their own. `recompute`: always that
-    separate pass (the same numbers, one more forward pass)."""
+    several optimizer steps per rollout the first global batch still takes its training pass's, and the later
+    ones' are computed in a pass of their own before the first update. `recompute`: that separate pass over
+    every sequence (the same numbers, more forward passes)."""
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "PolicyLossConfig":
@@ -179,3 +181,31 @@ def policy_loss_fn(loss: PolicyLossConfig, max_new_tokens: int, off_policy: bool
         return value, {**metrics, **mismatch_contributions(old_BT, micro.gen_logprobs, micro.loss_mask, norm)}
 
     return loss_fn
+
+
+def old_policy_logprobs(trainer: TrainingBackend, batch: TrainBatch, global_batch: int, whole: bool) -> int | None:
+    """Sets `batch.old_logprobs` (logp_old, `PolicyLossConfig.old_logprobs`) where the training passes cannot
+    give them, computed before the first update; returns the first row they cover, None when there is no pass.
+    With `whole` (the config asks for every row, or the caller needs them: the KL in the reward, the version
+    check) every row's. Otherwise the rows after the first global batch's, whose old policy is trained on in
+    later optimizer steps: the first global batch's is the policy its own training pass runs, and its rows
+    stay 0 here (`split_old_logprobs` drops them from that global batch)."""
+    if whole:
+        batch.old_logprobs = trainer.logprobs(batch)
+        return 0
+    if len(batch) <= global_batch:
+        return None
+    later_BT = trainer.logprobs(batch.slice(global_batch, len(batch)))
+    batch.old_logprobs = torch.zeros_like(batch.loss_mask, dtype=later_BT.dtype)
+    batch.old_logprobs[global_batch:, : later_BT.shape[1]] = later_BT
+    return global_batch
+
+
+def split_old_logprobs(batch: TrainBatch, global_batch: int, first_row: int | None) -> list[TrainBatch]:
+    """The rollout's global batches in order, each with its old logprobs, or None (its training pass's own)
+    where `old_policy_logprobs` computed none for its rows."""
+    parts = [batch.slice(start, start + global_batch) for start in range(0, len(batch), global_batch)]
+    for start, part in zip(range(0, len(batch), global_batch), parts):
+        if first_row is None or start < first_row:
+            part.old_logprobs = None
+    return parts

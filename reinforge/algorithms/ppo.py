@@ -19,8 +19,8 @@ al. 2019 and Schulman et al. 2017):
 1. The KL to the reference is a loss term (`loss.kl_coef`, `loss.kl_estimator`, as in GRPO) by default; with
    `loss.kl_in_reward` it is InstructGPT's per-token reward penalty -kl_coef * KL_t instead (of the rollout
    policy against the reference, not differentiated), which the critic then learns to predict too.
-2. The policy's old logprobs come from the trainer, and with one optimizer step per rollout they are the
-   training pass's own (as in GRPO, `loss.old_logprobs`); one pass over the rollout (no PPO epochs).
+2. The policy's old logprobs come from the trainer; the first global batch's are its training pass's own (as in
+   GRPO, `loss.old_logprobs`); one pass over the rollout (no PPO epochs).
 3. The critic is its own copy of the base model with a zero-initialised value head (no reward-model
    initialisation), on the policy's training backend: in this process (torch), or with FSDP2 on
    `training.num_workers` ranks of its own beside the policy's (cluster/fsdp2_critic_group.py).
@@ -40,7 +40,7 @@ from reinforge.algorithms.builders import build_critic
 from reinforge.algorithms.grpo_advantages import overlong_penalties
 from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import KL_ESTIMATORS
-from reinforge.algorithms.policy_loss import kl_in_reward, policy_loss_fn
+from reinforge.algorithms.policy_loss import kl_in_reward, old_policy_logprobs, policy_loss_fn, split_old_logprobs
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.algorithms.ppo_losses import (
     clipped_value_loss,
@@ -125,8 +125,8 @@ def train_on_batch(
     actor_trains, loss = step > ppo.critic_warmup_steps, config.loss
 
     with timers.time("logprobs"):  # the KL penalty in the reward is the critic's target too, warm-up or not
-        if loss.kl_in_reward or (actor_trains and (loss.old_logprobs == "recompute" or len(batch) > global_batch)):
-            batch.old_logprobs = trainer.logprobs(batch)
+        whole = loss.kl_in_reward or (actor_trains and loss.old_logprobs == "recompute")
+        old_from = old_policy_logprobs(trainer, batch, global_batch, whole) if actor_trains or whole else None
         if loss.kl_coef > 0 and (actor_trains or loss.kl_in_reward):
             batch.ref_logprobs = trainer.logprobs(batch, reference=True)
     with timers.time("values"):
@@ -141,11 +141,7 @@ def train_on_batch(
     advantages_BT, batch.returns = gae(rewards_BT, batch.old_values, batch.loss_mask, ppo.gamma, ppo.lam)
     batch.advantages = whiten_tokens(advantages_BT, batch.loss_mask) if ppo.whiten_advantages else advantages_BT
 
-    global_batches = [
-        b
-        for b in (batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch))
-        if b.num_valid_tokens()
-    ]
+    global_batches = [b for b in split_old_logprobs(batch, global_batch, old_from) if b.num_valid_tokens()]
 
     def critic_updates() -> list[dict[str, float]]:
         with timers.time("critic_train"):

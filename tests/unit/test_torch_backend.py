@@ -6,7 +6,7 @@ import torch
 
 from reinforge.algorithms.grpo import GRPORunConfig, computed_part
 from reinforge.algorithms.losses import grpo_loss, sequence_mean, token_mean
-from reinforge.algorithms.policy_loss import RewardKLLossConfig, policy_loss_fn
+from reinforge.algorithms.policy_loss import RewardKLLossConfig, old_policy_logprobs, policy_loss_fn, split_old_logprobs
 from reinforge.data.batch import Trajectory, collate
 from reinforge.model_config import ModelConfig
 from reinforge.training.backend import Backend
@@ -146,6 +146,32 @@ def test_old_logprobs_from_the_training_pass_give_the_step_of_a_separate_pass(ti
         "is_ratio_max",
     ):
         assert shared[name] == pytest.approx(separate[name], rel=1e-5, abs=1e-7), name
+
+
+def test_several_global_batches_take_old_logprobs_only_for_the_later_ones(tiny_model_dir):
+    """loss.old_logprobs=auto with two optimizer steps per rollout: the first global batch's logp_old is its
+    training pass's own, only the second's comes from a pass before the first update, and both steps, their
+    ratios and the weights after them are those of a pass over every row (`recompute`)."""
+    config = GRPORunConfig(loss=RewardKLLossConfig(clip_eps_high=0.28))
+    batch = make_batch()
+    runs = []
+    for whole in (True, False):
+        backend = make_backend(tiny_model_dir, micro_batch_size=2)
+        part = replace(batch, old_logprobs=None)
+        first_row = old_policy_logprobs(backend, part, 4, whole)
+        parts = split_old_logprobs(part, 4, first_row)
+        assert first_row == (0 if whole else 4)
+        metrics = [backend.train_step(global_batch, make_loss_fn(config)) for global_batch in parts]
+        runs.append((part, parts, metrics, dict(backend.named_weights())))
+    (whole, whole_parts, whole_metrics, whole_weights), (split, split_parts, split_metrics, split_weights) = runs
+    assert split_parts[0].old_logprobs is None and (split.old_logprobs[:4] == 0).all()
+    assert (split_parts[1].old_logprobs - whole_parts[1].old_logprobs).abs().max() <= 1e-6
+    assert abs(split_metrics[1]["ratio_max"] - 1) > 1e-4  # the second step's ratio is against the old policy
+    for split_step, whole_step in zip(split_metrics, whole_metrics):
+        for name in ("loss", "ratio_max", "ratio_min", "grad_norm"):
+            assert split_step[name] == pytest.approx(whole_step[name], rel=1e-5, abs=1e-7), name
+    assert max((split_weights[name] - whole_weights[name]).abs().max() for name in whole_weights) <= 1e-6
+    assert old_policy_logprobs(backend, replace(batch, old_logprobs=None), 8, False) is None  # one step: no pass
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
