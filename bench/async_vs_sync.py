@@ -84,6 +84,7 @@ def run(arguments: list[str], steps: int, engine: str) -> dict:
         "median_step_s": statistics.median(r["timing/step_s"] for r in steps_rows),
         "trained_tokens_per_s": sum(r["perf/tokens_per_s"] * r["timing/step_s"] for r in steps_rows) / loop_s,
         "reward_last5": statistics.mean(r["train/reward_mean"] for r in steps_rows[-5:]),
+        "val_accuracy_start": next((r["val/accuracy"] for r in rows if r["step"] == 0 and "val/accuracy" in r), None),
         "val_accuracy": steps_rows[-1].get("val/accuracy"),
         "policy_lag_mean": mean("rollout/policy_lag"),
         "engine_idle_fraction": mean("generation/idle_fraction"),

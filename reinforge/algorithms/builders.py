@@ -306,7 +306,8 @@ def build_episodes(
     from reinforge.serving.app import build_app
     from reinforge.serving.server import PolicyServer
 
-    agent = config.agent
+    agent, rollout = config.agent, config.rollout
+    in_flight = rollout.mode == "in_flight"
     check_bind_address(agent.endpoint.host, agent.endpoint.allow_remote)
     for prompt in prompts:  # every record must name an agent that exists, before anything starts
         agent_of(prompt.record, agent)
@@ -319,6 +320,8 @@ def build_episodes(
         managed=True,
         token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"),
         vocab_size=model_limits(config.model).vocab_size,
+        # in flight a prompt group's calls join the engine's running requests, whichever group's are under way
+        engine_calls=(rollout.in_flight_pool_groups or 2 * rollout.num_prompts_per_step) if in_flight else 1,
     )
     server.start(build_app(server))
     cleanup.callback(server.stop)

@@ -201,7 +201,7 @@ class AgentRollout:
 
             trajectories, infra_metrics = settle(trajectories, params.num_samples, rerun, self.infra)
             elapsed = time.monotonic() - started
-            unclaimed = session.recorder.clear()
+        unclaimed = session.unclaimed  # counted as the session closed
         contiguous = [tokens.contiguous for tokens in joined if tokens]
         self._metrics = {
             **self._rollout_metrics(trajectories, episodes, statuses, elapsed),

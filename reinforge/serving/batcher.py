@@ -5,7 +5,10 @@ thread owns the engine: it takes every waiting request that shares the first one
 (up to `max_batch_size` sequences) and makes one `generate` call of them. It starts a call once no
 request has arrived for `batch_wait_s` (or the oldest has waited MAX_WAITS x that), at once when every agent
 known to be running is already waiting (`num_waiting_hint`): waiting longer could only add latency.
-A request with a seed of its own is generated alone, so that the seed alone decides its sample.
+A request with a seed of its own is generated alone, so that the seed alone decides its sample. An engine that
+takes concurrent calls (the in-flight engine, generation/in_flight.py) gets up to `max_concurrent_calls` batches
+at once, each on a thread of its own: a batch joins the engine's running requests instead of waiting for the
+previous batch's longest answer.
 
 Deadlines: a request whose waiter gave up (serving/app.py answers 504 after `request_timeout_s`, cancelling its
 future) is dropped if the engine has not started it; `drain` waits at most `request_timeout_s` (then a `HangError`).
@@ -45,14 +48,16 @@ class Batcher:
         num_waiting_hint: Callable[[], int] | None = None,
         *,
         request_timeout_s: float,
+        max_concurrent_calls: int = 1,
     ):
         self.engine, self.max_batch_size, self.batch_wait_s = engine, max_batch_size, batch_wait_s
+        self.max_concurrent_calls = max_concurrent_calls
         self.request_timeout_s = request_timeout_s
         self.num_waiting_hint = num_waiting_hint or (lambda: 0)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
         self._first_arrival = self._last_arrival = 0.0
-        self._running = False
+        self._running = 0  # engine calls under way
         self._stopping = False
         self._num_calls = 0
         self.counts = {"engine_calls": 0, "sequences": 0, "max_batch_sequences": 0, "engine_s": 0.0}
@@ -97,7 +102,9 @@ class Batcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._stopping)
+                self._cond.wait_for(
+                    lambda: (self._pending and self._running < self.max_concurrent_calls) or self._stopping
+                )
                 while not self._stopping and not self._ready():
                     self._cond.wait(
                         timeout=max(
@@ -116,14 +123,23 @@ class Batcher:
                     self._pending.clear()
                     self._cond.notify_all()
                     return
-                batch = self._take_batch()
-                self._running = True
-            try:
-                self._generate(batch)
-            finally:
-                with self._cond:
-                    self._running = False
-                    self._cond.notify_all()
+                batch, number = self._take_batch(), self._num_calls
+                self._num_calls += 1
+                self._running += 1
+            if self.max_concurrent_calls == 1:
+                self._call(batch, number)
+            else:
+                threading.Thread(
+                    target=self._call, args=(batch, number), name="reinforge-endpoint-call", daemon=True
+                ).start()
+
+    def _call(self, batch: list[_Request], number: int) -> None:
+        try:
+            self._generate(batch, number)
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
 
     def _take_batch(self) -> list[_Request]:
         """The oldest request and those waiting with the same settings, up to `max_batch_size` sequences."""
@@ -141,13 +157,13 @@ class Batcher:
         # from here on a request cannot be cancelled; one whose waiter gave up (timed out) is dropped
         return [request for request in batch if request.future.set_running_or_notify_cancel()]
 
-    def _generate(self, batch: list[_Request]) -> None:
+    def _generate(self, batch: list[_Request], number: int) -> None:
+        """Engine call `number` (its seed stream) of the batch."""
         if not batch:
             return
         params = batch[0].params
         if not batch[0].alone:  # a fresh, reproducible stream per engine call
-            params = replace(params, seed=params.seed + 7_919 * self._num_calls)
-        self._num_calls += 1
+            params = replace(params, seed=params.seed + 7_919 * number)
         started = time.perf_counter()
         try:
             result = self.engine.generate([request.prompt_ids for request in batch], params)
@@ -156,10 +172,11 @@ class Batcher:
                 request.future.set_exception(exc)
             return
         num_sequences = sum(len(completions) for completions in result.completions)
-        self.counts["engine_s"] += time.perf_counter() - started
-        self.counts["engine_calls"] += 1
-        self.counts["sequences"] += num_sequences
-        self.counts["max_batch_sequences"] = max(self.counts["max_batch_sequences"], num_sequences)
+        with self._cond:
+            self.counts["engine_s"] += time.perf_counter() - started
+            self.counts["engine_calls"] += 1
+            self.counts["sequences"] += num_sequences
+            self.counts["max_batch_sequences"] = max(self.counts["max_batch_sequences"], num_sequences)
         for request, completions in zip(batch, result.completions):
             request.future.set_result(list(completions))
 

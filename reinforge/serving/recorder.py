@@ -6,7 +6,9 @@ handed) is filed under that episode, in order. A call without one (a NeMo Gym ag
 server has one fixed base URL) is filed under its tokens: the episode's result lists the token ids of
 each of its calls, and each must be a call recorded here (`claim`), whose logprobs are then the ones
 the engine sampled with. Identical calls (same prompt, same tokens) are interchangeable: same
-policy, same distribution, same logprobs. With router replay each call keeps its routes (the experts the
+policy, same distribution, same logprobs. Several rollouts may record into one recorder at once (in-flight
+generation: a prompt group each); `forget` drops what an ended rollout's episodes left and the calls without an
+episode that no rollout still open can claim. With router replay each call keeps its routes (the experts the
 engine sent its tokens to).
 """
 
@@ -41,14 +43,21 @@ class CallRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_episode: dict[str, list[RecordedCall]] = defaultdict(list)
-        self._by_tokens: dict[tuple[int, ...], list[RecordedCall]] = defaultdict(list)
+        self._by_tokens: dict[tuple[int, ...], list[tuple[int, RecordedCall]]] = defaultdict(list)
+        self._ticks = 0  # calls recorded so far: each call without an episode keeps its number
+
+    def mark(self) -> int:
+        """The number of calls recorded so far: those recorded from now on are numbered from it."""
+        with self._lock:
+            return self._ticks
 
     def record(self, call: RecordedCall, episode_id: str | None) -> None:
         with self._lock:
             if episode_id is not None:
                 self._by_episode[episode_id].append(call)
             else:
-                self._by_tokens[_key(call.prompt_ids, call.generation_ids)].append(call)
+                self._by_tokens[_key(call.prompt_ids, call.generation_ids)].append((self._ticks, call))
+            self._ticks += 1
 
     def take_episode(self, episode_id: str) -> list[RecordedCall]:
         """The episode's calls in the order they were answered, forgotten here."""
@@ -61,10 +70,25 @@ class CallRecorder:
             calls = self._by_tokens.get(_key(prompt_ids, generation_ids))
             if not calls:
                 return None
-            call = calls.pop()
+            _, call = calls.pop()
             if not calls:
                 del self._by_tokens[_key(prompt_ids, generation_ids)]
             return call
+
+    def forget(self, episode_ids: set[str], before: int | None) -> int:
+        """Drop the calls of `episode_ids` and the calls without an episode numbered below `before` (None: none
+        of them); returns how many were dropped (made, never taken)."""
+        with self._lock:
+            left = sum(len(self._by_episode.pop(episode_id, [])) for episode_id in episode_ids)
+            if before is not None:
+                for key in list(self._by_tokens):
+                    kept = [(tick, call) for tick, call in self._by_tokens[key] if tick >= before]
+                    left += len(self._by_tokens[key]) - len(kept)
+                    if kept:
+                        self._by_tokens[key] = kept
+                    else:
+                        del self._by_tokens[key]
+            return left
 
     def clear(self) -> int:
         """Forget everything (the end of a rollout); returns how many calls nobody took."""

@@ -3,7 +3,8 @@ during which agents may call it. serving/app.py is its HTTP adapter; whoever sta
 that app and hands it to `start`.
 
 Standalone (`reinforge serve`) every request is served with the settings it asks for. In a run the
-endpoint is *managed*: it answers only while a rollout is under way (`session`), with the run's
+endpoint is *managed*: it answers only while a rollout is under way (`rollout_session`; in flight several at once,
+a prompt group each, recording into one `CallRecorder`), with the run's
 sampling settings (a request that asks for another temperature or top_p is refused; the length is
 capped at `generation.max_new_tokens` per call), and records what it generated for the rollout to
 rebuild its trajectories from. Between rollouts the trainer owns the engine (refit, validation by the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
@@ -24,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from reinforge.errors import DataError
 from reinforge.generation.base import Completion, GenerationBackend, SamplingParams
+from reinforge.hang import HangError
 from reinforge.network import ThreadedServer
 from reinforge.serving.batcher import Batcher
 from reinforge.serving.config import ServingConfig
@@ -40,10 +42,14 @@ class RolloutSession:
     """One rollout's worth of agent traffic: its sampling settings and what the endpoint generated."""
 
     sampling: SamplingParams  # temperature, top_p, top_k, max_new_tokens (per call) and the seed stream
-    recorder: CallRecorder = field(default_factory=CallRecorder)
+    recorder: CallRecorder = field(default_factory=CallRecorder)  # the endpoint's, shared by the sessions open
+    opened_at: int = 0  # the recorder's `mark` when the session opened
     open_episodes: set[str] = field(default_factory=set)
+    episodes: set[str] = field(default_factory=set)  # every episode id it gave out
     num_running: int = 0  # episodes in flight, Python or Gym: the batcher's hint
+    pending: set[Future] = field(default_factory=set)  # its calls not yet answered
     closed: bool = False
+    unclaimed: int = 0  # once closed: the calls it made (or could have made) that no episode took
 
 
 @dataclass(frozen=True)
@@ -71,9 +77,11 @@ class PolicyServer:
         managed: bool,
         token: str | None = None,
         vocab_size: int | None = None,
+        engine_calls: int = 1,
     ):
         """`vocab_size`: the model's (its embedding's rows; None: the tokenizer's length): every token id a
-        request sends back must be below it."""
+        request sends back must be below it. `engine_calls`: how many batches the engine takes at once (the
+        in-flight engine: several; serving/batcher.py)."""
         self.tokenizer, self.config = tokenizer, config
         self.vocab_size = max(vocab_size or 0, len(tokenizer))
         self.max_model_len, self.default_max_tokens, self.managed, self.token = (
@@ -89,9 +97,12 @@ class PolicyServer:
             config.batch_wait_s,
             self._num_running,
             request_timeout_s=config.request_timeout_s,
+            max_concurrent_calls=engine_calls,
         )
-        self._lock = threading.Lock()  # guards `_session` against a request being admitted as it closes
-        self._session: RolloutSession | None = None
+        self._lock = threading.Lock()  # guards the sessions against a request being admitted as one closes
+        self._sessions: list[RolloutSession] = []  # open, oldest first
+        self._episode_sessions: dict[str, RolloutSession] = {}  # each open episode's
+        self._recorder = CallRecorder()
         self._episode_ids = itertools.count()
         self._counts_lock = threading.Lock()
         self._counts = {"requests": 0, "rejected": 0}
@@ -145,7 +156,9 @@ class PolicyServer:
         tools = None if request.tool_choice == "none" else request.tools
         prompt = self._prompt(request.messages, tools, request.required_prefix_token_ids)
         with self._lock:  # admitted and queued at once, so that a closing session never misses a call
-            session = self._session
+            # an episode's own session; a call without one (a Gym agent's) the oldest open session's settings
+            session = self._episode_sessions.get(episode_id) if episode_id else None
+            session = session or (self._sessions[0] if self._sessions else None)
             if self.managed:
                 params, alone = self._managed_params(request, session, episode_id), False
             else:
@@ -159,6 +172,10 @@ class PolicyServer:
                 )
             params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
             completions = self._batcher.submit(prompt, params, alone)
+            if session is not None:
+                session.pending.add(completions)
+        if session is not None:  # outside the lock: a future already done runs the callback here
+            completions.add_done_callback(lambda future: self._answered(session, future))
         return Admission(prompt, params, completions, episode_id, session)
 
     def record(self, admission: Admission, completions: list[Completion]) -> None:
@@ -203,20 +220,26 @@ class PolicyServer:
 
     @contextmanager
     def rollout_session(self, sampling: SamplingParams) -> Iterator[RolloutSession]:
-        """Agents may call the endpoint while this is open; on exit new calls are refused, those in
-        flight are answered, and what nobody took is forgotten."""
-        session = RolloutSession(sampling=sampling)
+        """Agents may call the endpoint while this is open (other sessions may be open too: in-flight
+        generation opens one per prompt group); on exit its episodes' new calls are refused, its calls in
+        flight are answered, and what its episodes left unclaimed is forgotten (`session.unclaimed`)."""
         with self._lock:
-            assert self._session is None, "one rollout session at a time"
-            self._session = session
+            session = RolloutSession(sampling=sampling, recorder=self._recorder, opened_at=self._recorder.mark())
+            self._sessions.append(session)
         try:
             yield session
         finally:
             with self._lock:
                 session.closed = True
-                self._session = None
-            self._batcher.drain()
-            session.recorder.clear()
+                self._sessions.remove(session)
+                for episode_id in session.open_episodes:
+                    self._episode_sessions.pop(episode_id, None)
+            self._wait_answered(session)
+            with self._lock:  # calls without an episode made before every open session began: nobody can claim
+                before = min((other.opened_at for other in self._sessions), default=None)
+                session.unclaimed = self._recorder.forget(
+                    session.episodes, self._recorder.mark() if before is None else before
+                )
 
     @contextmanager
     def episode(self, session: RolloutSession, keyed: bool) -> Iterator[str | None]:
@@ -226,12 +249,28 @@ class PolicyServer:
             session.num_running += 1
             if episode_id:
                 session.open_episodes.add(episode_id)
+                session.episodes.add(episode_id)
+                self._episode_sessions[episode_id] = session
         try:
             yield episode_id
         finally:
             with self._lock:
                 session.num_running -= 1
                 session.open_episodes.discard(episode_id)
+                self._episode_sessions.pop(episode_id, None)
+
+    def _answered(self, session: RolloutSession, future: Future) -> None:
+        with self._lock:
+            session.pending.discard(future)
+
+    def _wait_answered(self, session: RolloutSession) -> None:
+        """Until the session's calls are answered (or given up on); a `HangError` after the request timeout."""
+        with self._lock:
+            pending = list(session.pending)
+        _, not_done = wait(pending, timeout=self.config.request_timeout_s)
+        if not_done:
+            what, setting = "the engine to answer the requests in flight", "agent.endpoint.request_timeout_s"
+            raise HangError("policy endpoint", what, self.config.request_timeout_s, setting).capture()
 
     def _prompt(
         self,
@@ -306,5 +345,5 @@ class PolicyServer:
         )
 
     def _num_running(self) -> int:
-        session = self._session
-        return session.num_running if session is not None else 0
+        # no lock: the batcher asks holding its own, which `admit` takes holding this server's
+        return sum(session.num_running for session in list(self._sessions))

@@ -1,6 +1,8 @@
 """The endpoint's admission rules (`PolicyServer.admit`) on the demo model: what a run's endpoint refuses, the
 settings each admitted request is generated with, and the HTTP status and OpenAI error body of each refusal."""
 
+import threading
+import time
 from dataclasses import replace
 
 import httpx
@@ -12,6 +14,7 @@ from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 from reinforge.serving.app import build_app
+from reinforge.serving.batcher import Batcher
 from reinforge.serving.config import ServingConfig
 from reinforge.serving.errors import EpisodeOver, InvalidRequest, NotInRollout
 from reinforge.serving.protocol import ChatCompletionRequest, TokenizeRequest
@@ -196,3 +199,63 @@ def test_a_seed_beyond_64_bits_is_a_400_naming_the_seed(make_server):
     server.start(build_app(server))
     answer = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": HELLO, "seed": 2**70}, timeout=TIMEOUT_S)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "seed", answer.text
+
+
+def test_rollout_sessions_open_at_once_keep_their_own_settings_and_records(make_server):
+    """In flight every prompt group opens a session of its own: an episode's calls take its session's settings and
+    are recorded for it; a call without an episode (a Gym agent's) takes the oldest open session's and stays
+    claimable until no session open when it was made is left; each closing session counts what it left."""
+    server = make_server(managed=True)
+    first_run, second_run = replace(RUN, max_new_tokens=3), replace(RUN, max_new_tokens=5, seed=6)
+
+    def call(episode_id):
+        admission = server.admit(ask(), episode_id)
+        server.record(admission, admission.completions.result(TIMEOUT_S))
+        return admission
+
+    with server.rollout_session(first_run) as first:
+        second_session = server.rollout_session(second_run)
+        second = second_session.__enter__()
+        with server.episode(first, keyed=True) as first_episode, server.episode(second, keyed=True) as second_episode:
+            assert call(first_episode).params.max_new_tokens == 3
+            assert call(second_episode).params.max_new_tokens == 5
+            unkeyed = call(None)
+        assert unkeyed.params.max_new_tokens == 3  # the oldest open session's settings
+        assert first.recorder is second.recorder
+    assert first.unclaimed == 1  # its episode's call, never taken; the call without one may be the second's
+    assert len(second.recorder.take_episode(second_episode)) == 1
+    generated = unkeyed.completions.result(TIMEOUT_S)[0].token_ids
+    assert second.recorder.claim(unkeyed.prompt_ids, list(generated)) is not None
+    leftover = call(None)
+    second_session.__exit__(None, None, None)
+    assert second.unclaimed == 1  # the last call, which nobody claimed
+    assert second.recorder.claim(leftover.prompt_ids, list(leftover.completions.result(0)[0].token_ids)) is None
+    with pytest.raises(NotInRollout):
+        server.admit(ask(), None)
+
+
+@pytest.mark.parametrize("max_concurrent_calls", [1, 2])
+def test_an_engine_that_takes_concurrent_calls_gets_batches_at_once(engine_and_tokenizer, max_concurrent_calls):
+    """serving/batcher.py: batches of different settings go to the engine one at a time, or, for an engine that
+    takes concurrent calls (in flight), up to `max_concurrent_calls` at once."""
+    engine, _ = engine_and_tokenizer
+    entered, release = [], threading.Event()
+
+    class GatedEngine:  # the demo engine, whose calls wait at a gate
+        def generate(self, prompts, params):
+            entered.append(params.max_new_tokens)
+            release.wait(TIMEOUT_S)
+            return engine.generate(prompts, params)
+
+    batcher = Batcher(GatedEngine(), max_batch_size=8, batch_wait_s=0, request_timeout_s=TIMEOUT_S,
+                      max_concurrent_calls=max_concurrent_calls)  # fmt: skip
+    try:
+        futures = [batcher.submit([5, 6, 7], replace(RUN, max_new_tokens=n)) for n in (2, 3)]
+        time.sleep(1.0)
+        assert len(entered) == max_concurrent_calls
+        release.set()
+        assert [len(future.result(TIMEOUT_S)) for future in futures] == [1, 1]
+        assert sorted(entered) == [2, 3]
+    finally:
+        release.set()
+        batcher.close()
