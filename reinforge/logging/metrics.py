@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,34 @@ class Timers:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing/{name}_s": seconds for name, seconds in self.seconds.items()}
+
+
+class RoundMetrics:
+    """The metrics of the rollouts since the last `take`, from any thread: one per step in sync and async runs,
+    one per prompt group in flight. Merged key by key: a maximum (`..._max`) the largest, a mean, fraction or
+    rate (`mean` or `fraction` in the name, `..._per_s`) the mean, every other value (a count, seconds) the sum."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rounds: list[dict[str, float]] = []
+
+    def add(self, metrics: dict[str, float]) -> None:
+        with self._lock:
+            self._rounds.append(metrics)
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            rounds, self._rounds = self._rounds, []
+        merged: dict[str, float] = {}
+        for name in dict.fromkeys(name for metrics in rounds for name in metrics):
+            values = [metrics[name] for metrics in rounds if name in metrics]
+            if name.endswith("_max"):
+                merged[name] = max(values)
+            elif "mean" in name or "fraction" in name or name.endswith("_per_s"):
+                merged[name] = sum(values) / len(values)
+            else:
+                merged[name] = sum(values)
+        return merged
 
 
 class JsonlWriter:

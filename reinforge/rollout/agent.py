@@ -41,7 +41,7 @@ from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt
 from reinforge.errors import DataError, ReinforgeError
 from reinforge.generation.base import SamplingParams
-from reinforge.logging.metrics import Timers
+from reinforge.logging.metrics import RoundMetrics, Timers
 from reinforge.rollout.agent_config import AgentConfig
 from reinforge.rollout.agent_runners import EpisodeResult, GymAgentRunner, PythonAgentRunner, stamped_row
 from reinforge.rollout.infra import InfraLimits, settle
@@ -169,7 +169,7 @@ class AgentRollout:
                 for name, gym in config.gym.items()
             },
         }
-        self._metrics: dict[str, float] = {}
+        self._metrics = RoundMetrics()
 
     def __call__(self, prompts: list[Prompt], params: SamplingParams, timers: Timers | None = None) -> list[Trajectory]:
         """`params.num_samples` episodes per prompt, grouped by prompt, in prompt order."""
@@ -203,12 +203,14 @@ class AgentRollout:
             elapsed = time.monotonic() - started
         unclaimed = session.unclaimed  # counted as the session closed
         contiguous = [tokens.contiguous for tokens in joined if tokens]
-        self._metrics = {
-            **self._rollout_metrics(trajectories, episodes, statuses, elapsed),
-            **infra_metrics,
-            "rollout/agent_contiguous_fraction": sum(contiguous) / len(contiguous) if contiguous else 0.0,
-            "rollout/agent_unclaimed_calls": float(unclaimed),
-        }
+        self._metrics.add(
+            {
+                **self._rollout_metrics(trajectories, episodes, statuses, elapsed),
+                **infra_metrics,
+                "rollout/agent_contiguous_fraction": sum(contiguous) / len(contiguous) if contiguous else 0.0,
+                "rollout/agent_unclaimed_calls": float(unclaimed),
+            }
+        )
         if "ok" not in statuses:
             first = next((e.result.error for e in episodes if e.result.error), statuses[0])
             raise AgentRolloutError(
@@ -238,9 +240,9 @@ class AgentRollout:
                 )
 
     def metrics(self) -> dict[str, float]:
-        """The last rollout's `rollout/agent_*` and `endpoint/*` metrics."""
-        metrics, self._metrics = self._metrics, {}
-        return metrics
+        """The `rollout/agent_*` and `endpoint/*` metrics of the rollouts since the last call (in flight: a prompt
+        group's each)."""
+        return self._metrics.take()
 
     async def _run_all(self, session: RolloutSession, records: list[dict[str, Any]]) -> list[Episode]:
         limit = asyncio.Semaphore(self.config.max_concurrency)

@@ -30,7 +30,7 @@ from reinforge.data.prompts import Prompt
 from reinforge.data.tool_calls import TOOL_CALL_END  # a turn that calls a tool ends there: the observation comes next
 from reinforge.envs.base import Environment, EnvRequest, EnvResponse
 from reinforge.generation.base import GenerationBackend, SamplingParams
-from reinforge.logging.metrics import Timers
+from reinforge.logging.metrics import RoundMetrics, Timers
 from reinforge.rollout.infra import InfraLimits, settle
 from reinforge.rollout.single_turn import generate_trajectories
 
@@ -129,7 +129,7 @@ class Episodes(Protocol):
         ...
 
     def metrics(self) -> dict[str, float]:
-        """The drivers' own counters of the last rollout (rollout/agent_*), then reset."""
+        """The drivers' own counters of the rollouts since the last call (rollout/agent_*), then reset."""
         ...
 
 
@@ -146,20 +146,20 @@ class ReinforgeRollout:
         infra: InfraLimits,
     ):
         self.engine, self.tokenizer, self.envs, self.options, self.infra = engine, tokenizer, envs, options, infra
-        self._metrics: dict[str, float] = {}
+        self._metrics = RoundMetrics()
 
     def __call__(self, prompts: list[Prompt], params: SamplingParams, timers: Timers | None = None) -> list[Trajectory]:
         """The rollout, with its infrastructure failures retried (each from its prompt, a new episode id),
         masked and their groups dropped (rollout/infra.py)."""
-        trajectories, self._metrics = settled_rollout(
+        trajectories, metrics = settled_rollout(
             prompts, self.engine, params, self.tokenizer, self.envs, self.options, self.infra, timers
         )
+        self._metrics.add(metrics)
         return trajectories
 
     def metrics(self) -> dict[str, float]:
-        """The last rollout's rollout/infra_* (the environments report their own, env/<task>/...)."""
-        metrics, self._metrics = self._metrics, {}
-        return metrics
+        """The rollouts' rollout/infra_* since the last call (the environments report their own, env/<task>/...)."""
+        return self._metrics.take()
 
 
 def rollout(

@@ -30,9 +30,9 @@ ARGS = [
 ]
 
 
-def run(run_dir, *extra):
+def run(run_dir, *extra, config="grpo_demo.yaml"):
     command = [
-        *(sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml")),
+        *(sys.executable, "-m", "reinforge.cli", "grpo", "--config", str(PROJECT_ROOT / "configs" / config)),
         *ARGS,
         *extra,
         f"logging.run_dir={run_dir}",
@@ -67,6 +67,27 @@ def test_in_flight_grpo_spans_updates_within_the_staleness_bound_and_trains_each
     if "rollout.version_check=true" in engine:  # every token against the weights of the version that sampled it
         assert all(row["train/version_matched/token_share"] == 1.0 for row in steps)
         assert all(row["train/version_matched/token_mult_prob_error"] < 1.05 for row in steps)
+    ordinals = [ordinal for row in prompts for ordinal in row["ordinals"]]
+    assert len(ordinals) == len(set(ordinals)) == 8 * len(steps)
+
+
+def test_agent_episodes_in_flight_span_updates_and_are_all_recorded(tmp_path):
+    """The agent demo in flight: every prompt group is a rollout session of the endpoint of its own, open at once;
+    every episode is rebuilt from the endpoint's record (none failed, none left unclaimed), tokens of older versions
+    are trained, each token matches the version that sampled it, and each prompt is trained once."""
+    steps, prompts = run(
+        tmp_path / "run", "loop.max_steps=4", "rollout.max_staleness=2", "rollout.version_check=true",
+        config="grpo_agent_demo.yaml",
+    )  # fmt: skip
+    # a step's agent metrics are those of the groups finished since the step before (none on some steps)
+    counted = [row for row in steps if "rollout/agent_episodes" in row]
+    assert sum(row["rollout/agent_episodes"] for row in counted) >= 8 * 8 * len(steps)  # every trained episode
+    assert all(row["rollout/agent_ok_fraction"] == 1.0 for row in counted)
+    assert all(row["rollout/agent_unclaimed_calls"] == 0 for row in counted)
+    assert 1 <= max(row["rollout/token_staleness_max"] for row in steps) <= 2  # tokens of older versions trained
+    # each token against the weights of the version that sampled it, through the endpoint's per-call versions
+    assert all(row["train/version_matched/token_share"] == 1.0 for row in steps)
+    assert all(row["train/version_matched/token_mult_prob_error"] < 1.05 for row in steps)
     ordinals = [ordinal for row in prompts for ordinal in row["ordinals"]]
     assert len(ordinals) == len(set(ordinals)) == 8 * len(steps)
 
