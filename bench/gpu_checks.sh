@@ -10,6 +10,8 @@
 #   4. where the image has vLLM: tests/e2e/test_refit_verify_vllm.py, the refit verification against vLLM's
 #      GPU parameters (hashed where they are, no CPU read-back), a planted skipped weight and an adapter never
 #      loaded caught; before the `quick` cut;
+#   4b. where the image has vLLM: tests/e2e/test_in_flight_engine.py, weights updated between two decoding steps
+#      with requests in flight (cache kept and recomputed), each token's logprob against its version's;
 #   5. bench/moe_replay.py on the MoE demo (models/moe_demo) in bfloat16: router replay off and on with the HF
 #      engine, and with vLLM where the image has it (vLLM records routes on a GPU only: Model Runner V2);
 #   6. after the `quick` cut, on a machine of 4+ GPUs, bench/parallel_layouts.py: per-step time and MFU of dp, tp, cp and dp x tp (NCCL).
@@ -44,6 +46,10 @@ if python3 -c "import vllm" 2>/dev/null; then
   echo "refit verify exit $?"; grep -E "passed|failed|PASSED|FAILED" "$OUT/refit_verify.log" | tail -6
 else
   echo "refit verify: no vllm in this image, skipped"
+fi
+if python3 -c "import vllm" 2>/dev/null; then  # in-flight weight updates with requests running, on vLLM's GPU engine
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/e2e/test_in_flight_engine.py >"$OUT/in_flight.log" 2>&1
+  echo "in-flight engine exit $?"; grep -E "passed|failed|PASSED|FAILED" "$OUT/in_flight.log" | tail -6
 fi
 timeout 240 python3 bench/moe_replay.py --engine hf --dtype bfloat16 --steps 4 --json "$OUT/moe_replay_hf.json" 2>&1 | tail -3
 if python3 -c "import vllm" 2>/dev/null; then
