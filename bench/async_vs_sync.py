@@ -3,6 +3,7 @@ idle fraction, the final validation accuracy, and where each step's time goes.
 
     python bench/async_vs_sync.py --workload longtail --engine vllm --steps 30
     python bench/async_vs_sync.py --workload demo --steps 20
+    python bench/async_vs_sync.py --workload longtail --model 30m --engine vllm --steps 20
 
 Each setting is one `reinforge grpo` run as a subprocess, with the same seed; the settings alternate for `--repeats`
 rounds so that load from other jobs hits them alike. Reported per setting: the process's wall time (start-up
@@ -20,8 +21,10 @@ engine in a Ray actor with one CPU of its own.
   makes first, ~2 minutes, when runs/longtail_sft_demo/final is missing): a tenth of the answers 10-40x longer, as
   a reasoning model's. Sync, async (max_staleness 1, configs/grpo_async_demo.yaml's), in-flight (max_staleness 8:
   a long answer spans many updates; 48 prompts in flight), and in-flight with `rollout.version_check`.
+- `--model 30m` (long tail only): the same on a ~30M Qwen2 (bench/_common.py's, randomly initialised, then the SFT
+  stage for 100 steps from it, ~13 minutes, into runs/longtail_sft_30m), 8 prompts a step, 12 in flight.
 
-`--engine vllm` runs every setting with vLLM. Results: bench/results/async_vs_sync[_longtail][_vllm].json.
+`--engine vllm` runs every setting with vLLM. Results: bench/results/async_vs_sync[_longtail][_30m][_vllm].json.
 """
 
 from __future__ import annotations
@@ -40,9 +43,23 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _common import run_cli, write_result  # noqa: E402
 
 CONFIGS = ROOT / "configs"
-LONGTAIL_SFT = ROOT / "runs" / "longtail_sft_demo" / "final"
+# The long-tail policy of each model: the SFT stage's output (configs/longtail_sft_demo.yaml, from models/demo; for
+# the 30M model from a randomly initialised ~30M Qwen2, bench/_common.py's, for 100 steps)
+LONGTAIL_SFT = {"demo": ROOT / "runs" / "longtail_sft_demo", "30m": ROOT / "runs" / "longtail_sft_30m"}
 ASYNC = ["--config", str(CONFIGS / "grpo_async_demo.yaml")]
-LONGTAIL = ["--config", str(CONFIGS / "grpo_longtail_demo.yaml"), f"model.name_or_path={LONGTAIL_SFT}"]
+LONGTAIL = ["--config", str(CONFIGS / "grpo_longtail_demo.yaml")]
+# The 30M model's GRPO steps are a quarter of the demo's (8 prompts x 8 answers, two optimizer steps), so that
+# a step takes seconds on 2 cores, with 12 prompts in flight (the demo's 1.5 x the step's prompts)
+MODEL_SETTINGS = {
+    "demo": [],
+    "30m": [
+        "rollout.num_prompts_per_step=8",
+        "training.global_batch_size=32",
+        "training.micro_batch_size=32",
+        "data.max_val_prompts=100",
+    ],
+}
+POOL = {"demo": 48, "30m": 12}
 # Async and in-flight runs: the trainer on one thread, each engine in a Ray actor with one CPU of its own.
 IN_FLIGHT = ["rollout.mode=in_flight", "cluster.num_threads=1"]
 WORKLOADS = {
@@ -57,9 +74,8 @@ WORKLOADS = {
     "longtail": {
         "sync": LONGTAIL,
         "async": LONGTAIL + ["rollout.mode=async", "rollout.max_staleness=1", "cluster.num_threads=1"],
-        "in_flight": LONGTAIL + [*IN_FLIGHT, "rollout.max_staleness=8", "rollout.in_flight_pool_groups=48"],
-        "in_flight, version_check": LONGTAIL
-        + [*IN_FLIGHT, "rollout.max_staleness=8", "rollout.in_flight_pool_groups=48", "rollout.version_check=true"],
+        "in_flight": LONGTAIL + [*IN_FLIGHT, "rollout.max_staleness=8"],
+        "in_flight, version_check": LONGTAIL + [*IN_FLIGHT, "rollout.max_staleness=8", "rollout.version_check=true"],
     },
 }
 
@@ -102,14 +118,22 @@ def run(arguments: list[str], steps: int, engine: str) -> dict:
     }
 
 
-def longtail_model() -> None:
-    """The long-tail workload's policy (stage 1, configs/longtail_sft_demo.yaml) when it is not there yet."""
-    if (LONGTAIL_SFT / "config.json").exists():
-        return
+def longtail_model(model: str) -> Path:
+    """The long-tail workload's policy for `model` (stage 1, configs/longtail_sft_demo.yaml), made when it is not
+    there yet."""
+    run_dir = LONGTAIL_SFT[model]
+    if (run_dir / "final" / "config.json").exists():
+        return run_dir / "final"
     command = [sys.executable, "-m", "reinforge.cli", "sft", "--config", str(CONFIGS / "longtail_sft_demo.yaml")]
-    command.append(f"logging.run_dir={LONGTAIL_SFT.parent}")
+    command.append(f"logging.run_dir={run_dir}")
+    if model == "30m":
+        from _common import build_30m_model
+
+        start = build_30m_model(ROOT / "runs" / "qwen2-30m-random")
+        command += [f"model.name_or_path={start}", "sft.max_steps=100", "sft.val_every=50"]
     if subprocess.run(command, cwd=ROOT).returncode != 0:
         raise SystemExit("the long-tail SFT stage (configs/longtail_sft_demo.yaml) failed")
+    return run_dir / "final"
 
 
 def main() -> None:
@@ -118,13 +142,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
     parser.add_argument("--workload", default="demo", choices=tuple(WORKLOADS))
-    parser.add_argument("--json", type=Path, help="default: bench/results/async_vs_sync[_longtail][_vllm].json")
+    parser.add_argument("--model", default="demo", choices=tuple(MODEL_SETTINGS), help="30m: long tail only")
+    parser.add_argument("--json", type=Path, help="default: bench/results/async_vs_sync[_longtail][_30m][_vllm].json")
     args = parser.parse_args()
-    suffix = "".join(f"_{part}" for part in (args.workload, args.engine) if part not in ("demo", "hf"))
+    parts = (args.workload, args.model, args.engine)
+    suffix = "".join(f"_{part}" for part in parts if part not in ("demo", "hf"))
     args.json = args.json or ROOT / "bench" / "results" / f"async_vs_sync{suffix}.json"
     settings = WORKLOADS[args.workload]
     if args.workload == "longtail":
-        longtail_model()
+        policy = [f"model.name_or_path={longtail_model(args.model)}", *MODEL_SETTINGS[args.model]]
+        pool = f"rollout.in_flight_pool_groups={POOL[args.model]}"
+        settings = {
+            name: [*arguments, *policy] + ([pool] if "in_flight" in name else [])
+            for name, arguments in settings.items()
+        }
+    elif args.model != "demo":
+        raise SystemExit("--model 30m runs the long-tail workload: add --workload longtail")
     results: dict[str, list[dict]] = {name: [] for name in settings}
     for _ in range(args.repeats):
         for name, arguments in settings.items():
@@ -135,7 +168,7 @@ def main() -> None:
     out = {
         "steps": args.steps,
         "workload": args.workload,
-        "model": "demo",
+        "model": args.model,
         "engine": args.engine,
         "repeats": args.repeats,
         "machine": f"{os.cpu_count()} CPUs",
