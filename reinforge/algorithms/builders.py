@@ -236,7 +236,7 @@ def engine_group(config: RLRunConfig, share_with=None):
         from reinforge.cluster.generation_group import InFlightGroup
 
         rollout = config.rollout
-        pool = rollout.in_flight_pool_groups or 2 * rollout.num_prompts_per_step
+        pool = rollout.pool_groups
         return InFlightGroup(
             worker_cls,
             kwargs,
@@ -307,7 +307,6 @@ def build_episodes(
     from reinforge.serving.server import PolicyServer
 
     agent, rollout = config.agent, config.rollout
-    in_flight = rollout.mode == "in_flight"
     check_bind_address(agent.endpoint.host, agent.endpoint.allow_remote)
     for prompt in prompts:  # every record must name an agent that exists, before anything starts
         agent_of(prompt.record, agent)
@@ -321,7 +320,7 @@ def build_episodes(
         token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"),
         vocab_size=model_limits(config.model).vocab_size,
         # in flight a prompt group's calls join the engine's running requests, whichever group's are under way
-        engine_calls=(rollout.in_flight_pool_groups or 2 * rollout.num_prompts_per_step) if in_flight else 1,
+        engine_calls=rollout.pool_groups if rollout.mode == "in_flight" else 1,
     )
     server.start(build_app(server))
     cleanup.callback(server.stop)

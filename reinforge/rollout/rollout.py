@@ -77,6 +77,12 @@ class RolloutConfig(Section):
     in_flight_pool_groups: int | None = Field(default=None, ge=1)
     """With `mode=in_flight`: prompts (groups of `num_generations_per_prompt`) kept in generation at once;
     null: twice `num_prompts_per_step`, so a step's worth is always being generated while another is trained."""
+
+    @property
+    def pool_groups(self) -> int:
+        """`in_flight_pool_groups`, resolved."""
+        return self.in_flight_pool_groups or 2 * self.num_prompts_per_step
+
     version_check: bool = False
     """With `mode=async` or `in_flight`: compare every trained token with the weights of the policy version that
     sampled it (`train/version_matched/*`): the trainer keeps its trained parameters of the last

@@ -11,7 +11,8 @@ at once, each on a thread of its own: a batch joins the engine's running request
 previous batch's longest answer.
 
 Deadlines: a request whose waiter gave up (serving/app.py answers 504 after `request_timeout_s`, cancelling its
-future) is dropped if the engine has not started it; `drain` waits at most `request_timeout_s` (then a `HangError`).
+future) is dropped if the engine has not started it (a closing rollout session waits for its own calls at most
+`request_timeout_s`, serving/server.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from reinforge.generation.base import GenerationBackend, SamplingParams
-from reinforge.hang import HangError
 
 MAX_WAITS = 10  # the oldest waiting request is generated after at most MAX_WAITS x batch_wait_s
 
@@ -76,13 +76,6 @@ class Batcher:
             self._last_arrival = time.monotonic()
             self._cond.notify_all()
         return request.future
-
-    def drain(self) -> None:
-        """Wait until every submitted request is answered; a `HangError` after `request_timeout_s`."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._pending and not self._running, self.request_timeout_s):
-                what, setting = "the engine to answer the requests in flight", "agent.endpoint.request_timeout_s"
-                raise HangError("policy endpoint", what, self.request_timeout_s, setting).capture()
 
     def close(self) -> None:
         with self._cond:

@@ -231,9 +231,7 @@ class PolicyServer:
         finally:
             with self._lock:
                 session.closed = True
-                self._sessions.remove(session)
-                for episode_id in session.open_episodes:
-                    self._episode_sessions.pop(episode_id, None)
+                self._sessions.remove(session)  # its episodes, which run inside it, have left `_episode_sessions`
             self._wait_answered(session)
             with self._lock:  # calls without an episode made before every open session began: nobody can claim
                 before = min((other.opened_at for other in self._sessions), default=None)
