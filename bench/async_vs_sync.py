@@ -4,6 +4,8 @@ idle fraction, the final validation accuracy, and where each step's time goes.
     python bench/async_vs_sync.py --workload longtail --engine vllm --steps 30
     python bench/async_vs_sync.py --workload demo --steps 20
     python bench/async_vs_sync.py --workload longtail --model 30m --engine vllm --steps 20
+    python bench/async_vs_sync.py --workload longtail --steps 8 --skip "in_flight, version_check" \
+        --set generation.max_new_tokens=512 data.max_val_prompts=50   # the HF engine, shortened
 
 Each setting is one `reinforge grpo` run as a subprocess, with the same seed; the settings alternate for `--repeats`
 rounds so that load from other jobs hits them alike. Reported per setting: the process's wall time (start-up
@@ -144,6 +146,8 @@ def main() -> None:
     parser.add_argument("--workload", default="demo", choices=tuple(WORKLOADS))
     parser.add_argument("--model", default="demo", choices=tuple(MODEL_SETTINGS), help="30m: long tail only")
     parser.add_argument("--json", type=Path, help="default: bench/results/async_vs_sync[_longtail][_30m][_vllm].json")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for every setting (key=value)")
+    parser.add_argument("--skip", nargs="*", default=[], help="settings left out (not sync, async or in_flight)")
     args = parser.parse_args()
     parts = (args.workload, args.model, args.engine)
     suffix = "".join(f"_{part}" for part in parts if part not in ("demo", "hf"))
@@ -158,6 +162,10 @@ def main() -> None:
         }
     elif args.model != "demo":
         raise SystemExit("--model 30m runs the long-tail workload: add --workload longtail")
+    optional = sorted(set(settings) - {"sync", "async", "in_flight"})  # the speed-ups compare those three
+    if not set(args.skip) <= set(optional):
+        raise SystemExit(f"--skip {args.skip}: only these settings can be left out: {optional}")
+    settings = {name: [*arguments, *args.set] for name, arguments in settings.items() if name not in args.skip}
     results: dict[str, list[dict]] = {name: [] for name in settings}
     for _ in range(args.repeats):
         for name, arguments in settings.items():
@@ -171,6 +179,7 @@ def main() -> None:
         "model": args.model,
         "engine": args.engine,
         "repeats": args.repeats,
+        "overrides": args.set,
         "machine": f"{os.cpu_count()} CPUs",
         "load_average": os.getloadavg(),
         "date": time.strftime("%Y-%m-%d"),
