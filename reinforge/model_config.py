@@ -31,6 +31,10 @@ class LoraConfig(Section):
     full model's), `auto`: adapter with vLLM, merged with the HF engine."""
     quantize_base: Literal["none", "nf4"] = "none"
     """QLoRA: `nf4` loads the frozen base in 4 bits (bitsandbytes, CUDA GPUs only)."""
+    vision: bool = False
+    """A vision-language model: also adapt the vision tower and projector (`target_modules` there too); false: the
+    language model only, as most peers do (the vision side frozen). Engines: the HF engine, or vLLM with
+    `sync=merged` (vLLM's LoRA adapts the language model only)."""
 
 
 def adapter_sync(config) -> bool:
@@ -75,6 +79,9 @@ class ModelConfig(Section):
     """Train LoRA adapters instead of every weight (training/lora.py); null: full fine-tuning."""
     moe: MoeConfig = MoeConfig()
     """Mixture-of-experts settings: router replay and the load-balancing loss (docs/moe.md)."""
+    freeze_vision: bool = True
+    """A vision-language model: keep its vision tower's weights as they are (most peers do; the projector and the
+    language model train); false trains the tower too (docs/vlm.md). No effect on a text-only model."""
     adapter: str | None = None
     """A trained PEFT adapter directory (a LoRA run's final/) merged into the weights of `name_or_path` when
     they load: to evaluate or serve a LoRA run, or to continue from a LoRA stage; it must have been trained

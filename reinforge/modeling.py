@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -59,6 +62,54 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad id; it is always masked out
     return tokenizer
+
+
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """Whether a transformers config describes a vision-language model (a vision tower beside its text model)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(config: ModelConfig):
+    """A vision-language model's processor (its image processor and tokenizer, processor_config.json); None for a
+    text-only model."""
+    location = model_location(config)
+    if not is_vision_language(AutoConfig.from_pretrained(location, trust_remote_code=config.trust_remote_code)):
+        return None
+    try:
+        return AutoProcessor.from_pretrained(location, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ReinforgeError(
+            f"model.name_or_path={config.name_or_path}: could not load its processor ({_first_line(exc)}); a "
+            "vision-language model needs its processor_config.json (or preprocessor_config.json) beside it"
+        ) from None
+
+
+def save_tokenizer(config: ModelConfig, path: Path) -> None:
+    """Write beside exported weights what turns text (and images) into inputs: a vision-language model's processor
+    (its image processor, tokenizer and chat template, so transformers' and vLLM's loaders take the directory as is)
+    or the tokenizer."""
+    (load_processor(config) or load_tokenizer(config)).save_pretrained(path)
+
+
+VISION_TOWERS = ("vision_model", "visual", "vision_tower")  # the vision encoder's module name, by family
+PROJECTORS = ("connector", "multi_modal_projector")  # Idefics3's and LLaVA's; Qwen-VL's `merger` is inside `visual`
+
+
+def vision_module_pattern() -> str:
+    """A regular expression (PEFT's `exclude_modules`) matching every module of the vision tower and projector."""
+    return r".*\b(" + "|".join(VISION_TOWERS + PROJECTORS) + r")\b.*"
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Stop training a vision-language model's vision encoder (Idefics3's `vision_model`, Qwen-VL's `visual` without
+    its `merger`, LLaVA's `vision_tower`); the parameters frozen (0 for a text-only model)."""
+    frozen = 0
+    for name, parameter in model.named_parameters():
+        parts = name.split(".")
+        if any(tower in parts for tower in VISION_TOWERS) and "merger" not in parts:
+            parameter.requires_grad_(False)
+            frozen += 1
+    return frozen
 
 
 @dataclass(frozen=True)
@@ -145,12 +196,18 @@ def check_fits_context(config: ModelConfig, num_tokens: int, setting: str) -> No
         )
 
 
+def model_class(hf_config: PretrainedConfig) -> type:
+    """The transformers auto class of a policy: image-text-to-text for a vision-language model, else causal LM."""
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
+
+
 def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:
     """The model of `config` (with `model.adapter` merged in); `kwargs` go to `from_pretrained` (a quantization
     config)."""
     location = model_location(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        hf_config = AutoConfig.from_pretrained(location, trust_remote_code=config.trust_remote_code)
+        model = model_class(hf_config).from_pretrained(
             location, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code, **kwargs
         )
     except OSError as exc:
@@ -198,7 +255,7 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     unsharded again for the recompute) and with inputs that do not require grad. The recompute runs
     with the attention implementation its forward ran with (`context_fn`): a forward pass picks it by
     its layout (training/segment_attention.py) and the backward pass comes after that choice is undone."""
-    config = model.config
+    config = model.config.get_text_config()
 
     def same_attention_in_recompute() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return contextlib.nullcontext(), attention_implementation(config, config._attn_implementation)
@@ -210,7 +267,9 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
 
 @contextlib.contextmanager
 def attention_implementation(config: PretrainedConfig, name: str) -> Iterator[None]:
-    """`config`'s attention implementation set to `name` inside the block, as it was after."""
+    """The attention implementation of `config`'s text model set to `name` inside the block, as it was after (a
+    vision-language model's vision tower keeps its own)."""
+    config = config.get_text_config()
     saved, config._attn_implementation = config._attn_implementation, name
     try:
         yield

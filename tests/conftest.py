@@ -82,3 +82,66 @@ def build_tiny_moe(path, **overrides):
 def tiny_moe_model_dir(tmp_path_factory):
     """A 2-layer random Qwen3-MoE (`build_tiny_moe`) on disk, loadable with from_pretrained."""
     return build_tiny_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+# A chat template for image prompts: a message's content is a string or a list of text and image parts
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}{{- '<image>' }}"
+    "{%- else %}{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A random Idefics3 (a 2-layer Llama text model and a 2-layer vision tower on 32x32 images, 4 image tokens
+    each) with its processor, built on the demo tokenizer; weights drawn wide enough that outputs vary."""
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    path = tmp_path_factory.mktemp("tiny_vlm")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "models", "demo"))
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]}
+    )
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False
+    )
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4)
+    processor.chat_template = VLM_CHAT_TEMPLATE
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    text = dict(
+        model_type="llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    config = Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=True,
+    )
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

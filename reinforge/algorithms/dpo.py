@@ -53,7 +53,7 @@ from reinforge.data.prompts import PromptSampler
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import check_fits_context, load_tokenizer
+from reinforge.modeling import check_fits_context, load_tokenizer, save_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.heads import LogprobHead
 from reinforge.training.lora import check_lora
@@ -192,7 +192,7 @@ def run(config: DPORunConfig, cleanup: ExitStack) -> PairRunResult:
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
                 backend.save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
-                tokenizer.save_pretrained(tmp)
+                save_tokenizer(config.model, tmp)
 
     if first_val:
         for name in ("reward_margin", "preference_accuracy", "logp_accuracy"):

@@ -63,7 +63,7 @@ from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import MetricLogger, check_backends
 from reinforge.logging.memory import memory_metrics
 from reinforge.logging.metrics import Timers
-from reinforge.modeling import load_tokenizer
+from reinforge.modeling import load_processor, load_tokenizer, save_tokenizer
 from reinforge.rollout.rollout import Episodes
 from reinforge.run_dir import announce_run_dir, atomic_directory
 from reinforge.training.base import TrainingBackend
@@ -80,10 +80,13 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
     if config.cluster.num_threads:
         torch.set_num_threads(config.cluster.num_threads)
     tokenizer = load_tokenizer(config.model)
-    train_prompts = load_prompts(config.data.train_path, config.data, tokenizer)
+    processor = load_processor(config.model)  # a vision-language model's, for image prompts; None: text-only
+    train_prompts = load_prompts(config.data.train_path, config.data, tokenizer, processor)
     val_prompts = []
     if config.data.val_path:
-        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer)[: config.data.max_val_prompts]
+        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer, processor)[
+            : config.data.max_val_prompts
+        ]
 
     benchmarks = prepare_validation_benchmarks(loop.val_benchmarks, loop.val_benchmark_limit, tokenizer)
     tasks = {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
@@ -203,7 +206,7 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
                 watchdog.beat("the final model to be saved")
                 with atomic_directory(run_dir / "final") as tmp:
                     trainer.save_pretrained(tmp)
-                    tokenizer.save_pretrained(tmp)
+                    save_tokenizer(config.model, tmp)
 
     first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
     if first is not None:

@@ -53,7 +53,7 @@ from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import DTYPES, adapter_base, check_fits_context, load_tokenizer, model_location
+from reinforge.modeling import DTYPES, adapter_base, check_fits_context, load_tokenizer, model_location, save_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.heads import ScalarHead
 from reinforge.training.lora import absolute_location, add_lora, check_lora, inner_model
@@ -153,7 +153,7 @@ def run(config: RMRunConfig, cleanup: ExitStack) -> PairRunResult:
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
                 backend.save_pretrained(tmp)  # with LoRA, the adapter and the head in PEFT's format
-                tokenizer.save_pretrained(tmp)
+                save_tokenizer(config.model, tmp)
 
     if first_val:
         for name in ("preference_accuracy", "reward_margin"):

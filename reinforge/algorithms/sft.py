@@ -32,7 +32,7 @@ from typing import ClassVar, Iterator, Literal
 
 import torch
 from pydantic import Field, model_validator
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforge.algorithms.builders import build_recipe_backend, check_backend
 from reinforge.algorithms.losses import token_mean
@@ -47,7 +47,15 @@ from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import DTYPES, check_fits_context, load_tokenizer, model_location
+from reinforge.modeling import (
+    DTYPES,
+    check_fits_context,
+    load_processor,
+    load_tokenizer,
+    model_class,
+    model_location,
+    save_tokenizer,
+)
 from reinforge.paths import resolve_path
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training import lora
@@ -63,7 +71,8 @@ from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 class SFTDataConfig(Section):
     train_path: str = "data/demo/sft.jsonl"
     """JSONL file of chats, one object per line with `messages`: a list of {role, content}. The loss is on
-    the assistant messages; system, user and tool messages are context."""
+    the assistant messages; system, user and tool messages are context. A vision-language model's chats may hold
+    images (`image_url` content parts, or an `images` field; docs/vlm.md)."""
     val_path: str | None = None
     """JSONL file of held-out chats for the validation loss; null: hold out `val_fraction` of train_path."""
     val_fraction: float = 0.0
@@ -239,7 +248,7 @@ def run(config: SFTRunConfig, cleanup: ExitStack) -> SFTResult:
         if config.checkpoint.save_final:
             with atomic_directory(run_dir / "final") as tmp:
                 backend.save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
-                tokenizer.save_pretrained(tmp)
+                save_tokenizer(config.model, tmp)
 
     first, last = (val_history[0], val_history[-1]) if val_history else (None, None)
     if first is not None:
@@ -291,6 +300,7 @@ def nll_loss(logprobs_BT: torch.Tensor, micro: TrainBatch, norm: Normalisers):
 def examples_batch(examples: list[ChatExample], pad_id: int) -> TrainBatch:
     """Conversations as right-padded rows, the loss on their assistant tokens (no advantages: SFT's loss has none)."""
     width = max(len(e) for e in examples)
+    images = [e.images for e in examples]
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
     loss_mask = torch.zeros((len(examples), width))
@@ -299,7 +309,14 @@ def examples_batch(examples: list[ChatExample], pad_id: int) -> TrainBatch:
         attention_mask[row, : len(example)] = 1
         loss_mask[row, : len(example)] = torch.tensor(example.loss_mask, dtype=torch.float32)
     zeros = torch.zeros_like(loss_mask)
-    return TrainBatch(input_ids, attention_mask, loss_mask, advantages=zeros, gen_logprobs=zeros)
+    return TrainBatch(
+        input_ids,
+        attention_mask,
+        loss_mask,
+        advantages=zeros,
+        gen_logprobs=zeros,
+        images=images if any(i is not None for i in images) else None,
+    )
 
 
 def validate(backend: Backend, batch: TrainBatch, console: ConsoleLog, step: int) -> dict[str, float]:
@@ -341,10 +358,13 @@ def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenize
     """Render every chat of a JSONL file, applying data.truncation to those over data.max_seq_len."""
     data = config.data
     records = read_jsonl(resolve_path(path), required_keys=(data.messages_key,))
+    processor = load_processor(config.model)
     examples, num_too_long = [], 0
     for number, record in enumerate(records, start=1):
         try:
-            example = render_chat(record, tokenizer, data.messages_key, data.system_prompt)
+            example = render_chat(
+                record, tokenizer, data.messages_key, data.system_prompt, processor, resolve_path(path).parent
+            )
         except (KeyError, TypeError, AttributeError):
             raise DataError(
                 f"{path}: record {number}: `{data.messages_key}` must be a list of {{role, content}} objects"
@@ -374,7 +394,7 @@ def random_model(model_config: ModelConfig) -> tuple[PreTrainedModel, None]:
     hf_config = AutoConfig.from_pretrained(
         model_location(model_config), trust_remote_code=model_config.trust_remote_code
     )
-    model = AutoModelForCausalLM.from_config(
+    model = model_class(hf_config).from_config(
         hf_config, dtype=DTYPES[model_config.dtype], trust_remote_code=model_config.trust_remote_code
     )
     return model, None

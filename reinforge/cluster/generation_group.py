@@ -49,12 +49,14 @@ class GenerationGroup:
             share_with=share_with,
         )
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, images=None) -> GenerationResult:
+        """`images`: each prompt's (a vision-language model's image prompts), sent with its slice."""
         num_engines = len(self.group.workers)
         size = -(-len(prompt_token_ids) // num_engines)
         starts = range(0, len(prompt_token_ids), size)
         calls = [
             (prompt_token_ids[s : s + size], replace(params, seed=params.seed + 7_919 * i))
+            + (() if images is None else (images[s : s + size],))
             for i, s in enumerate(starts)
         ]
         results = self.group.call_each("generate", calls)  # engines beyond the last slice stay idle

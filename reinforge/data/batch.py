@@ -9,9 +9,13 @@ never trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from reinforge.data.images import ImageInputs
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Trajectory:
     top_k] expert indices (uint8, or int16 past 255 experts), for router replay (docs/moe.md); None: not
     recorded. As vLLM returns them, the last token has none (it never ran through the engine): one row fewer,
     and `collate` gives it -1 (generation/routes.py)."""
+    images: "ImageInputs | None" = None  # its prompt's images (a vision-language prompt), shared by its group
 
 
 @dataclass
@@ -76,6 +81,8 @@ class TrainBatch:
     routed_experts: torch.Tensor | None = None
     """[B, T, L, K] long: the engine's expert choices per token, MoE layer and top-k slot, -1 where none was
     recorded (padding): router replay forces them in the trainer's forward (training/moe.py)."""
+    images: "list[ImageInputs | None] | None" = None
+    """Per sequence, its prompt's images (a vision-language model's prompts, data/images.py); None: text only."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -85,6 +92,7 @@ class TrainBatch:
         width = int(self.attention_mask[start:end].sum(dim=1).max())
         return replace(
             self,
+            images=None if self.images is None else self.images[start:end],
             **{
                 f.name: _rows(value, start, end, width)
                 for f in fields(self)
@@ -98,6 +106,7 @@ class TrainBatch:
         width = int(self.attention_mask[rows].sum(dim=1).max())
         return replace(
             self,
+            images=None if self.images is None else [self.images[i] for i in indices],
             **{
                 f.name: value[rows] if value.dim() == 1 else value[rows, :width]
                 for f in fields(self)
@@ -171,4 +180,5 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
         advantages=torch.tensor(advantages, dtype=torch.float32).unsqueeze(1) * loss_mask,
         gen_logprobs=gen_logprobs,
         prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
+        images=[t.images for t in trajectories] if any(t.images is not None for t in trajectories) else None,
     )

@@ -19,10 +19,12 @@ prefix-consistent and is rejected with a `DataError`, never silently mis-masked.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
+from reinforge.data.images import ImageInputs, image_messages, load_image, process_images, record_image_refs
 from reinforge.errors import DataError
 
 TRAINED_ROLE = "assistant"
@@ -34,6 +36,7 @@ class ChatExample:
 
     token_ids: list[int]  # [L] the whole conversation as the chat template renders it
     loss_mask: list[int]  # [L] 1 on assistant tokens (content and end-of-turn), else 0; loss_mask[0] == 0
+    images: ImageInputs | None = None  # a vision-language chat's images; token_ids hold their image tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -43,7 +46,7 @@ class ChatExample:
         return sum(self.loss_mask)
 
 
-def chat_segments(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
+def chat_segments(messages: list[dict[str, Any]], tokenizer: Any) -> list[tuple[str, bool]]:
     """The rendered conversation as consecutive (text, trained) pieces, by the prefix diff."""
     segments: list[tuple[str, bool]] = []
     rendered = ""
@@ -75,17 +78,57 @@ def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages_key: str = "messages",
     system_prompt: str | None = None,
+    processor: Any = None,
+    base_dir: Path = Path("."),
 ) -> ChatExample:
-    """Token ids and loss mask of one chat record; `system_prompt` is put first unless the chat has a system message."""
-    messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in record[messages_key]]
+    """Token ids and loss mask of one chat record; `system_prompt` is put first unless the chat has a system
+    message. A chat with images needs a vision-language model's `processor`; image paths are relative to
+    `base_dir` (the data file's directory)."""
+    messages = [{"role": str(m["role"]), "content": m["content"]} for m in record[messages_key]]
+    refs = record_image_refs(record, messages)
+    if refs and processor is None:
+        raise DataError("the chat has images, but the model is text-only; use a vision-language model")
     if system_prompt is not None and messages and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
+    if not refs:
+        messages = [{**m, "content": _text(m["content"])} for m in messages]
+        return _tokenize(chat_segments(messages, tokenizer), tokenizer)
+    images = [load_image(ref, base_dir) for ref in refs]
+    messages = image_messages(messages, len(images) if {"images", "image"} & record.keys() else 0)
+    example = _tokenize(chat_segments(messages, processor), tokenizer, processor, images)
+    example.images = process_images(processor, images)
+    return example
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, or the text of its text parts."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def _tokenize(
+    segments: list[tuple[str, bool]], tokenizer: Any, processor: Any = None, images: list | None = None
+) -> ChatExample:
+    """The segments' token ids, each tokenized apart; with a processor, a segment's image placeholders expanded
+    into the image tokens of the next images in order."""
     token_ids: list[int] = []
     loss_mask: list[int] = []
-    for text, trained in chat_segments(messages, tokenizer):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        token_ids += ids
+    remaining = list(images or ())
+    for text, trained in segments:
+        count = text.count(processor.image_token) if processor is not None else 0
+        if count:
+            own, remaining = remaining[:count], remaining[count:]
+            ids = processor(text=[text], images=[own], add_special_tokens=False)["input_ids"][0]
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if count and trained:
+            raise DataError("an assistant message holds an image; images go in user (or tool) messages")
+        token_ids += list(ids)
         loss_mask += [int(trained)] * len(ids)
+    if remaining:
+        shown = len(images or ()) - len(remaining)
+        raise DataError(f"the chat template rendered {shown} of the chat's {len(images or ())} images")
     loss_mask[0] = 0  # column 0 has no preceding token to predict it from (data/batch.py's convention)
     return ChatExample(token_ids=token_ids, loss_mask=loss_mask)
 
@@ -94,15 +137,19 @@ def fit_length(example: ChatExample, max_seq_len: int, policy: Literal["right", 
     """Apply the truncation policy to an example longer than `max_seq_len` tokens.
 
     `right` keeps the first max_seq_len tokens (the prompt and the start of the reply are what the model
-    learns to continue); `drop` drops the example. An example left with no trained token is dropped.
+    learns to continue); `drop` drops the example. An example left with no trained token is dropped, and so is
+    an image chat whatever the policy.
     """
     if len(example) <= max_seq_len:
         return example
     if policy == "drop":
         return None
+    if example.images is not None:  # never cut: a cut could part an image's tokens from its features
+        return None
     cut = ChatExample(token_ids=example.token_ids[:max_seq_len], loss_mask=example.loss_mask[:max_seq_len])
     return cut if cut.num_trained_tokens else None
 
 
-def _render(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> str:
+def _render(messages: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool) -> str:
+    """The chat rendered by the tokenizer's (or a processor's) chat template."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

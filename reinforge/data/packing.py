@@ -220,10 +220,17 @@ def row_layout(
 # --- Which sequences share a row --------------------------------------------------------------
 
 
-def prompt_keys(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]) -> list[int]:
-    """One id per distinct prompt (its tokens): sequences with the same id have the same prompt."""
+def prompt_keys(
+    input_ids_BT: torch.Tensor, prompt_lengths_B: list[int], image_digests_B: list[bytes] | None = None
+) -> list[int]:
+    """One id per distinct prompt (its tokens, and its images' digests where it has images: two image prompts of the
+    same text differ by their pictures): sequences with the same id have the same prompt."""
     ids: dict[bytes, int] = {}
-    return [ids.setdefault(input_ids_BT[b, :n].numpy().tobytes(), len(ids)) for b, n in enumerate(prompt_lengths_B)]
+    digests = image_digests_B or [b""] * len(prompt_lengths_B)
+    return [
+        ids.setdefault(input_ids_BT[b, :n].numpy().tobytes() + digests[b], len(ids))
+        for b, n in enumerate(prompt_lengths_B)
+    ]
 
 
 def shared_prompt_rows(

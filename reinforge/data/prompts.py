@@ -17,6 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from reinforge.config.section import Section
+from reinforge.data.images import ImageInputs, image_messages, load_image, process_prompt, record_image_refs
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.responses_format import create_params_to_chat
 from reinforge.data.templates import render_ids
@@ -57,6 +58,7 @@ class Prompt:
     messages: list[dict[str, str]]  # the chat so far (system?, user)
     token_ids: list[int]  # the rendered prompt, ending where the assistant's reply starts
     tools: list[dict[str, Any]] | None = None  # tools offered to the policy, chat form (NeMo Gym rows)
+    images: ImageInputs | None = None  # a vision-language prompt's images (data/images.py); token_ids has their tokens
 
 
 def render_prompt(
@@ -66,6 +68,8 @@ def render_prompt(
     system_prompt: str | None,
     use_chat_template: bool,
     system_key: str = "system",
+    processor: Any = None,
+    base_dir: Path = Path("."),
 ) -> Prompt:
     """Render one record with the tokenizer's chat template (or as plain text).
 
@@ -74,8 +78,11 @@ def render_prompt(
     on" and "off" per record) while the global one fills in for records without. An empty string
     in the record means no system message for that record. The default `system_key` is
     `data.system_key`'s (config/schema.py). A NeMo Gym row whose input starts with its own system
-    (or developer) message keeps that one and gets no other.
+    (or developer) message keeps that one and gets no other. A record with images (data/images.py: its
+    `images` field, paths relative to `base_dir`) is rendered by a vision-language model's `processor`.
     """
+    if refs := record_image_refs(record):
+        return _render_image_prompt(record, refs, processor, prompt_key, system_prompt, system_key, base_dir)
     if GYM_ROW_KEY in record:
         return _render_gym_row(record, tokenizer, system_prompt, use_chat_template, system_key)
     system = _system_message(record, system_prompt, system_key, str(record.get(prompt_key))[:60])
@@ -89,6 +96,28 @@ def render_prompt(
         text = "".join(m["content"] + "\n" for m in messages)
         token_ids = tokenizer(text)["input_ids"]
     return Prompt(record=record, messages=messages, token_ids=list(token_ids))
+
+
+def _render_image_prompt(
+    record: dict[str, Any],
+    refs: list[str],
+    processor: Any,
+    prompt_key: str,
+    system_prompt: str | None,
+    system_key: str,
+    base_dir: Path,
+) -> Prompt:
+    if processor is None:
+        raise DataError("the record has images, but the model is text-only; use a vision-language model")
+    if GYM_ROW_KEY in record:
+        raise DataError(f"images in {GYM_ROW_KEY} rows are not supported yet; give the record an images field")
+    images = [load_image(ref, base_dir) for ref in refs]
+    system = _system_message(record, system_prompt, system_key, str(record.get(prompt_key))[:60])
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": str(record[prompt_key])}
+    ]
+    token_ids, inputs = process_prompt(processor, image_messages(messages, len(images)), images)
+    return Prompt(record=record, messages=messages, token_ids=token_ids, images=inputs)
 
 
 def _system_message(record: dict[str, Any], system_prompt: str | None, system_key: str, shown: str) -> str | None:
@@ -125,9 +154,12 @@ def _render_gym_row(
     return Prompt(record=record, messages=messages, token_ids=render_ids(tokenizer, messages, tools), tools=tools)
 
 
-def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
+def load_prompts(
+    path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase, processor: Any = None
+) -> list[Prompt]:
     """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`. Each record
-    needs `data.prompt_key`, or `responses_create_params` (a NeMo Gym row)."""
+    needs `data.prompt_key`, or `responses_create_params` (a NeMo Gym row). Records with images need a
+    vision-language model's `processor` (modeling.py, `load_processor`)."""
     file = resolve_path(path)
     if data.use_chat_template and not tokenizer.chat_template:
         raise DataError(
@@ -149,11 +181,18 @@ def load_prompts(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBa
         try:
             prompts.append(
                 render_prompt(
-                    record, tokenizer, data.prompt_key, data.system_prompt, data.use_chat_template, data.system_key
+                    record,
+                    tokenizer,
+                    data.prompt_key,
+                    data.system_prompt,
+                    data.use_chat_template,
+                    data.system_key,
+                    processor,
+                    file.parent,
                 )
             )
         except DataError as exc:
-            if GYM_ROW_KEY not in record:
+            if GYM_ROW_KEY not in record and not ({"images", "image"} & record.keys()):
                 raise
             raise DataError(f"{file}:{_line_number(file, index)}: {exc}") from None
     kept = [p for p in prompts if len(p.token_ids) <= data.max_prompt_tokens]

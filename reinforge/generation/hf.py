@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
+from reinforge.data.images import ImageInputs, image_token_id, merge_images
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
 from reinforge.generation.routes import RouteRecorder, generation_routes, row_routes
 from reinforge.generation.weight_digest import WeightDigests, report
@@ -33,27 +34,39 @@ class HFGenerationBackend:
 
     @torch.no_grad()
     def generate(
-        self, prompt_token_ids: list[list[int]], params: SamplingParams, on_step: Callable[[], int] | None = None
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams,
+        on_step: Callable[[], int] | None = None,
+        images: list[ImageInputs | None] | None = None,
     ) -> GenerationResult:
-        """`on_step` (in-flight generation, generation/in_flight.py) is called between two decoding steps, after
-        each forward: it returns the policy version of the weights that computed that forward's logits (the
-        version of the tokens sampled from them) and may load new weights, which the next forward computes with;
-        each completion's `token_versions` are then those versions. The KV cache of the tokens so far is kept."""
+        """`images`: each prompt's images (a vision-language model; data/images.py), whose image tokens the prompt
+        holds; the image token is never sampled. `on_step` (in-flight generation, generation/in_flight.py) is called
+        between two decoding steps, after each forward: it returns the policy version of the weights that computed
+        that forward's logits (the version of the tokens sampled from them) and may load new weights, which the next
+        forward computes with; each completion's `token_versions` are then those versions. The KV cache of the
+        tokens so far is kept."""
         requests = [(index, ids) for index, ids in enumerate(prompt_token_ids) for _ in range(params.num_samples)]
+        images = images or [None] * len(prompt_token_ids)
         completions: list[list[Completion]] = [[] for _ in prompt_token_ids]
         with torch.random.fork_rng(devices=[]):  # sampling never disturbs the caller's RNG
             for chunk_index, start in enumerate(range(0, len(requests), self.max_batch_size)):
                 torch.manual_seed(params.seed * 1_000_003 + chunk_index)
                 chunk = requests[start : start + self.max_batch_size]
+                chunk_images = [images[index] for index, _ in chunk]
                 for (prompt_index, _), completion in zip(
-                    chunk, self._generate_chunk([ids for _, ids in chunk], params, on_step)
+                    chunk, self._generate_chunk([ids for _, ids in chunk], params, on_step, chunk_images)
                 ):
                     completion.prompt_index = prompt_index
                     completions[prompt_index].append(completion)
         return GenerationResult(completions=completions)
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, on_step: Callable[[], int] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        on_step: Callable[[], int] | None = None,
+        images: list[ImageInputs | None] | None = None,
     ) -> list[Completion]:
         pad_id = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
@@ -66,8 +79,11 @@ class HFGenerationBackend:
         recorder = RouteRecorder(self.model) if params.record_routes else None
         versions: list[int] = []  # of each decoding step, with `on_step`
         hook = LogitsProcessorList([BetweenSteps(on_step, versions)]) if on_step else None
+        # a left-padded batch's images in row order: the order of their image tokens
+        present = [i for i in images or () if i is not None]
+        pixels = merge_images(present, self.model.config.model_type) if present else {}
         with recorder.recording() if recorder else nullcontext():
-            output = self._generate(input_ids, attention_mask, stop_ids, params, hook)
+            output = self._generate(input_ids, attention_mask, stop_ids, params, hook, pixels)
         new_tokens_BN = output.sequences[:, width:]
         scores_BNV = torch.stack(output.scores, dim=1).float()
         logprobs_BN = torch.log_softmax(scores_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
@@ -88,9 +104,14 @@ class HFGenerationBackend:
         stop_ids: list[int],
         params: SamplingParams,
         logits_processor: LogitsProcessorList | None = None,
+        pixels: dict[str, torch.Tensor] | None = None,
     ):
         pad_id, greedy = self.tokenizer.pad_token_id, params.temperature == 0
+        # an image prompt's trainer forward puts image features at every image token: one must never be sampled
+        suppress = [image_token_id(self.model.config)] if pixels else None
         return self.model.generate(
+            **(pixels or {}),
+            suppress_tokens=suppress,
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=params.max_new_tokens,

@@ -43,6 +43,8 @@ from typing import Iterable
 
 import torch
 
+from reinforge.data.images import ImageInputs
+from reinforge.errors import ReinforgeError
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
 from reinforge.generation.vllm_moe import (
     check_lora_supported,
@@ -273,6 +275,8 @@ class VLLMGenerationBackend:
         self.llm.llm_engine.set_weight_version("0")  # tokens carry the version they were sampled by
         self._params: dict[str, tuple[SamplingParams, int]] = {}  # the requests `add_request` started, by id
         self.padded_experts = self.llm.collective_rpc(padded_expert_width)[0]
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.image_token = getattr(hf_config, "image_token_id", getattr(hf_config, "image_token_index", None))
         text_config = self.llm.llm_engine.model_config.hf_text_config
         self.num_experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", 0)
 
@@ -287,17 +291,37 @@ class VLLMGenerationBackend:
             self.llm.wake_up(tags=[tag])
             self.asleep_tags.discard(tag)
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams,
+        images: "list[ImageInputs | None] | None" = None,
+    ) -> GenerationResult:
+        """`images`: each prompt's images (a vision-language model, data/images.py): vLLM gets the prompt with one
+        placeholder per image and the images (`multi_modal_data`), expands it itself, and must arrive at the prompt
+        the trainer scores (checked)."""
         from vllm.inputs import TokensPrompt
 
         self._wake("weights")
         self._wake("kv_cache")
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids],
-            [self._vllm_params(params, index) for index in range(len(prompt_token_ids))],
-            use_tqdm=False,
-            lora_request=self.adapter,
-        )
+        images = images or [None] * len(prompt_token_ids)
+        prompts = [
+            TokensPrompt(prompt_token_ids=ids)
+            if inputs is None
+            else TokensPrompt(prompt_token_ids=inputs.engine_prompt_ids, multi_modal_data={"image": inputs.images})
+            for ids, inputs in zip(prompt_token_ids, images)
+        ]
+        vllm_params = [self._vllm_params(params, index) for index in range(len(prompt_token_ids))]
+        for index, inputs in enumerate(images):
+            if inputs is not None:  # the trainer puts image features at every image token: never sample one
+                vllm_params[index].logit_bias = {self.image_token: -100.0}
+        outputs = self.llm.generate(prompts, vllm_params, use_tqdm=False, lora_request=self.adapter)
+        for ids, inputs, output in zip(prompt_token_ids, images, outputs):
+            if inputs is not None and list(output.prompt_token_ids) != list(ids):
+                raise ReinforgeError(
+                    "vLLM expanded an image prompt into other tokens than the model's processor did; the processor "
+                    "beside the model (processor_config.json) and vLLM's for this model family disagree"
+                )
         return GenerationResult([self._completions(output, index, params) for index, output in enumerate(outputs)])
 
     def _vllm_params(self, params: SamplingParams, index: int):
@@ -381,6 +405,7 @@ class VLLMGenerationBackend:
         self.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts (vllm_moe.py)
         # cached KV blocks were computed with the old weights; with requests running, only `recompute` drops theirs
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=recompute)
+        self._reset_image_features()
         if version is not None:
             self.llm.llm_engine.set_weight_version(str(version))
 
@@ -408,6 +433,14 @@ class VLLMGenerationBackend:
         assert self.llm.llm_engine.add_lora(request), f"vLLM did not load the adapter in {path}"
         self.adapter = request
         self.llm.reset_prefix_cache()
+        self._reset_image_features()
+
+    def _reset_image_features(self) -> None:
+        """Forget the image features vLLM keeps by image (its encoder cache): the old weights computed them, and
+        `reload_weights` empties the worker's half of that cache (a dummy forward), which the scheduler's half
+        would still promise ("Encoder cache miss" on the next rollout)."""
+        if self.image_token is not None:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def shutdown(self) -> None:
         del self.llm

@@ -17,7 +17,11 @@ def generate_trajectories(
 ) -> list[Trajectory]:
     """`params.num_samples` unscored trajectories per prompt, grouped by prompt, in prompt order; with
     `params.record_routes`, each with the engine's routes of its tokens (the last one's excepted)."""
-    result = engine.generate([p.token_ids for p in prompts], params)
+    images = [p.images for p in prompts]
+    if any(i is not None for i in images):  # a vision-language model's image prompts
+        result = engine.generate([p.token_ids for p in prompts], params, images=images)
+    else:
+        result = engine.generate([p.token_ids for p in prompts], params)
     trajectories = []
     for group, (prompt, completions) in enumerate(zip(prompts, result.completions)):
         for completion in completions:
@@ -33,6 +37,7 @@ def generate_trajectories(
                     response_text=tokenizer.decode(completion.token_ids, skip_special_tokens=True),
                     routed_experts=completion.routed_experts,  # with params.record_routes (router replay)
                     token_versions=completion.token_versions,  # when the engine says (in-flight generation)
+                    images=prompt.images,
                 )
             )
     return trajectories

@@ -36,7 +36,14 @@ from torch.distributed.tensor import DTensor
 
 from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import compile_decoder_layers, enable_activation_checkpointing, is_moe, load_model, moe_routers
+from reinforge.modeling import (
+    compile_decoder_layers,
+    enable_activation_checkpointing,
+    freeze_vision_tower,
+    is_moe,
+    load_model,
+    moe_routers,
+)
 from reinforge.training.base import LossFn, TrainingConfig
 from reinforge.training.heads import Head, LogprobHead, LogprobsAt
 from reinforge.training.lora import adapter_disabled, merge_lora_weights, scaling
@@ -104,6 +111,8 @@ class Backend:
         self.row_tokens = row_tokens
         load_config = self.strategy.load_config(model_config)
         model, self.peft = self.head.load(load_config)
+        if model_config.freeze_vision and self.peft is None:
+            freeze_vision_tower(model)  # a vision-language model's encoder keeps its weights (docs/vlm.md)
         if training.activation_checkpointing:
             enable_activation_checkpointing(model)  # before sharding: FSDP2 wraps the checkpointed layers
         if training.compile:

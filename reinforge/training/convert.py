@@ -50,7 +50,7 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
             "give RUN_DIR/checkpoints/step_N, a run directory or, with --merge, a PEFT adapter directory"
         )
     from reinforge.model_config import ModelConfig
-    from reinforge.modeling import load_model, load_tokenizer
+    from reinforge.modeling import load_model, save_tokenizer
     from reinforge.training.lora import absolute_location, add_lora, is_adapter_key, load_adapter_state_dict
 
     model_config = ModelConfig(**yaml.safe_load((checkpoint / "config.yaml").read_text())["model"])
@@ -64,7 +64,7 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
         if not merge:  # the adapter in PEFT's format, as the run's final/ holds it
             with atomic_directory(out) as tmp:
                 peft_model.save_pretrained(tmp)
-                load_tokenizer(model_config).save_pretrained(tmp)
+                save_tokenizer(model_config, tmp)
             return out
         model = peft_model.merge_and_unload()
     elif merge:
@@ -82,7 +82,7 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     model = model.to(getattr(torch, model_config.dtype))
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
-        load_tokenizer(model_config).save_pretrained(tmp)
+        save_tokenizer(model_config, tmp)
     return out
 
 

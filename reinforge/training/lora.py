@@ -34,7 +34,14 @@ import torch
 
 from reinforge.errors import ConfigError
 from reinforge.model_config import LINEAR_TARGETS, LoraConfig
-from reinforge.modeling import adapter_base, is_moe, model_location
+from reinforge.modeling import (
+    adapter_base,
+    is_moe,
+    is_vision_language,
+    model_class,
+    model_location,
+    vision_module_pattern,
+)
 
 ADAPTER = "default"  # PEFT's name for the one adapter
 # Leaf names that PEFT 0.21 maps onto a transformers-5 MoE block's fused expert parameters or its router
@@ -68,11 +75,11 @@ def check_lora(model_config) -> None:
 
 def skeleton(model_config) -> torch.nn.Module:
     """The model built from its config on the meta device (no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_location(model_config), trust_remote_code=model_config.trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=model_config.trust_remote_code)
+        return model_class(config).from_config(config, trust_remote_code=model_config.trust_remote_code)
 
 
 def linear_names(model: torch.nn.Module) -> set[str]:
@@ -117,6 +124,8 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, base_name: str, task_type
         bias="none",
         task_type=task_type,
         target_modules=adapted_modules(model, lora.target_modules),
+        # a vision-language model's vision tower and projector keep their weights unless lora.vision
+        exclude_modules=None if lora.vision or not is_vision_language(model.config) else vision_module_pattern(),
     )
     try:
         wrapped = peft.get_peft_model(model, config)
@@ -220,7 +229,7 @@ def absolute_location(model_config) -> str:
 def save_merged(model_config, adapter_dir: Path, out: Path) -> Path:
     """A whole Hugging Face model in `out` (written atomically): the base of `model_config` with the PEFT
     adapter in `adapter_dir` merged into it, in the config's dtype, with the tokenizer."""
-    from reinforge.modeling import load_model, load_tokenizer
+    from reinforge.modeling import load_model, save_tokenizer
     from reinforge.run_dir import atomic_directory
 
     config = model_config.model_copy(update={"lora": None, "adapter": str(adapter_dir)})
@@ -231,5 +240,5 @@ def save_merged(model_config, adapter_dir: Path, out: Path) -> Path:
         shutil.rmtree(out)  # a merge cut short earlier: made again from the adapter
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
-        load_tokenizer(config).save_pretrained(tmp)
+        save_tokenizer(config, tmp)
     return out

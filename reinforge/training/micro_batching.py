@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from reinforge.data.batch import TrainBatch
+from reinforge.data.images import forward_images, image_token_id
 from reinforge.data.packing import (
     RowLayout,
     first_fit_decreasing,
@@ -81,7 +82,8 @@ class Prompts:
         if not cls.shared(batch, config):
             return None
         lengths = batch.prompt_lengths.tolist()
-        return cls(lengths, prompt_keys(batch.input_ids.cpu(), lengths))
+        digests = None if batch.images is None else [b"" if i is None else i.digest() for i in batch.images]
+        return cls(lengths, prompt_keys(batch.input_ids.cpu(), lengths, digests))
 
     def slice(self, start: int, end: int) -> "Prompts":
         return Prompts(self.lengths[start:end], self.keys[start:end])
@@ -345,6 +347,17 @@ def trained_hidden_states(
         routing.prepare(micro, layout, None if group is None else sequence_chunk(layout.input_ids.shape[1], group))
     # with logits_to_keep=1 the LM head runs on one position per row: `hidden` has what the head needs
     kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    if micro.images is not None:  # a vision-language model: each prompt's images once, in the layout's order
+        if group is not None:
+            raise ConfigError("context parallelism over image prompts is not supported yet; set training.parallel.cp=1")
+        kwargs |= forward_images(
+            micro.images,
+            micro.input_ids,
+            layout.token_index,
+            image_token_id(model.config),
+            model.config.model_type,
+            layout.input_ids.device,
+        )
     b_index, t_index = micro.loss_mask.nonzero(as_tuple=True)
     assert bool((t_index >= shift).all()), "column 0 is in the loss mask"
     flat = layout.token_index[b_index, t_index]  # where each trained token sits in the layout
