@@ -44,7 +44,7 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3I
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 0
 DROP_PROB = 0.6  # chance that the teacher drops a needed carry
-NUM_VAL, NUM_TRAIN, NUM_SFT = 200, 2000, 8000
+NUM_VAL, NUM_TRAIN, NUM_SFT, NUM_BENCH, NUM_PAIRS = 200, 2000, 8000, 100, 600
 SIDE, CELL = 32, 16  # the picture and each digit's quarter, in pixels
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 PROMPTS = [
@@ -285,6 +285,40 @@ def rl_records(problems: list[dict], image_dir: Path | None) -> list[dict]:
     return records
 
 
+def write_benchmark(path: Path) -> None:
+    """data/benchmarks/vlm_sums: 100 fresh pictures (their own seeded stream, so the model and its data do not
+    depend on it) as an image + question + answer file for `reinforge eval --benchmark vlm_sums`."""
+    rng = random.Random(SEED + 1)
+    problems = [sample_problem(rng) for _ in range(NUM_BENCH)]
+    records = [
+        {"id": f"vlm_sums/{i}", "question": r["prompt"], "images": r["images"], "answer": r["answer"]}
+        for i, r in enumerate(rl_records(problems, path / "images"))
+    ]
+    write_jsonl(path / "test.jsonl", records)
+
+
+def write_preferences(data_dir: Path) -> None:
+    """data/vlm_demo/preference_{train,val}.jsonl: carry sums (their own seeded stream), the right sum chosen over
+    the teacher's carry-dropped one, the picture inline, for DPO on image pairs (configs/dpo_vlm_demo.yaml)."""
+    rng = random.Random(SEED + 2)
+    pairs = []
+    while len(pairs) < NUM_PAIRS:
+        p = sample_problem(rng)
+        if p["a"] % 10 + p["b"] % 10 < 10:
+            continue
+        chosen, rejected = p["a"] + p["b"], teacher_sum(p["a"], p["b"], drop=True)
+        pairs.append(
+            {
+                "prompt": p["prompt"],
+                "images": [data_url(p["image"])],
+                "chosen": solution(p["a"], p["b"], chosen),
+                "rejected": solution(p["a"], p["b"], rejected),
+            }
+        )
+    write_jsonl(data_dir / "preference_train.jsonl", pairs[100:])
+    write_jsonl(data_dir / "preference_val.jsonl", pairs[:100])
+
+
 def write_model_card(path: Path, stats: dict) -> None:
     (path / "README.md").write_text(
         f"""# reinforge vision-language demo model
@@ -321,6 +355,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny data and 5 steps: a smoke build")
     parser.add_argument("--model-dir", type=Path, default=ROOT / "models" / "vlm_demo")
     parser.add_argument("--data-dir", type=Path, default=ROOT / "data" / "vlm_demo")
+    parser.add_argument("--benchmark-dir", type=Path, default=ROOT / "data" / "benchmarks" / "vlm_sums")
     args = parser.parse_args()
     started = time.time()
     random.seed(SEED)
@@ -375,6 +410,8 @@ def main() -> None:
         for p, answer in list(zip(sft_problems, sft_answers))[:1000]
     ]
     write_jsonl(args.data_dir / "sft.jsonl", sft_chats)
+    write_benchmark(args.benchmark_dir)
+    write_preferences(args.data_dir)
     stats["minutes"] = (time.time() - started) / 60
     write_model_card(args.model_dir, stats)
     print(f"wrote {args.model_dir} and {args.data_dir} in {stats['minutes']:.1f} min", flush=True)

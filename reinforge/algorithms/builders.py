@@ -300,7 +300,7 @@ def build_episodes(
     if config.rollout.driver == "reinforge":
         return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config), infra_limits(config))
     from reinforge.generation.vllm_backend import max_sequence_tokens
-    from reinforge.modeling import model_limits
+    from reinforge.modeling import load_processor, model_limits
     from reinforge.network import check_bind_address, token_from_env
     from reinforge.rollout.agent import AgentRollout, agent_of
     from reinforge.serving.app import build_app
@@ -321,6 +321,7 @@ def build_episodes(
         vocab_size=model_limits(config.model).vocab_size,
         # in flight a prompt group's calls join the engine's running requests, whichever group's are under way
         engine_calls=rollout.pool_groups if rollout.mode == "in_flight" else 1,
+        processor=load_processor(config.model),  # a vision-language model's: agents may send images
     )
     server.start(build_app(server))
     cleanup.callback(server.stop)

@@ -53,7 +53,7 @@ from reinforge.data.prompts import PromptSampler
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.modeling import check_fits_context, load_tokenizer, save_tokenizer
+from reinforge.modeling import check_fits_context, load_processor, load_tokenizer, save_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.heads import LogprobHead
 from reinforge.training.lora import check_lora
@@ -110,9 +110,12 @@ def run(config: DPORunConfig, cleanup: ExitStack) -> PairRunResult:
     tokenizer = load_tokenizer(config.model)
     check_fits_context(config.model, config.data.max_length, f"data.max_length={config.data.max_length}")
     pad_id = tokenizer.pad_token_id
-    train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_policy, config.data)
+    processor = load_processor(config.model)  # a vision-language model's: pairs may hold images
+    train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_policy, config.data, processor)
     val_pairs = (
-        load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data)[: config.data.max_val_pairs]
+        load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data, processor)[
+            : config.data.max_val_pairs
+        ]
         if config.data.val_path
         else []
     )

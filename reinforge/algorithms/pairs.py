@@ -150,12 +150,14 @@ def pair_batch(
         last_B = attention_mask.sum(dim=1) - 1
         loss_mask = torch.zeros_like(loss_mask).index_put_((torch.arange(2 * num), last_B), torch.tensor(1.0))
     zeros = torch.zeros_like(loss_mask)
+    images = [pair.images for pair in pairs for _ in range(2)]  # a vision-language model's pairs: both rows'
     return batch_type(
         input_ids,
         attention_mask,
         loss_mask,
         advantages=zeros,
         gen_logprobs=zeros,
+        images=images if any(i is not None for i in images) else None,
         pair_index=torch.arange(num).repeat_interleave(2),
         chosen=torch.tensor([True, False]).repeat(num),
         **fields,

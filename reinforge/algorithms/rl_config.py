@@ -170,6 +170,11 @@ class RLRunConfig(Section):
                 f"model.lora.rank={lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]}) for "
                 "adapter sync; set model.lora.sync=merged or a lower rank"
             )
+        if adapter_sync(self) and lora.vision:
+            raise ValueError(
+                "model.lora.vision=true adapts the vision tower, which vLLM's LoRA does not (it adapts the language "
+                "model only); set model.lora.sync=merged, or model.lora.vision=false"
+            )
         if lora.quantize_base != "none" and self.training.backend == "fsdp2":
             raise ValueError(
                 f"model.lora.quantize_base={lora.quantize_base} (QLoRA) needs training.backend=torch: FSDP2 does "

@@ -156,6 +156,30 @@ def process_images(processor: Any, images: list[Image.Image]) -> ImageInputs:
     return ImageInputs(images, _image_tensors(out), [])
 
 
+def collapse_images(processor: Any, token_ids: list[int], images: list[Image.Image]) -> list[int]:
+    """`token_ids` with each image's expanded tokens (in order) folded back into the one placeholder the chat
+    template wrote: the prompt as vLLM wants it (it expands the placeholders itself)."""
+    placeholder = list(processor.tokenizer(processor.image_token, add_special_tokens=False)["input_ids"])
+    out, start = [], 0
+    for image in images:
+        expanded = list(
+            processor(text=[processor.image_token], images=[[image]], add_special_tokens=False)["input_ids"][0]
+        )
+        at = next(
+            (
+                i
+                for i in range(start, len(token_ids) - len(expanded) + 1)
+                if token_ids[i : i + len(expanded)] == expanded
+            ),
+            None,
+        )
+        if at is None:
+            raise DataError("an image's tokens are not in the prompt as its processor expands them")
+        out += token_ids[start:at] + placeholder
+        start = at + len(expanded)
+    return out + token_ids[start:]
+
+
 def _image_tensors(out: Any) -> dict[str, torch.Tensor]:
     """A processor output's image tensors, one row per image (Idefics3's [1, N, ...] unbatched)."""
     return {

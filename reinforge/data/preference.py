@@ -7,7 +7,8 @@ the first preferred:
     {"messages": [{"role": "user", "content": "..."}, ...], "chosen": "...", "rejected": "..."}
 
 `prompt` is one user message (after `data.system_prompt`, if set); `messages` is a whole conversation,
-used as it is. `chosen` and `rejected` are plain strings.
+used as it is. `chosen` and `rejected` are plain strings. A vision-language model's pairs may hold images (an
+`images` field, or `image_url` parts in `messages`; data/images.py), rendered by its processor (DPO only).
 
 Two tokenizations, each matching how its model is used later:
 - policy (DPO): the chat-templated prompt with the generation prompt, then the reply's tokens and the
@@ -18,13 +19,15 @@ Two tokenizations, each matching how its model is used later:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from reinforge.config.section import Section
+from reinforge.data.images import ImageInputs, image_messages, load_image, process_prompt, record_image_refs
 from reinforge.data.jsonl import read_jsonl
 from reinforge.errors import DataError
 from reinforge.paths import resolve_path
@@ -50,9 +53,13 @@ class PreferenceDataConfig(Section):
 class PreferenceRecord:
     """One pair as read from the file."""
 
-    messages: list[dict[str, str]]  # the conversation before the reply
+    messages: list[dict[str, Any]]  # the conversation before the reply
     chosen: str  # the preferred assistant reply
     rejected: str  # the other one
+    images: list[str] = field(default_factory=list)  # image references (data/images.py), relative to base_dir
+    leading_images: int = 0  # of them, those of an `images` field: shown before the first user message's text
+    base_dir: Path = Path(".")
+    where: str = ""  # "FILE: pair N", for errors
 
 
 @dataclass
@@ -62,6 +69,7 @@ class TokenizedPair:
     chosen_ids: list[int]
     rejected_ids: list[int]
     num_prompt_tokens: int  # leading tokens the two share before the replies; never trained on
+    images: ImageInputs | None = None  # the prompt's images (a vision-language model's pair)
 
 
 @dataclass
@@ -93,25 +101,42 @@ def read_preference_records(path: str, system_prompt: str | None) -> list[Prefer
             raise DataError(
                 f"{where}: needs a `prompt` string or a non-empty `messages` list (the conversation before the reply)"
             )
-        records.append(PreferenceRecord(messages=messages, chosen=raw["chosen"], rejected=raw["rejected"]))
+        try:
+            refs = record_image_refs(raw, messages)
+        except DataError as exc:
+            raise DataError(f"{where}: {exc}") from None
+        leading = len(refs) if {"images", "image"} & raw.keys() else 0
+        records.append(
+            PreferenceRecord(messages, raw["chosen"], raw["rejected"], refs, leading, resolve_path(path).parent, where)
+        )
     return records
 
 
-def tokenize_for_policy(record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase) -> TokenizedPair:
-    """Prompt (with the generation prompt) + reply tokens + eos, as the policy generates them."""
-    prompt_text = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=False)
-    prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+def tokenize_for_policy(
+    record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase, processor: Any = None
+) -> TokenizedPair:
+    """Prompt (with the generation prompt) + reply tokens + eos, as the policy generates them; a pair with images
+    has its prompt rendered by the `processor`, as GRPO's image prompts are (data/prompts.py)."""
+    inputs = None
+    if record.images:
+        images = [load_image(ref, record.base_dir) for ref in record.images]
+        prompt_ids, inputs = process_prompt(processor, image_messages(record.messages, record.leading_images), images)
+    else:
+        prompt_text = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
 
     def reply(text: str) -> list[int]:
         return prompt_ids + list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
 
-    return TokenizedPair(
-        chosen_ids=reply(record.chosen), rejected_ids=reply(record.rejected), num_prompt_tokens=len(prompt_ids)
-    )
+    return TokenizedPair(reply(record.chosen), reply(record.rejected), len(prompt_ids), inputs)
 
 
-def tokenize_for_reward_model(record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase) -> TokenizedPair:
+def tokenize_for_reward_model(
+    record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase, processor: Any = None
+) -> TokenizedPair:
     """Each whole conversation through the chat template, tokenized in one piece (RewardModelScorer's rendering)."""
+    if record.images:
+        raise DataError("reward models on image pairs are not supported yet; give text pairs")
 
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -127,14 +152,26 @@ def tokenize_for_reward_model(record: PreferenceRecord, tokenizer: PreTrainedTok
     return TokenizedPair(chosen_ids, rejected_ids, num_prompt_tokens=min(len(render(record.messages, True)), shared))
 
 
-Tokenize = Callable[[PreferenceRecord, PreTrainedTokenizerBase], TokenizedPair]
+Tokenize = Callable[[PreferenceRecord, PreTrainedTokenizerBase, Any], TokenizedPair]
 
 
 def load_pairs(
-    path: str, tokenizer: PreTrainedTokenizerBase, tokenize: Tokenize, config: PreferenceDataConfig
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    tokenize: Tokenize,
+    config: PreferenceDataConfig,
+    processor: Any = None,
 ) -> list[TokenizedPair]:
-    """Read and tokenize a pair file, dropping pairs longer than `data.max_length`."""
-    pairs = [tokenize(record, tokenizer) for record in read_preference_records(path, config.system_prompt)]
+    """Read and tokenize a pair file, dropping pairs longer than `data.max_length`; pairs with images need a
+    vision-language model's `processor`."""
+    pairs = []
+    for record in read_preference_records(path, config.system_prompt):
+        try:
+            if record.images and processor is None:
+                raise DataError("the pair has images, but the model is text-only; use a vision-language model")
+            pairs.append(tokenize(record, tokenizer, processor))
+        except DataError as exc:
+            raise DataError(f"{record.where}: {exc}") from None
     kept = [p for p in pairs if max(len(p.chosen_ids), len(p.rejected_ids)) <= config.max_length]
     if not kept:
         raise DataError(f"{path}: every pair is longer than data.max_length={config.max_length} tokens; raise it")

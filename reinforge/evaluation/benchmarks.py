@@ -19,12 +19,17 @@ Prompt formats (`{...}` are the file's fields):
   (with `test_imports` run first) is scored.
 - ifeval (env `ifeval`): IFEval's `prompt` as it is, no suffix (the instructions are the prompt).
   Scored in IFEval's strict mode, prompt level (1 when every instruction is followed).
+- vlm_sums (env `math`, images): the vision-language demo's held-out pictures of two numbers to add
+  (scripts/build_vlm_demo.py), `{question}` as it is, the `images` beside the file.
+- A JSONL file of your own (`--benchmark path/to/file.jsonl`): each row's `question` (or `prompt`) as it is, its
+  `answer`, and optionally `images` (paths relative to the file, or data URLs; a vision-language model) and `task`
+  (the environment, default `math`, whose answers are also voted on for maj@k).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +38,7 @@ from reinforge.errors import DataError, ReinforgeError
 from reinforge.paths import PROJECT_ROOT
 
 BENCHMARKS_DIR = PROJECT_ROOT / "data" / "benchmarks"
+VLM_SUMS_DIR = BENCHMARKS_DIR / "vlm_sums"
 MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function, signature included, in a "
@@ -48,6 +54,8 @@ class BenchmarkItem:
     id: str  # the file's own id (task_id, unique_id, key) or "<benchmark>/<line index>"
     prompt: str  # the user message sent to the model
     record: dict[str, Any]  # what the environment scores against: `task` plus its fields
+    images: list[str] = field(default_factory=list)  # image references (data/images.py), shown before the prompt
+    base_dir: Path = BENCHMARKS_DIR  # where relative image paths start: the benchmark file's directory
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,20 @@ def _ifeval(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
     ]
 
 
+def _questions(rows: list[dict[str, Any]], name: str, base_dir: Path) -> list[BenchmarkItem]:
+    """Rows of `question` (or `prompt`), `answer`, optional `images` and `task` (default math)."""
+    items = []
+    for i, row in enumerate(rows):
+        question = row.get("question", row.get("prompt"))
+        if not isinstance(question, str) or "answer" not in row:
+            raise DataError(f"{name}: row {i + 1} needs a `question` (or `prompt`) string and an `answer`")
+        images = row.get("images", row.get("image", []))
+        images = [images] if isinstance(images, str) else list(images)
+        record = {"task": row.get("task", "math"), "answer": str(row["answer"])}
+        items.append(BenchmarkItem(str(row.get("id", f"{name}/{i}")), question, record, images, base_dir))
+    return items
+
+
 BENCHMARKS = {
     b.name: b
     for b in (
@@ -137,13 +159,26 @@ BENCHMARKS = {
         Benchmark("humaneval", "humaneval/HumanEval.jsonl", "code", False, _humaneval),
         Benchmark("mbpp", "mbpp/sanitized-mbpp.json", "code", False, _mbpp),
         Benchmark("ifeval", "ifeval/input_data.jsonl", "ifeval", False, _ifeval),
+        Benchmark(
+            "vlm_sums", "vlm_sums/test.jsonl", "math", True, lambda rows: _questions(rows, "vlm_sums", VLM_SUMS_DIR)
+        ),
     )
 }
 
 
 def get_benchmark(name: str) -> Benchmark:
+    """A named benchmark, or a JSONL file of questions (the module doc)."""
+    if name.endswith(".jsonl"):
+        path = Path(name).resolve()
+        if not path.is_file():
+            raise ReinforgeError(f"benchmark file {name} does not exist")
+        first = next(iter(read_jsonl(path)), {})
+        task = first.get("task", "math")
+        return Benchmark(name, str(path), task, task == "math", lambda rows: _questions(rows, name, path.parent))
     if name not in BENCHMARKS:
-        raise ReinforgeError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
+        raise ReinforgeError(
+            f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}, or give a .jsonl file of questions"
+        )
     return BENCHMARKS[name]
 
 

@@ -31,7 +31,12 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="a PEFT LoRA adapter trained on --model (a LoRA run's final/), merged into its weights when they load",
     )
-    parser.add_argument("--benchmark", required=True, metavar="NAME", help=f"one of: {', '.join(BENCHMARKS)}")
+    parser.add_argument(
+        "--benchmark",
+        required=True,
+        metavar="NAME",
+        help=f"one of: {', '.join(BENCHMARKS)}; or a .jsonl file of questions (question, answer, images)",
+    )
     parser.add_argument("--k", type=int, required=True, help="k of pass@k and maj@k")
     parser.add_argument("--n", type=int, help="samples per prompt, n >= k (default: k)")
     parser.add_argument("--limit", type=int, help="evaluate only the first N prompts of the benchmark")
@@ -75,7 +80,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
         ModelConfig(name_or_path=args.model, adapter=args.adapter),
         args.benchmark,
         args.k,
-        output_dir=args.output or Path("runs") / "eval" / args.benchmark,
+        output_dir=args.output or Path("runs") / "eval" / Path(args.benchmark).name.removesuffix(".jsonl"),
         **{name: value for name, value in options.items() if value is not None},
     )
     shown = {

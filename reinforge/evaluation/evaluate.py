@@ -42,13 +42,21 @@ from reinforge.data.prompts import Prompt, render_prompt
 from reinforge.envs.base import Environment
 from reinforge.envs.math_env import extract_answer
 from reinforge.envs.registry import EnvConfig, build_envs
-from reinforge.errors import ReinforgeError
+from reinforge.errors import DataError, ReinforgeError
 from reinforge.evaluation.benchmarks import BenchmarkItem, get_benchmark, load_benchmark
 from reinforge.evaluation.metrics import maj_at_k, mean_accuracy, mean_pass_at_k
 from reinforge.generation.base import GenerationBackend, SamplingParams
 from reinforge.logging.metrics import Timers
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import adapter_base, check_weights, load_model, load_tokenizer, model_limits, model_location
+from reinforge.modeling import (
+    adapter_base,
+    check_weights,
+    load_model,
+    load_processor,
+    load_tokenizer,
+    model_limits,
+    model_location,
+)
 from reinforge.paths import resolve_path
 from reinforge.rollout.infra import NO_HOLES
 from reinforge.rollout.rollout import RolloutOptions, settled_rollout
@@ -155,7 +163,7 @@ def evaluate(
     with timers.time("load"):
         items = load_benchmark(benchmark, limit)
         tokenizer = load_tokenizer(model)
-        prompts = render_items(items, tokenizer)
+        prompts = render_items(items, tokenizer, load_processor(model))
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, num_samples=num_samples, seed=seed
     )
@@ -203,15 +211,21 @@ def evaluate(
     return EvalResult(summary=summary, samples=samples, output_dir=written)
 
 
-def render_items(items: list[BenchmarkItem], tokenizer) -> list[Prompt]:
-    """Each item's user message through the chat template (plain text for a tokenizer without one)."""
+def render_items(items: list[BenchmarkItem], tokenizer, processor=None) -> list[Prompt]:
+    """Each item's user message through the chat template (plain text for a tokenizer without one); an item's
+    images go before it, rendered by a vision-language model's `processor`."""
     use_chat_template = tokenizer.chat_template is not None
-    return [
-        replace(
-            render_prompt({"prompt": item.prompt}, tokenizer, "prompt", None, use_chat_template), record=item.record
-        )
-        for item in items
-    ]
+    prompts = []
+    for item in items:
+        record = {"prompt": item.prompt, **({"images": item.images} if item.images else {})}
+        try:
+            prompt = render_prompt(
+                record, tokenizer, "prompt", None, use_chat_template, processor=processor, base_dir=item.base_dir
+            )
+        except DataError as exc:
+            raise DataError(f"benchmark item {item.id}: {exc}") from None
+        prompts.append(replace(prompt, record=item.record))
+    return prompts
 
 
 def build_engine(
@@ -330,13 +344,17 @@ class ValidationBenchmark:
     has_final_answer: bool
 
 
-def prepare_validation_benchmarks(names: list[str], limit: int | None, tokenizer) -> list[ValidationBenchmark]:
+def prepare_validation_benchmarks(
+    names: list[str], limit: int | None, tokenizer, processor=None
+) -> list[ValidationBenchmark]:
     """Load and render each benchmark once, at start-up (an unknown name fails before the run starts)."""
     prepared = []
     for name in names:
         items = load_benchmark(name, limit)
         prepared.append(
-            ValidationBenchmark(name, items, render_items(items, tokenizer), get_benchmark(name).has_final_answer)
+            ValidationBenchmark(
+                name, items, render_items(items, tokenizer, processor), get_benchmark(name).has_final_answer
+            )
         )
     return prepared
 

@@ -37,8 +37,8 @@ class HFGenerationBackend:
         self,
         prompt_token_ids: list[list[int]],
         params: SamplingParams,
-        on_step: Callable[[], int] | None = None,
         images: list[ImageInputs | None] | None = None,
+        on_step: Callable[[], int] | None = None,
     ) -> GenerationResult:
         """`images`: each prompt's images (a vision-language model; data/images.py), whose image tokens the prompt
         holds; the image token is never sampled. `on_step` (in-flight generation, generation/in_flight.py) is called

@@ -67,6 +67,7 @@ class EpisodeTokens:
     token_versions: list[int] | None = None
     """Per response token, the policy version that sampled it (an observation token: the one before it's); None
     when a call does not say (only in-flight engines do)."""
+    images: Any = None  # the last joined call's prompt images (data/images.py): every image of the episode so far
 
 
 def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
@@ -98,6 +99,7 @@ def join_calls(calls: list[RecordedCall]) -> EpisodeTokens:
         contiguous,
         routes,
         versions if labelled else None,
+        last.images,
     )
 
 
@@ -341,6 +343,7 @@ class AgentRollout:
                 len(episode.calls),
             )
             trajectory.routed_experts, trajectory.token_versions = tokens.routed_experts, tokens.token_versions
+            trajectory.images = tokens.images
             trajectory.response_text = self.tokenizer.decode(episode.calls[-1].generation_ids, skip_special_tokens=True)
         return trajectory, status, tokens
 

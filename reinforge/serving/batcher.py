@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 from reinforge.generation.base import GenerationBackend, SamplingParams
 
@@ -34,6 +34,7 @@ class _Request:
     params: SamplingParams
     alone: bool  # its own seed: generated in a call of its own
     future: Future  # -> list[Completion]: `params.num_samples` of them
+    images: Any = None  # its prompt's images (data/images.py `ImageInputs`), None: text only
 
     def key(self) -> tuple:
         return (id(self),) if self.alone else (replace(self.params, seed=0),)
@@ -64,9 +65,9 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name="reinforge-endpoint-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, alone: bool = False) -> Future:
-        """A future of the request's `params.num_samples` completions."""
-        request = _Request(prompt_ids, params, alone, Future())
+    def submit(self, prompt_ids: list[int], params: SamplingParams, alone: bool = False, images: Any = None) -> Future:
+        """A future of the request's `params.num_samples` completions; `images`: its prompt's (data/images.py)."""
+        request = _Request(prompt_ids, params, alone, Future(), images)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the endpoint is shutting down")
@@ -159,7 +160,12 @@ class Batcher:
             params = replace(params, seed=params.seed + 7_919 * number)
         started = time.perf_counter()
         try:
-            result = self.engine.generate([request.prompt_ids for request in batch], params)
+            prompts = [request.prompt_ids for request in batch]
+            images = [request.images for request in batch]
+            if any(i is not None for i in images):  # only engines of a vision-language model take images
+                result = self.engine.generate(prompts, params, images=images)
+            else:
+                result = self.engine.generate(prompts, params)
         except BaseException as exc:  # every waiting request learns why; the endpoint stays up
             for request in batch:
                 request.future.set_exception(exc)

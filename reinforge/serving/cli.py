@@ -63,7 +63,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 def run_serve_command(args: argparse.Namespace) -> None:
     from reinforge.errors import ConfigError
     from reinforge.model_config import ModelConfig
-    from reinforge.modeling import adapter_base, load_tokenizer, model_limits
+    from reinforge.modeling import adapter_base, load_processor, load_tokenizer, model_limits
     from reinforge.serving.app import build_app
     from reinforge.serving.config import ServingConfig
     from reinforge.serving.server import PolicyServer
@@ -98,6 +98,7 @@ def run_serve_command(args: argparse.Namespace) -> None:
             managed=False,
             token=token,
             vocab_size=model_limits(model_config).vocab_size,
+            processor=load_processor(model_config),  # a vision-language model's: requests may hold images
         )
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -24,10 +24,19 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from transformers import PreTrainedTokenizerBase
 
+from reinforge.data.images import (
+    ImageInputs,
+    collapse_images,
+    image_messages,
+    load_image,
+    process_images,
+    record_image_refs,
+)
 from reinforge.data.templates import render_ids
 from reinforge.data.tool_calls import ToolCall, parse_tool_calls, text_outside_calls
 from reinforge.errors import DataError
@@ -59,11 +68,14 @@ def prompt_ids(
     tools: list[dict] | None,
     required_prefix: list[int] | None = None,
     add_generation_prompt: bool = True,
+    render: Callable[[list[dict[str, Any]], bool], list[int]] | None = None,
 ) -> list[int]:
     """The engine's prompt for `messages`: the rendered conversation, spliced onto the tokens of the last
-    assistant message that carries them (or onto `required_prefix`)."""
+    assistant message that carries them (or onto `required_prefix`). `render(messages, add_generation_prompt)`
+    tokenizes a conversation (default: the tokenizer's chat template; `image_prompt`'s: the processor's)."""
+    render = render or (lambda dicts, generation: render_ids(tokenizer, dicts, tools, generation))
     dicts = message_dicts(messages)
-    template = render_ids(tokenizer, dicts, tools, add_generation_prompt)
+    template = render(dicts, add_generation_prompt)
     carrier = next(
         (
             i
@@ -80,8 +92,47 @@ def prompt_ids(
         carrier = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "assistant"), None)
         if carrier is None:
             raise DataError("required_prefix_token_ids needs an assistant message in the history to splice after")
-    template_prefix = render_ids(tokenizer, dicts[: carrier + 1], tools, add_generation_prompt=False)
+    template_prefix = render(dicts[: carrier + 1], False)
     return splice(required_prefix, template, template_prefix, tokenizer.eos_token_id)
+
+
+def image_prompt(
+    processor: Any,
+    messages: list[ChatMessage],
+    tools: list[dict] | None,
+    required_prefix: list[int] | None = None,
+    add_generation_prompt: bool = True,
+) -> tuple[list[int], ImageInputs | None]:
+    """`prompt_ids` of a conversation whose messages may hold images (`image_url` parts with data URLs, rendered
+    by a vision-language model's `processor`, each expanded into its image tokens), and its images (None when it
+    has none). The splice works as for text: earlier turns' token ids already hold their images' tokens."""
+    refs = record_image_refs({}, message_dicts(messages))
+    if not refs:
+        return prompt_ids(processor.tokenizer, messages, tools, required_prefix, add_generation_prompt), None
+    for ref in refs:
+        if not ref.startswith("data:"):
+            raise DataError(
+                f"image {ref[:60]!r}: the endpoint takes images as data URLs (data:image/png;base64,...); it reads "
+                "no files and fetches no web URLs"
+            )
+    images = [load_image(ref, Path(".")) for ref in refs]
+
+    def render(dicts: list[dict[str, Any]], generation: bool) -> list[int]:
+        shown = images[: len(record_image_refs({}, dicts))]  # the images of these messages, in order
+        text = processor.apply_chat_template(
+            image_messages(dicts, 0),
+            tokenize=False,
+            add_generation_prompt=generation,
+            **({"tools": tools} if tools else {}),
+        )
+        if not shown:
+            return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(processor(text=[text], images=[shown], add_special_tokens=False)["input_ids"][0])
+
+    ids = prompt_ids(processor.tokenizer, messages, tools, required_prefix, add_generation_prompt, render)
+    inputs = process_images(processor, images)
+    inputs.engine_prompt_ids = collapse_images(processor, ids, images)
+    return ids, inputs
 
 
 @dataclass

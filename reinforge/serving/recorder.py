@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,8 @@ class RecordedCall:
     token_versions: list[int] | None = None
     """Per generated token, the policy version that sampled it (in-flight generation, `Completion.token_versions`);
     None: the engine did not say."""
+    images: Any = None
+    """The prompt's images (data/images.py `ImageInputs`: a vision-language model's request with image parts)."""
 
 
 class CallRecorder:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
+from reinforge.data.images import ImageInputs, record_image_refs
 from reinforge.errors import DataError
 from reinforge.generation.base import Completion, GenerationBackend, SamplingParams
 from reinforge.hang import HangError
@@ -30,7 +31,7 @@ from reinforge.network import ThreadedServer
 from reinforge.serving.batcher import Batcher
 from reinforge.serving.config import ServingConfig
 from reinforge.serving.errors import EpisodeOver, InvalidRequest, NotInRollout
-from reinforge.serving.prompt import prompt_ids
+from reinforge.serving.prompt import image_prompt, message_dicts, prompt_ids
 from reinforge.serving.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from reinforge.serving.recorder import CallRecorder, RecordedCall
 
@@ -57,6 +58,7 @@ class Admission:
     """A chat request the endpoint accepted, already queued for the engine."""
 
     prompt_ids: list[int]  # the engine's prompt, after the splice of serving/prompt.py
+    images: "ImageInputs | None"  # its images (a vision-language model's request with image parts)
     params: SamplingParams  # as generated: max_new_tokens fits the context, num_samples completions
     completions: Future[list[Completion]]
     episode_id: str | None
@@ -78,11 +80,13 @@ class PolicyServer:
         token: str | None = None,
         vocab_size: int | None = None,
         engine_calls: int = 1,
+        processor: Any = None,
     ):
         """`vocab_size`: the model's (its embedding's rows; None: the tokenizer's length): every token id a
         request sends back must be below it. `engine_calls`: how many batches the engine takes at once (the
-        in-flight engine: several; serving/batcher.py)."""
-        self.tokenizer, self.config = tokenizer, config
+        in-flight engine: several; serving/batcher.py). `processor`: a vision-language model's, which renders
+        requests with image content parts (None: text only)."""
+        self.tokenizer, self.config, self.processor = tokenizer, config, processor
         self.vocab_size = max(vocab_size or 0, len(tokenizer))
         self.max_model_len, self.default_max_tokens, self.managed, self.token = (
             max_model_len,
@@ -154,7 +158,7 @@ class PolicyServer:
                 "tool_choice",
             )
         tools = None if request.tool_choice == "none" else request.tools
-        prompt = self._prompt(request.messages, tools, request.required_prefix_token_ids)
+        prompt, images = self._prompt(request.messages, tools, request.required_prefix_token_ids)
         with self._lock:  # admitted and queued at once, so that a closing session never misses a call
             # an episode's own session; a call without one (a Gym agent's) the oldest open session's settings
             session = self._episode_sessions.get(episode_id) if episode_id else None
@@ -171,12 +175,12 @@ class PolicyServer:
                     "messages",
                 )
             params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
-            completions = self._batcher.submit(prompt, params, alone)
+            completions = self._batcher.submit(prompt, params, alone, images)
             if session is not None:
                 session.pending.add(completions)
         if session is not None:  # outside the lock: a future already done runs the callback here
             completions.add_done_callback(lambda future: self._answered(session, future))
-        return Admission(prompt, params, completions, episode_id, session)
+        return Admission(prompt, images, params, completions, episode_id, session)
 
     def record(self, admission: Admission, completions: list[Completion]) -> None:
         """File what the engine generated for `admission` with its rollout session (standalone: nowhere)."""
@@ -190,6 +194,7 @@ class PolicyServer:
                 completion.finish_reason == "length",
                 completion.routed_experts,  # with the run's router replay (its sampling asks for routes)
                 completion.token_versions,  # in flight: a call may span an update
+                admission.images,
             )
             admission.session.recorder.record(call, admission.episode_id)
 
@@ -203,7 +208,7 @@ class PolicyServer:
         if request.messages is not None:
             return self._prompt(
                 request.messages, request.tools, request.required_prefix_token_ids, request.add_generation_prompt
-            )
+            )[0]
         return list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
 
     def count_rejected(self) -> None:
@@ -276,10 +281,15 @@ class PolicyServer:
         tools: list[dict] | None,
         required_prefix: list[int] | None,
         add_generation_prompt: bool = True,
-    ) -> list[int]:
+    ) -> tuple[list[int], ImageInputs | None]:
+        """The engine's prompt and its images (None without)."""
         self._check_token_ids(messages, required_prefix)
         try:
-            return prompt_ids(self.tokenizer, messages, tools, required_prefix, add_generation_prompt)
+            if self.processor is not None:
+                return image_prompt(self.processor, messages, tools, required_prefix, add_generation_prompt)
+            if record_image_refs({}, message_dicts(messages)):
+                raise DataError("the messages hold images, but the served model is text-only")
+            return prompt_ids(self.tokenizer, messages, tools, required_prefix, add_generation_prompt), None
         except DataError as exc:
             raise InvalidRequest(f"bad request: {exc}", "messages") from None
 

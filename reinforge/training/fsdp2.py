@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import DTYPES
+from reinforge.modeling import DTYPES, is_vision_language
 from reinforge.training import state
 from reinforge.training.base import TrainingConfig
 from reinforge.training.expert_parallel import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
@@ -64,7 +64,8 @@ def shard_model(
     offload_policy: OffloadPolicy | None = None,
     experts_mesh: DeviceMesh | None = None,
 ) -> PreTrainedModel:
-    """FSDP2 on each decoder layer, then the root (embeddings, final norm and the tied lm_head); with
+    """FSDP2 on each transformer block (`transformer_blocks`), then the root (embeddings, final norm and the tied
+    lm_head; a vision-language model's projector); with
     `experts_mesh` (expert parallelism) first on each experts module, whose weights are sharded over `ep` already
     (training/expert_parallel.py), on that mesh of the other data-parallel ranks.
 
@@ -75,7 +76,7 @@ def shard_model(
     offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
     for experts in expert_modules(model) if experts_mesh is not None else ():
         fully_shard(experts, mesh=experts_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    for layer in model.model.layers:
+    for layer in transformer_blocks(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for module in model.modules():
@@ -83,6 +84,17 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of every `layers` (or `blocks`) list of the model: a causal LM's decoder layers; a vision-language
+    model's decoder layers and its vision encoder's layers too."""
+    return [
+        block
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks")
+        for block in module
+    ]
 
 
 def reduce_metrics(
@@ -170,6 +182,11 @@ class FSDP2Strategy:
             raise ConfigError(
                 "model.lora with training.parallel.tp > 1 is not supported yet (the adapters would need their own "
                 "tensor-parallel split); set training.parallel.tp=1: FSDP2 shards the frozen base over the ranks"
+            )
+        if self.parallel.tp > 1 and is_vision_language(model.config):
+            raise ConfigError(
+                "tensor parallelism of a vision-language model is not supported yet; set training.parallel.tp=1: "
+                "FSDP2 shards its decoder and vision layers over the ranks"
             )
         if self.parallel.tp > 1:
             tensor_parallelize(placed, self.mesh["tp"])

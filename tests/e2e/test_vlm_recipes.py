@@ -67,3 +67,81 @@ def test_sft_on_image_chats_lowers_the_validation_loss(tmp_path):
     )
     result = sft.train(config)
     assert result.last_val_loss < 0.5 * result.first_val_loss, result
+
+
+def test_eval_on_an_image_benchmark_answers_as_a_plain_generate(tmp_path):
+    """`reinforge eval --benchmark vlm_sums` (and the same file given as a path): each greedy answer is the one
+    transformers' own generate gives the picture and question, scored against the file's answer."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from reinforge.evaluation.evaluate import evaluate
+    from reinforge.model_config import ModelConfig
+
+    model_dir = PROJECT_ROOT / "models" / "vlm_demo"
+    result = evaluate(
+        ModelConfig(name_or_path=str(model_dir)), "vlm_sums", k=1, limit=6, backend="hf", max_new_tokens=32
+    )
+    by_path = evaluate(
+        ModelConfig(name_or_path=str(model_dir)),
+        str(PROJECT_ROOT / "data" / "benchmarks" / "vlm_sums" / "test.jsonl"),
+        k=1,
+        limit=6,
+        backend="hf",
+        max_new_tokens=32,
+    )
+    assert [s.response for s in by_path.samples] == [s.response for s in result.samples]
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    rows = [json.loads(line) for line in (PROJECT_ROOT / "data/benchmarks/vlm_sums/test.jsonl").open()][:6]
+    for row, sample in zip(rows, result.samples):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": row["question"]}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        image = Image.open(PROJECT_ROOT / "data/benchmarks/vlm_sums" / row["images"][0]).convert("RGB")
+        inputs = processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+        expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert sample.response == expected
+        assert sample.correct == (sample.extracted == row["answer"])
+    assert result.summary["pass@1"] == sum(s.correct for s in result.samples) / len(result.samples)
+
+
+def test_a_benchmark_file_with_a_missing_image_is_one_line(tmp_path, capsys):
+    from reinforge.cli import main
+
+    path = tmp_path / "bench.jsonl"
+    path.write_text(json.dumps({"question": "add", "images": ["nowhere.png"], "answer": "3"}) + "\n")
+    args = ["eval", "--model", "models/vlm_demo", "--benchmark", str(path), "--k", "1", "--backend", "hf"]
+    status = main([*args, "--output", str(tmp_path / "out")])
+    stderr = capsys.readouterr().err.strip()
+    assert status == 2 and not (tmp_path / "out").exists()
+    assert len(stderr.splitlines()) == 1 and "/0: image 'nowhere.png': no such file" in stderr, stderr
+
+
+def test_dpo_on_image_pairs_prefers_the_right_sums(tmp_path):
+    from reinforge.algorithms import dpo
+
+    config = load_recipe_config(
+        dpo.DPORunConfig,
+        CONFIGS / "dpo_vlm_demo.yaml",
+        ["dpo.max_steps=10", "dpo.val_every=10", f"logging.run_dir={tmp_path / 'run'}"],
+    )
+    result = dpo.train(config)
+    assert result.first_val["val/loss"] > 0.69 and result.last_val["val/loss"] < 0.5, result
+    assert result.last_val["val/logp_accuracy"] > 0.9 > result.first_val["val/logp_accuracy"], result
+
+
+@pytest.mark.xdist_group("ray")  # two FSDP2 ranks on Ray
+def test_two_fsdp2_ranks_train_the_vlm_as_one_process_does(tmp_path):
+    """FSDP2 shards the decoder's and the vision encoder's layers; two ranks give the one process's losses and
+    gradient norms step for step."""
+    short = ["loop.max_steps=2", "data.val_path=null", "checkpoint.save_final=false"]
+    one = grpo_run("grpo_vlm_demo.yaml", tmp_path / "one", *short)
+    two = grpo_run("grpo_vlm_demo.yaml", tmp_path / "two", *short, "training.backend=fsdp2", "training.num_workers=2")
+    steps_one, steps_two = ([r for r in rows(run.run_dir) if "train/loss" in r] for run in (one, two))
+    assert len(steps_one) == 2
+    for a, b in zip(steps_one, steps_two, strict=True):
+        for name in ("train/loss", "train/grad_norm", "train/reward_mean"):
+            assert abs(a[name] - b[name]) <= 1e-4 * max(1.0, abs(a[name])), (name, a[name], b[name])

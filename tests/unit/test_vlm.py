@@ -299,3 +299,26 @@ def test_an_image_in_a_text_models_chat_is_one_line(tmp_path):
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(resolve_path("models/demo"))))
     with pytest.raises(DataError, match="the chat has images, but the model is text-only"):
         render_chat(image_chats(1)[0], tokenizer)
+
+
+def test_dpo_image_pairs_reach_the_trainer_as_a_plain_forward_sees_them(tiny_vlm_dir, tmp_path):
+    """Image pairs: both rows of a pair carry the pair's picture, and the trainer's logprobs of the interleaved
+    batch equal a plain forward of each row with its image."""
+    from reinforge.algorithms.pairs import pair_batch
+    from reinforge.data.preference import PreferenceDataConfig, load_pairs, tokenize_for_policy
+
+    path = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": "add the numbers", "images": [data_url(i)], "chosen": f"it is {i}", "rejected": f"it is {i + 1}"}
+        for i in range(4)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = ModelConfig(name_or_path=str(tiny_vlm_dir))
+    processor = load_processor(config)
+    pairs = load_pairs(str(path), processor.tokenizer, tokenize_for_policy, PreferenceDataConfig(), processor)
+    batch = pair_batch(pairs, pad_token_id=0)
+    assert [b.digest() for b in batch.images] == [p.images.digest() for p in pairs for _ in range(2)]
+    expected = hf_logprobs(load_model(config).eval(), batch)
+    assert torch.allclose(backend(tiny_vlm_dir).logprobs(batch), expected, atol=1e-5)
+    with pytest.raises(DataError, match=r"pairs.jsonl: pair 1: the pair has images, but the model is text-only"):
+        load_pairs(str(path), processor.tokenizer, tokenize_for_policy, PreferenceDataConfig(), None)
