@@ -88,11 +88,6 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
             : config.data.max_val_prompts
         ]
 
-    if config.rollout.mode == "in_flight" and any(p.images is not None for p in train_prompts + val_prompts):
-        raise ConfigError(
-            "rollout.mode=in_flight does not take image prompts yet (the in-flight engine's requests carry no "
-            "images); use rollout.mode=sync or async"
-        )
     benchmarks = prepare_validation_benchmarks(loop.val_benchmarks, loop.val_benchmark_limit, tokenizer, processor)
     tasks = {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
     if config.rollout.driver == "reinforge":  # agents score their own episodes

@@ -119,12 +119,12 @@ class InFlightGroup(GenerationGroup):
         self._calls = [0] * len(self.group.workers)
         self._version = 0
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, images=None) -> GenerationResult:
         with self._lock:
             rank = min(range(len(self._calls)), key=self._calls.__getitem__)
             self._calls[rank] += 1
         try:
-            return self.group.call_rank(rank, "generate", prompt_token_ids, params)
+            return self.group.call_rank(rank, "generate", prompt_token_ids, params, images)
         finally:
             with self._lock:
                 self._calls[rank] -= 1

@@ -47,6 +47,7 @@ class _Request:
     params: SamplingParams
     index: int  # in its caller's `generate` (its seed, as in a plain `generate`)
     future: Future  # -> list[Completion]
+    images: Any = None  # its prompt's images (data/images.py `ImageInputs`), None: text only
 
 
 class InFlightEngine:
@@ -77,8 +78,13 @@ class InFlightEngine:
 
     # -- the GenerationBackend interface, callable from any thread --
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> GenerationResult:
-        requests = [_Request(ids, params, index, Future()) for index, ids in enumerate(prompt_token_ids)]
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, images=None) -> GenerationResult:
+        """`images`: each prompt's (a vision-language model's image prompts), or None."""
+        images = images or [None] * len(prompt_token_ids)
+        requests = [
+            _Request(ids, params, index, Future(), inputs)
+            for index, (ids, inputs) in enumerate(zip(prompt_token_ids, images))
+        ]
         with self._cond:
             self._check_open()
             self._requests.extend(requests)
@@ -205,7 +211,7 @@ class InFlightEngine:
         for request in new:
             request_id = f"inflight-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, request.prompt_ids, request.params, request.index)
+            self.engine.add_request(request_id, request.prompt_ids, request.params, request.index, request.images)
             self._running[request_id] = request
         if not self._running:
             return
@@ -238,7 +244,13 @@ class InFlightEngine:
             self._run_commands()
             return version
 
-        result = self.engine.generate([r.prompt_ids for r in wave], params, on_step=between_steps)
+        images = [r.images for r in wave]
+        result = self.engine.generate(
+            [r.prompt_ids for r in wave],
+            params,
+            images=images if any(i is not None for i in images) else None,
+            on_step=between_steps,
+        )
         sequences = sum(r.params.num_samples for r in wave)
         self._count(time.perf_counter() - started, sequences, steps[0])
         for request, completions in zip(wave, result.completions):

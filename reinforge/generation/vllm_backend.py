@@ -44,8 +44,8 @@ from typing import Iterable
 import torch
 
 from reinforge.data.images import ImageInputs
-from reinforge.errors import ReinforgeError
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.generation.vllm_images import check_expansion, vllm_prompt
 from reinforge.generation.vllm_moe import (
     check_lora_supported,
     check_refit_supported,
@@ -273,7 +273,7 @@ class VLLMGenerationBackend:
             **lora,
         )
         self.llm.llm_engine.set_weight_version("0")  # tokens carry the version they were sampled by
-        self._params: dict[str, tuple[SamplingParams, int]] = {}  # the requests `add_request` started, by id
+        self._params: dict[str, tuple] = {}  # the requests `add_request` started, by id: (params, index, ids, images)
         self.padded_experts = self.llm.collective_rpc(padded_expert_width)[0]
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.image_token = getattr(hf_config, "image_token_id", getattr(hf_config, "image_token_index", None))
@@ -300,32 +300,19 @@ class VLLMGenerationBackend:
         """`images`: each prompt's images (a vision-language model, data/images.py): vLLM gets the prompt with one
         placeholder per image and the images (`multi_modal_data`), expands it itself, and must arrive at the prompt
         the trainer scores (checked)."""
-        from vllm.inputs import TokensPrompt
-
         self._wake("weights")
         self._wake("kv_cache")
         images = images or [None] * len(prompt_token_ids)
-        prompts = [
-            TokensPrompt(prompt_token_ids=ids)
-            if inputs is None
-            else TokensPrompt(prompt_token_ids=inputs.engine_prompt_ids, multi_modal_data={"image": inputs.images})
-            for ids, inputs in zip(prompt_token_ids, images)
-        ]
-        vllm_params = [self._vllm_params(params, index) for index in range(len(prompt_token_ids))]
-        for index, inputs in enumerate(images):
-            if inputs is not None:  # the trainer puts image features at every image token: never sample one
-                vllm_params[index].logit_bias = {self.image_token: -100.0}
+        prompts = [vllm_prompt(ids, inputs) for ids, inputs in zip(prompt_token_ids, images)]
+        vllm_params = [self._vllm_params(params, index, inputs) for index, inputs in enumerate(images)]
         outputs = self.llm.generate(prompts, vllm_params, use_tqdm=False, lora_request=self.adapter)
         for ids, inputs, output in zip(prompt_token_ids, images, outputs):
-            if inputs is not None and list(output.prompt_token_ids) != list(ids):
-                raise ReinforgeError(
-                    "vLLM expanded an image prompt into other tokens than the model's processor did; the processor "
-                    "beside the model (processor_config.json) and vLLM's for this model family disagree"
-                )
+            check_expansion(ids, inputs, output)
         return GenerationResult([self._completions(output, index, params) for index, output in enumerate(outputs)])
 
-    def _vllm_params(self, params: SamplingParams, index: int):
-        """vLLM's sampling parameters for prompt `index` of a request."""
+    def _vllm_params(self, params: SamplingParams, index: int, images: "ImageInputs | None" = None):
+        """vLLM's sampling parameters for prompt `index` of a request (with `images`, the image token is never
+        sampled: the trainer puts image features at every image token)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -345,6 +332,7 @@ class VLLMGenerationBackend:
             flat_logprobs=True,  # a few flat lists per sample instead of a dict per token
             detokenize=bool(params.stop_strings),  # only stop strings need text; rewards decode the token ids
             output_kind=RequestOutputKind.FINAL_ONLY,  # a request's samples once all of them are done
+            logit_bias=None if images is None else {self.image_token: -100.0},
         )
 
     def _completions(self, output, index: int, params: SamplingParams) -> list[Completion]:
@@ -364,27 +352,31 @@ class VLLMGenerationBackend:
     # In-flight generation (generation/in_flight.py) drives the engine itself, one scheduler step at a time:
     # requests are added while others run, and new weights are loaded between two steps.
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, index: int) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        index: int,
+        images: "ImageInputs | None" = None,
+    ) -> None:
         """Start sampling `params.num_samples` completions of one prompt (the `index`-th of its caller's request,
-        for its seed); `step` returns them once all are done. Never mix with `generate`, which runs the engine
-        until every request it knows of is done."""
-        from vllm.inputs import TokensPrompt
-
+        for its seed; `images`: its images); `step` returns them once all are done. Never mix with `generate`,
+        which runs the engine until every request it knows of is done."""
         self._wake("weights")
         self._wake("kv_cache")
         engine = self.llm.llm_engine
-        vllm_params = self._vllm_params(params, index)
-        engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), vllm_params, lora_request=self.adapter
-        )
-        self._params[request_id] = (params, index)
+        vllm_params = self._vllm_params(params, index, images)
+        engine.add_request(request_id, vllm_prompt(prompt_token_ids, images), vllm_params, lora_request=self.adapter)
+        self._params[request_id] = (params, index, prompt_token_ids, images)
 
     def step(self) -> list[tuple[str, list[Completion]]]:
         """One scheduler step of every running request; the requests it finished, with their completions."""
         finished = []
         for output in self.llm.llm_engine.step():
             if output.finished:
-                params, index = self._params.pop(output.request_id)
+                params, index, prompt_token_ids, images = self._params.pop(output.request_id)
+                check_expansion(prompt_token_ids, images, output)
                 finished.append((output.request_id, self._completions(output, index, params)))
         return finished
 
