@@ -36,6 +36,12 @@ MAX_IMAGE_PIXELS = 50_000_000  # larger images are refused (PIL's own bomb limit
 # (padded to the largest height and width, with pixel_attention_mask); the others take them concatenated along
 # their first dimension (Qwen-VL's patches with image_grid_thw, LLaVA's images)
 STACKED_IMAGES = frozenset({"idefics3", "smolvlm", "idefics2"})
+IMAGE_PARTS = ("image_url", "input_image")  # content parts holding an image: Chat Completions', Responses'
+
+
+def has_image_parts(content: Any) -> bool:
+    """Whether a message's content is a list of parts with an image among them."""
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in content)
 
 
 @dataclass
@@ -71,7 +77,7 @@ def record_image_refs(record: dict[str, Any], messages: list[dict[str, Any]] | N
     for message in messages or ():
         content = message.get("content")
         for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
@@ -121,10 +127,7 @@ def image_messages(messages: list[dict[str, Any]], num_images: int) -> list[dict
     for message in messages:
         content = message["content"]
         if isinstance(content, list):
-            parts = [
-                {"type": "image"} if p.get("type") in ("image_url", "input_image", "image") else _text_part(p)
-                for p in content
-            ]
+            parts = [{"type": "image"} if p.get("type") in (*IMAGE_PARTS, "image") else _text_part(p) for p in content]
         elif message["role"] == "user" and num_images:
             parts = [{"type": "image"}] * num_images + [{"type": "text", "text": content}]
             num_images = 0
@@ -141,10 +144,13 @@ def _text_part(part: dict[str, Any]) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-def process_prompt(processor: Any, messages: list[dict[str, Any]], images: list[Image.Image]):
+def process_prompt(
+    processor: Any, messages: list[dict[str, Any]], images: list[Image.Image], tools: list[dict] | None = None
+):
     """(token ids with each image expanded into its image tokens, the prompt's ImageInputs) of a chat whose
-    messages hold `{"type": "image"}` parts, rendered with the processor's chat template."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    messages hold `{"type": "image"}` parts, rendered with the processor's chat template (and `tools`)."""
+    kwargs = {"tools": tools} if tools else {}
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     placeholders = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     out = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
     return out["input_ids"][0].tolist(), ImageInputs(images, _image_tensors(out), list(placeholders))

@@ -81,10 +81,10 @@ def render_prompt(
     (or developer) message keeps that one and gets no other. A record with images (data/images.py: its
     `images` field, paths relative to `base_dir`) is rendered by a vision-language model's `processor`.
     """
+    if GYM_ROW_KEY in record:
+        return _render_gym_row(record, tokenizer, system_prompt, use_chat_template, system_key, processor, base_dir)
     if refs := record_image_refs(record):
         return _render_image_prompt(record, refs, processor, prompt_key, system_prompt, system_key, base_dir)
-    if GYM_ROW_KEY in record:
-        return _render_gym_row(record, tokenizer, system_prompt, use_chat_template, system_key)
     system = _system_message(record, system_prompt, system_key, str(record.get(prompt_key))[:60])
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": str(record[prompt_key])}
@@ -109,8 +109,6 @@ def _render_image_prompt(
 ) -> Prompt:
     if processor is None:
         raise DataError("the record has images, but the model is text-only; use a vision-language model")
-    if GYM_ROW_KEY in record:
-        raise DataError(f"images in {GYM_ROW_KEY} rows are not supported yet; give the record an images field")
     images = [load_image(ref, base_dir) for ref in refs]
     system = _system_message(record, system_prompt, system_key, str(record.get(prompt_key))[:60])
     messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -139,7 +137,11 @@ def _render_gym_row(
     system_prompt: str | None,
     use_chat_template: bool,
     system_key: str,
+    processor: Any = None,
+    base_dir: Path = Path("."),
 ) -> Prompt:
+    """A NeMo Gym row's input as chat messages; its `input_image` parts (a Gym VLM server's rows) are rendered by a
+    vision-language model's `processor`."""
     messages, tools = create_params_to_chat(record[GYM_ROW_KEY])
     if not messages:
         raise DataError(f"a NeMo Gym row's {GYM_ROW_KEY}.input holds no messages")
@@ -151,6 +153,12 @@ def _render_gym_row(
     if messages[0]["role"] not in ("system", "developer"):
         system = _system_message(record, system_prompt, system_key, str(messages[0]["content"])[:60])
         messages = ([{"role": "system", "content": system}] if system else []) + messages
+    if refs := record_image_refs({}, messages):
+        if processor is None:
+            raise DataError("the row has images, but the model is text-only; use a vision-language model")
+        images = [load_image(ref, base_dir) for ref in refs]
+        token_ids, inputs = process_prompt(processor, image_messages(messages, 0), images, tools)
+        return Prompt(record=record, messages=messages, token_ids=token_ids, tools=tools, images=inputs)
     return Prompt(record=record, messages=messages, token_ids=render_ids(tokenizer, messages, tools), tools=tools)
 
 

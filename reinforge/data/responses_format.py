@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from reinforge.data.images import has_image_parts
 from reinforge.data.templates import chat_tools, content_text
 from reinforge.data.tool_calls import TOOL_CALL, ToolCall, format_tool_call, parse_tool_calls
 from reinforge.errors import DataError
@@ -69,14 +70,17 @@ def items_to_chat(items: list[Any]) -> list[dict[str, Any]]:
             continue
         assistant = None
         if kind == "message" and item.get("role") in MESSAGE_ROLES:
-            messages.append({"role": item["role"], "content": content_text(item.get("content"))})
+            content = item.get("content")  # with images, its parts as they are (data/images.py renders them)
+            messages.append(
+                {"role": item["role"], "content": content if has_image_parts(content) else content_text(content)}
+            )
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
             output = item.get("output")
             messages.append(
                 {
                     "role": "tool",
                     "tool_call_id": item["call_id"],
-                    "content": output if isinstance(output, str) else content_text(output),
+                    "content": output if isinstance(output, str) or has_image_parts(output) else content_text(output),
                 }
             )
         else:

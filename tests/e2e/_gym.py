@@ -66,6 +66,22 @@ def gym_python() -> Path:
     return python
 
 
+def policy_model(port: int) -> dict[str, Any]:
+    """Gym's `vllm_model` model server calling reinforge's endpoint at 127.0.0.1:`port` (with token ids back)."""
+    return {
+        "responses_api_models": {
+            "vllm_model": {
+                "entrypoint": "app.py",
+                "base_url": f"http://127.0.0.1:{port}/v1",
+                "api_key": "none",
+                "model": "policy",
+                "return_token_id_information": True,
+                "uses_reasoning_parser": False,
+            }
+        }
+    }
+
+
 @contextlib.contextmanager
 def gym_servers(
     config: dict[str, Any],

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _gym import gym_python, gym_servers
+from _gym import gym_python, gym_servers, policy_model
 from _servers import cli_server
 
 from reinforge.algorithms import grpo
@@ -71,18 +71,7 @@ def gym(tmp_path_factory):
             },
             "weather_agent": agent("multireward"),
             "calculator_agent": agent("calculator"),
-            "policy_model": {
-                "responses_api_models": {
-                    "vllm_model": {
-                        "entrypoint": "app.py",
-                        "base_url": f"http://127.0.0.1:{POLICY_PORT}/v1",
-                        "api_key": "none",
-                        "model": "policy",
-                        "return_token_id_information": True,
-                        "uses_reasoning_parser": False,
-                    }
-                }
-            },
+            "policy_model": policy_model(POLICY_PORT),
         }
         with gym_servers(config, logs, external=("calculator",)) as urls:
             site = Path(gym_python()).parents[1] / "lib"

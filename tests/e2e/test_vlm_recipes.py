@@ -149,8 +149,9 @@ def test_two_fsdp2_ranks_train_the_vlm_as_one_process_does(tmp_path):
 
 @pytest.mark.xdist_group("ray")  # vLLM takes the machine's cores (tests/conftest.py)
 def test_in_flight_image_prompts_on_vllm_match_the_version_that_sampled_each_token(tmp_path):
-    """In flight, image requests join vLLM's running batch and weights land between its steps: sequences span
-    updates, and every token's engine logprob equals the trainer's under the version that sampled it."""
+    """In flight, image requests join vLLM's running batch and weights land between its steps; every token's engine
+    logprob equals the trainer's under the version that sampled it. (How many sequences span an update depends on
+    timing; the forced mid-generation update is tests/unit/test_in_flight.py's.)"""
     config = load_recipe_config(
         grpo.GRPORunConfig,
         CONFIGS / "grpo_vlm_demo.yaml",
@@ -166,7 +167,6 @@ def test_in_flight_image_prompts_on_vllm_match_the_version_that_sampled_each_tok
     )
     steps = [r for r in rows(grpo.train(config).run_dir) if "train/loss" in r]
     assert len(steps) == 6
-    assert max(r["rollout/spanning_update_fraction"] for r in steps) > 0  # updates landed mid-sequence
     for r in steps:
         assert r["train/version_matched/token_share"] == 1.0
         assert r["train/version_matched/token_mult_prob_error"] <= 1.05, r[

@@ -107,8 +107,8 @@ def test_hermes_messages_write_tool_calls_as_blocks_after_the_text():
         ({"tools": []}, "with an `input`"),
         ({"input": [{"type": "web_search_call", "id": "w"}]}, "not supported"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "'input_image' is not supported",
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+            "'input_file' is not supported",
         ),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "needs a name and a call_id"),
     ],

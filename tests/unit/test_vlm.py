@@ -174,6 +174,41 @@ def test_a_malformed_image_is_one_line_naming_its_row(tiny_vlm_dir, tmp_path, mo
     assert f"{path}:2:" in str(raised.value) and "\n" not in str(raised.value)
 
 
+def test_a_gym_rows_image_is_rendered_for_a_vlm_and_refused_for_a_text_model(tiny_vlm_dir, tmp_path):
+    """A NeMo Gym row's `input_image` part (a Gym VLM server's row) becomes the prompt's image."""
+    from reinforge.modeling import load_tokenizer
+    from reinforge.paths import resolve_path
+
+    row = {
+        "responses_create_params": {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": data_url(3)},
+                        {"type": "input_text", "text": "add the numbers"},
+                    ],
+                }
+            ]
+        }
+    }
+    path = tmp_path / "gym.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (prompt,) = prompts_of(tiny_vlm_dir, path)
+    (expected,) = prompts_of(tiny_vlm_dir, image_data_file(tmp_path, 3))
+    assert prompt.token_ids == expected.token_ids and prompt.images.digest() == expected.images.digest()
+    config = ModelConfig(name_or_path=str(resolve_path("models/demo")))
+    with pytest.raises(DataError, match=r"gym.jsonl:1: the row has images, but the model is text-only"):
+        load_prompts(str(path), DataConfig(), load_tokenizer(config), None)
+
+
+def image_data_file(tmp_path, seed: int):
+    """One plain image record: the picture `seed` before the text, as an `images` field."""
+    path = tmp_path / "plain.jsonl"
+    path.write_text(json.dumps({"prompt": "add the numbers", "images": [data_url(seed)], "answer": "1"}) + "\n")
+    return path
+
+
 def test_images_for_a_text_model_are_one_line(tmp_path):
     from reinforge.modeling import load_tokenizer
     from reinforge.paths import resolve_path
