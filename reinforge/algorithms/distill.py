@@ -55,7 +55,7 @@ from reinforge.data.prompts import load_prompts
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import load_tokenizer
+from reinforge.modeling import load_processor, load_tokenizer
 from reinforge.training.backend import with_outputs
 from reinforge.training.base import TrainingBackend
 from reinforge.training.heads import LogprobsAt
@@ -88,7 +88,7 @@ def check_distill(config: DistillRunConfig) -> None:
             )
     tasks = {
         p.record.get("task", config.env.default_task)
-        for p in load_prompts(config.data.train_path, config.data, student)
+        for p in load_prompts(config.data.train_path, config.data, student, load_processor(config.model))
     }
     orphans = sorted(task for task in tasks if config.distill.teacher_of(task) is None)
     if orphans:
