@@ -24,7 +24,14 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from reinforge.data.images import ImageInputs, image_messages, load_image, process_images, record_image_refs
+from reinforge.data.images import (
+    ImageInputs,
+    expand_images,
+    image_messages,
+    load_image,
+    process_images,
+    record_image_refs,
+)
 from reinforge.errors import DataError
 
 TRAINED_ROLE = "assistant"
@@ -93,10 +100,10 @@ def render_chat(
     if not refs:
         messages = [{**m, "content": _text(m["content"])} for m in messages]
         return _tokenize(chat_segments(messages, tokenizer), tokenizer)
-    images = [load_image(ref, base_dir) for ref in refs]
+    images = process_images(processor, [load_image(ref, base_dir) for ref in refs])  # the one processor pass
     messages = image_messages(messages, len(images) if {"images", "image"} & record.keys() else 0)
     example = _tokenize(chat_segments(messages, processor), tokenizer, processor, images)
-    example.images = process_images(processor, images)
+    example.images = images
     return example
 
 
@@ -108,23 +115,22 @@ def _text(content: Any) -> str:
 
 
 def _tokenize(
-    segments: list[tuple[str, bool]], tokenizer: Any, processor: Any = None, images: list | None = None
+    segments: list[tuple[str, bool]], tokenizer: Any, processor: Any = None, images: ImageInputs | None = None
 ) -> ChatExample:
     """The segments' token ids, each tokenized apart; with a processor, a segment's image placeholders expanded
     into the image tokens of the next images in order."""
     token_ids: list[int] = []
     loss_mask: list[int] = []
-    remaining = list(images or ())
+    remaining = list(images.expansions) if images is not None else []
     for text, trained in segments:
         count = text.count(processor.image_token) if processor is not None else 0
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if count:
             own, remaining = remaining[:count], remaining[count:]
-            ids = processor(text=[text], images=[own], add_special_tokens=False)["input_ids"][0]
-        else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = expand_images(processor, ids, own)
         if count and trained:
             raise DataError("an assistant message holds an image; images go in user (or tool) messages")
-        token_ids += list(ids)
+        token_ids += ids
         loss_mask += [int(trained)] * len(ids)
     if remaining:
         shown = len(images or ()) - len(remaining)

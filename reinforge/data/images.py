@@ -22,7 +22,7 @@ import base64
 import binascii
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class ImageInputs:
     images: list[Image.Image]  # RGB, in the order of the prompt's image placeholders
     tensors: dict[str, torch.Tensor]  # the processor's outputs per image: leading dimension one row per image
     engine_prompt_ids: list[int]  # the prompt with one placeholder token per image (vLLM expands it itself)
+    expansions: list[list[int]] = field(default_factory=list)  # each image's tokens, as the processor expands it
 
     def __len__(self) -> int:
         return len(self.images)
@@ -151,26 +152,58 @@ def process_prompt(
     messages hold `{"type": "image"}` parts, rendered with the processor's chat template (and `tools`)."""
     kwargs = {"tools": tools} if tools else {}
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    placeholders = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-    out = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
-    return out["input_ids"][0].tolist(), ImageInputs(images, _image_tensors(out), list(placeholders))
+    placeholders = list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    inputs = process_images(processor, images)
+    inputs.engine_prompt_ids = placeholders
+    return expand_images(processor, placeholders, inputs.expansions), inputs
 
 
 def process_images(processor: Any, images: list[Image.Image]) -> ImageInputs:
-    """The processor's tensors of `images` alone (a chat whose tokens were expanded segment by segment)."""
-    out = processor(text=[processor.image_token * len(images)], images=[images], return_tensors="pt")
-    return ImageInputs(images, _image_tensors(out), [])
+    """One processor pass over `images`: their tensors (a row per image) and each image's expanded tokens.
+
+    The pass is a batch of one placeholder per image, so each row of its ids is one image's expansion; its
+    tensors are those of one prompt holding all the images (the same padding to the largest image)."""
+    out = processor(
+        text=[processor.image_token] * len(images),
+        images=[[image] for image in images],
+        return_tensors="pt",
+        padding=True,
+        add_special_tokens=False,
+    )
+    expansions = [row[mask.bool()].tolist() for row, mask in zip(out["input_ids"], out["attention_mask"])]
+    return ImageInputs(images, _image_tensors(out), [], expansions)
 
 
-def collapse_images(processor: Any, token_ids: list[int], images: list[Image.Image]) -> list[int]:
+def expand_images(processor: Any, token_ids: list[int], expansions: list[list[int]]) -> list[int]:
+    """`token_ids` (a chat template's, one placeholder per image) with the i-th placeholder replaced by the i-th
+    image's expanded tokens; a count that differs from the images' is a one-line error."""
+    placeholder = _placeholder(processor)
+    width, positions, at = len(placeholder), [], 0
+    while at <= len(token_ids) - width:
+        if token_ids[at : at + width] == placeholder:
+            positions.append(at)
+            at += width
+        else:
+            at += 1
+    if len(positions) != len(expansions):
+        raise DataError(f"the chat template rendered {len(positions)} image placeholders for {len(expansions)} images")
+    out, start = [], 0
+    for at, expanded in zip(positions, expansions):
+        out += token_ids[start:at] + expanded
+        start = at + width
+    return out + token_ids[start:]
+
+
+def _placeholder(processor: Any) -> list[int]:
+    return list(processor.tokenizer(processor.image_token, add_special_tokens=False)["input_ids"])
+
+
+def collapse_images(processor: Any, token_ids: list[int], inputs: ImageInputs) -> list[int]:
     """`token_ids` with each image's expanded tokens (in order) folded back into the one placeholder the chat
     template wrote: the prompt as vLLM wants it (it expands the placeholders itself)."""
-    placeholder = list(processor.tokenizer(processor.image_token, add_special_tokens=False)["input_ids"])
+    placeholder = _placeholder(processor)
     out, start = [], 0
-    for image in images:
-        expanded = list(
-            processor(text=[processor.image_token], images=[[image]], add_special_tokens=False)["input_ids"][0]
-        )
+    for expanded in inputs.expansions:
         at = next(
             (
                 i
@@ -187,9 +220,11 @@ def collapse_images(processor: Any, token_ids: list[int], images: list[Image.Ima
 
 
 def _image_tensors(out: Any) -> dict[str, torch.Tensor]:
-    """A processor output's image tensors, one row per image (Idefics3's [1, N, ...] unbatched)."""
+    """A processor output's image tensors, one row per image (Idefics3's [images, 1, ...] of a batch of one image
+    each flattened; Qwen-VL's patches and LLaVA's [images, C, H, W] are one row per image already)."""
+    stacked = {"pixel_values": 5, "pixel_attention_mask": 4}  # Idefics3's [batch, images, ...] dimensions
     return {
-        name: value[0] if name in ("pixel_values", "pixel_attention_mask") and value.dim() >= 4 else value
+        name: value.flatten(0, 1) if value.dim() == stacked.get(name) else value
         for name, value in out.items()
         if name not in ("input_ids", "attention_mask")
     }

@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from reinforge.data.images import (
     ImageInputs,
     collapse_images,
+    expand_images,
     image_messages,
     load_image,
     process_images,
@@ -115,23 +116,20 @@ def image_prompt(
                 f"image {ref[:60]!r}: the endpoint takes images as data URLs (data:image/png;base64,...); it reads "
                 "no files and fetches no web URLs"
             )
-    images = [load_image(ref, Path(".")) for ref in refs]
+    inputs = process_images(processor, [load_image(ref, Path(".")) for ref in refs])  # the request's one pass
 
     def render(dicts: list[dict[str, Any]], generation: bool) -> list[int]:
-        shown = images[: len(record_image_refs({}, dicts))]  # the images of these messages, in order
+        shown = inputs.expansions[: len(record_image_refs({}, dicts))]  # the images of these messages, in order
         text = processor.apply_chat_template(
             image_messages(dicts, 0),
             tokenize=False,
             add_generation_prompt=generation,
             **({"tools": tools} if tools else {}),
         )
-        if not shown:
-            return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return list(processor(text=[text], images=[shown], add_special_tokens=False)["input_ids"][0])
+        return expand_images(processor, list(processor.tokenizer(text, add_special_tokens=False)["input_ids"]), shown)
 
     ids = prompt_ids(processor.tokenizer, messages, tools, required_prefix, add_generation_prompt, render)
-    inputs = process_images(processor, images)
-    inputs.engine_prompt_ids = collapse_images(processor, ids, images)
+    inputs.engine_prompt_ids = collapse_images(processor, ids, inputs)
     return ids, inputs
 
 

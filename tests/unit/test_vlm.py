@@ -116,6 +116,48 @@ def test_image_prompts_expand_into_image_tokens_and_keep_the_placeholder_prompt(
     assert not torch.equal(prompts[0].images.tensors["pixel_values"], prompts[1].images.tensors["pixel_values"])
 
 
+def test_a_prompt_of_pictures_of_three_sizes_takes_one_processor_pass_and_equals_the_processors_own(
+    tiny_vlm_dir, monkeypatch
+):
+    """process_prompt and the endpoint's image_prompt preprocess each picture once (one image-processor call per
+    prompt or request) and give the ids, pixels and pixel mask of the processor's own one-prompt call."""
+    from reinforge.serving.prompt import image_prompt
+    from reinforge.serving.protocol import ChatMessage
+
+    processor = load_processor(ModelConfig(name_or_path=str(tiny_vlm_dir)))
+    pictures = [
+        Image.new("RGB", size, color) for size, color in [((32, 32), "red"), ((20, 48), "lime"), ((64, 16), "blue")]
+    ]
+    messages = [{"role": "user", "content": [{"type": "image"}] * 3 + [{"type": "text", "text": "how many?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    own = processor(text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False)
+    calls = []
+    preprocess = processor.image_processor.preprocess
+    monkeypatch.setattr(processor.image_processor, "preprocess", lambda *a, **k: calls.append(1) or preprocess(*a, **k))
+
+    ids, inputs = image_module.process_prompt(processor, messages, pictures)
+    assert len(calls) == 1
+    assert ids == own["input_ids"][0].tolist()
+    assert torch.equal(inputs.tensors["pixel_values"], own["pixel_values"][0])  # [3, C, 32, 32]
+    assert torch.equal(inputs.tensors["pixel_attention_mask"], own["pixel_attention_mask"][0])
+    placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert inputs.engine_prompt_ids.count(placeholder) == 3 and len(inputs.engine_prompt_ids) < len(ids)
+
+    buffers = []
+    for picture in pictures:
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        buffers.append("data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode())
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in buffers] + [
+        {"type": "text", "text": "how many?"}
+    ]
+    calls.clear()
+    served, request_inputs = image_prompt(processor, [ChatMessage(role="user", content=parts)], None)
+    assert len(calls) == 1
+    assert served == ids and request_inputs.engine_prompt_ids == inputs.engine_prompt_ids
+    assert torch.equal(request_inputs.tensors["pixel_values"], inputs.tensors["pixel_values"])
+
+
 @pytest.mark.parametrize(
     "layout",
     [
