@@ -79,6 +79,57 @@ def build_30m_model(out_dir: Path) -> Path:
     return out_dir
 
 
+def grow_demo_model(out_dir: Path) -> Path:
+    """models/demo grown to the ~30M Qwen2's shape (MODEL_30M), computing the demo's function to rounding, saved.
+
+    Function-preserving growth (Net2Net, LLaMA Pro's block expansion): the demo's weights fill the top-left corner
+    of each larger matrix; every new weight that reads (q/k/v, gate/up, new heads and hidden units) is random
+    (std 0.02, as transformers initialises), every new weight that writes into the residual stream (o_proj and
+    down_proj outside the corner, the embedding's new columns, so the tied head's) is zero, and a new decoder block
+    after each of the demo's is the identity at first. The RMSNorm weights are scaled by sqrt(128 / 512) (its mean
+    runs over zeros too) and its epsilon by 128 / 512: logits equal the demo's exactly (divisions by powers of 2).
+    The writes get gradients on the first step and the reads from the second (once the writes have moved), so
+    training moves all ~30M weights from a model that already does the demo's arithmetic: a 30M model trained
+    from scratch needs hours on 2 cores to learn it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    demo_dir = ROOT / "models" / "demo"
+    small = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32)
+    old = small.config
+    settings = {key: value for key, value in old.to_dict().items() if key != "layer_types"}
+    config = Qwen2Config(**{**settings, **MODEL_30M})
+    ratio = old.hidden_size / config.hidden_size
+    if old.hidden_size // old.num_attention_heads != config.hidden_size // config.num_attention_heads:
+        raise SystemExit("growing models/demo needs the same head size in both shapes")
+    config.rms_norm_eps = old.rms_norm_eps * ratio
+    torch.manual_seed(0)
+    model = type(small)(config)
+    old_state = small.state_dict()
+    every = old.num_hidden_layers
+    stride = config.num_hidden_layers // every
+    with torch.no_grad():
+        for name, weight in model.state_dict().items():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+                weight.zero_()  # writes into the residual stream: zero outside the demo's corner
+            if name.endswith("norm.weight"):
+                weight.fill_(ratio**0.5)
+            source = name
+            if ".layers." in name:
+                index = int(name.split(".layers.")[1].split(".")[0])
+                if index % stride:
+                    continue  # a new block: the identity while its writes are zero
+                source = name.replace(f".layers.{index}.", f".layers.{index // stride}.")
+            if source not in old_state:
+                continue
+            value = old_state[source]
+            if name.endswith("norm.weight"):
+                value = value * ratio**0.5
+            weight[tuple(slice(0, size) for size in value.shape)] = value
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(demo_dir).save_pretrained(out_dir)
+    return out_dir
+
+
 def grpo_like_batch(
     num_sequences: int,
     prompt_tokens: tuple[int, int],

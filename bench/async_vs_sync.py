@@ -23,8 +23,9 @@ engine in a Ray actor with one CPU of its own.
   makes first, ~2 minutes, when runs/longtail_sft_demo/final is missing): a tenth of the answers 10-40x longer, as
   a reasoning model's. Sync, async (max_staleness 1, configs/grpo_async_demo.yaml's), in-flight (max_staleness 8:
   a long answer spans many updates; 48 prompts in flight), and in-flight with `rollout.version_check`.
-- `--model 30m` (long tail only): the same on a ~30M Qwen2 (bench/_common.py's, randomly initialised, then the SFT
-  stage for 100 steps from it, ~13 minutes, into runs/longtail_sft_30m), 8 prompts a step, 12 in flight.
+- `--model 30m` (long tail only): the same on a ~30M Qwen2: models/demo grown to that shape, computing the demo's
+  function (bench/_common.py's grow_demo_model), then the SFT stage for 150 steps from it at the learning rate
+  scaled by the widths' ratio (~20 minutes, into runs/longtail_sft_30m), 8 prompts a step, 12 in flight.
 
 `--engine vllm` runs every setting with vLLM. Results: bench/results/async_vs_sync[_longtail][_30m][_vllm].json.
 """
@@ -46,15 +47,18 @@ from _common import run_cli, write_result  # noqa: E402
 
 CONFIGS = ROOT / "configs"
 # The long-tail policy of each model: the SFT stage's output (configs/longtail_sft_demo.yaml, from models/demo; for
-# the 30M model from a randomly initialised ~30M Qwen2, bench/_common.py's, for 100 steps)
+# the 30M model from models/demo grown to ~30M parameters, bench/_common.py's grow_demo_model)
 LONGTAIL_SFT = {"demo": ROOT / "runs" / "longtail_sft_demo", "30m": ROOT / "runs" / "longtail_sft_30m"}
 ASYNC = ["--config", str(CONFIGS / "grpo_async_demo.yaml")]
 LONGTAIL = ["--config", str(CONFIGS / "grpo_longtail_demo.yaml")]
 # The 30M model's GRPO steps are a quarter of the demo's (8 prompts x 8 answers, two optimizer steps), so that
-# a step takes seconds on 2 cores, with 12 prompts in flight (the demo's 1.5 x the step's prompts)
+# a step takes seconds on 2 cores, with 12 prompts in flight (the demo's 1.5 x the step's prompts); its learning
+# rate is the demo's times the widths' ratio, as for its SFT stage (at the demo's 1e-4 its reward fell from 0.45 to
+# 0.02 in 14 steps, the KL to the reference at 0.5-0.8)
 MODEL_SETTINGS = {
     "demo": [],
     "30m": [
+        "optimizer.lr=2.5e-5",
         "rollout.num_prompts_per_step=8",
         "training.global_batch_size=32",
         "training.micro_batch_size=32",
@@ -129,10 +133,12 @@ def longtail_model(model: str) -> Path:
     command = [sys.executable, "-m", "reinforge.cli", "sft", "--config", str(CONFIGS / "longtail_sft_demo.yaml")]
     command.append(f"logging.run_dir={run_dir}")
     if model == "30m":
-        from _common import build_30m_model
+        from _common import grow_demo_model
 
-        start = build_30m_model(ROOT / "runs" / "qwen2-30m-random")
-        command += [f"model.name_or_path={start}", "sft.max_steps=100", "sft.val_every=50"]
+        start = grow_demo_model(ROOT / "runs" / "qwen2-30m-grown")
+        # the learning rate times 128 / 512 (the widths' ratio, as muP scales it): at the demo's 1e-3 a 4x wider
+        # matrix moves the function 4x as far per step
+        command += [f"model.name_or_path={start}", "optimizer.lr=2.5e-4", "sft.max_steps=150", "sft.val_every=50"]
     if subprocess.run(command, cwd=ROOT).returncode != 0:
         raise SystemExit("the long-tail SFT stage (configs/longtail_sft_demo.yaml) failed")
     return run_dir / "final"

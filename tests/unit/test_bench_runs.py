@@ -1,4 +1,5 @@
-"""The training benchmarks run (checks that they run, not measurements: docs/benchmarks.md has those)."""
+"""The training benchmarks run (checks that they run, not measurements: docs/benchmarks.md has those), and the
+models they build are what they say."""
 
 import json
 import subprocess
@@ -26,3 +27,28 @@ def test_the_gpu_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
         "gpu_training_mfu.py", "--tiny", "--steps", "1", "--json", str(tmp_path / "out.json"), timeout_s=120
     )
     assert result["median_step_s"] > 0 and result["train_step_flops"] > 0 and result["sequence_packing"]
+
+
+def test_the_grown_30m_model_computes_the_demo_model_and_trains_every_weight(tmp_path):
+    """bench/_common.py's grow_demo_model (the 30M model of bench/async_vs_sync.py): models/demo in MODEL_30M's
+    shape; its logits equal the demo's, and after one optimizer step every one of its weights has a gradient."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(PROJECT_ROOT / "bench"))
+    from _common import MODEL_30M, grow_demo_model
+
+    grown = AutoModelForCausalLM.from_pretrained(grow_demo_model(tmp_path / "grown"))
+    demo = AutoModelForCausalLM.from_pretrained(PROJECT_ROOT / "models" / "demo")
+    assert grown.config.hidden_size == MODEL_30M["hidden_size"] > demo.config.hidden_size
+    assert grown.config.num_hidden_layers == MODEL_30M["num_hidden_layers"] > demo.config.num_hidden_layers
+    ids = torch.randint(3, demo.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(grown(ids).logits, demo(ids).logits, rtol=0, atol=1e-5)
+    optimizer = torch.optim.AdamW(grown.parameters(), lr=1e-4)
+    for step in range(2):
+        optimizer.zero_grad()
+        grown(ids, labels=ids).loss.backward()
+        without = [name for name, weight in grown.named_parameters() if not weight.grad.abs().max() > 0]
+        optimizer.step()
+    assert not without, f"no gradient on the second step: {without}"
