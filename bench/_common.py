@@ -80,7 +80,7 @@ def build_30m_model(out_dir: Path) -> Path:
 
 
 def grow_demo_model(out_dir: Path) -> Path:
-    """models/demo grown to the ~30M Qwen2's shape (MODEL_30M), computing the demo's function to rounding, saved.
+    """models/demo grown to the ~30M Qwen2's shape (MODEL_30M), computing the demo's function, saved.
 
     Function-preserving growth (Net2Net, LLaMA Pro's block expansion): the demo's weights fill the top-left corner
     of each larger matrix; every new weight that reads (q/k/v, gate/up, new heads and hidden units) is random
@@ -105,8 +105,7 @@ def grow_demo_model(out_dir: Path) -> Path:
     torch.manual_seed(0)
     model = type(small)(config)
     old_state = small.state_dict()
-    every = old.num_hidden_layers
-    stride = config.num_hidden_layers // every
+    stride = config.num_hidden_layers // old.num_hidden_layers
     with torch.no_grad():
         for name, weight in model.state_dict().items():
             if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):

@@ -3,9 +3,11 @@ idle fraction, the final validation accuracy, and where each step's time goes.
 
     python bench/async_vs_sync.py --workload longtail --engine vllm --steps 30
     python bench/async_vs_sync.py --workload demo --steps 20
-    python bench/async_vs_sync.py --workload longtail --model 30m --engine vllm --steps 20
+    python bench/async_vs_sync.py --workload longtail --model 30m --engine vllm --steps 15
     python bench/async_vs_sync.py --workload longtail --steps 8 --skip "in_flight, version_check" \
         --set generation.max_new_tokens=512 data.max_val_prompts=50   # the HF engine, shortened
+    python bench/async_vs_sync.py --workload longtail --model 30m --steps 5 --skip "in_flight, version_check" \
+        --set generation.max_new_tokens=256 data.max_val_prompts=50   # the 30M model on the HF engine, shortened
 
 Each setting is one `reinforge grpo` run as a subprocess, with the same seed; the settings alternate for `--repeats`
 rounds so that load from other jobs hits them alike. Reported per setting: the process's wall time (start-up
