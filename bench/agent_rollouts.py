@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from reinforge.algorithms.builders import serve_gym_envs
+    from reinforge.loops.builders import serve_gym_envs
     from reinforge.data.prompts import DataConfig, load_prompts
     from reinforge.envs.registry import EnvConfig, build_env
     from reinforge.generation.base import SamplingParams

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> None:
     """The parsed command, its imports inside its branch so that each command loads only what it needs."""
-    from reinforge.algorithms.registry import RECIPES
+    from reinforge.loops.registry import RECIPES
     from reinforge.config.loader import load_recipe_config
 
     if args.command in RECIPES or args.command == "demo":
@@ -203,7 +203,7 @@ def run_command(args: argparse.Namespace) -> None:
 
         print(convert(Path(args.checkpoint), Path(args.out), merge=args.merge))
     elif args.command == "curriculum":
-        from reinforge.algorithms.curriculum_prefilter import prefilter_file
+        from reinforge.loops.curriculum_prefilter import prefilter_file
 
         config = load_recipe_config(RECIPES["grpo"].config_class, args.config, args.overrides)
         written, measured = prefilter_file(config, Path(args.out), args.keep_all)

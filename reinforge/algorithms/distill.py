@@ -47,8 +47,8 @@ from reinforge.algorithms.grpo_advantages import valid_samples
 from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.policy_loss import policy_loss_fn
-from reinforge.algorithms.rl_loop import run
-from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.loops.rl_loop import run
+from reinforge.rollout.source import RolloutBatch
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.prompts import load_prompts

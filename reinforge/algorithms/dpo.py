@@ -32,7 +32,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import model_validator
 
-from reinforge.algorithms.builders import build_recipe_backend
+from reinforge.loops.builders import build_recipe_backend
 from reinforge.algorithms.losses import dpo_loss, sequence_logprobs, token_mean
 from reinforge.algorithms.pairs import (
     PairRunConfig,

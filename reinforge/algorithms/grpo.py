@@ -1,4 +1,4 @@
-"""GRPO with verifiable rewards (`reinforge grpo`): a recipe of the RL loop (algorithms/rl_loop.py).
+"""GRPO with verifiable rewards (`reinforge grpo`): a recipe of the RL loop (loops/rl_loop.py).
 
 Each step, on the loop's scored groups (G answers to each of P prompts): DAPO's overlong shaping of the rewards;
 the reference (and, with several optimizer steps per rollout, the old) logprobs from the trainer; group-relative
@@ -50,8 +50,8 @@ from reinforge.algorithms.policy_loss import (
     split_old_logprobs,
 )
 from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.algorithms.rl_loop import run
-from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.loops.rl_loop import run
+from reinforge.rollout.source import RolloutBatch
 from reinforge.algorithms.step_metrics import (
     advantage_metrics,
     rollout_metrics,

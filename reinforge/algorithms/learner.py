@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.rollout.source import RolloutBatch
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers
 from reinforge.training.base import TrainingBackend

@@ -1,7 +1,7 @@
 """What the two preference-pair recipes (`dpo.py`, `rm.py`) share: the run config's common sections and
 checks, pairs as a training batch, one optimizer step over a global batch of pairs and the held-out pass, both
 through the training backend (training/backend.py), in this process or on FSDP2 ranks
-(algorithms/builders.py, `build_recipe_backend`).
+(loops/builders.py, `build_recipe_backend`).
 
 Batch sizes count sequences, as everywhere in `training`: a pair is two sequences (chosen and
 rejected, always in the same micro-batch), so `training.global_batch_size / 2` pairs make one
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from pydantic import model_validator
 
-from reinforge.algorithms.builders import check_backend
+from reinforge.loops.builders import check_backend
 from reinforge.cluster.config import ClusterConfig
 from reinforge.config.section import Section
 from reinforge.data.batch import TrainBatch

@@ -1,6 +1,6 @@
 """PPO with a critic (`reinforge ppo`): a recipe of the RL loop, read top to bottom.
 
-The loop (algorithms/rl_loop.py: sample, score, train, refit, validate, log, checkpoint) is shared; what a
+The loop (loops/rl_loop.py: sample, score, train, refit, validate, log, checkpoint) is shared; what a
 step does with its rollouts is this file's `train_on_batch`:
 collate; the trainer's old (and reference) logprobs; the critic's values V(s_t) on every generated token
 (training/critic.py: a value head on its own copy of the base model); token rewards (the environment's
@@ -36,7 +36,7 @@ from functools import partial
 
 import torch
 
-from reinforge.algorithms.builders import build_critic
+from reinforge.loops.builders import build_critic
 from reinforge.algorithms.grpo_advantages import overlong_penalties
 from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import KL_ESTIMATORS
@@ -50,8 +50,8 @@ from reinforge.algorithms.ppo_losses import (
     terminal_rewards,
     whiten_tokens,
 )
-from reinforge.algorithms.rl_loop import run
-from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.loops.rl_loop import run
+from reinforge.rollout.source import RolloutBatch
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, collate
 from reinforge.logging.metrics import Timers

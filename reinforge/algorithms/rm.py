@@ -30,7 +30,7 @@ import torch
 from pydantic import model_validator
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from reinforge.algorithms.builders import build_recipe_backend
+from reinforge.loops.builders import build_recipe_backend
 from reinforge.algorithms.losses import bradley_terry_loss
 from reinforge.algorithms.pairs import (
     PairRunConfig,

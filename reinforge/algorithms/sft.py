@@ -19,7 +19,7 @@ With `model.lora` only PEFT's LoRA adapters are trained (their AdamW state only)
 adapter in PEFT's format (training/lora.py). The forward/backward, clipping and optimizer step go through the
 training backend (training/backend.py) with the policy's LM head, in this process (`training.backend=torch`) or on
 `training.num_workers` FSDP2 ranks (`fsdp2`), each training on its share of the global batch's conversations
-(algorithms/builders.py, `build_recipe_backend`): the same gradient, so the same run.
+(loops/builders.py, `build_recipe_backend`): the same gradient, so the same run.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from pydantic import Field, model_validator
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from reinforge.algorithms.builders import build_recipe_backend, check_backend
+from reinforge.loops.builders import build_recipe_backend, check_backend
 from reinforge.algorithms.losses import token_mean
 from reinforge.cluster.config import ClusterConfig
 from reinforge.config.loader import save_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from reinforge.algorithms.grpo_advantages import OverlongConfig
-from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.rollout.source import RolloutBatch
 from reinforge.data.batch import TrainBatch, Trajectory
 from reinforge.envs.base import Environment
 

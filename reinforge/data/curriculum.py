@@ -1,6 +1,6 @@
 """Llama-Nemotron's progressive-difficulty prompt sampler (Bercovich et al. 2025, arXiv:2505.00949, LN-Ultra's
 reasoning RL; `curriculum.*`, docs/algorithms.md). The pass rates it bins by come from the records' own
-`pass_rate` fields or from the pre-filter that samples them (reinforge/algorithms/curriculum_prefilter.py).
+`pass_rate` fields or from the pre-filter that samples them (reinforge/loops/curriculum_prefilter.py).
 
 Progressive sampler: prompts are binned by pass rate. For batch t the centre c(t) moves linearly from
 `start_pass_rate` (t = 0) to `end_pass_rate` (t = num_steps - 1, then stays). Bin b at pass rate v_b gets
@@ -32,7 +32,7 @@ from reinforge.errors import DataError
 
 class CurriculumConfig(Section):
     """Llama-Nemotron's RL data curriculum (arXiv:2505.00949): a pass-rate pre-filter and a sampler that
-    moves from easy to hard prompts. Implemented in reinforge/algorithms/curriculum_prefilter.py (the pre-filter)
+    moves from easy to hard prompts. Implemented in reinforge/loops/curriculum_prefilter.py (the pre-filter)
     and reinforge/data/curriculum.py (the sampler); docs/algorithms.md."""
 
     prefilter: bool = False

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from reinforge.algorithms.registry import RECIPES, Recipe
+from reinforge.loops.registry import RECIPES, Recipe
 from reinforge.config.loader import build_config, parse_override, read_yaml_tree
 from reinforge.config.section import Section
 from reinforge.config.tree import deep_merge, set_dotted

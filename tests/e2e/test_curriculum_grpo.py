@@ -4,14 +4,14 @@ are stored in the run directory, and a run stopped after step 2 and resumed repe
 without sampling the pass rates again; `reinforge curriculum prefilter` writes records with a pass_rate field.
 
 The first test needs grpo.train to build its sampler with
-reinforge.algorithms.curriculum_prefilter.build_prompt_sampler (see that module)."""
+reinforge.loops.curriculum_prefilter.build_prompt_sampler (see that module)."""
 
 import json
 import subprocess
 import sys
 
 from reinforge.algorithms import grpo
-from reinforge.algorithms.curriculum_prefilter import build_prompt_sampler
+from reinforge.loops.curriculum_prefilter import build_prompt_sampler
 from reinforge.algorithms.grpo import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt

@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from reinforge.algorithms.builders import engine_group
+from reinforge.loops.builders import engine_group
 from reinforge.algorithms.grpo import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt

@@ -53,7 +53,7 @@ def refit_and_probe(run_dir, out_path):
     against the trainer and the base model."""
     from reinforge.algorithms import consistency
     from reinforge.algorithms.grpo import load_config
-    from reinforge.algorithms.refit import refit
+    from reinforge.loops.refit import refit
     from reinforge.data.batch import collate
     from reinforge.data.jsonl import read_jsonl
     from reinforge.data.prompts import render_prompt

@@ -48,8 +48,8 @@ def vllm_refits(lora: bool, run_dir, out_path) -> None:
     """In a fresh process: refits of a vLLM engine, correct and with a planted fault, their outcomes to JSON."""
     from contextlib import ExitStack
 
-    from reinforge.algorithms.builders import build_trainer
-    from reinforge.algorithms.refit import refit
+    from reinforge.loops.builders import build_trainer
+    from reinforge.loops.refit import refit
     from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
 
     config = load_config(DEMO, [*SMALL, *VLLM, *(["model.lora.rank=16"] if lora else [])])
@@ -109,7 +109,7 @@ def test_vllm_serves_the_adapter_written_and_one_not_loaded_is_caught(tmp_path):
 def test_a_generation_group_names_the_engine_that_did_not_take_the_weights():
     import ray
 
-    from reinforge.algorithms.builders import engine_group
+    from reinforge.loops.builders import engine_group
     from reinforge.modeling import load_model
 
     config = load_config(DEMO, ["generation.num_workers=2"])

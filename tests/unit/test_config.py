@@ -6,7 +6,7 @@ import yaml
 from reinforge.algorithms.distill_config import DistillRunConfig
 from reinforge.algorithms.grpo import GRPORunConfig, load_config
 from reinforge.algorithms.ppo_config import PPORunConfig
-from reinforge.algorithms.registry import RECIPES
+from reinforge.loops.registry import RECIPES
 from reinforge.config.loader import load_recipe_config, save_config
 from reinforge.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""The curriculum (reinforge/data/curriculum.py, reinforge/algorithms/curriculum_prefilter.py): the progressive
+"""The curriculum (reinforge/data/curriculum.py, reinforge/loops/curriculum_prefilter.py): the progressive
 sampler against hand-computed batches, its exact resume, and the pass-rate pre-filter on the real demo model with
 the real math verifier."""
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from reinforge.algorithms.curriculum_prefilter import build_prompt_sampler, prefilter_setup
+from reinforge.loops.curriculum_prefilter import build_prompt_sampler, prefilter_setup
 from reinforge.algorithms.grpo import load_config
 from reinforge.data.curriculum import ProgressiveSampler, gaussian_targets, record_pass_rates
 from reinforge.data.jsonl import read_jsonl

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from reinforge.algorithms.rollout_source import AsyncRollouts
+from reinforge.rollout.source import AsyncRollouts
 from reinforge.data.prompts import Prompt, PromptSampler
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.http_client import RemoteEnvironment

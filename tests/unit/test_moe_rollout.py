@@ -11,7 +11,7 @@ import torch
 from conftest import build_tiny_moe
 
 from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.algorithms.run_checks import check_router_replay
+from reinforge.loops.run_checks import check_router_replay
 from reinforge.data.batch import collate
 from reinforge.data.prompts import Prompt, render_prompt
 from reinforge.envs.base import EnvResponse

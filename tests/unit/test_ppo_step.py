@@ -8,7 +8,7 @@ import torch
 
 from reinforge.algorithms import ppo
 from reinforge.algorithms.ppo_config import PPORunConfig
-from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.rollout.source import RolloutBatch
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers

@@ -6,9 +6,9 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from reinforge.algorithms.builders import build_trainer
+from reinforge.loops.builders import build_trainer
 from reinforge.algorithms.grpo import load_config
-from reinforge.algorithms.refit import refit, verify_due
+from reinforge.loops.refit import refit, verify_due
 from reinforge.data.batch import Trajectory, collate
 from reinforge.errors import ConfigError
 from reinforge.generation.hf import HFGenerationBackend

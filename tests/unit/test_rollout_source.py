@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from reinforge.algorithms.rollout_source import AsyncRollouts, SyncRollouts
+from reinforge.rollout.source import AsyncRollouts, SyncRollouts
 from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt, PromptSampler
 from reinforge.logging.metrics import Timers

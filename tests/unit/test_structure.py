@@ -41,9 +41,13 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # The subcommand modules envs/cli.py, serving/cli.py and evaluation/cli.py import only their own floor and
     # below, so they stay in their packages.
     ("cluster", "rollout", "serving", "agents", "evaluation"),
-    # 5, the recipes' loops: GRPO, PPO, distillation, SFT, DPO, RM, and what builds their parts from config.
+    # 5, the algorithms as a paper states them: each recipe (GRPO, PPO, distillation, SFT, DPO, RM) with its config,
+    # its step, its losses and advantages, and the math they share. A recipe never runs itself.
     ("algorithms",),
-    # 6, the front doors: multi-stage recipes, the command line and the supervisor that restarts a failed run.
+    # 6, the loops that run the recipes (the RL loop, the supervised loop) and their machinery: building a run's
+    # parts from config, checkpoints and resume, refit, the run's checks, the table of recipes.
+    ("loops",),
+    # 7, the front doors: multi-stage recipes, the command line and the supervisor that restarts a failed run.
     ("recipes", "cli", "supervisor"),
 )
 FLOOR_OF = {unit: floor for floor, units in enumerate(FLOORS) for unit in units}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from reinforge.algorithms.builders import build_engine, build_environments, start_ray_if_needed
+from reinforge.loops.builders import build_engine, build_environments, start_ray_if_needed
 from reinforge.data.curriculum import ProgressiveSampler, histogram, record_pass_rates
 from reinforge.data.prompts import Prompt, PromptSampler, load_prompts
 from reinforge.envs.registry import check_tasks

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from reinforge.algorithms.rollout_source import RolloutBatch
+from reinforge.rollout.source import RolloutBatch
 from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt
 from reinforge.hang import HangError

@@ -3,7 +3,7 @@
 A resumed run continues as if it had never stopped: the trainer's weights, AdamW state and LR
 schedule, the prompt sampler's position, the RNG states and the validation history come back from
 the newest complete checkpoint, and so do the rollout batches that async generation had made ahead
-of training; the engine is refitted with the restored weights (algorithms/refit.py); metrics.jsonl and
+of training; the engine is refitted with the restored weights (loops/refit.py); metrics.jsonl and
 prompts.jsonl are cut back to the checkpoint's step (the rows after it are recomputed, identically). The storage
 format and its atomicity are `training/checkpoint.py`'s.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from reinforge.algorithms.refit import refit
+from reinforge.loops.refit import refit
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.data.prompts import PromptSampler
 from reinforge.run_dir import make_run_dir
