@@ -50,12 +50,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from reinforge.loops.builders import serve_gym_envs
     from reinforge.data.prompts import DataConfig, load_prompts
     from reinforge.envs.registry import EnvConfig, build_env
     from reinforge.generation.base import SamplingParams
     from reinforge.generation.hf import HFGenerationBackend
     from reinforge.logging.metrics import Timers
+    from reinforge.loops.builders import serve_gym_envs
     from reinforge.model_config import ModelConfig
     from reinforge.modeling import load_model, load_tokenizer
     from reinforge.rollout.agent import AgentRollout

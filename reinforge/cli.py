@@ -175,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> None:
     """The parsed command, its imports inside its branch so that each command loads only what it needs."""
-    from reinforge.loops.registry import RECIPES
     from reinforge.config.loader import load_recipe_config
+    from reinforge.loops.registry import RECIPES
 
     if args.command in RECIPES or args.command == "demo":
         recipe = RECIPES["grpo" if args.command == "demo" else args.command]

@@ -47,15 +47,15 @@ from reinforge.algorithms.grpo_advantages import valid_samples
 from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.policy_loss import policy_loss_fn
-from reinforge.loops.rl_loop import run
-from reinforge.rollout.source import RolloutBatch
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.prompts import load_prompts
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
+from reinforge.loops.rl_loop import run
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_processor, load_tokenizer
+from reinforge.rollout.source import RolloutBatch
 from reinforge.training.backend import with_outputs
 from reinforge.training.base import TrainingBackend
 from reinforge.training.heads import LogprobsAt

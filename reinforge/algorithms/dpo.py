@@ -32,7 +32,6 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import model_validator
 
-from reinforge.loops.builders import build_recipe_backend
 from reinforge.algorithms.losses import dpo_loss, sequence_logprobs, token_mean
 from reinforge.algorithms.pairs import (
     PairRunConfig,
@@ -53,6 +52,7 @@ from reinforge.data.prompts import PromptSampler
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
+from reinforge.loops.builders import build_recipe_backend
 from reinforge.modeling import check_fits_context, load_processor, load_tokenizer, save_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training.heads import LogprobHead

@@ -50,8 +50,6 @@ from reinforge.algorithms.policy_loss import (
     split_old_logprobs,
 )
 from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.loops.rl_loop import run
-from reinforge.rollout.source import RolloutBatch
 from reinforge.algorithms.step_metrics import (
     advantage_metrics,
     rollout_metrics,
@@ -62,6 +60,8 @@ from reinforge.algorithms.step_metrics import (
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.batch import Normalisers, TrainBatch, collate
 from reinforge.logging.metrics import Timers
+from reinforge.loops.rl_loop import run
+from reinforge.rollout.source import RolloutBatch
 from reinforge.training.base import TrainingBackend
 
 

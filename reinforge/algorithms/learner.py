@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.rollout.source import RolloutBatch
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers
+from reinforge.rollout.source import RolloutBatch
 from reinforge.training.base import TrainingBackend
 
 # One rollout round of a step: round index -> scored trajectories (a fresh sampling seed per round).

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from pydantic import model_validator
 
-from reinforge.loops.builders import check_backend
 from reinforge.cluster.config import ClusterConfig
 from reinforge.config.section import Section
 from reinforge.data.batch import TrainBatch
 from reinforge.data.preference import PreferenceDataConfig, TokenizedPair, collate_pairs
+from reinforge.loops.builders import check_backend
 from reinforge.model_config import ModelConfig
 from reinforge.training.backend import Backend
 from reinforge.training.base import BackendConfig, LossFn, TrainingConfig

@@ -36,7 +36,6 @@ from functools import partial
 
 import torch
 
-from reinforge.loops.builders import build_critic
 from reinforge.algorithms.grpo_advantages import overlong_penalties
 from reinforge.algorithms.learner import Learner, RunResult, StepResult
 from reinforge.algorithms.losses import KL_ESTIMATORS
@@ -50,11 +49,12 @@ from reinforge.algorithms.ppo_losses import (
     terminal_rewards,
     whiten_tokens,
 )
-from reinforge.loops.rl_loop import run
-from reinforge.rollout.source import RolloutBatch
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, collate
 from reinforge.logging.metrics import Timers
+from reinforge.loops.builders import build_critic
+from reinforge.loops.rl_loop import run
+from reinforge.rollout.source import RolloutBatch
 from reinforge.training.base import TrainingBackend
 
 

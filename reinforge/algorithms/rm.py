@@ -30,7 +30,6 @@ import torch
 from pydantic import model_validator
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from reinforge.loops.builders import build_recipe_backend
 from reinforge.algorithms.losses import bradley_terry_loss
 from reinforge.algorithms.pairs import (
     PairRunConfig,
@@ -52,6 +51,7 @@ from reinforge.errors import ReinforgeError
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
+from reinforge.loops.builders import build_recipe_backend
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import DTYPES, adapter_base, check_fits_context, load_tokenizer, model_location, save_tokenizer
 from reinforge.run_dir import atomic_directory, make_run_dir

@@ -34,7 +34,6 @@ import torch
 from pydantic import Field, model_validator
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from reinforge.loops.builders import build_recipe_backend, check_backend
 from reinforge.algorithms.losses import token_mean
 from reinforge.cluster.config import ClusterConfig
 from reinforge.config.loader import save_config
@@ -46,6 +45,7 @@ from reinforge.errors import ConfigError, DataError
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
+from reinforge.loops.builders import build_recipe_backend, check_backend
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import (
     DTYPES,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from reinforge.algorithms.grpo_advantages import OverlongConfig
-from reinforge.rollout.source import RolloutBatch
 from reinforge.data.batch import TrainBatch, Trajectory
 from reinforge.envs.base import Environment
+from reinforge.rollout.source import RolloutBatch
 
 
 def staleness_metrics(step: int, batch: RolloutBatch) -> dict[str, float]:

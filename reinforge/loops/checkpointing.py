@@ -23,9 +23,9 @@ from typing import Any
 
 import yaml
 
-from reinforge.loops.refit import refit
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.data.prompts import PromptSampler
+from reinforge.loops.refit import refit
 from reinforge.run_dir import make_run_dir
 from reinforge.training.checkpoint import (
     CheckpointConfig,

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from reinforge.loops.builders import build_engine, build_environments, start_ray_if_needed
 from reinforge.data.curriculum import ProgressiveSampler, histogram, record_pass_rates
 from reinforge.data.prompts import Prompt, PromptSampler, load_prompts
 from reinforge.envs.registry import check_tasks
 from reinforge.errors import DataError
 from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.loops.builders import build_engine, build_environments, start_ray_if_needed
 from reinforge.modeling import load_tokenizer
 from reinforge.rollout.infra import NO_HOLES
 from reinforge.rollout.rollout import RolloutOptions, settled_rollout

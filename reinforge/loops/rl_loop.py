@@ -24,6 +24,24 @@ from typing import Callable
 import torch
 
 from reinforge.algorithms import consistency
+from reinforge.algorithms.learner import MakeLearner, RolloutRound, RunResult
+from reinforge.algorithms.rl_config import RLRunConfig
+from reinforge.algorithms.step_metrics import env_metrics, per_task_means, scored_tasks
+from reinforge.config.loader import save_config
+from reinforge.data.batch import Trajectory
+from reinforge.data.curriculum import batch_metrics
+from reinforge.data.prompts import Prompt, PromptSampler, load_prompts
+from reinforge.envs.base import Environment
+from reinforge.envs.registry import check_tasks
+from reinforge.errors import ConfigError
+from reinforge.evaluation.evaluate import ValidationBenchmark, benchmark_metrics, prepare_validation_benchmarks
+from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.hang import REPORT_NAME, Watchdog, hang_reports
+from reinforge.logging.capture import capture_dependency_logs
+from reinforge.logging.console import ConsoleLog
+from reinforge.logging.loggers import MetricLogger, check_backends
+from reinforge.logging.memory import memory_metrics
+from reinforge.logging.metrics import Timers
 from reinforge.loops.builders import (
     build_engine,
     build_environments,
@@ -41,30 +59,12 @@ from reinforge.loops.checkpointing import (
     update_best,
 )
 from reinforge.loops.curriculum_prefilter import build_prompt_sampler
-from reinforge.rollout.in_flight import InFlightRollouts
-from reinforge.algorithms.learner import MakeLearner, RolloutRound, RunResult
 from reinforge.loops.refit import refit
-from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.rollout.source import rollout_source
 from reinforge.loops.run_checks import check_run_inputs
-from reinforge.algorithms.step_metrics import env_metrics, per_task_means, scored_tasks
-from reinforge.config.loader import save_config
-from reinforge.data.batch import Trajectory
-from reinforge.data.curriculum import batch_metrics
-from reinforge.data.prompts import Prompt, PromptSampler, load_prompts
-from reinforge.envs.base import Environment
-from reinforge.envs.registry import check_tasks
-from reinforge.errors import ConfigError
-from reinforge.evaluation.evaluate import ValidationBenchmark, benchmark_metrics, prepare_validation_benchmarks
-from reinforge.generation.base import GenerationBackend, SamplingParams
-from reinforge.hang import REPORT_NAME, Watchdog, hang_reports
-from reinforge.logging.capture import capture_dependency_logs
-from reinforge.logging.console import ConsoleLog
-from reinforge.logging.loggers import MetricLogger, check_backends
-from reinforge.logging.memory import memory_metrics
-from reinforge.logging.metrics import Timers
 from reinforge.modeling import load_processor, load_tokenizer, save_tokenizer
+from reinforge.rollout.in_flight import InFlightRollouts
 from reinforge.rollout.rollout import Episodes
+from reinforge.rollout.source import rollout_source
 from reinforge.run_dir import announce_run_dir, atomic_directory
 from reinforge.training.base import TrainingBackend
 from reinforge.training.checkpoint import rng_state, set_rng_state

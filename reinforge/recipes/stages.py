@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from reinforge.loops.registry import RECIPES, Recipe
 from reinforge.config.loader import build_config, parse_override, read_yaml_tree
 from reinforge.config.section import Section
 from reinforge.config.tree import deep_merge, set_dotted
 from reinforge.errors import ConfigError, ReinforgeError
+from reinforge.loops.registry import RECIPES, Recipe
 from reinforge.modeling import model_location
 from reinforge.paths import resolve_path
 from reinforge.recipes.spec import RecipeSpec, StageSpec, config_file, dotted_keys, expand_overrides

@@ -26,11 +26,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from reinforge.rollout.source import RolloutBatch
 from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt
 from reinforge.hang import HangError
 from reinforge.logging.metrics import Timers
+from reinforge.rollout.source import RolloutBatch
 
 # ordinal, prompt -> the group's scored trajectories and its metrics (timing/*, summed over a step's groups)
 ProduceGroup = Callable[[int, Prompt], tuple[list[Trajectory], dict[str, float]]]

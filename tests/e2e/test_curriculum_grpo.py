@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 from reinforge.algorithms import grpo
-from reinforge.loops.curriculum_prefilter import build_prompt_sampler
 from reinforge.algorithms.grpo import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt
+from reinforge.loops.curriculum_prefilter import build_prompt_sampler
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "grpo_curriculum_demo.yaml"

@@ -7,12 +7,12 @@ import pytest
 import ray
 import torch
 
-from reinforge.loops.builders import engine_group
 from reinforge.algorithms.grpo import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.errors import ConfigError
 from reinforge.generation.base import SamplingParams
+from reinforge.loops.builders import engine_group
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 

@@ -53,12 +53,12 @@ def refit_and_probe(run_dir, out_path):
     against the trainer and the base model."""
     from reinforge.algorithms import consistency
     from reinforge.algorithms.grpo import load_config
-    from reinforge.loops.refit import refit
     from reinforge.data.batch import collate
     from reinforge.data.jsonl import read_jsonl
     from reinforge.data.prompts import render_prompt
     from reinforge.generation.base import SamplingParams
     from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
+    from reinforge.loops.refit import refit
     from reinforge.modeling import load_tokenizer
     from reinforge.rollout.single_turn import generate_trajectories
     from reinforge.training.backend import Backend

@@ -16,9 +16,9 @@ from conftest import build_tiny_moe
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM
 
-from reinforge.loops.registry import RECIPES
 from reinforge.config.loader import load_recipe_config
 from reinforge.envs.base import EnvRequest, EnvResponse
+from reinforge.loops.registry import RECIPES
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.convert import convert
 

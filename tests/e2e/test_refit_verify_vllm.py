@@ -48,9 +48,9 @@ def vllm_refits(lora: bool, run_dir, out_path) -> None:
     """In a fresh process: refits of a vLLM engine, correct and with a planted fault, their outcomes to JSON."""
     from contextlib import ExitStack
 
+    from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
     from reinforge.loops.builders import build_trainer
     from reinforge.loops.refit import refit
-    from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
 
     config = load_config(DEMO, [*SMALL, *VLLM, *(["model.lora.rank=16"] if lora else [])])
     outcomes = {}

@@ -6,9 +6,9 @@ import yaml
 from reinforge.algorithms.distill_config import DistillRunConfig
 from reinforge.algorithms.grpo import GRPORunConfig, load_config
 from reinforge.algorithms.ppo_config import PPORunConfig
-from reinforge.loops.registry import RECIPES
 from reinforge.config.loader import load_recipe_config, save_config
 from reinforge.errors import ConfigError
+from reinforge.loops.registry import RECIPES
 
 
 def test_misspelled_override_names_the_nearest_valid_key():

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from reinforge.loops.curriculum_prefilter import build_prompt_sampler, prefilter_setup
 from reinforge.algorithms.grpo import load_config
 from reinforge.data.curriculum import ProgressiveSampler, gaussian_targets, record_pass_rates
 from reinforge.data.jsonl import read_jsonl
@@ -16,6 +15,7 @@ from reinforge.data.prompts import Prompt, PromptSampler, render_prompt
 from reinforge.envs.registry import EnvConfig, build_envs
 from reinforge.errors import ConfigError, DataError
 from reinforge.generation.hf import HFGenerationBackend
+from reinforge.loops.curriculum_prefilter import build_prompt_sampler, prefilter_setup
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT

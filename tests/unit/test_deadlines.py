@@ -15,7 +15,6 @@ import time
 import httpx
 import pytest
 
-from reinforge.rollout.source import AsyncRollouts
 from reinforge.data.prompts import Prompt, PromptSampler
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.http_client import RemoteEnvironment
@@ -26,6 +25,7 @@ from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.network import free_port
 from reinforge.paths import PROJECT_ROOT
+from reinforge.rollout.source import AsyncRollouts
 from reinforge.serving.app import build_app
 from reinforge.serving.config import ServingConfig
 from reinforge.serving.server import PolicyServer

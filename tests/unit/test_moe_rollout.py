@@ -11,7 +11,6 @@ import torch
 from conftest import build_tiny_moe
 
 from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.loops.run_checks import check_router_replay
 from reinforge.data.batch import collate
 from reinforge.data.prompts import Prompt, render_prompt
 from reinforge.envs.base import EnvResponse
@@ -19,6 +18,7 @@ from reinforge.errors import ConfigError, ReinforgeError
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
 from reinforge.generation.routes import RouteRecorder
+from reinforge.loops.run_checks import check_router_replay
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT

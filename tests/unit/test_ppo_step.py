@@ -8,11 +8,11 @@ import torch
 
 from reinforge.algorithms import ppo
 from reinforge.algorithms.ppo_config import PPORunConfig
-from reinforge.rollout.source import RolloutBatch
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers
 from reinforge.model_config import ModelConfig
+from reinforge.rollout.source import RolloutBatch
 from reinforge.training.backend import Backend
 from reinforge.training.heads import LogprobHead
 from reinforge.training.optimizer import SchedulerConfig

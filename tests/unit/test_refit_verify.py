@@ -6,9 +6,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from reinforge.loops.builders import build_trainer
 from reinforge.algorithms.grpo import load_config
-from reinforge.loops.refit import refit, verify_due
 from reinforge.data.batch import Trajectory, collate
 from reinforge.errors import ConfigError
 from reinforge.generation.hf import HFGenerationBackend
@@ -22,6 +20,8 @@ from reinforge.generation.weight_digest import (
     verify,
 )
 from reinforge.logging.metrics import Timers
+from reinforge.loops.builders import build_trainer
+from reinforge.loops.refit import refit, verify_due
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from reinforge.rollout.source import AsyncRollouts, SyncRollouts
 from reinforge.data.batch import Trajectory
 from reinforge.data.prompts import Prompt, PromptSampler
 from reinforge.logging.metrics import Timers
+from reinforge.rollout.source import AsyncRollouts, SyncRollouts
 
 
 def make_sampler(state=None):
