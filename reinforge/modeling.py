@@ -25,6 +25,34 @@ from reinforge.model_config import ModelConfig
 from reinforge.paths import resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# `training.device`, `generation.device`: auto (CUDA when this process sees a GPU, else the CPU), cpu, cuda, cuda:N
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+
+
+def resolve_device(setting: str, key: str) -> torch.device:
+    """The device a `*.device` setting names in this process: `auto` is the first visible CUDA device where there
+    is one, else the CPU; a CUDA device that is not visible is a one-line error naming the setting."""
+    if setting == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(setting)
+    if device.type == "cuda":
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if device.index is None else device.index
+        if index >= visible:
+            raise ReinforgeError(
+                f"{key}={setting}, but this process sees {visible} CUDA device(s) (torch.cuda.is_available() is "
+                f"{torch.cuda.is_available()}); set {key}=auto (CUDA where present, else the CPU) or cpu"
+            )
+        return torch.device("cuda", index)
+    return device
+
+
+def describe_device(device: torch.device) -> str:
+    """`cuda:0 (NVIDIA H200, 139.8 GiB)` or `cpu`: how the run's log names a device."""
+    if device.type != "cuda":
+        return str(device)
+    props = torch.cuda.get_device_properties(device)
+    return f"{device} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
 
 
 def model_location(config: ModelConfig) -> str:

@@ -56,6 +56,7 @@ from reinforge.modeling import (
     load_tokenizer,
     model_limits,
     model_location,
+    resolve_device,
 )
 from reinforge.paths import resolve_path
 from reinforge.rollout.infra import NO_HOLES
@@ -242,7 +243,8 @@ def build_engine(
     if backend == "hf":
         from reinforge.generation.hf import HFGenerationBackend
 
-        return HFGenerationBackend(load_model(model), tokenizer, max_batch_size)
+        # a GPU where this process sees one, else the CPU (as generation.device=auto)
+        return HFGenerationBackend(load_model(model), tokenizer, max_batch_size, resolve_device("auto", "device"))
     try:
         import vllm  # noqa: F401
 

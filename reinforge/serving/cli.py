@@ -117,7 +117,7 @@ def _engine(args: argparse.Namespace, model_config, tokenizer, cleanup: ExitStac
     """The generation engine and the context length it serves. vLLM loads a model directory: a `--adapter` is
     merged into a temporary one, deleted when the server stops (`cleanup`)."""
     from reinforge.errors import ConfigError
-    from reinforge.modeling import check_weights, load_model, model_limits, model_location
+    from reinforge.modeling import check_weights, load_model, model_limits, model_location, resolve_device
 
     check_weights(model_config)  # vLLM's own error would be a traceback
     limit = model_limits(model_config).max_positions
@@ -131,7 +131,9 @@ def _engine(args: argparse.Namespace, model_config, tokenizer, cleanup: ExitStac
 
         model = load_model(model_config)
         max_model_len = args.max_model_len or limit or 4096
-        return HFGenerationBackend(model, tokenizer, args.max_batch_size), max_model_len
+        # a GPU where this process sees one, else the CPU (as generation.device=auto)
+        engine = HFGenerationBackend(model, tokenizer, args.max_batch_size, resolve_device("auto", "device"))
+        return engine, max_model_len
     try:
         from reinforge.generation.vllm_backend import VLLMGenerationBackend
     except ImportError:

@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 
 from reinforge.config.section import Section
 from reinforge.data.batch import Normalisers, TrainBatch
+from reinforge.modeling import DEVICE_PATTERN
 from reinforge.training.parallel import ParallelConfig, ParallelSetting
 
 
@@ -29,6 +30,10 @@ class BackendConfig(Section):
     backend: Literal["torch", "fsdp2"] = "torch"
     """Training engine: `torch` (one process, plain PyTorch) or `fsdp2` (PyTorch FSDP2 over
     `training.num_workers` ranks in Ray actors; gloo on CPU, NCCL on GPU)."""
+    device: str = Field(default="auto", pattern=DEVICE_PATTERN)
+    """Where the `torch` backend trains: `auto` (the first CUDA GPU this process sees, else the CPU), `cpu`, `cuda`
+    or `cuda:N`; a CUDA device that is absent is a one-line error. `fsdp2` ranks take their own GPU where Ray gives
+    them one (`cluster.num_gpus_per_worker`); `cpu` keeps them on the CPU (gloo) even then."""
     num_workers: int = 1
     """Training ranks for `fsdp2`; each trains on global_batch_size / num_workers sequences per step."""
     global_batch_size: int = 128

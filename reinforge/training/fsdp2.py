@@ -142,7 +142,7 @@ class FSDP2Strategy:
             raise ConfigError("training.parallel=auto must be resolved by the planner before the ranks start")
         self.parallel = training.parallel.resolved(self.world_size)
         self.config = training = training.model_copy(update={"parallel": self.parallel})
-        on_gpu = torch.cuda.is_available()
+        on_gpu = torch.cuda.is_available() and training.device != "cpu"  # training.device=cpu: gloo even beside GPUs
         if on_gpu:
             # under Ray each actor usually sees one GPU; LOCAL_RANK covers torchrun-style launches
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))

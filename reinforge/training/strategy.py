@@ -17,6 +17,7 @@ import torch
 
 from reinforge.data.batch import TrainBatch
 from reinforge.model_config import ModelConfig
+from reinforge.modeling import resolve_device
 from reinforge.training import state
 from reinforge.training.base import TrainingConfig
 from reinforge.training.micro_batching import MicroBatchPlan, Prompts, select_micro_batch
@@ -89,7 +90,7 @@ class Strategy(Protocol):
 
 
 class LocalStrategy:
-    """The whole model in this process, on the device it was loaded on."""
+    """The whole model in this process, on `training.device` (a quantized base stays where it was loaded)."""
 
     is_main = True
 
@@ -101,14 +102,17 @@ class LocalStrategy:
         parallel = ParallelConfig() if training.parallel == "auto" else training.parallel
         parallel = parallel.resolved(1)  # one rank: a one-line error for tp or cp > 1
         self.config = training.model_copy(update={"parallel": parallel})
+        self.device = resolve_device(training.device, "training.device")
         return self.config
 
     def load_config(self, model_config: ModelConfig) -> ModelConfig:
         return model_config
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        self.device = next(model.parameters()).device
-        return model
+        if getattr(model, "is_quantized", False):  # bitsandbytes' 4-bit base is placed by its loader
+            self.device = next(model.parameters()).device
+            return model
+        return model.to(self.device)
 
     def micro_batches(self, batch: TrainBatch, plan: Plan) -> Iterator[MicroBatch]:
         for rows in plan(batch.attention_mask.sum(dim=1).tolist(), Prompts.of(batch, self.config)):
