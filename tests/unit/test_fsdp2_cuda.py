@@ -51,7 +51,7 @@ def run(model_dir, dtype="float32", **training):
 @pytest.fixture(scope="module")
 def cpu(tiny_model_dir):
     """The same work on the single-process CPU backend, fp32: the reference."""
-    backend = make_backend(tiny_model_dir, micro_batch_size=2, load_reference=True)
+    backend = make_backend(tiny_model_dir, micro_batch_size=2, load_reference=True, device="cpu")
     batch = make_batch()
     logprobs = backend.logprobs(batch)
     perturb(batch, logprobs, backend.logprobs(batch, reference=True))
@@ -75,6 +75,20 @@ def test_fp32_on_the_gpu_matches_the_cpu_backend(tiny_model_dir, cpu, compile_la
             )
     for name, weight in weights.items():
         torch.testing.assert_close(weight, cpu[2][name], atol=1e-4, rtol=0)
+
+
+def test_the_torch_backend_trains_on_the_gpu_by_default_and_matches_the_cpu(tiny_model_dir, cpu):
+    """training.device=auto puts the single-process backend on the GPU (as configs/grpo_gsm8k.yaml runs)."""
+    backend = make_backend(tiny_model_dir, micro_batch_size=2, load_reference=True)
+    assert backend.device.type == "cuda" and {p.device.type for p in backend.model.parameters()} == {"cuda"}
+    batch = make_batch()
+    logprobs = backend.logprobs(batch)
+    perturb(batch, logprobs, backend.logprobs(batch, reference=True))
+    metrics = [backend.train_step(batch, partial(loss_fn, token_mean, 0.1)) for _ in range(NUM_STEPS)]
+    print("torch backend on the GPU, fp32 logprobs max |d|:", float((logprobs - cpu[0]).abs().max()))
+    torch.testing.assert_close(logprobs, cpu[0], atol=1e-5, rtol=0)
+    for step in range(NUM_STEPS):
+        assert abs(metrics[step]["loss"] - cpu[1][step]["loss"]) <= 1e-5, (step, metrics[step], cpu[1][step])
 
 
 def test_bf16_on_the_gpu_stays_within_bf16_rounding_of_fp32(tiny_model_dir, cpu):
