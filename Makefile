@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install gym-venv demo lint test bench build-demo-model build-demo-teacher build-moe-demo-model clean
+.PHONY: install gym-venv demo lint test test-unit bench build-demo-model build-demo-teacher build-moe-demo-model clean
 
 install: $(STAMP)
 
@@ -43,6 +43,10 @@ lint: install
 # (tests/conftest.py).
 test: install gym-venv lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=40
+
+# The contributors' inner loop: the unit tests alone (no Gym venv, no end-to-end runs), in under 5 minutes on 2 cores.
+test-unit: install
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q tests/unit
 
 # Every benchmark with its default arguments, each writing bench/results/NAME.json (docs/benchmarks.md
 # keeps the results); bench/_*.py are their shared helpers. The `bench` extra brings TRL for grpo_vs_trl.
