@@ -84,7 +84,7 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
     train_prompts = load_prompts(config.data.train_path, config.data, tokenizer, processor)
     val_prompts = []
     if config.data.val_path:
-        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer, processor)[
+        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer, processor, val=True)[
             : config.data.max_val_prompts
         ]
 
