@@ -3,6 +3,7 @@ same records in the same order, streamed or not; columns are renamed; bad rows a
 naming where."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ import datasets
 import pytest
 
 from reinforge.data.sources import ColumnsConfig, Source, SourceConfig
-from reinforge.errors import DataError
+from reinforge.errors import DataError, ReinforgeError
+from reinforge.evaluation.benchmarks import load_benchmark
 from reinforge.paths import PROJECT_ROOT
 
 RECORDS = [
@@ -123,8 +125,22 @@ def test_a_hub_name_offline_is_one_line_saying_it_could_not_be_reached(tmp_path)
         "except DataError as exc:\n"
         "    print('ERROR', exc)\n"
     )
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(PROJECT_ROOT)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PYTHONPATH": str(PROJECT_ROOT)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("ERROR")]
     assert line.startswith("ERROR data.train_path=openai/gsm8k: could not reach the Hugging Face Hub (")
     assert "connect this machine to the network" in line and result.stderr == ""
+
+
+def test_eval_questions_of_ones_own_come_from_any_source_with_columns_and_a_limit(tmp_path):
+    write_every_format(tmp_path)
+    data = SourceConfig(split="train", columns=ColumnsConfig(prompt="question", answer="solution"))
+    for name in ("set.jsonl", "set.parquet", "saved_dict"):
+        items = load_benchmark(str(tmp_path / name), limit=2, data=data)
+        assert [(i.prompt, i.record) for i in items] == [
+            (r["question"], {"task": "math", "answer": r["solution"]}) for r in RECORDS[:2]
+        ], name
+    with pytest.raises(DataError, match=r"set.parquet: row 0: needs a `question` \(or `prompt`\) string and an"):
+        load_benchmark(str(tmp_path / "set.parquet"), data=SourceConfig(columns=ColumnsConfig(prompt="question")))
+    with pytest.raises(ReinforgeError, match="unknown benchmark 'gsm9k'; choose one of gsm8k"):
+        load_benchmark("gsm9k")
