@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
 from reinforge.data.images import ImageInputs, image_messages, load_image, process_prompt, record_image_refs
 from reinforge.data.responses_format import create_params_to_chat
-from reinforge.data.sources import Source, SourceConfig
+from reinforge.data.sources import Row, Source, SourceConfig
 from reinforge.data.templates import render_ids
 from reinforge.errors import DataError
 
@@ -41,6 +42,11 @@ class DataConfig(SourceConfig):
     """Use at most this many validation prompts (the first ones); null: all."""
     shuffle: bool = True
     """Shuffle training prompts each epoch (seeded by `seed`)."""
+    shuffle_buffer: int = Field(default=10_000, gt=0)
+    """With `streaming`: training prompts are drawn at random from a buffer of this many records, refilled from
+    the stream as they are drawn (seeded by `seed` and the epoch), instead of from a shuffle of the whole set;
+    a larger buffer mixes better and holds more prompts in memory. The run's checks (and the environments it
+    starts) see this buffer's first fill."""
 
 
 GYM_ROW_KEY = "responses_create_params"  # what makes a record a NeMo Gym row
@@ -166,36 +172,8 @@ def load_prompts(
     `data.max_prompt_tokens`. Each record needs a prompt (`data.columns.prompt`), or `responses_create_params` (a
     NeMo Gym row). Records with images need a vision-language model's `processor` (modeling.py, `load_processor`)."""
     source = Source.val(data, path) if val else Source.train(data, path)
-    if data.use_chat_template and not tokenizer.chat_template:
-        raise DataError(
-            f"{path}: the model's tokenizer has no chat template to render the prompts with; set "
-            "data.use_chat_template=false (plain text), or use a model whose tokenizer_config.json has one"
-        )
-    prompts = []
-    for row in source.rows():
-        record = row.record
-        if GYM_ROW_KEY not in record and "prompt" not in record:
-            raise source.missing_error(row, "prompt", f", nor {GYM_ROW_KEY} (a NeMo Gym row)")
-        if GYM_ROW_KEY not in record and not isinstance(record["prompt"], str):
-            raise DataError(
-                f"{row.where}: {data.columns.prompt} must be a string (the user's message), "
-                f"not {type(record['prompt']).__name__}"
-            )
-        try:
-            prompts.append(
-                render_prompt(
-                    record,
-                    tokenizer,
-                    "prompt",
-                    data.system_prompt,
-                    data.use_chat_template,
-                    "system",
-                    processor,
-                    source.base_dir,
-                )
-            )
-        except DataError as exc:
-            raise DataError(f"{row.where}: {exc}") from None
+    check_template(path, data, tokenizer)
+    prompts = [row_prompt(row, source, data, tokenizer, processor) for row in source.rows()]
     kept = [p for p in prompts if len(p.token_ids) <= data.max_prompt_tokens]
     if not kept:
         raise DataError(
@@ -206,6 +184,41 @@ def load_prompts(
             f"{path}: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts longer than data.max_prompt_tokens"
         )
     return kept
+
+
+def check_template(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase) -> None:
+    if data.use_chat_template and not tokenizer.chat_template:
+        raise DataError(
+            f"{path}: the model's tokenizer has no chat template to render the prompts with; set "
+            "data.use_chat_template=false (plain text), or use a model whose tokenizer_config.json has one"
+        )
+
+
+def row_prompt(
+    row: Row, source: Source, data: "DataConfig", tokenizer: PreTrainedTokenizerBase, processor: Any = None
+) -> Prompt:
+    """One record rendered, its errors one line naming the row: a prompt string, or a NeMo Gym row."""
+    record = row.record
+    if GYM_ROW_KEY not in record and "prompt" not in record:
+        raise source.missing_error(row, "prompt", f", nor {GYM_ROW_KEY} (a NeMo Gym row)")
+    if GYM_ROW_KEY not in record and not isinstance(record["prompt"], str):
+        raise DataError(
+            f"{row.where}: {data.columns.prompt} must be a string (the user's message), "
+            f"not {type(record['prompt']).__name__}"
+        )
+    try:
+        return render_prompt(
+            record,
+            tokenizer,
+            "prompt",
+            data.system_prompt,
+            data.use_chat_template,
+            "system",
+            processor,
+            source.base_dir,
+        )
+    except DataError as exc:
+        raise DataError(f"{row.where}: {exc}") from None
 
 
 class PromptSampler:

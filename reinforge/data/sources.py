@@ -82,8 +82,10 @@ class SourceConfig(Section):
     streaming: bool = False
     """Read the sets as a stream (datasets' iterable datasets), for sets larger than memory or disk: a hub set is
     read shard by shard as it downloads and a local parquet or arrow file is read in place, never converted into
-    the datasets cache first. Records are read once, in order, and only the kept ones (tokenized) are held; a
-    hub split cannot then be sliced (`train[:1000]`). JSONL files are always read line by line."""
+    the datasets cache first. The RL recipes (grpo, ppo, distill) then render each training prompt as it is drawn
+    and shuffle within a buffer (`data.shuffle_buffer`), not across the whole set, and the curriculum is refused;
+    sft, dpo and rm read their set once, in order, and hold only the tokenized examples. A hub split cannot be
+    sliced (`train[:1000]`) when streamed. JSONL files are read line by line either way."""
 
 
 @dataclass
