@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from transformers import PreTrainedTokenizerBase
 
 from reinforge.data.curriculum import CurriculumConfig
-from reinforge.data.prompts import DataConfig, Prompt, check_template, row_prompt
+from reinforge.data.prompts import DataConfig, Prompt, check_template, load_prompts, row_prompt
 from reinforge.data.sources import Source
 from reinforge.errors import ConfigError, DataError
 
@@ -134,3 +134,10 @@ def stream_sampler(
             "curriculum.sampler=progressive) needs every prompt's pass rate first; turn one of them off"
         )
     return PromptStream(data, tokenizer, batch_size, seed, processor)
+
+
+def training_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase, processor: Any = None) -> list[Prompt]:
+    """The training prompts a start-up check looks at: all of them, or under `data.streaming` the first buffer's."""
+    if data.streaming:
+        return PromptStream(data, tokenizer, 1, 0, processor).head()
+    return load_prompts(data.train_path, data, tokenizer, processor)
