@@ -150,7 +150,7 @@ class Source:
             yield from self._file_rows(local)
         elif local.is_dir():
             yield from _dataset_rows(self._directory(local), str(local))
-        elif Path(self.path).suffix in FILE_SUFFIXES or self.path.startswith((".", "/", "~")):
+        elif names_a_missing_file(self.path):
             raise DataError(f"dataset file {local} does not exist; check the path ({self.setting})")
         else:
             where = f"{self.path} ({', '.join(filter(None, (self.subset, self.split)))})"
@@ -202,6 +202,13 @@ class Source:
 
         print(f"{self.setting}={self.path}: not a local file or directory, so read from the Hugging Face Hub")
         return _load(f"{self.setting}={self.path}", load)
+
+
+def names_a_missing_file(path: str) -> bool:
+    """A path that can only be a local file or directory (a data file's suffix, or ./ / ~ in front), and is
+    absent; anything else absent locally is taken for a hub dataset name."""
+    local_only = Path(path).suffix in FILE_SUFFIXES or path.startswith((".", "/", "~"))
+    return local_only and not resolve_path(path).exists()
 
 
 def _renamed(record: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
@@ -271,7 +278,10 @@ def _guarded(dataset: Iterable[Any], name: str) -> Iterator[Any]:
 
 def _load(name: str, load: Any) -> Any:
     """`load(datasets)`, its progress bars off (errors stay one line) and its failures one line naming `name`."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{name}: reading it needs the datasets library; pip install 'datasets>=3'") from None
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

@@ -9,7 +9,10 @@ import sys
 
 import datasets
 import pytest
+from PIL import Image
 
+from reinforge.data.images import load_image
+from reinforge.data.preference import read_preference_records
 from reinforge.data.sources import ColumnsConfig, Source, SourceConfig
 from reinforge.errors import DataError, ReinforgeError
 from reinforge.evaluation.benchmarks import load_benchmark
@@ -144,3 +147,28 @@ def test_eval_questions_of_ones_own_come_from_any_source_with_columns_and_a_limi
         load_benchmark(str(tmp_path / "set.parquet"), data=SourceConfig(columns=ColumnsConfig(prompt="question")))
     with pytest.raises(ReinforgeError, match="unknown benchmark 'gsm9k'; choose one of gsm8k"):
         load_benchmark("gsm9k")
+
+
+def test_an_image_column_becomes_data_urls_that_load_as_the_same_pixels(tmp_path):
+    picture = Image.new("RGB", (4, 3), (200, 10, 30))
+    picture.putpixel((1, 2), (0, 255, 0))
+    features = datasets.Features({"question": datasets.Value("string"), "img": datasets.Image()})
+    dataset = datasets.Dataset.from_dict({"question": ["what colour?"], "img": [picture]}, features=features)
+    dataset.save_to_disk(str(tmp_path / "pictures"))
+    for streaming in (False, True):
+        (row,) = source(tmp_path / "pictures", streaming, images="img").rows()
+        assert row.record["images"].startswith("data:image")
+        assert load_image(row.record["images"], tmp_path).tobytes() == picture.tobytes()
+
+
+def test_preference_pairs_come_from_a_parquet_with_their_own_column_names(tmp_path):
+    pairs = [{"question": "2 + 2?", "good": "4", "bad": "5"}, {"question": "3 + 3?", "good": "6", "bad": "7"}]
+    datasets.Dataset.from_list(pairs).to_parquet(str(tmp_path / "pairs.parquet"))
+    data = SourceConfig(columns=ColumnsConfig(prompt="question", chosen="good", rejected="bad"))
+    records = read_preference_records(str(tmp_path / "pairs.parquet"), "Be brief.", data)
+    assert [(r.messages, r.chosen, r.rejected) for r in records] == [
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": p["question"]}], p["good"], p["bad"])
+        for p in pairs
+    ]
+    with pytest.raises(DataError, match=r"pairs.parquet: row 0: no column 'chosen' \(set data.columns.chosen"):
+        read_preference_records(str(tmp_path / "pairs.parquet"), None, SourceConfig())
