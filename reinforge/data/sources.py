@@ -131,10 +131,6 @@ class Source:
         if empty:
             raise DataError(f"dataset {self.path} ({self.setting}) holds no records")
 
-    def missing(self, row: Row, *fields: str) -> list[str]:
-        """The project's fields among `fields` that the row lacks."""
-        return [field for field in fields if field not in row.record]
-
     def missing_error(self, row: Row, field: str, alternative: str = "") -> DataError:
         """The one-line error of a row without `field`'s column: the column, where it is set, the columns present."""
         column = getattr(self.columns, field)
@@ -184,7 +180,11 @@ class Source:
         saved = _load(str(path), lambda ds: ds.load_from_disk(str(path)))
         if isinstance(saved, dict):  # a DatasetDict: one dataset per split
             if self.split not in saved:
-                key = "data.val_split" if self.setting.endswith("val_path") else "data.split"
+                key = (
+                    "--split"
+                    if self.setting.startswith("--")
+                    else "data." + ("val_" * self.setting.endswith("val_path")) + "split"
+                )
                 raise DataError(f"{path}: no split {self.split!r} ({key}); its splits are {', '.join(saved)}")
             saved = saved[self.split]
         return saved.to_iterable_dataset() if self.streaming else saved

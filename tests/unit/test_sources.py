@@ -86,7 +86,7 @@ def test_a_missing_column_names_the_column_the_setting_and_the_columns_present(t
     write_every_format(tmp_path)
     src = source(tmp_path / "set.parquet", prompt="problem")
     row = next(src.rows())
-    assert src.missing(row, "prompt", "task") == ["prompt"]
+    assert "prompt" not in row.record and row.record["task"] == "math"
     assert str(src.missing_error(row, "prompt")) == (
         f"{tmp_path}/set.parquet: row 0: no column 'problem' (data.columns.prompt); "
         "its columns are question, solution, task"
