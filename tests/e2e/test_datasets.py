@@ -133,3 +133,16 @@ def test_a_hub_name_without_the_network_is_one_line_saying_so(tmp_path):
     assert_one_line_error(
         result, "data.train_path=openai/gsm8k: could not reach the Hugging Face Hub", "connect this machine"
     )
+
+
+def test_eval_takes_questions_from_a_saved_dataset_split_with_its_columns(gsm_style, tmp_path):
+    result = reinforge(
+        "eval", "--model", "models/demo", "--benchmark", gsm_style / "saved", "--split", "test",
+        "--column", "prompt=question", "--column", "answer=solution", "--k", "1", "--limit", "2", "--backend", "hf",
+        "--max-new-tokens", "8", "--output", tmp_path / "eval",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["num_prompts"] == 2
+    bad = reinforge("eval", "--model", "models/demo", "--benchmark", gsm_style / "saved", "--k", "1", "--column", "q")
+    assert_one_line_error(bad, "--column 'q': expected FIELD=COLUMN")
