@@ -16,7 +16,7 @@ answered with "detailed thinking on" or "off" as Llama-Nemotron's system prompts
 - `reasoning_train.jsonl`: GRPO prompts, the first NUM_TRAIN records of data/demo/train.jsonl, half of
   them (a seeded choice) "on" and half "off": `{"prompt", "answer", "task": "math", "thinking",
   "system"}`. `thinking` is what the format environment checks; `system` is the system message the
-  prompt is rendered with (data.system_key).
+  prompt is rendered with (data.columns.system).
 - `reasoning_val.jsonl`: every problem of data/demo/val.jsonl twice, "on" then "off", so the first n
   records of the file (data.max_val_prompts) always hold both modes equally.
 

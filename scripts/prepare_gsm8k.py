@@ -1,5 +1,10 @@
 """Convert GSM8K (openai/grade-school-math, MIT) to reinforge's prompt format.
 
+No longer needed to train on GSM8K: every recipe reads the published set as it is (docs/data.md), e.g.
+`data.train_path=openai/gsm8k data.subset=main data.columns.prompt=question`, or its downloaded parquet/JSONL
+files with the same column setting; the math environment scores against GSM8K's `answer` ("... #### N") as
+published. Kept as the record of how data/gsm8k/ was made.
+
     python scripts/prepare_gsm8k.py SRC_DIR data/gsm8k
 
 reads SRC_DIR/{train,test}.jsonl (`question`, `answer` = worked solution ending in "#### N") and

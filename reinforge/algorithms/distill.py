@@ -49,7 +49,7 @@ from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.policy_loss import policy_loss_fn
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, Trajectory, collate
-from reinforge.data.prompts import load_prompts
+from reinforge.data.prompt_stream import training_prompts
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
 from reinforge.loops.rl_loop import run
@@ -88,7 +88,7 @@ def check_distill(config: DistillRunConfig) -> None:
             )
     tasks = {
         p.record.get("task", config.env.default_task)
-        for p in load_prompts(config.data.train_path, config.data, student, load_processor(config.model))
+        for p in training_prompts(config.data, student, load_processor(config.model))
     }
     orphans = sorted(task for task in tasks if config.distill.teacher_of(task) is None)
     if orphans:

@@ -113,7 +113,7 @@ def run(config: DPORunConfig, cleanup: ExitStack) -> PairRunResult:
     processor = load_processor(config.model)  # a vision-language model's: pairs may hold images
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_policy, config.data, processor)
     val_pairs = (
-        load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data, processor)[
+        load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data, processor, val=True)[
             : config.data.max_val_pairs
         ]
         if config.data.val_path

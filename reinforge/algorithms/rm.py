@@ -103,7 +103,9 @@ def run(config: RMRunConfig, cleanup: ExitStack) -> PairRunResult:
     pad_id = tokenizer.pad_token_id
     train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_reward_model, config.data)
     val_pairs = (
-        load_pairs(config.data.val_path, tokenizer, tokenize_for_reward_model, config.data)[: config.data.max_val_pairs]
+        load_pairs(config.data.val_path, tokenizer, tokenize_for_reward_model, config.data, val=True)[
+            : config.data.max_val_pairs
+        ]
         if config.data.val_path
         else []
     )

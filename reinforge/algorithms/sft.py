@@ -40,7 +40,7 @@ from reinforge.config.loader import save_config
 from reinforge.config.section import Section
 from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.data.chat import ChatExample, fit_length, render_chat
-from reinforge.data.jsonl import read_jsonl
+from reinforge.data.sources import Source, SourceConfig
 from reinforge.errors import ConfigError, DataError
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
@@ -56,7 +56,6 @@ from reinforge.modeling import (
     model_location,
     save_tokenizer,
 )
-from reinforge.paths import resolve_path
 from reinforge.run_dir import atomic_directory, make_run_dir
 from reinforge.training import lora
 from reinforge.training.backend import Backend
@@ -68,18 +67,18 @@ from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 # --- Config ------------------------------------------------------------------------------------
 
 
-class SFTDataConfig(Section):
+class SFTDataConfig(SourceConfig):
     train_path: str = "data/demo/sft.jsonl"
-    """JSONL file of chats, one object per line with `messages`: a list of {role, content}. The loss is on
+    """Chats: a JSONL, JSON, parquet or arrow file, a directory saved by `datasets`, or a Hugging Face dataset name
+    (data/sources.py); each record with `messages` (`columns.messages`): a list of {role, content}. The loss is on
     the assistant messages; system, user and tool messages are context. A vision-language model's chats may hold
     images (`image_url` content parts, or an `images` field; docs/vlm.md)."""
     val_path: str | None = None
-    """JSONL file of held-out chats for the validation loss; null: hold out `val_fraction` of train_path."""
+    """Held-out chats for the validation loss, as `train_path` (its split `val_split`); null: hold out
+    `val_fraction` of train_path."""
     val_fraction: float = 0.0
     """With no val_path: the share of train_path's chats held out for validation (a split seeded by
     `seed`); 0 with no val_path disables validation."""
-    messages_key: str = "messages"
-    """Record field holding the list of messages."""
     system_prompt: str | None = None
     """System message put before every chat that does not start with one."""
     max_seq_len: int = 2048
@@ -343,7 +342,7 @@ def load_datasets(
         )
     examples = load_examples(data.train_path, config, tokenizer)
     if data.val_path:
-        return examples, load_examples(data.val_path, config, tokenizer)
+        return examples, load_examples(data.val_path, config, tokenizer, val=True)
     order = list(range(len(examples)))
     random.Random(config.seed).shuffle(order)
     num_val = round(len(examples) * data.val_fraction)
@@ -354,23 +353,27 @@ def load_datasets(
     return [examples[i] for i in sorted(order[num_val:])], [examples[i] for i in sorted(order[:num_val])]
 
 
-def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenizerBase) -> list[ChatExample]:
-    """Render every chat of a JSONL file, applying data.truncation to those over data.max_seq_len."""
+def load_examples(
+    path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenizerBase, val: bool = False
+) -> list[ChatExample]:
+    """Render every chat of `path` (`data.val_path`'s split when `val`), applying data.truncation to those over
+    data.max_seq_len."""
     data = config.data
-    records = read_jsonl(resolve_path(path), required_keys=(data.messages_key,))
+    source = Source.val(data, path) if val else Source.train(data, path)
     processor = load_processor(config.model)
-    examples, num_too_long = [], 0
-    for number, record in enumerate(records, start=1):
+    examples, num_too_long, records = [], 0, 0
+    for row in source.rows():
+        records += 1
+        if "messages" not in row.record:
+            raise source.missing_error(row, "messages")
         try:
-            example = render_chat(
-                record, tokenizer, data.messages_key, data.system_prompt, processor, resolve_path(path).parent
-            )
+            example = render_chat(row.record, tokenizer, "messages", data.system_prompt, processor, source.base_dir)
         except (KeyError, TypeError, AttributeError):
             raise DataError(
-                f"{path}: record {number}: `{data.messages_key}` must be a list of {{role, content}} objects"
+                f"{row.where}: `{data.columns.messages}` must be a list of {{role, content}} objects"
             ) from None
         except DataError as exc:
-            raise DataError(f"{path}: record {number}: {exc}") from None
+            raise DataError(f"{row.where}: {exc}") from None
         num_too_long += len(example) > data.max_seq_len
         fitted = fit_length(example, data.max_seq_len, data.truncation)
         if fitted is not None:
@@ -383,8 +386,8 @@ def load_examples(path: str, config: SFTRunConfig, tokenizer: PreTrainedTokenize
     if num_too_long:
         action = "cut to" if data.truncation == "right" else "dropped for exceeding"
         print(
-            f"{path}: {num_too_long} of {len(records)} conversations {action} data.max_seq_len="
-            f"{data.max_seq_len} tokens ({len(records) - len(examples)} dropped in all)"
+            f"{path}: {num_too_long} of {records} conversations {action} data.max_seq_len="
+            f"{data.max_seq_len} tokens ({records - len(examples)} dropped in all)"
         )
     return examples
 

@@ -62,6 +62,17 @@ def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+def moved_keys(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """Old key -> its new place: the root's `moved_keys` (dotted from the root) and each section's own (dotted from
+    that section, so a section shared by several recipes carries its moves to all of them)."""
+    moved = {f"{prefix}{old}": f"{prefix}{new}" for old, new in getattr(model, "moved_keys", {}).items()}
+    for name, field in model.model_fields.items():
+        sub = _section_type(field.annotation)
+        if sub is not None:
+            moved |= moved_keys(sub, f"{prefix}{name}.")
+    return moved
+
+
 def read_yaml_mapping(path: Path, what: str, expected: str) -> dict[str, Any]:
     """The YAML mapping in `path`, or a one-line ConfigError naming the file (and line) and what it should hold."""
     try:
@@ -138,7 +149,7 @@ def _unknown_key_message(dotted: str, schema: type[BaseModel]) -> str:
     top = dotted.split(".")[0]
     no_section = bool(section) and top not in schema.model_fields
     missing = f"{who} has no {top} section" if no_section else f"{who} has no such setting"
-    moved = getattr(schema, "moved_keys", {})  # old key -> its new place, for configs of an earlier version
+    moved = moved_keys(schema)  # old key -> its new place, for configs of an earlier version
     leaf_of = {k: k.rpartition(".")[2] for k in keys}
     in_section = [k for k in keys if k.rpartition(".")[0] == section]
     match = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from reinforge.errors import DataError
 
@@ -19,12 +19,8 @@ def decode_line(raw: bytes, path: Path, line_number: int) -> str:
         ) from None
 
 
-def read_jsonl(path: str | Path, required_keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """All records of a JSONL file; blank lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset file {path} does not exist; check the path (data.train_path / data.val_path)")
-    records = []
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of each non-blank line, read lazily: a file larger than memory streams."""
     with path.open("rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
             line = decode_line(raw, path, line_number)
@@ -38,13 +34,23 @@ def read_jsonl(path: str | Path, required_keys: tuple[str, ...] = ()) -> list[di
                 ) from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{line_number}: expected a JSON object per line, got {type(record).__name__}")
-            missing = [key for key in required_keys if key not in record]
-            if missing:
-                raise DataError(
-                    f"{path}:{line_number}: record has no {', '.join(missing)} field; "
-                    f"every record needs {', '.join(required_keys)}"
-                )
-            records.append(record)
+            yield line_number, record
+
+
+def read_jsonl(path: str | Path, required_keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """All records of a JSONL file; blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset file {path} does not exist; check the path (data.train_path / data.val_path)")
+    records = []
+    for line_number, record in iter_jsonl(path):
+        missing = [key for key in required_keys if key not in record]
+        if missing:
+            raise DataError(
+                f"{path}:{line_number}: record has no {', '.join(missing)} field; "
+                f"every record needs {', '.join(required_keys)}"
+            )
+        records.append(record)
     if not records:
         raise DataError(f"dataset file {path} holds no records")
     return records

@@ -1,7 +1,7 @@
 """Preference pairs: reading them, tokenizing them for a policy (DPO) or a reward model, batching them.
 
-A pair is one JSON object per line, with the conversation before the answer and two assistant replies,
-the first preferred:
+A pair is one record (a JSONL line, or a row of any source data/sources.py reads, its fields named by
+`data.columns`), with the conversation before the answer and two assistant replies, the first preferred:
 
     {"prompt": "How many ...?", "chosen": "23 + 48 = 71. ...", "rejected": "23 + 48 = 61. ..."}
     {"messages": [{"role": "user", "content": "..."}, ...], "chosen": "...", "rejected": "..."}
@@ -26,18 +26,18 @@ from typing import Any, Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from reinforge.config.section import Section
 from reinforge.data.images import ImageInputs, image_messages, load_image, process_prompt, record_image_refs
-from reinforge.data.jsonl import read_jsonl
+from reinforge.data.sources import Source, SourceConfig
 from reinforge.errors import DataError
-from reinforge.paths import resolve_path
 
 
-class PreferenceDataConfig(Section):
+class PreferenceDataConfig(SourceConfig):
     train_path: str = "data/demo/preference_train.jsonl"
-    """JSONL file of training pairs: `prompt` (or `messages`), `chosen`, `rejected` per line."""
+    """Training pairs: a JSONL, JSON, parquet or arrow file, a directory saved by `datasets`, or a Hugging Face
+    dataset name (data/sources.py); each record with `prompt` (or `messages`), `chosen`, `rejected`, under the
+    names `columns` gives them."""
     val_path: str | None = "data/demo/preference_val.jsonl"
-    """JSONL file of held-out pairs for the val/ metrics; null disables validation."""
+    """Held-out pairs for the val/ metrics, as `train_path` (its split `val_split`); null disables validation."""
     system_prompt: str | None = None
     """Optional system message put before the `prompt` of every pair (`messages` pairs are used as they are)."""
     max_length: int = 1024
@@ -59,7 +59,7 @@ class PreferenceRecord:
     images: list[str] = field(default_factory=list)  # image references (data/images.py), relative to base_dir
     leading_images: int = 0  # of them, those of an `images` field: shown before the first user message's text
     base_dir: Path = Path(".")
-    where: str = ""  # "FILE: pair N", for errors
+    where: str = ""  # "FILE:LINE" or "SOURCE: row N" (data/sources.py), for errors
 
 
 @dataclass
@@ -84,11 +84,19 @@ class PairBatch:
         return self.input_ids.shape[0] // 2
 
 
-def read_preference_records(path: str, system_prompt: str | None) -> list[PreferenceRecord]:
-    """Every pair of a JSONL file, checked: a `prompt` string or a `messages` list, and string replies."""
+def read_preference_records(
+    path: str, system_prompt: str | None, data: SourceConfig | None = None, val: bool = False
+) -> list[PreferenceRecord]:
+    """Every pair of `path` (`data.val_path`'s split when `val`), checked: a `prompt` string or a `messages` list,
+    and string replies."""
+    data = data or SourceConfig()
+    source = Source.val(data, path) if val else Source.train(data, path)
     records = []
-    for line_number, raw in enumerate(read_jsonl(resolve_path(path), required_keys=("chosen", "rejected")), start=1):
-        where = f"{path}: pair {line_number}"
+    for row in source.rows():
+        raw, where = row.record, row.where
+        for key in ("chosen", "rejected"):
+            if key not in raw:
+                raise source.missing_error(row, key)
         if not all(isinstance(raw[key], str) for key in ("chosen", "rejected")):
             raise DataError(f"{where}: `chosen` and `rejected` must be strings (the assistant's replies)")
         if isinstance(raw.get("messages"), list) and raw["messages"]:
@@ -107,7 +115,7 @@ def read_preference_records(path: str, system_prompt: str | None) -> list[Prefer
             raise DataError(f"{where}: {exc}") from None
         leading = len(refs) if {"images", "image"} & raw.keys() else 0
         records.append(
-            PreferenceRecord(messages, raw["chosen"], raw["rejected"], refs, leading, resolve_path(path).parent, where)
+            PreferenceRecord(messages, raw["chosen"], raw["rejected"], refs, leading, source.base_dir, where)
         )
     return records
 
@@ -161,11 +169,12 @@ def load_pairs(
     tokenize: Tokenize,
     config: PreferenceDataConfig,
     processor: Any = None,
+    val: bool = False,
 ) -> list[TokenizedPair]:
-    """Read and tokenize a pair file, dropping pairs longer than `data.max_length`; pairs with images need a
-    vision-language model's `processor`."""
+    """Read and tokenize the pairs of `path` (`data.val_path`'s when `val`), dropping pairs longer than
+    `data.max_length`; pairs with images need a vision-language model's `processor`."""
     pairs = []
-    for record in read_preference_records(path, config.system_prompt):
+    for record in read_preference_records(path, config.system_prompt, config, val):
         try:
             if record.images and processor is None:
                 raise DataError("the pair has images, but the model is text-only; use a vision-language model")

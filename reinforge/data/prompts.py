@@ -1,6 +1,7 @@
 """Turning dataset records into tokenized prompts, and drawing them batch by batch.
 
-A record is an ordinary one (its prompt text in `data.prompt_key`) or a NeMo Gym row: a record with
+A record (read by data/sources.py, its fields named by `data.columns`) is an ordinary one (its prompt text in
+`prompt`) or a NeMo Gym row: a record with
 `responses_create_params` (an OpenAI Responses request: `input`, `tools`, `instructions`), whose
 conversation and tools are rendered with `templates.render_ids`, as the OpenAI-compatible endpoint
 renders what Gym sends it. The row's other fields (e.g. `expected_call`) ride along in `record`
@@ -14,29 +15,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
-from reinforge.config.section import Section
 from reinforge.data.images import ImageInputs, image_messages, load_image, process_prompt, record_image_refs
-from reinforge.data.jsonl import read_jsonl
 from reinforge.data.responses_format import create_params_to_chat
+from reinforge.data.sources import Row, Source, SourceConfig
 from reinforge.data.templates import render_ids
 from reinforge.errors import DataError
-from reinforge.paths import resolve_path
 
 
-class DataConfig(Section):
+class DataConfig(SourceConfig):
     train_path: str = "data/demo/train.jsonl"
-    """JSONL file of training prompts; one object per line with `prompt` and `answer` (and `task`)."""
+    """Training prompts: a JSONL, JSON, parquet or arrow file, a directory saved by `datasets`, or a Hugging Face
+    dataset name (data/sources.py); each record with a `prompt` and its `answer` (and `task`), under the names
+    `columns` gives them."""
     val_path: str | None = "data/demo/val.jsonl"
-    """JSONL file of held-out prompts for validation; null disables validation."""
-    prompt_key: str = "prompt"
-    """Record field holding the user message."""
+    """Held-out prompts for validation, as `train_path` (its split `val_split`); null disables validation."""
     system_prompt: str | None = None
-    """Optional system message put before every prompt whose record has no `system_key` field."""
-    system_key: str = "system"
-    """Record field holding that record's own system message (e.g. "detailed thinking on"); when a
-    record has it (not null) it replaces `system_prompt` for that record, "" meaning none."""
+    """Optional system message put before every prompt whose record has no system field (`columns.system`)."""
     use_chat_template: bool = True
     """Render prompts with the tokenizer's chat template; false feeds the prompt text as it is."""
     max_prompt_tokens: int = 1024
@@ -45,6 +42,11 @@ class DataConfig(Section):
     """Use at most this many validation prompts (the first ones); null: all."""
     shuffle: bool = True
     """Shuffle training prompts each epoch (seeded by `seed`)."""
+    shuffle_buffer: int = Field(default=10_000, gt=0)
+    """With `streaming`: training prompts are drawn at random from a buffer of this many records, refilled from
+    the stream as they are drawn (seeded by `seed` and the epoch), instead of from a shuffle of the whole set;
+    a larger buffer mixes better and holds more prompts in memory. The run's checks (and the environments it
+    starts) see this buffer's first fill."""
 
 
 GYM_ROW_KEY = "responses_create_params"  # what makes a record a NeMo Gym row
@@ -64,9 +66,9 @@ class Prompt:
 def render_prompt(
     record: dict[str, Any],
     tokenizer: PreTrainedTokenizerBase,
-    prompt_key: str,
-    system_prompt: str | None,
-    use_chat_template: bool,
+    prompt_key: str = "prompt",
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
     system_key: str = "system",
     processor: Any = None,
     base_dir: Path = Path("."),
@@ -76,10 +78,11 @@ def render_prompt(
     The system message is the record's own `system_key` field when it has one (not null), else
     `system_prompt`: the record wins, so one file can mix system prompts (e.g. "detailed thinking
     on" and "off" per record) while the global one fills in for records without. An empty string
-    in the record means no system message for that record. The default `system_key` is
-    `data.system_key`'s (config/schema.py). A NeMo Gym row whose input starts with its own system
-    (or developer) message keeps that one and gets no other. A record with images (data/images.py: its
-    `images` field, paths relative to `base_dir`) is rendered by a vision-language model's `processor`.
+    in the record means no system message for that record. The loader (data/sources.py) has renamed the
+    user's columns (`data.columns`) to `prompt` and `system`, the defaults. A NeMo Gym row whose input starts
+    with its own system (or developer) message keeps that one and gets no other. A record with images
+    (data/images.py: its `images` field, paths relative to `base_dir`) is rendered by a vision-language
+    model's `processor`.
     """
     if GYM_ROW_KEY in record:
         return _render_gym_row(record, tokenizer, system_prompt, use_chat_template, system_key, processor, base_dir)
@@ -163,46 +166,14 @@ def _render_gym_row(
 
 
 def load_prompts(
-    path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase, processor: Any = None
+    path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase, processor: Any = None, val: bool = False
 ) -> list[Prompt]:
-    """Read and render a prompt file, dropping prompts longer than `data.max_prompt_tokens`. Each record
-    needs `data.prompt_key`, or `responses_create_params` (a NeMo Gym row). Records with images need a
-    vision-language model's `processor` (modeling.py, `load_processor`)."""
-    file = resolve_path(path)
-    if data.use_chat_template and not tokenizer.chat_template:
-        raise DataError(
-            f"{file}: the model's tokenizer has no chat template to render the prompts with; set "
-            "data.use_chat_template=false (plain text), or use a model whose tokenizer_config.json has one"
-        )
-    prompts = []
-    for index, record in enumerate(read_jsonl(file)):
-        if GYM_ROW_KEY not in record and data.prompt_key not in record:
-            raise DataError(
-                f"{file}:{_line_number(file, index)}: record has no {data.prompt_key} field; "
-                f"every record needs {data.prompt_key} (or {GYM_ROW_KEY}, as a NeMo Gym row has)"
-            )
-        if GYM_ROW_KEY not in record and not isinstance(record[data.prompt_key], str):
-            raise DataError(
-                f"{file}:{_line_number(file, index)}: {data.prompt_key} must be a string (the user's message), "
-                f"not {type(record[data.prompt_key]).__name__}"
-            )
-        try:
-            prompts.append(
-                render_prompt(
-                    record,
-                    tokenizer,
-                    data.prompt_key,
-                    data.system_prompt,
-                    data.use_chat_template,
-                    data.system_key,
-                    processor,
-                    file.parent,
-                )
-            )
-        except DataError as exc:
-            if GYM_ROW_KEY not in record and not ({"images", "image"} & record.keys()):
-                raise
-            raise DataError(f"{file}:{_line_number(file, index)}: {exc}") from None
+    """Read and render the prompts of `path` (`data.val_path`'s when `val`), dropping prompts longer than
+    `data.max_prompt_tokens`. Each record needs a prompt (`data.columns.prompt`), or `responses_create_params` (a
+    NeMo Gym row). Records with images need a vision-language model's `processor` (modeling.py, `load_processor`)."""
+    source = Source.val(data, path) if val else Source.train(data, path)
+    check_template(path, data, tokenizer)
+    prompts = [row_prompt(row, source, data, tokenizer, processor) for row in source.rows()]
     kept = [p for p in prompts if len(p.token_ids) <= data.max_prompt_tokens]
     if not kept:
         raise DataError(
@@ -215,11 +186,39 @@ def load_prompts(
     return kept
 
 
-def _line_number(path: Path, index: int) -> int:
-    """The line of the `index`-th record (read_jsonl skips blank lines)."""
-    with path.open(encoding="utf-8", errors="replace") as handle:  # read_jsonl has checked the encoding
-        lines = [number for number, line in enumerate(handle, start=1) if line.strip()]
-    return lines[index]
+def check_template(path: str, data: "DataConfig", tokenizer: PreTrainedTokenizerBase) -> None:
+    if data.use_chat_template and not tokenizer.chat_template:
+        raise DataError(
+            f"{path}: the model's tokenizer has no chat template to render the prompts with; set "
+            "data.use_chat_template=false (plain text), or use a model whose tokenizer_config.json has one"
+        )
+
+
+def row_prompt(
+    row: Row, source: Source, data: "DataConfig", tokenizer: PreTrainedTokenizerBase, processor: Any = None
+) -> Prompt:
+    """One record rendered, its errors one line naming the row: a prompt string, or a NeMo Gym row."""
+    record = row.record
+    if GYM_ROW_KEY not in record and "prompt" not in record:
+        raise source.missing_error(row, "prompt", f", nor {GYM_ROW_KEY} (a NeMo Gym row)")
+    if GYM_ROW_KEY not in record and not isinstance(record["prompt"], str):
+        raise DataError(
+            f"{row.where}: {data.columns.prompt} must be a string (the user's message), "
+            f"not {type(record['prompt']).__name__}"
+        )
+    try:
+        return render_prompt(
+            record,
+            tokenizer,
+            "prompt",
+            data.system_prompt,
+            data.use_chat_template,
+            "system",
+            processor,
+            source.base_dir,
+        )
+    except DataError as exc:
+        raise DataError(f"{row.where}: {exc}") from None
 
 
 class PromptSampler:

@@ -21,19 +21,23 @@ Prompt formats (`{...}` are the file's fields):
   Scored in IFEval's strict mode, prompt level (1 when every instruction is followed).
 - vlm_sums (env `math`, images): the vision-language demo's held-out pictures of two numbers to add
   (scripts/build_vlm_demo.py), `{question}` as it is, the `images` beside the file.
-- A JSONL file of your own (`--benchmark path/to/file.jsonl`): each row's `question` (or `prompt`) as it is, its
-  `answer`, and optionally `images` (paths relative to the file, or data URLs; a vision-language model) and `task`
+- Questions of your own (`--benchmark path/to/file.jsonl`; or a JSON, parquet or arrow file, a directory saved by
+  `datasets`, or a hub dataset name `owner/name` with `--split` and `--subset`, all read by data/sources.py, whose
+  `--column FIELD=COLUMN` renames): each row's `question` (or `prompt`) as it is, its `answer`, and optionally
+  `images` (paths relative to the file, data URLs, or a `datasets` Image column; a vision-language model) and `task`
   (the environment, default `math`, whose answers are also voted on for maj@k).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from reinforge.data.jsonl import read_jsonl
+from reinforge.data.sources import FILE_SUFFIXES, Row, Source, SourceConfig
 from reinforge.errors import DataError, ReinforgeError
 from reinforge.paths import PROJECT_ROOT
 
@@ -65,6 +69,7 @@ class Benchmark:
     task: str  # the environment that scores it
     has_final_answer: bool  # a math answer to extract and vote on (maj@k)
     to_items: Callable[[list[dict[str, Any]]], list[BenchmarkItem]]
+    source: Source | None = None  # questions of the user's own (`file` is then the path or hub name as given)
 
 
 def _math_prompt(problem: str) -> str:
@@ -137,11 +142,16 @@ def _ifeval(rows: list[dict[str, Any]]) -> list[BenchmarkItem]:
 
 def _questions(rows: list[dict[str, Any]], name: str, base_dir: Path) -> list[BenchmarkItem]:
     """Rows of `question` (or `prompt`), `answer`, optional `images` and `task` (default math)."""
+    return _question_items([Row(row, f"{name}: row {i}", tuple(row)) for i, row in enumerate(rows)], name, base_dir)
+
+
+def _question_items(rows: list[Row], name: str, base_dir: Path) -> list[BenchmarkItem]:
     items = []
-    for i, row in enumerate(rows):
+    for i, found in enumerate(rows):
+        row = found.record
         question = row.get("question", row.get("prompt"))
         if not isinstance(question, str) or "answer" not in row:
-            raise DataError(f"{name}: row {i + 1} needs a `question` (or `prompt`) string and an `answer`")
+            raise DataError(f"{found.where}: needs a `question` (or `prompt`) string and an `answer`")
         images = row.get("images", row.get("image", []))
         images = [images] if isinstance(images, str) else list(images)
         record = {"task": row.get("task", "math"), "answer": str(row["answer"])}
@@ -166,25 +176,31 @@ BENCHMARKS = {
 }
 
 
-def get_benchmark(name: str) -> Benchmark:
-    """A named benchmark, or a JSONL file of questions (the module doc)."""
-    if name.endswith(".jsonl"):
-        path = Path(name).resolve()
-        if not path.is_file():
-            raise ReinforgeError(f"benchmark file {name} does not exist")
-        first = next(iter(read_jsonl(path)), {})
-        task = first.get("task", "math")
-        return Benchmark(name, str(path), task, task == "math", lambda rows: _questions(rows, name, path.parent))
-    if name not in BENCHMARKS:
+def get_benchmark(name: str, data: SourceConfig | None = None) -> Benchmark:
+    """A named benchmark, or questions of the user's own read by data/sources.py with `data`'s split, subset and
+    columns (the module doc)."""
+    if name in BENCHMARKS:
+        return BENCHMARKS[name]
+    source = Source.train(data or SourceConfig(split="test"), name, "--benchmark")
+    if "/" not in name and Path(name).suffix not in FILE_SUFFIXES and not Path(name).exists():
         raise ReinforgeError(
-            f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}, or give a .jsonl file of questions"
+            f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}, or give a file of questions (.jsonl, "
+            ".json, .parquet, .arrow), a directory saved by datasets, or a hub dataset name (owner/name)"
         )
-    return BENCHMARKS[name]
+    task = next(source.rows()).record.get("task", "math")
+    return Benchmark(name, name, task, task == "math", lambda rows: [], source)
 
 
-def load_benchmark(name: str, limit: int | None = None, root: Path = BENCHMARKS_DIR) -> list[BenchmarkItem]:
+def load_benchmark(
+    name: str, limit: int | None = None, root: Path = BENCHMARKS_DIR, data: SourceConfig | None = None
+) -> list[BenchmarkItem]:
     """The benchmark's items in file order, the first `limit` of them when given."""
-    benchmark = get_benchmark(name)
+    if limit is not None and limit < 1:
+        raise ReinforgeError(f"--limit must be >= 1, got {limit}")
+    benchmark = get_benchmark(name, data)
+    if benchmark.source is not None:  # read no further than the limit: a hub set may be large
+        rows = list(itertools.islice(benchmark.source.rows(), limit))
+        return _question_items(rows, name, benchmark.source.base_dir)
     path = root / benchmark.file
     if path.suffix == ".json":  # MBPP's sanitized split is one JSON array
         if not path.is_file():
@@ -193,7 +209,5 @@ def load_benchmark(name: str, limit: int | None = None, root: Path = BENCHMARKS_
     else:
         rows = read_jsonl(path)
     if limit is not None:
-        if limit < 1:
-            raise ReinforgeError(f"--limit must be >= 1, got {limit}")
         rows = rows[:limit]
     return benchmark.to_items(rows)

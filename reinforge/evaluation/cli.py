@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reinforge.data.sources import SourceConfig
 
 
 def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +39,20 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
         "--benchmark",
         required=True,
         metavar="NAME",
-        help=f"one of: {', '.join(BENCHMARKS)}; or a .jsonl file of questions (question, answer, images)",
+        help=f"one of: {', '.join(BENCHMARKS)}; or questions of your own (question, answer, images): a .jsonl, "
+        ".json, .parquet or .arrow file, a directory saved by datasets, or a hub dataset name (owner/name)",
+    )
+    parser.add_argument(
+        "--split", help="the split of a hub dataset or a saved DatasetDict given as --benchmark (default: test)"
+    )
+    parser.add_argument("--subset", help="a hub dataset's configuration (e.g. main for openai/gsm8k)")
+    parser.add_argument(
+        "--column",
+        action="append",
+        default=[],
+        metavar="FIELD=COLUMN",
+        help="the column holding a field of --benchmark's questions, e.g. --column prompt=problem "
+        "--column answer=solution (fields: prompt, answer, images, task); repeatable",
     )
     parser.add_argument("--k", type=int, required=True, help="k of pass@k and maj@k")
     parser.add_argument("--n", type=int, help="samples per prompt, n >= k (default: k)")
@@ -63,7 +80,8 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
 def run_eval_command(args: argparse.Namespace) -> None:
     from reinforge.evaluation.benchmarks import get_benchmark
 
-    get_benchmark(args.benchmark)  # a misspelt name fails before the heavy imports
+    source = source_config(args)
+    get_benchmark(args.benchmark, source)  # a misspelt name fails before the heavy imports
     from reinforge.evaluation.evaluate import evaluate
     from reinforge.model_config import ModelConfig
 
@@ -75,12 +93,14 @@ def run_eval_command(args: argparse.Namespace) -> None:
         "temperature": args.temperature,
         "batch_size": args.batch_size,
         "seed": args.seed,
+        "data": source,
     }
     result = evaluate(
         ModelConfig(name_or_path=args.model, adapter=args.adapter),
         args.benchmark,
         args.k,
-        output_dir=args.output or Path("runs") / "eval" / Path(args.benchmark).name.removesuffix(".jsonl"),
+        output_dir=args.output
+        or Path("runs") / "eval" / Path(args.benchmark).name.removesuffix(Path(args.benchmark).suffix),
         **{name: value for name, value in options.items() if value is not None},
     )
     shown = {
@@ -88,3 +108,24 @@ def run_eval_command(args: argparse.Namespace) -> None:
     }
     print(json.dumps(shown))
     print(f"summary: {result.output_dir / 'summary.json'}   samples: {result.output_dir / 'samples.jsonl'}")
+
+
+def source_config(args: argparse.Namespace) -> "SourceConfig":
+    """--split, --subset and --column as data/sources.py's settings; a malformed --column is a one-line error."""
+    from reinforge.data.sources import SourceConfig
+    from reinforge.errors import ReinforgeError
+
+    columns = {}
+    for given in args.column:
+        field, sep, column = given.partition("=")
+        if not sep or not field or not column:
+            raise ReinforgeError(f"--column {given!r}: expected FIELD=COLUMN, e.g. --column prompt=problem")
+        columns[field] = column
+    try:
+        return SourceConfig(split=args.split or "test", subset=args.subset, columns=columns)
+    except ValueError as exc:
+        first = exc.errors()[0] if hasattr(exc, "errors") else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise ReinforgeError(
+            f"--column {where.removeprefix('columns.')}: not a field; choose one of prompt, answer, images, task"
+        ) from None

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from reinforge.data.prompts import Prompt, render_prompt
+from reinforge.data.sources import SourceConfig
 from reinforge.envs.base import Environment
 from reinforge.envs.math_env import extract_answer
 from reinforge.envs.registry import EnvConfig, build_envs
@@ -134,8 +135,10 @@ def evaluate(
     batch_size: int = 32,
     seed: int = 0,
     env_config: EnvConfig | None = None,
+    data: SourceConfig | None = None,
 ) -> EvalResult:
-    """Evaluate `model` on `benchmark` (a name in benchmarks.BENCHMARKS) with `num_samples` (n, default k)
+    """Evaluate `model` on `benchmark` (a name in benchmarks.BENCHMARKS, or questions of the user's own read with
+    `data`'s split, subset and columns) with `num_samples` (n, default k)
     samples per prompt on its first `limit` prompts; `batch_size` prompts go to the engine at a time.
     Writes samples.jsonl and summary.json to `output_dir` when given (see the module doc)."""
     num_samples = k if num_samples is None else num_samples
@@ -153,7 +156,7 @@ def evaluate(
         raise ReinforgeError(f"unknown backend {backend!r}; choose hf or vllm")
     if temperature is None:
         temperature = 0.0 if num_samples == 1 else SAMPLING_TEMPERATURE
-    spec = get_benchmark(benchmark)
+    spec = get_benchmark(benchmark, data)
     model = resolve_model(model)
     if model.adapter:
         adapter_base(model)  # an adapter of another base model is a one-line error before anything loads
@@ -162,7 +165,7 @@ def evaluate(
     start = time.perf_counter()
     timers = Timers()
     with timers.time("load"):
-        items = load_benchmark(benchmark, limit)
+        items = load_benchmark(benchmark, limit, data=data)
         tokenizer = load_tokenizer(model)
         prompts = render_items(items, tokenizer, load_processor(model))
     params = SamplingParams(

@@ -30,6 +30,7 @@ from reinforge.algorithms.step_metrics import env_metrics, per_task_means, score
 from reinforge.config.loader import save_config
 from reinforge.data.batch import Trajectory
 from reinforge.data.curriculum import batch_metrics
+from reinforge.data.prompt_stream import stream_sampler
 from reinforge.data.prompts import Prompt, PromptSampler, load_prompts
 from reinforge.envs.base import Environment
 from reinforge.envs.registry import check_tasks
@@ -81,10 +82,13 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
         torch.set_num_threads(config.cluster.num_threads)
     tokenizer = load_tokenizer(config.model)
     processor = load_processor(config.model)  # a vision-language model's, for image prompts; None: text-only
-    train_prompts = load_prompts(config.data.train_path, config.data, tokenizer, processor)
+    stream = stream_sampler(
+        config.data, config.curriculum, tokenizer, config.rollout.num_prompts_per_step, config.seed, processor
+    )
+    train_prompts = stream.head() if stream else load_prompts(config.data.train_path, config.data, tokenizer, processor)
     val_prompts = []
     if config.data.val_path:
-        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer, processor)[
+        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer, processor, val=True)[
             : config.data.max_val_prompts
         ]
 
@@ -113,7 +117,9 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
         all_prompts = train_prompts + val_prompts
         episodes = build_episodes(config, engine, tokenizer, envs, all_prompts, run_dir, cleanup)
         # may sample with the engine: the curriculum's pass rates
-        sampler, curriculum_metrics = build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)
+        sampler, curriculum_metrics = (
+            (stream, {}) if stream else build_prompt_sampler(config, train_prompts, engine, tokenizer, envs, run_dir)
+        )
         write_placement(run_dir, trainer, engine, envs)
         learner = make_learner(config, trainer, tokenizer, cleanup)
         state = (

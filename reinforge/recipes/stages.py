@@ -26,10 +26,10 @@ from typing import Any, Callable
 from reinforge.config.loader import build_config, parse_override, read_yaml_tree
 from reinforge.config.section import Section
 from reinforge.config.tree import deep_merge, set_dotted
+from reinforge.data.sources import names_a_missing_file
 from reinforge.errors import ConfigError, ReinforgeError
 from reinforge.loops.registry import RECIPES, Recipe
 from reinforge.modeling import model_location
-from reinforge.paths import resolve_path
 from reinforge.recipes.spec import RecipeSpec, StageSpec, config_file, dotted_keys, expand_overrides
 
 
@@ -139,8 +139,9 @@ def _refuse_recipe_owned_keys(
 
 
 def _check_data_files(config: Section) -> None:
-    """Every stage's data files exist now, so that a typo in stage 3 does not wait for stages 1 and 2."""
+    """Every stage's data files exist now, so that a typo in stage 3 does not wait for stages 1 and 2 (a hub dataset
+    name is read when its stage starts)."""
     for key in ("train_path", "val_path"):
         value = getattr(config.data, key, None)
-        if value and not resolve_path(value).is_file():
+        if value and names_a_missing_file(value):
             raise ConfigError(f"data.{key}={value} does not exist; check the path")

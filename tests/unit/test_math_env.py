@@ -204,6 +204,15 @@ def test_gsm8k_solutions_score_one_boxed_or_not(env):
     assert rewards(env, raw) == [1.0] * 100
 
 
+def test_gsm8k_published_answers_are_golds_as_they_are(env):
+    """GSM8K's `answer` column as published (the worked solution, then "#### N"), used as the gold with no
+    conversion (data.columns.answer=answer): "\\boxed{N}" scores 1, another number 0."""
+    records = read_jsonl("gsm8k_test_first100.jsonl")[:20]
+    finals = [record["answer"].split("#### ")[-1].replace(",", "") for record in records]
+    assert rewards(env, [(f"\\boxed{{{n}}}", r["answer"]) for r, n in zip(records, finals)]) == [1.0] * 20
+    assert rewards(env, [(f"\\boxed{{{int(n) + 1}}}", r["answer"]) for r, n in zip(records, finals)]) == [0.0] * 20
+
+
 def test_math500_solutions_score_one_against_their_answers(env):
     """The first 100 MATH-500 test records: each worked solution ends in a boxed answer that
     math-verify must accept against the record's `answer` field (at least 99%)."""

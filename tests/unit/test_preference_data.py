@@ -87,9 +87,12 @@ def test_a_pair_may_give_a_whole_conversation_or_a_prompt_with_the_system_prompt
 @pytest.mark.parametrize(
     "record, message",
     [
-        ({"prompt": "2 + 2?", "chosen": "4"}, "record has no rejected field"),
-        ({"chosen": "4", "rejected": "5"}, "pair 1: needs a `prompt` string or a non-empty `messages` list"),
-        ({"prompt": "2 + 2?", "chosen": ["4"], "rejected": "5"}, "pair 1: `chosen` and `rejected` must be strings"),
+        ({"prompt": "2 + 2?", "chosen": "4"}, r"pairs.jsonl:1: no column .rejected. \(set data.columns.rejected"),
+        ({"chosen": "4", "rejected": "5"}, "pairs.jsonl:1: needs a `prompt` string or a non-empty `messages` list"),
+        (
+            {"prompt": "2 + 2?", "chosen": ["4"], "rejected": "5"},
+            "pairs.jsonl:1: `chosen` and `rejected` must be strings",
+        ),
     ],
 )
 def test_malformed_pairs_are_one_line_errors_naming_the_pair(tmp_path, record, message):

@@ -63,7 +63,11 @@ def test_load_prompts_takes_gym_rows_without_the_prompt_key_but_not_records_with
     assert [p.messages[-1]["content"] for p in prompts] == ["sf?", "2 + 2?"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(ROW) + "\n\n" + json.dumps({"question": "2 + 2?"}) + "\n")
-    with pytest.raises(DataError, match=rf"^{bad}:3: record has no {data.prompt_key} field; .*responses_create_params"):
+    with pytest.raises(
+        DataError,
+        match=rf"^{bad}:3: no column 'prompt' \(set data.columns.prompt to the column holding it\), "
+        r"nor responses_create_params \(a NeMo Gym row\); its columns are question$",
+    ):
         load_prompts(str(bad), data, tokenizer)
 
 

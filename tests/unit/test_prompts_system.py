@@ -1,6 +1,7 @@
-"""A record's own system message (`data.system_key`) in GRPO prompts, rendered with the demo tokenizer."""
+"""A record's own system message (`data.columns.system`) in GRPO prompts, rendered with the demo tokenizer."""
 
 import inspect
+import json
 
 import pytest
 
@@ -52,9 +53,11 @@ def test_an_empty_system_field_means_no_system_message_even_with_a_global_one(to
     assert rendered(prompt, tokenizer).startswith("<|im_start|>user\n")
 
 
-def test_the_field_name_is_configurable_and_other_fields_are_ignored(tokenizer):
-    record = {"prompt": QUESTION, "instructions": "detailed thinking off", "system": "detailed thinking on"}
-    prompt = render_prompt(record, tokenizer, "prompt", None, use_chat_template=True, system_key="instructions")
+def test_the_column_is_configurable_and_other_fields_are_ignored(tokenizer, tmp_path):
+    record = {"prompt": QUESTION, "instructions": "detailed thinking off", "other": "detailed thinking on"}
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(record) + "\n")
+    data = DataConfig(columns={"system": "instructions"})
+    (prompt,) = load_prompts(str(tmp_path / "prompts.jsonl"), data, tokenizer)
     assert prompt.messages[0] == {"role": "system", "content": "detailed thinking off"}
 
 
@@ -73,8 +76,10 @@ def test_a_system_field_that_is_not_a_string_is_a_data_error(tokenizer):
 
 
 def test_render_prompts_default_field_is_the_configs():
-    """The keyword default exists for callers that predate the field; it must not drift from data.system_key."""
-    assert inspect.signature(render_prompt).parameters["system_key"].default == DataConfig().system_key == "system"
+    """The loader renames the user's columns to the project's names, which are render_prompt's defaults."""
+    defaults = {name: p.default for name, p in inspect.signature(render_prompt).parameters.items()}
+    columns = DataConfig().columns
+    assert (defaults["prompt_key"], defaults["system_key"]) == (columns.prompt, columns.system) == ("prompt", "system")
 
 
 def test_the_reasoning_demo_prompts_carry_their_mode_in_the_system_message(tokenizer):

@@ -397,5 +397,5 @@ def test_dpo_image_pairs_reach_the_trainer_as_a_plain_forward_sees_them(tiny_vlm
     assert [b.digest() for b in batch.images] == [p.images.digest() for p in pairs for _ in range(2)]
     expected = hf_logprobs(load_model(config).eval(), batch)
     assert torch.allclose(backend(tiny_vlm_dir).logprobs(batch), expected, atol=1e-5)
-    with pytest.raises(DataError, match=r"pairs.jsonl: pair 1: the pair has images, but the model is text-only"):
+    with pytest.raises(DataError, match=r"pairs.jsonl:1: the pair has images, but the model is text-only"):
         load_pairs(str(path), processor.tokenizer, tokenize_for_policy, PreferenceDataConfig(), None)
