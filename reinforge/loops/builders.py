@@ -23,7 +23,7 @@ from reinforge.rollout.rollout import Episodes, ReinforgeRollout, RolloutOptions
 from reinforge.training.base import BackendConfig, TrainingBackend, TrainingConfig
 from reinforge.training.heads import Head
 from reinforge.training.optimizer import OptimizerConfig
-from reinforge.training.parallel import resolve_auto
+from reinforge.training.parallel.layout import resolve_auto
 
 
 def uses_ray(config: RLRunConfig) -> bool:

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from reinforge.config.section import Section
 from reinforge.data.batch import Normalisers, TrainBatch
-from reinforge.training.parallel import ParallelConfig, ParallelSetting
+from reinforge.training.parallel.layout import ParallelConfig, ParallelSetting
 
 
 class BackendConfig(Section):
@@ -50,8 +50,8 @@ class BackendConfig(Section):
     minutes). A hung rank is usually caught earlier by `cluster.worker_timeout_s`."""
     parallel: ParallelSetting = ParallelConfig()
     """How `num_workers` ranks split the work: data-parallel shards and copies, tensor and context parallelism
-    (training/parallel.py; docs/distributed.md); `auto`: the layout the planner picks for the model and the
-    machine (training/planner.py)."""
+    (training/parallel/layout.py; docs/distributed.md); `auto`: the layout the planner picks for the model and the
+    machine (training/parallel/planner.py)."""
     logprob_chunk_tokens: int = Field(default=2048, ge=1)
     """Apply the LM head to at most this many tokens at a time when computing logprobs and entropies (the
     training pass recomputes each chunk's logits in the backward pass), so memory grows with

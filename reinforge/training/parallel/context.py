@@ -45,7 +45,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from reinforge.data.packing import RowLayout, SegmentBucket
 from reinforge.errors import ConfigError
 from reinforge.modeling import attention_implementation
-from reinforge.training.parallel import sum_over_ranks
+from reinforge.training.parallel.tensor import sum_over_ranks
 from reinforge.training.segment_attention import SEGMENT_ATTENTION
 
 ULYSSES_ATTENTION = "reinforge_ulysses"
