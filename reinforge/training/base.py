@@ -29,7 +29,7 @@ class BackendConfig(Section):
     backend: Literal["torch", "fsdp2"] = "torch"
     """Training engine: `torch` (one process, plain PyTorch) or `fsdp2` (PyTorch FSDP2 over
     `training.num_workers` ranks in Ray actors; gloo on CPU, NCCL on GPU)."""
-    num_workers: int = 1
+    num_workers: int = Field(default=1, ge=1)
     """Training ranks for `fsdp2`; each trains on global_batch_size / num_workers sequences per step."""
     global_batch_size: int = 128
     """Sequences per optimizer step (RL: it must divide the rollout batch, prompts x generations)."""
@@ -58,7 +58,15 @@ class BackendConfig(Section):
     chunk x vocabulary, not with sequence length x vocabulary."""
 
     @model_validator(mode="after")
-    def _check_layout(self) -> "BackendConfig":
+    def _check_backend(self) -> "BackendConfig":
+        """The backend's rules, for every recipe: ranks and CPU offload need FSDP2; the layout fits the ranks."""
+        if self.num_workers > 1 and self.backend != "fsdp2":
+            raise ValueError(
+                f"training.num_workers={self.num_workers} needs training.backend=fsdp2; the torch backend is one "
+                "process"
+            )
+        if self.cpu_offload and self.backend != "fsdp2":
+            raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
         if not isinstance(self.parallel, ParallelConfig):
             return self
         if self.backend == "torch":

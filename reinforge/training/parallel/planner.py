@@ -33,7 +33,7 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
 - reference (with a KL term, without LoRA): a frozen copy of the policy, 4 P / S;
 - engine weights (2 P / engine tp, bf16) and KV cache (L x 2 x max(kv heads / engine tp, 1) x head dim x
   generation_sequences x seq_len x 2 B): colocated, the engine sleeps while the trainer works
-  (`generation.vllm_sleep_mode`, on on GPU), so the GPU holds the larger of the training phase and the
+  (`generation.vllm.sleep_mode`, on on GPU), so the GPU holds the larger of the training phase and the
   generation phase (weights, grads, AdamW state and reference, which stay, plus the engine); separate, the
   engine's GPUs are other GPUs and must hold it alone;
 - runtime: a fixed overhead, `GPU_RUNTIME_GIB` on GPU (CUDA context, NCCL buffers, the caching allocator's
