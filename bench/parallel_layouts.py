@@ -31,7 +31,7 @@ from reinforge.training.base import TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy
 from reinforge.training.heads import LogprobHead
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
-from reinforge.training.parallel import ParallelConfig
+from reinforge.training.parallel.layout import ParallelConfig
 
 # (name, ranks, training.parallel)
 LAYOUTS = (

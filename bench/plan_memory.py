@@ -1,5 +1,5 @@
-"""The planner's memory prediction (reinforge/training/planner.py, device "cpu") against the measured peak of real
-training steps on this machine, per rank, for each layout of `--layouts`.
+"""The planner's memory prediction (reinforge/training/parallel/planner.py, device "cpu") against the measured peak
+of real training steps on this machine, per rank, for each layout of `--layouts`.
 
     python bench/plan_memory.py                                      # LAYOUTS: each model in one process,
                                                                      # dp_shard 2, tp 2, cp 2
@@ -50,7 +50,7 @@ def peak_rss_gib() -> float:
 
 def parse_layout(text: str):
     """(model, Layout or None for the one-process backend)."""
-    from reinforge.training.planner import Layout
+    from reinforge.training.parallel.planner import Layout
 
     model, _, layout = text.partition(":")
     if layout == "local":
@@ -78,7 +78,7 @@ def run_rank(rank: int, world_size: int, port: int, model_dir: Path, out_dir: Pa
     sequences = SEQUENCES_PER_RANK * data_parallel
     parallel = {}
     if layout is not None:
-        from reinforge.training.parallel import ParallelConfig
+        from reinforge.training.parallel.layout import ParallelConfig
 
         fields = dict(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, cp=layout.cp)
         parallel = dict(parallel=ParallelConfig(**fields))
@@ -129,7 +129,7 @@ def spawn(world_size: int, target, args: tuple, timeout_s: float = 900) -> None:
 
 def prediction(model_dir: Path, layout, baseline_gib: float) -> dict[str, float]:
     """The planner's terms (GiB) for the rank's training phase on CPU, with the measured process baseline."""
-    from reinforge.training.planner import GIB, Layout, Workload, memory_terms, model_shape
+    from reinforge.training.parallel.planner import GIB, Layout, Workload, memory_terms, model_shape
 
     workload = Workload(
         seq_len=PROMPT[1] + RESPONSE[1],

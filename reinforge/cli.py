@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_command(commands)
 
-    from reinforge.training.plan_cli import add_plan_command
+    from reinforge.training.parallel.plan_cli import add_plan_command
 
     add_plan_command(commands)
 
@@ -209,7 +209,7 @@ def run_command(args: argparse.Namespace) -> None:
         written, measured = prefilter_file(config, Path(args.out), args.keep_all)
         print(f"{args.out}: {written} of {measured} records")
     elif args.command == "plan":
-        from reinforge.training.plan_cli import run_plan_command
+        from reinforge.training.parallel.plan_cli import run_plan_command
 
         run_plan_command(args)
     elif args.command == "report":

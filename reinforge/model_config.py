@@ -37,13 +37,10 @@ class LoraConfig(Section):
     `sync=merged` (vLLM's LoRA adapts the language model only)."""
 
 
-def adapter_sync(config) -> bool:
-    """Whether a run's engine takes the adapter itself (vLLM's LoRA) rather than the merged weights: `model.lora.sync`
-    with `auto` resolved (adapter with vLLM, merged with the HF engine). `config` is an RL run's root config."""
-    lora = config.model.lora
-    return lora is not None and (
-        lora.sync == "adapter" or (lora.sync == "auto" and config.generation.backend == "vllm")
-    )
+def adapter_sync(lora: LoraConfig | None, engine: str) -> bool:
+    """Whether the generation engine (`generation.backend`) takes the adapter itself (vLLM's LoRA) rather than the
+    merged weights: `model.lora.sync` with `auto` resolved (adapter with vLLM, merged with the HF engine)."""
+    return lora is not None and (lora.sync == "adapter" or (lora.sync == "auto" and engine == "vllm"))
 
 
 def vllm_max_lora_rank(rank: int) -> int:

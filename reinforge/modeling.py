@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from reinforge.errors import ReinforgeError
-from reinforge.model_config import ModelConfig
+from reinforge.model_config import LINEAR_TARGETS, ModelConfig
 from reinforge.paths import resolve_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -227,6 +227,48 @@ def check_fits_context(config: ModelConfig, num_tokens: int, setting: str) -> No
 def model_class(hf_config: PretrainedConfig) -> type:
     """The transformers auto class of a policy: image-text-to-text for a vision-language model, else causal LM."""
     return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
+
+
+# Which modules LoRA adapts: training/lora.py's adapters, and vLLM's LoRA layers (the engine's, which must not
+# reach into training/).
+
+# Leaf names that PEFT 0.21 maps onto a transformers-5 MoE block's fused expert parameters or its router
+# (peft/utils/transformers_weight_conversion.py, _MOE_TARGET_MODULE_MAPPING): never targeted in an MoE model.
+MOE_PROJECTIONS = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+
+
+def skeleton(model_config: ModelConfig) -> torch.nn.Module:
+    """The model built from its config on the meta device (no weights)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_location(model_config), trust_remote_code=model_config.trust_remote_code)
+    with torch.device("meta"):
+        return model_class(config).from_config(config, trust_remote_code=model_config.trust_remote_code)
+
+
+def linear_names(model: torch.nn.Module) -> set[str]:
+    """The last name part of every linear layer but the LM head."""
+    head = model.get_output_embeddings()
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+
+
+def adapted_modules(model: torch.nn.Module, target_modules: list[str] | str) -> list[str] | str:
+    """What PEFT is asked to adapt: `target_modules` as given, but `all-linear` of an MoE model resolved to its
+    linear layers' names without the experts' and the router's (training/lora.py's docstring), e.g. Qwen3-MoE's
+    q/k/v/o_proj."""
+    if target_modules != LINEAR_TARGETS or not is_moe(model.config):
+        return target_modules
+    return sorted(linear_names(model) - MOE_PROJECTIONS)
+
+
+def moe_lora_targets(model_config: ModelConfig) -> list[str] | None:
+    """The modules an MoE model's adapter has, for vLLM's `lora_target_modules`; None for a dense model."""
+    model = skeleton(model_config)
+    return list(adapted_modules(model, model_config.lora.target_modules)) if is_moe(model.config) else None
 
 
 def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:

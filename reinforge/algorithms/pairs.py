@@ -22,7 +22,6 @@ from reinforge.cluster.config import ClusterConfig
 from reinforge.config.section import Section
 from reinforge.data.batch import TrainBatch
 from reinforge.data.preference import PreferenceDataConfig, TokenizedPair, collate_pairs
-from reinforge.loops.builders import check_backend
 from reinforge.model_config import ModelConfig
 from reinforge.training.backend import Backend
 from reinforge.training.base import BackendConfig, LossFn, TrainingConfig
@@ -74,7 +73,6 @@ class PairRunConfig(Section):
     @model_validator(mode="after")
     def _check_training(self) -> "PairRunConfig":
         training = self.training
-        check_backend(training)
         if training.global_batch_size % (2 * training.num_workers):
             raise ValueError(
                 f"training.global_batch_size={training.global_batch_size} does not split into whole pairs over "

@@ -23,7 +23,7 @@ al. 2019 and Schulman et al. 2017):
    GRPO, `loss.old_logprobs`); one pass over the rollout (no PPO epochs).
 3. The critic is its own copy of the base model with a zero-initialised value head (no reward-model
    initialisation), on the policy's training backend: in this process (torch), or with FSDP2 on
-   `training.num_workers` ranks of its own beside the policy's (cluster/fsdp2_critic_group.py).
+   `training.num_workers` ranks of its own beside the policy's (cluster/fsdp2_trainer.py).
 4. The samples of a prompt are still drawn in groups (`rollout.num_generations_per_prompt`, at least 2), which
    PPO does not need; the group plays no part in the advantages.
 """

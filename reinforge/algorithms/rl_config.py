@@ -18,6 +18,7 @@ from reinforge.data.curriculum import CurriculumConfig
 from reinforge.data.prompts import DataConfig
 from reinforge.envs.registry import EnvConfig
 from reinforge.generation.base import GenerationConfig
+from reinforge.generation.vllm_config import MOVED_VLLM_KEYS
 from reinforge.hang import DeadlinesConfig
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.model_config import VLLM_LORA_RANKS, ModelConfig, adapter_sync
@@ -42,6 +43,7 @@ MOVED_KEYS = {
     **{f"training.{name}": f"optimizer.{name}" for name in ("lr", "weight_decay", "adam_beta1", "adam_beta2")},
     **{f"training.{name}": f"optimizer.{name}" for name in ("adam_eps", "max_grad_norm")},
     **{f"training.{name}": f"scheduler.{name}" for name in ("warmup_steps", "lr_schedule")},
+    **MOVED_VLLM_KEYS,
 }
 
 
@@ -99,6 +101,21 @@ class RLRunConfig(Section):
         return self.loop.max_steps * (rollout // self.training.global_batch_size)
 
     @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence a rollout can make: the prompt, every turn, every observation between turns."""
+        rollout = self.rollout
+        return (
+            self.data.max_prompt_tokens
+            + rollout.max_turns * self.generation.max_new_tokens
+            + (rollout.max_turns - 1) * rollout.max_observation_tokens
+        )
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether the engine takes the LoRA adapter itself (model_config.py, `adapter_sync`)."""
+        return adapter_sync(self.model.lora, self.generation.backend)
+
+    @property
     def off_policy(self) -> bool:
         """Whether generation may run ahead of training (async or in-flight generation with staleness >= 1)."""
         return self.rollout.mode != "sync" and self.rollout.max_staleness > 0
@@ -114,15 +131,10 @@ class RLRunConfig(Section):
                 f"(rollout.num_prompts_per_step x rollout.num_generations_per_prompt = {rollout_batch}); "
                 f"set it to a divisor of {rollout_batch}, e.g. {rollout_batch} or {example}"
             )
-        if training.num_workers < 1 or training.global_batch_size % training.num_workers:
+        if training.global_batch_size % training.num_workers:
             raise ValueError(
                 f"training.num_workers={training.num_workers} does not divide training.global_batch_size="
                 f"{training.global_batch_size}; every rank trains on an equal share, so set it to a divisor"
-            )
-        if training.num_workers > 1 and training.backend != "fsdp2":
-            raise ValueError(
-                f"training.num_workers={training.num_workers} needs training.backend=fsdp2; the torch backend is "
-                "one process"
             )
         if self.cluster.colocate and training.backend == "fsdp2" and self.generation.num_workers > training.num_workers:
             raise ValueError(
@@ -146,8 +158,6 @@ class RLRunConfig(Section):
             )
         if self.env.num_workers < 0:
             raise ValueError("env.num_workers must be >= 0 (0: score in the driver process)")
-        if training.cpu_offload and training.backend != "fsdp2":
-            raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
         if training.micro_batch_size <= 0 or training.global_batch_size % training.micro_batch_size:
             raise ValueError(
                 f"training.micro_batch_size={training.micro_batch_size} does not divide training.global_batch_size="
@@ -165,12 +175,12 @@ class RLRunConfig(Section):
                 f"model.lora.sync=adapter needs generation.backend=vllm (the {self.generation.backend} engine has no "
                 "LoRA support); set model.lora.sync=merged, or generation.backend=vllm"
             )
-        if adapter_sync(self) and lora.rank > VLLM_LORA_RANKS[-1]:
+        if self.adapter_sync and lora.rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(
                 f"model.lora.rank={lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]}) for "
                 "adapter sync; set model.lora.sync=merged or a lower rank"
             )
-        if adapter_sync(self) and lora.vision:
+        if self.adapter_sync and lora.vision:
             raise ValueError(
                 "model.lora.vision=true adapts the vision tower, which vLLM's LoRA does not (it adapts the language "
                 "model only); set model.lora.sync=merged, or model.lora.vision=false"
@@ -197,9 +207,9 @@ class RLRunConfig(Section):
             (gen.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
             (gen.verify_refit_every >= 0, "generation.verify_refit_every must be >= 0 (0 turns the check off)"),
             (
-                not (rollout.mode != "sync" and gen.vllm_sleep_mode),
+                not (rollout.mode != "sync" and gen.vllm.sleep_mode),
                 f"rollout.mode={rollout.mode} keeps the engine generating while the trainer works, so it never "
-                "sleeps; set generation.vllm_sleep_mode to false or null",
+                "sleeps; set generation.vllm.sleep_mode to false or null",
             ),
             (
                 rollout.driver != "agent" or bool(self.agent.names()),

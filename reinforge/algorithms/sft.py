@@ -45,7 +45,7 @@ from reinforge.errors import ConfigError, DataError
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.loops.builders import build_recipe_backend, check_backend
+from reinforge.loops.builders import build_recipe_backend
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import (
     DTYPES,
@@ -149,7 +149,6 @@ class SFTRunConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "SFTRunConfig":
         training, sft, data = self.training, self.sft, self.data
-        check_backend(training)
         checks = [
             (
                 training.global_batch_size % training.num_workers == 0,

@@ -2,7 +2,7 @@
 training/fsdp2.py) in Ray actors, behind the same training-backend interface as the backend in one process, so
 the RL loop does not know where its ranks run. Every rank gets the whole global batch (through the object store,
 once) and trains on its share; rank 0 answers. `FSDP2Ranks` is what every model trained on FSDP2 shares (the
-policy's `FSDP2Trainer` here, PPO's critic in cluster/fsdp2_critic_group.py, the SFT, DPO and RM models in
+RL loop's policy and PPO's critic, each an `FSDP2Trainer` here, the SFT, DPO and RM models in
 cluster/fsdp2_group.py)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from reinforge.network import free_port
 from reinforge.training.backend import Backend
 from reinforge.training.base import LossFn, TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy
-from reinforge.training.heads import LogprobHead
+from reinforge.training.heads import Head
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 
@@ -78,37 +78,39 @@ class FSDP2Ranks:
 
 
 class FSDP2Trainer(FSDP2Ranks):
-    """The policy (and its frozen reference when `load_reference`) on FSDP2 ranks; with `cluster.colocate` the
-    ranks take half of each bundle (colocated engines take the other half)."""
+    """A model of the RL loop on FSDP2 ranks: the policy (`head` a `LogprobHead`, with its frozen reference when
+    `load_reference`) or PPO's critic (training/critic.py's `VALUE_HEAD`, a model without LoRA). `actor_fraction`:
+    the share of each bundle the ranks take (half where colocated engines take the other half)."""
 
     def __init__(
         self,
+        name: str,
         model: ModelConfig,
         training: TrainingConfig,
         optimizer: OptimizerConfig,
         scheduler: SchedulerConfig,
         cluster: ClusterConfig,
-        temperature: float,
         num_optimizer_steps: int,
-        load_reference: bool,
+        head: Head,
+        load_reference: bool = False,
+        actor_fraction: float = 1.0,
     ):
-        super().__init__(
-            "training",
-            training,
-            cluster,
-            dict(
-                model_config=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                num_optimizer_steps=num_optimizer_steps,
-                head=LogprobHead(temperature),
-                load_reference=load_reference,
-            ),
-            actor_fraction=0.5 if cluster.colocate else 1.0,
+        backend_kwargs = dict(
+            model_config=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            num_optimizer_steps=num_optimizer_steps,
+            head=head,
+            load_reference=load_reference,
         )
+        super().__init__(name, training, cluster, backend_kwargs, actor_fraction)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False, version: int | None = None) -> torch.Tensor:
         return self.group.call("logprobs", batch, reference, version)[0]
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's values [B, T]."""
+        return self.group.call("values", batch)[0]
 
     def keep_version(self, version: int, depth: int) -> list[int]:
         return self.group.call("keep_version", version, depth)[0]

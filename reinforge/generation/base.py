@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Iterable, Literal, Protocol
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from reinforge.config.section import Section
+from reinforge.generation.vllm_config import VLLMConfig
 from reinforge.modeling import DEVICE_PATTERN
 
 if TYPE_CHECKING:
@@ -52,26 +53,18 @@ class GenerationConfig(Section):
     and the first weight that differs. 1: every refit; 0: never (docs/algorithms.md)."""
     num_probe_prompts: int = 8
     """Training prompts sampled by the consistency probe."""
-    vllm_tensor_parallel_size: int = Field(default=1, ge=1)
-    """Tensor-parallel workers of each vLLM engine, whatever the trainer's layout (the refit sends whole tensors;
-    each worker loads its shards, and the refit check hashes each worker's shards). On CPU each worker gets an
-    equal share of the cores; on GPU one GPU each."""
-    vllm_max_model_len: int | None = None
-    """vLLM's context length; null: data.max_prompt_tokens + generation.max_new_tokens."""
-    vllm_enforce_eager: bool | None = None
-    """Disable vLLM's torch.compile/CUDA graphs; null: eager on CPU (compiling costs ~35 s there), compiled on GPU."""
-    vllm_block_size: int | None = None
-    """Tokens per vLLM KV-cache block; null: vLLM's default (128 on CPU, 16 on GPU). On CPU (a multiple of 32
-    there) 32 suits short sequences: the CPU attention kernel computes whole blocks, and the demo model
-    generates 1.4x faster with 32 than with 128 (docs/benchmarks.md)."""
-    vllm_cpu_kv_cache_gb: int = 1
-    """vLLM KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    vllm_gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take for weights and KV cache (the trainer needs the rest when colocated)."""
-    vllm_sleep_mode: bool | None = None
-    """Put vLLM to sleep while the trainer works (weights offloaded to CPU memory, KV cache freed) and
-    wake it for the refit and the next rollout, so training and generation share a GPU's memory in
-    turns; null: on when a GPU is present, off on CPU (where vLLM has no sleep mode)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """The vLLM engine's settings (vllm_config.py), with `backend=vllm` only."""
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> "GenerationConfig":
+        # a value other than the default: a saved config (every key written) still loads back
+        if self.backend != "vllm" and self.vllm != VLLMConfig():
+            raise ValueError(
+                f"generation.vllm configures the vLLM engine, and generation.backend={self.backend}; set "
+                "generation.backend=vllm, or remove generation.vllm"
+            )
+        return self
 
 
 @dataclass(frozen=True)

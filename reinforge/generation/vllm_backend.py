@@ -4,9 +4,10 @@ The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so a refit
 directly: `LLM.collective_rpc("reload_weights", weights_iterator=...)`, vLLM's supported in-place
 weight reload, then `reset_prefix_cache()` because cached KV blocks were computed with the old
 weights. To run the engine in another process, the cluster layer puts this whole class inside a Ray
-actor; the weights then travel through Ray's object store.
+actor; the weights then travel through Ray's object store. Its settings are `generation.vllm`
+(vllm_config.py, with `engine_kwargs`, its arguments from a run's sections).
 
-Sleep mode (GPU only, `generation.vllm_sleep_mode`): `sleep()` after each rollout offloads the
+Sleep mode (GPU only, `generation.vllm.sleep_mode`): `sleep()` after each rollout offloads the
 weights to CPU memory and frees the KV cache (vLLM level 1), so a colocated trainer gets the GPU's
 memory for its logprob and training passes. The refit wakes the weights first and loads the new ones
 into them; the next `generate` wakes the KV cache. Untested on CPU, where vLLM has no sleep mode.
@@ -56,40 +57,7 @@ from reinforge.generation.vllm_moe import (
     route_array,
 )
 from reinforge.generation.weight_digest import WeightDigests, report
-from reinforge.model_config import adapter_sync, vllm_max_lora_rank
-
-
-def max_sequence_tokens(config) -> int:
-    """The longest sequence a rollout can make: the prompt, every turn, every observation between turns."""
-    rollout = config.rollout
-    return (
-        config.data.max_prompt_tokens
-        + rollout.max_turns * config.generation.max_new_tokens
-        + (rollout.max_turns - 1) * rollout.max_observation_tokens
-    )
-
-
-def engine_kwargs(config) -> dict:
-    """`VLLMGenerationBackend` arguments from an RL run's root config (in-process engine or Ray actor alike)."""
-    from reinforge.modeling import model_location
-    from reinforge.training.lora import moe_lora_targets
-
-    gen = config.generation
-    return dict(
-        model_path=model_location(config.model),
-        dtype=config.model.dtype,
-        seed=config.seed,
-        max_model_len=gen.vllm_max_model_len or max_sequence_tokens(config),
-        enforce_eager=gen.vllm_enforce_eager,
-        block_size=gen.vllm_block_size,
-        cpu_kv_cache_gb=gen.vllm_cpu_kv_cache_gb,
-        gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
-        sleep_mode=gen.vllm_sleep_mode,
-        tensor_parallel_size=gen.vllm_tensor_parallel_size,
-        lora_rank=config.model.lora.rank if adapter_sync(config) else None,
-        lora_targets=moe_lora_targets(config.model) if adapter_sync(config) else None,
-        route_experts=config.model.moe.router_replay == "rollout",
-    )
+from reinforge.model_config import vllm_max_lora_rank
 
 
 def cpu_binding(workers: int) -> str:
@@ -100,7 +68,7 @@ def cpu_binding(workers: int) -> str:
         from reinforge.errors import ConfigError
 
         raise ConfigError(
-            f"generation.vllm_tensor_parallel_size={workers} needs a core per worker on CPU, and this process has "
+            f"generation.vllm.tensor_parallel_size={workers} needs a core per worker on CPU, and this process has "
             f"{len(cores)}; lower it to {len(cores)} or less"
         )
     share = len(cores) // workers
@@ -221,13 +189,13 @@ class VLLMGenerationBackend:
             from reinforge.errors import ConfigError
 
             raise ConfigError(
-                "generation.vllm_sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null"
+                "generation.vllm.sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null"
             )
         if block_size is not None and (block_size < 1 or (not on_gpu and block_size % 32)):
             from reinforge.errors import ConfigError
 
             raise ConfigError(
-                f"generation.vllm_block_size={block_size}: vLLM's CPU attention needs a multiple of 32; "
+                f"generation.vllm.block_size={block_size}: vLLM's CPU attention needs a multiple of 32; "
                 "set 32, 64 or 128, or null"
             )
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"

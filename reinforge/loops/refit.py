@@ -25,7 +25,6 @@ from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.generation.base import GenerationBackend
 from reinforge.generation.weight_digest import adapter_tensors, verify
 from reinforge.logging.metrics import Timers
-from reinforge.model_config import adapter_sync
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import TrainingBackend
 
@@ -49,7 +48,7 @@ def refit(
     (`step`: the step just trained, None at resume; the check's time is `timing/refit_verify_s`)."""
     due = verify_due(config.generation.verify_refit_every, step)
     timed = timers.time("refit_verify") if timers else nullcontext()
-    if not adapter_sync(config):
+    if not config.adapter_sync:
         weights = list(trainer.named_weights())
         engine.update_weights(weights)
         if due:

@@ -12,7 +12,6 @@ from reinforge.data.prompts import Prompt
 from reinforge.envs.gym import check_resources_server
 from reinforge.envs.registry import EnvConfig
 from reinforge.errors import ConfigError, DataError
-from reinforge.generation.vllm_backend import max_sequence_tokens
 from reinforge.loops.builders import engines_on_ray
 from reinforge.modeling import check_weights, describe_device, model_limits, resolve_device
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
@@ -70,14 +69,14 @@ def check_context_length(config: RLRunConfig) -> None:
     if limit is None:
         return
     where = f"the model's max_position_embeddings={limit} ({config.model.name_or_path})"
-    if config.generation.vllm_max_model_len:
-        if config.generation.vllm_max_model_len > limit:
+    if config.generation.vllm.max_model_len:
+        if config.generation.vllm.max_model_len > limit:
             raise ConfigError(
-                f"generation.vllm_max_model_len={config.generation.vllm_max_model_len} exceeds {where}; "
+                f"generation.vllm.max_model_len={config.generation.vllm.max_model_len} exceeds {where}; "
                 f"lower it to {limit} or less"
             )
         return
-    longest = max_sequence_tokens(config)
+    longest = config.max_sequence_tokens
     if longest <= limit:
         return
     rollout, turns = config.rollout, ""

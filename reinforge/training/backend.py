@@ -50,8 +50,8 @@ from reinforge.training.lora import adapter_disabled, merge_lora_weights, scalin
 from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, plan_micro_batches
 from reinforge.training.moe import MoeRouting, RoutedTokens, forward_metrics, model_routing
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
+from reinforge.training.parallel.context import context_group
 from reinforge.training.strategy import LocalStrategy, Strategy
-from reinforge.training.ulysses import context_group
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from reinforge.config.section import Section
 from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.modeling import DEVICE_PATTERN
-from reinforge.training.parallel import ParallelConfig, ParallelSetting
+from reinforge.training.parallel.layout import ParallelConfig, ParallelSetting
 
 
 class BackendConfig(Section):
@@ -34,7 +34,7 @@ class BackendConfig(Section):
     """Where the `torch` backend trains: `auto` (the first CUDA GPU this process sees, else the CPU), `cpu`, `cuda`
     or `cuda:N`; a CUDA device that is absent is a one-line error. `fsdp2` ranks take their own GPU where Ray gives
     them one (`cluster.num_gpus_per_worker`); `cpu` keeps them on the CPU (gloo) even then."""
-    num_workers: int = 1
+    num_workers: int = Field(default=1, ge=1)
     """Training ranks for `fsdp2`; each trains on global_batch_size / num_workers sequences per step."""
     global_batch_size: int = 128
     """Sequences per optimizer step (RL: it must divide the rollout batch, prompts x generations)."""
@@ -55,15 +55,23 @@ class BackendConfig(Section):
     minutes). A hung rank is usually caught earlier by `cluster.worker_timeout_s`."""
     parallel: ParallelSetting = ParallelConfig()
     """How `num_workers` ranks split the work: data-parallel shards and copies, tensor and context parallelism
-    (training/parallel.py; docs/distributed.md); `auto`: the layout the planner picks for the model and the
-    machine (training/planner.py)."""
+    (training/parallel/layout.py; docs/distributed.md); `auto`: the layout the planner picks for the model and the
+    machine (training/parallel/planner.py)."""
     logprob_chunk_tokens: int = Field(default=2048, ge=1)
     """Apply the LM head to at most this many tokens at a time when computing logprobs and entropies (the
     training pass recomputes each chunk's logits in the backward pass), so memory grows with
     chunk x vocabulary, not with sequence length x vocabulary."""
 
     @model_validator(mode="after")
-    def _check_layout(self) -> "BackendConfig":
+    def _check_backend(self) -> "BackendConfig":
+        """The backend's rules, for every recipe: ranks and CPU offload need FSDP2; the layout fits the ranks."""
+        if self.num_workers > 1 and self.backend != "fsdp2":
+            raise ValueError(
+                f"training.num_workers={self.num_workers} needs training.backend=fsdp2; the torch backend is one "
+                "process"
+            )
+        if self.cpu_offload and self.backend != "fsdp2":
+            raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
         if not isinstance(self.parallel, ParallelConfig):
             return self
         if self.backend == "torch":

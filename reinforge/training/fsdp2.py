@@ -15,7 +15,7 @@ the same names as one process's (`model.layers.0.self_attn.q_proj.lora_A.default
 and is left whole after the root's forward for the head to be applied after the decoder, as the LM head is.
 
 With `training.parallel.ep` a mixture-of-experts model's experts are split over ranks and its tokens sent to
-them (training/expert_parallel.py); their FSDP2 shards are on a mesh of their own, with the same SUM reduction.
+them (training/parallel/expert.py); their FSDP2 shards are on a mesh of their own, with the same SUM reduction.
 
 Master weights and optimizer state are always fp32; forward/backward run in `model.dtype` (float32 on CPU,
 bfloat16 on GPU) through FSDP2's MixedPrecisionPolicy, and gradients are reduced in fp32. Ray is not imported
@@ -42,19 +42,13 @@ from reinforge.model_config import ModelConfig
 from reinforge.modeling import DTYPES, is_vision_language
 from reinforge.training import state
 from reinforge.training.base import TrainingConfig
-from reinforge.training.expert_parallel import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
 from reinforge.training.lora import adapter_state_dict, is_adapter_key
 from reinforge.training.micro_batching import Prompts, select_micro_batch, split_to
-from reinforge.training.parallel import (
-    ParallelConfig,
-    build_mesh,
-    check_layout,
-    clip_gradients,
-    fsdp_mesh,
-    tensor_parallelize,
-)
+from reinforge.training.parallel.context import split_context
+from reinforge.training.parallel.expert import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
+from reinforge.training.parallel.layout import ParallelConfig, build_mesh, check_layout, clip_gradients, fsdp_mesh
+from reinforge.training.parallel.tensor import tensor_parallelize
 from reinforge.training.strategy import Compute, MicroBatch, Plan, batch_to
-from reinforge.training.ulysses import split_context
 
 
 def shard_model(
@@ -67,7 +61,7 @@ def shard_model(
     """FSDP2 on each transformer block (`transformer_blocks`), then the root (embeddings, final norm and the tied
     lm_head; a vision-language model's projector); with
     `experts_mesh` (expert parallelism) first on each experts module, whose weights are sharded over `ep` already
-    (training/expert_parallel.py), on that mesh of the other data-parallel ranks.
+    (training/parallel/expert.py), on that mesh of the other data-parallel ranks.
 
     Gradients are SUM-reduced: the loss is already divided by the global token count, so FSDP2's
     default division by the world size would shrink the gradient N-fold. `set_gradient_divide_factor`
@@ -190,10 +184,10 @@ class FSDP2Strategy:
             )
         if self.parallel.tp > 1:
             tensor_parallelize(placed, self.mesh["tp"])
-        if self.parallel.cp > 1:  # its forward passes run on this rank's chunk of each row (training/ulysses.py)
+        if self.parallel.cp > 1:  # its forward passes run on this rank's chunk of each row (parallel/context.py)
             split_context(placed, self.mesh["cp"].get_group())
         experts_mesh = None
-        if self.expert_mesh is not None:  # each rank's experts, tokens sent to them (training/expert_parallel.py)
+        if self.expert_mesh is not None:  # each rank's experts, tokens sent to them (training/parallel/expert.py)
             shard_experts(placed, self.expert_mesh["ep"])
             experts_mesh = expert_fsdp_mesh(self.expert_mesh, self.parallel)
         mesh = fsdp_mesh(self.mesh, self.parallel)

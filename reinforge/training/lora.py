@@ -19,7 +19,7 @@ sharding work unchanged, and only the adapter's parameters get gradients and opt
   0.21 would also wrap the fused expert parameters (`target_parameters`) and the router there; vLLM 0.32 serves
   LoRA on experts only through Triton kernels (no CPU) and `merge_lora_weights` merges linear layers only; a
   router left as trained keeps router replay's routes meaningful. vLLM's engine then wraps only those modules
-  (`moe_lora_targets`, its `lora_target_modules`), so its CPU fused-MoE kernel stays.
+  (modeling.py's `moe_lora_targets`, its `lora_target_modules`), so its CPU fused-MoE kernel stays.
 - `model.adapter` loads a trained PEFT adapter onto `model.name_or_path` and merges it into the weights
   (modeling.py; for `reinforge eval` and `serve`, and for a stage that continues from a LoRA stage).
 """
@@ -35,18 +35,16 @@ import torch
 from reinforge.errors import ConfigError
 from reinforge.model_config import LINEAR_TARGETS, LoraConfig
 from reinforge.modeling import (
+    adapted_modules,
     adapter_base,
-    is_moe,
     is_vision_language,
-    model_class,
+    linear_names,
     model_location,
+    skeleton,
     vision_module_pattern,
 )
 
 ADAPTER = "default"  # PEFT's name for the one adapter
-# Leaf names that PEFT 0.21 maps onto a transformers-5 MoE block's fused expert parameters or its router
-# (peft/utils/transformers_weight_conversion.py, _MOE_TARGET_MODULE_MAPPING): never targeted in an MoE model.
-MOE_PROJECTIONS = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
 
 
 def check_lora(model_config) -> None:
@@ -73,42 +71,9 @@ def check_lora(model_config) -> None:
         )
 
 
-def skeleton(model_config) -> torch.nn.Module:
-    """The model built from its config on the meta device (no weights)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_location(model_config), trust_remote_code=model_config.trust_remote_code)
-    with torch.device("meta"):
-        return model_class(config).from_config(config, trust_remote_code=model_config.trust_remote_code)
-
-
-def linear_names(model: torch.nn.Module) -> set[str]:
-    """The last name part of every linear layer but the LM head."""
-    head = model.get_output_embeddings()
-    return {
-        name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and module is not head
-    }
-
-
 def linear_module_names(model_config) -> set[str]:
     """The last name part of every linear layer but the LM head, from the model's config (no weights)."""
     return linear_names(skeleton(model_config))
-
-
-def adapted_modules(model: torch.nn.Module, target_modules: list[str] | str) -> list[str] | str:
-    """What PEFT is asked to adapt: `target_modules` as given, but `all-linear` of an MoE model resolved to its
-    linear layers' names without the experts' and the router's (module docstring), e.g. Qwen3-MoE's q/k/v/o_proj."""
-    if target_modules != LINEAR_TARGETS or not is_moe(model.config):
-        return target_modules
-    return sorted(linear_names(model) - MOE_PROJECTIONS)
-
-
-def moe_lora_targets(model_config) -> list[str] | None:
-    """The modules an MoE model's adapter has, for vLLM's `lora_target_modules`; None for a dense model."""
-    model = skeleton(model_config)
-    return list(adapted_modules(model, model_config.lora.target_modules)) if is_moe(model.config) else None
 
 
 def add_lora(model: torch.nn.Module, lora: LoraConfig, base_name: str, task_type: str = "CAUSAL_LM"):

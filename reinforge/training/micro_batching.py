@@ -48,9 +48,10 @@ from reinforge.data.packing import (
 from reinforge.errors import ConfigError
 from reinforge.training.base import TrainingConfig
 from reinforge.training.moe import model_routing
-from reinforge.training.parallel import ParallelConfig, is_vocab_parallel, vocab_parallel_logprobs
+from reinforge.training.parallel.context import context_group, sequence_chunk, sum_over_group, ulysses_forward
+from reinforge.training.parallel.layout import ParallelConfig
+from reinforge.training.parallel.tensor import is_vocab_parallel, vocab_parallel_logprobs
 from reinforge.training.segment_attention import forward_layout
-from reinforge.training.ulysses import context_group, sequence_chunk, sum_over_group, ulysses_forward
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
 # Config attributes of models that scale or soft-cap the logits after the LM head (Gemma, Cohere, Granite, ...)
@@ -321,7 +322,7 @@ def micro_batch_logprobs_at(
 
 def combine_context(model: torch.nn.Module, outputs: torch.Tensor) -> torch.Tensor:
     """Per-token outputs of this rank's tokens (0 elsewhere) summed over the model's cp group, so every rank holds
-    all of them and computes the same loss (ulysses.py, `sum_over_group`); as they are without one."""
+    all of them and computes the same loss (training/parallel/context.py, `sum_over_group`); as they are without one."""
     group = context_group(model)
     return outputs if group is None else sum_over_group(outputs, group)
 

@@ -177,8 +177,8 @@ class RoutingStatistics:
 
     def summed_over(self, group: dist.ProcessGroup) -> "RoutingStatistics":
         """The group's sums on every rank; the probabilities' gradient flows back to this rank's own tokens
-        (training/ulysses.py, `sum_over_group`)."""
-        from reinforge.training.ulysses import sum_over_group
+        (training/parallel/context.py, `sum_over_group`)."""
+        from reinforge.training.parallel.context import sum_over_group
 
         names = list(vars(self))
         flat = torch.cat([getattr(self, n).float().flatten() for n in names])

@@ -21,7 +21,7 @@ from reinforge.modeling import resolve_device
 from reinforge.training import state
 from reinforge.training.base import TrainingConfig
 from reinforge.training.micro_batching import MicroBatchPlan, Prompts, select_micro_batch
-from reinforge.training.parallel import ParallelConfig
+from reinforge.training.parallel.layout import ParallelConfig
 
 # plan(lengths, prompts) -> the micro-batches of sequences of these lengths (the backend's planner)
 Plan = Callable[[list[int], "Prompts | None"], MicroBatchPlan]

@@ -19,7 +19,7 @@ from reinforge.paths import PROJECT_ROOT
 # One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("ray")
 
-ENGINE = ["generation.backend=vllm", "generation.num_workers=1", "generation.vllm_max_model_len=256"]
+ENGINE = ["generation.backend=vllm", "generation.num_workers=1", "generation.vllm.max_model_len=256"]
 
 
 def config(*overrides: str):
@@ -52,9 +52,9 @@ def test_an_engine_in_a_ray_actor_takes_new_weights_and_matches_the_trainer():
         # a setting the engine's constructor refuses reaches the caller as that ConfigError (the worker's setup
         # call carries it), not as Ray's ActorDiedError, and the group's actors and placement group are released
         with pytest.raises(
-            ConfigError, match=r"^generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"
+            ConfigError, match=r"^generation.vllm.block_size=48: vLLM's CPU attention needs a multiple of 32"
         ):
-            engine_group(config("generation.vllm_block_size=48"))
+            engine_group(config("generation.vllm.block_size=48"))
         deadline = time.monotonic() + 15  # Ray frees a removed placement group's resources asynchronously
         while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -57,7 +57,8 @@ def refit_and_probe(run_dir, out_path):
     from reinforge.data.jsonl import read_jsonl
     from reinforge.data.prompts import render_prompt
     from reinforge.generation.base import SamplingParams
-    from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
+    from reinforge.generation.vllm_backend import VLLMGenerationBackend
+    from reinforge.loops.builders import vllm_engine_kwargs
     from reinforge.loops.refit import refit
     from reinforge.modeling import load_tokenizer
     from reinforge.rollout.single_turn import generate_trajectories
@@ -67,7 +68,7 @@ def refit_and_probe(run_dir, out_path):
     from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
     torch.manual_seed(0)
-    config = load_config(DEMO, [*LORA_VLLM, "generation.vllm_block_size=32"])
+    config = load_config(DEMO, [*LORA_VLLM, "generation.vllm.block_size=32"])
     tokenizer = load_tokenizer(config.model)
     prompts = [
         render_prompt(r, tokenizer, "prompt", None, True)
@@ -89,7 +90,7 @@ def refit_and_probe(run_dir, out_path):
         )
 
     trainer, base = backend(config.model), backend(config.model.model_copy(update={"lora": None}))
-    engine = VLLMGenerationBackend(**engine_kwargs(config))
+    engine = VLLMGenerationBackend(**vllm_engine_kwargs(config))
     errors = {"start": consistency.probe(prompts, engine, trainer, tokenizer, sampling(0))}
     for step in (1, 2):
         trajectories = generate_trajectories(prompts, engine, sampling(step), tokenizer)

@@ -16,7 +16,7 @@ from reinforge.paths import PROJECT_ROOT
 
 DEMO = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
 SMALL = ["loss.kl_coef=0", "training.micro_batch_size=8", "training.global_batch_size=8", "optimizer.lr=1e-2"]
-VLLM = ["generation.backend=vllm", "generation.vllm_block_size=32", "generation.vllm_max_model_len=256"]
+VLLM = ["generation.backend=vllm", "generation.vllm.block_size=32", "generation.vllm.max_model_len=256"]
 
 
 def one_step(trainer, seed: int) -> None:
@@ -48,15 +48,15 @@ def vllm_refits(lora: bool, run_dir, out_path) -> None:
     """In a fresh process: refits of a vLLM engine, correct and with a planted fault, their outcomes to JSON."""
     from contextlib import ExitStack
 
-    from reinforge.generation.vllm_backend import VLLMGenerationBackend, engine_kwargs
-    from reinforge.loops.builders import build_trainer
+    from reinforge.generation.vllm_backend import VLLMGenerationBackend
+    from reinforge.loops.builders import build_trainer, vllm_engine_kwargs
     from reinforge.loops.refit import refit
 
     config = load_config(DEMO, [*SMALL, *VLLM, *(["model.lora.rank=16"] if lora else [])])
     outcomes = {}
     with ExitStack() as cleanup:
         trainer = build_trainer(config, cleanup)
-        engine = VLLMGenerationBackend(**engine_kwargs(config))
+        engine = VLLMGenerationBackend(**vllm_engine_kwargs(config))
         if lora:
             load = engine.load_adapter
             engine.load_adapter = lambda path: None  # fault: the adapter is never loaded

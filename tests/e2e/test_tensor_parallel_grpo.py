@@ -14,7 +14,7 @@ SHORT = ["loop.val_every=0", "data.max_val_prompts=1"]
 TP = ["training.parallel.tp=2", *SHORT]
 LAYOUTS = {
     "trainer_tp2": TP,
-    "engine_tp2": ["training.backend=torch", "training.num_workers=1", "generation.vllm_tensor_parallel_size=2"],
+    "engine_tp2": ["training.backend=torch", "training.num_workers=1", "generation.vllm.tensor_parallel_size=2"],
 }
 
 

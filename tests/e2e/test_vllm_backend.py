@@ -40,7 +40,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def engine():
-    # blocks of 32 tokens (generation.vllm_block_size), not vLLM's CPU default of 128: every test below runs on them
+    # blocks of 32 tokens (generation.vllm.block_size), not vLLM's CPU default of 128: every test below runs on them
     backend = VLLMGenerationBackend(MODEL.name_or_path, dtype="float32", seed=0, max_model_len=256, block_size=32)
     assert backend.llm.llm_engine.vllm_config.cache_config.block_size == 32
     yield backend
@@ -49,7 +49,7 @@ def engine():
 
 def test_a_block_size_the_cpu_kernel_cannot_take_is_a_config_error():
     with pytest.raises(
-        ConfigError, match=r"generation.vllm_block_size=48: vLLM's CPU attention needs a multiple of 32"
+        ConfigError, match=r"generation.vllm.block_size=48: vLLM's CPU attention needs a multiple of 32"
     ):
         VLLMGenerationBackend(MODEL.name_or_path, dtype="float32", seed=0, max_model_len=256, block_size=48)
 

@@ -108,7 +108,7 @@ def moe_engine_run(model_dir, work, out_path) -> None:
     """In a fresh process: everything the tests check, in order, with one engine; outcomes to JSON."""
     from reinforge.generation.weight_digest import verify
     from reinforge.model_config import LoraConfig, ModelConfig
-    from reinforge.training.lora import moe_lora_targets
+    from reinforge.modeling import moe_lora_targets
 
     out = {"lora targets": moe_lora_targets(ModelConfig(name_or_path=str(model_dir), lora=LoraConfig(rank=8)))}
     engine = VLLMGenerationBackend(str(model_dir), dtype="float32", seed=0, max_model_len=128, block_size=32)

@@ -48,6 +48,9 @@ def test_unknown_key_in_a_yaml_file_is_an_error_with_a_suggestion(tmp_path):
         ("training.max_grad_norm", "optimizer.max_grad_norm"),
         ("training.warmup_steps", "scheduler.warmup_steps"),
         ("training.lr_schedule", "scheduler.lr_schedule"),
+        ("generation.vllm_block_size", "generation.vllm.block_size"),
+        ("generation.vllm_gpu_memory_utilization", "generation.vllm.gpu_memory_utilization"),
+        ("generation.vllm_sleep_mode", "generation.vllm.sleep_mode"),
     ],
 )
 def test_a_moved_key_is_refused_and_the_error_names_its_new_place(old, new):
@@ -183,8 +186,36 @@ def test_batch_sizes_that_do_not_divide_say_field_reason_and_fix():
         load_config(None, ["training.micro_batch_size=48"])
 
 
+def test_vllm_settings_are_read_from_their_section_and_refused_with_the_hf_engine():
+    config = load_config(
+        None, ["generation.backend=vllm", "generation.vllm.block_size=32", "data.max_prompt_tokens=50"]
+    )
+    assert config.generation.vllm.block_size == 32
+    from reinforge.loops.builders import vllm_engine_kwargs
+
+    kwargs = vllm_engine_kwargs(config)  # the context: prompt + new tokens (64 by default), vllm.max_model_len unset
+    assert (kwargs["block_size"], kwargs["max_model_len"]) == (32, 50 + 64)
+    with pytest.raises(
+        ConfigError,
+        match=r"^generation.vllm configures the vLLM engine, and generation.backend=hf; set generation.backend=vllm, "
+        r"or remove generation.vllm$",
+    ):
+        load_config(None, ["generation.vllm.block_size=32"])
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo", "distill", "sft", "dpo", "rm"])
+def test_every_recipe_checks_the_backend_rules_on_its_training_section(recipe):
+    config_class = RECIPES[recipe].config_class
+    with pytest.raises(ConfigError, match=r"^training.num_workers=2 needs training.backend=fsdp2; the torch backend"):
+        load_recipe_config(config_class, None, ["training.num_workers=2"])
+    with pytest.raises(ConfigError, match=r"^training.cpu_offload=true needs training.backend=fsdp2"):
+        load_recipe_config(config_class, None, ["training.cpu_offload=true"])
+    with pytest.raises(ConfigError, match=r"^config key training.num_workers: Input should be greater than or equal"):
+        load_recipe_config(config_class, None, ["training.num_workers=0"])
+
+
 def test_lora_sync_settings_the_engine_cannot_take_are_one_line_errors():
-    from reinforge.generation.vllm_backend import engine_kwargs
+    from reinforge.loops.builders import vllm_engine_kwargs
     from reinforge.model_config import VLLM_LORA_RANKS, vllm_max_lora_rank
 
     with pytest.raises(
@@ -196,13 +227,9 @@ def test_lora_sync_settings_the_engine_cannot_take_are_one_line_errors():
     with pytest.raises(ConfigError, match=r"model.lora.rank=600 is above vLLM's largest LoRA rank \(512\)"):
         load_config(None, ["model.lora.rank=600", "generation.backend=vllm"])
     # auto: vLLM takes the adapter, rounded up to a rank it accepts; the HF engine takes merged weights
-    assert engine_kwargs(load_config(None, ["model.lora.rank=12", "generation.backend=vllm"]))["lora_rank"] == 12
-    assert (
-        engine_kwargs(load_config(None, ["model.lora.rank=12", "generation.backend=vllm", "model.lora.sync=merged"]))[
-            "lora_rank"
-        ]
-        is None
-    )
+    vllm = ["model.lora.rank=12", "generation.backend=vllm"]
+    assert vllm_engine_kwargs(load_config(None, vllm))["lora_rank"] == 12
+    assert vllm_engine_kwargs(load_config(None, [*vllm, "model.lora.sync=merged"]))["lora_rank"] is None
     assert [vllm_max_lora_rank(r) for r in (1, 2, 12, 16, 300, 512)] == [1, 8, 16, 16, 320, 512]
     from vllm.config.lora import MaxLoRARanks
 

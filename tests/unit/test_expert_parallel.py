@@ -1,4 +1,4 @@
-"""Expert parallelism (training/expert_parallel.py) on real gloo ranks equals one process.
+"""Expert parallelism (training/parallel/expert.py) on real gloo ranks equals one process.
 
 A 2-layer Qwen3-MoE with 4 experts (top-2) trains 3 optimizer steps of GRPO's loss in one process and at ep=2 on 2
 ranks (dp_shard=2: each rank holds 2 experts and a share of the batch, tokens sent to their experts' rank by
@@ -25,7 +25,7 @@ from reinforge.training.base import TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy
 from reinforge.training.heads import LogprobHead
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
-from reinforge.training.parallel import ParallelConfig, check_layout
+from reinforge.training.parallel.layout import ParallelConfig, check_layout
 
 NUM_STEPS = 3
 METRICS = ("loss", "grad_norm", "entropy", "clip_fraction")

@@ -6,7 +6,7 @@ import torch
 from reinforge.errors import ConfigError
 from reinforge.model_config import ModelConfig
 from reinforge.training.base import TrainingConfig
-from reinforge.training.parallel import ParallelConfig, resolve_auto
+from reinforge.training.parallel.layout import ParallelConfig, resolve_auto
 
 
 def test_auto_is_the_planners_layout_of_the_ranks_and_says_so():

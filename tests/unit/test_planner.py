@@ -1,4 +1,4 @@
-"""The layout planner (training/planner.py, `reinforge plan`): its memory terms against hand-computed bytes and
+"""The layout planner (training/parallel/planner.py, `reinforge plan`): its memory terms against hand-computed bytes and
 transformers' own parameter counts, its candidate layouts, the three named examples, the measured H200 peaks,
 and a measured CPU peak."""
 
@@ -13,7 +13,7 @@ from reinforge.cli import main
 from reinforge.errors import ConfigError
 from reinforge.model_config import LoraConfig, ModelConfig
 from reinforge.paths import PROJECT_ROOT
-from reinforge.training.planner import (
+from reinforge.training.parallel.planner import (
     GIB,
     KNOWN_MODELS,
     Layout,

@@ -1,13 +1,12 @@
-"""Tensor parallelism with sequence parallelism (training/parallel.py) on real gloo ranks equals one process.
+"""Tensor parallelism with sequence parallelism (training/parallel/tensor.py) on real gloo ranks equals one process.
 
-A Qwen2 with 4 attention heads, 2 key/value heads and a vocabulary of 97 (odd: the vocabulary-parallel head
-splits it 49 + 48) trains 3 optimizer steps on GRPO's loss and on SFT's, in one process and at tp=2 (2 ranks) and
-dp=2 x tp=2 (4 ranks), at cp=2 (Ulysses, training/ulysses.py) on sequences twice as long, and as two HSDP copies
-(dp_replicate=2); loss, gradient
-norm, entropy and every weight after the steps agree to 1e-5, for sdpa packed with shared prompts, eager unpacked,
-SFT's NLL packed, a critic's squared error through a scalar value head (PPO's critic, the reward model's score
-head), and at tp=2 and cp=2 a Qwen3 (per-head q/k norms) and a Llama with activation checkpointing. One module
-fixture spawns each world once.
+A Qwen2 with 4 attention heads, 2 key/value heads and a vocabulary of 97 (odd: the vocabulary-parallel head splits
+it 49 + 48) trains 3 optimizer steps on GRPO's loss and on SFT's, in one process and at tp=2 (2 ranks) and dp=2 x
+tp=2 (4 ranks), at cp=2 (Ulysses, training/parallel/context.py) on sequences twice as long, and as two HSDP copies
+(dp_replicate=2); loss, gradient norm, entropy and every weight after the steps agree to 1e-5, for sdpa packed with
+shared prompts, eager unpacked, SFT's NLL packed, a critic's squared error through a scalar value head (PPO's
+critic, the reward model's score head), and at tp=2 and cp=2 a Qwen3 (per-head q/k norms) and a Llama with
+activation checkpointing. One module fixture spawns each world once.
 """
 
 from functools import partial
@@ -38,7 +37,7 @@ from reinforge.training.critic import VALUE_HEAD
 from reinforge.training.fsdp2 import FSDP2Strategy
 from reinforge.training.heads import LogprobHead
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
-from reinforge.training.parallel import ParallelConfig, check_layout
+from reinforge.training.parallel.layout import ParallelConfig, check_layout
 
 NUM_STEPS = 3
 METRICS = ("loss", "grad_norm", "entropy")

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (training/ulysses.py) on 2 real gloo ranks equals one process, to 1e-5.
+"""Ulysses sequence parallelism (training/parallel/context.py) on 2 real gloo ranks equals one process, to 1e-5.
 
 Every case runs a 4-head Qwen2 decoder on one layout: in one process with `forward_layout`, and on two
 ranks with `ulysses_forward`, each rank holding half of every row's columns. From the rank's output the
@@ -18,8 +18,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from reinforge.data.packing import padded_layout, row_layout
 from reinforge.errors import ConfigError
 from reinforge.modeling import enable_activation_checkpointing
+from reinforge.training.parallel.context import (
+    check_heads,
+    gather_sequence,
+    sequence_chunk,
+    sum_over_group,
+    ulysses_forward,
+)
 from reinforge.training.segment_attention import forward_layout
-from reinforge.training.ulysses import check_heads, gather_sequence, sequence_chunk, sum_over_group, ulysses_forward
 
 pytestmark = pytest.mark.xdist_group("ulysses")
 

@@ -1,4 +1,4 @@
-"""The shape of a decoder model as the layout planner (training/planner.py) sees it: its sizes from a Hugging Face
+"""The shape of a decoder model as the layout planner (planner.py) sees it: its sizes from a Hugging Face
 config or a built-in table, and its parameter counts, by part: each layer's attention, MLP or mixture of experts,
 norms, and the embeddings and LM head.
 

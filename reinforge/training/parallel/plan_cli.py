@@ -1,4 +1,4 @@
-"""`reinforge plan`: the layout planner's table (training/planner.py) for a model, a GPU count and a sequence
+"""`reinforge plan`: the layout planner's table (training/parallel/planner.py) for a model, a GPU count and a sequence
 length, the chosen layout and why, and the arithmetic of the chosen layout's terms."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from reinforge.training.planner import (
+from reinforge.training.parallel.planner import (
     GIB,
     LORA_TARGETS,
     PERSISTENT,
@@ -123,7 +123,7 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
 
 
 def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
-    """Each term of `e` as the formula of training/planner.py with the numbers in."""
+    """Each term of `e` as the formula of training/parallel/planner.py with the numbers in."""
     layout, b, t = e.layout, workload.element_bytes, e.terms
     group, tp, layers, tokens = layout.shard_group, layout.tp, shape.num_hidden_layers, workload.tokens / layout.cp
     params, lora = shape.parameters(), workload.lora_rank

@@ -45,7 +45,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from reinforge.data.packing import RowLayout, SegmentBucket
 from reinforge.errors import ConfigError
 from reinforge.modeling import attention_implementation
-from reinforge.training.parallel import sum_over_ranks
+from reinforge.training.parallel.tensor import sum_over_ranks
 from reinforge.training.segment_attention import SEGMENT_ATTENTION
 
 ULYSSES_ATTENTION = "reinforge_ulysses"
@@ -192,15 +192,14 @@ def ulysses_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
     ulysses_group: dist.ProcessGroup | None = None,
     ulysses_inner: str | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [R, Hq, W/cp, D], key and value [R, Hkv, W/cp, D]
     (this rank's positions); `attention_mask` the whole row's (or None), `attention_segments` (in kwargs)
-    the whole layout's. Returns [R, W/cp, Hq, D], as the inner attention `ulysses_inner` would for the row."""
+    the whole layout's. Returns [R, W/cp, Hq, D], as the inner attention `ulysses_inner` would for the row:
+    `scaling`, `dropout` and the rest of `kwargs` go to it."""
     assert ulysses_group is not None and ulysses_inner is not None, "Ulysses attention runs under ulysses_forward"
     size = dist.get_world_size(ulysses_group)
     if key.shape[1] % size:  # fewer key/value heads than ranks: each rank gets a copy of its query heads' one
@@ -209,9 +208,8 @@ def ulysses_attention(
     query, key, value = (seq_to_heads(t, ulysses_group) for t in (query, key, value))
     groups = query.shape[1] // key.shape[1]
     view = module if getattr(module, "num_key_value_groups", groups) == groups else _HeadGroup(module, groups)
-    output, _ = _inner_attention(module, ulysses_inner)(
-        view, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-    )  # [R, W, Hq/cp, D]
+    inner = _inner_attention(module, ulysses_inner)
+    output, _ = inner(view, query, key, value, attention_mask, **kwargs)  # [R, W, Hq/cp, D]
     return _AllToAll.apply(output, ulysses_group, 1, 2), None
 
 

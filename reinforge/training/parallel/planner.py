@@ -1,11 +1,11 @@
 """The layout planner (`reinforge plan`, `training.parallel=auto`): memory per GPU of each way to split a model
 over N GPUs, and the fastest split that fits.
 
-A layout is `Layout(dp_replicate, dp_shard, tp, cp)` as training/parallel.py runs it: FSDP2 shards the weights,
+A layout is `Layout(dp_replicate, dp_shard, tp, cp)` as training/parallel/ runs it: FSDP2 shards the weights,
 gradients and AdamW state over dp_shard x cp x tp ranks (cp ranks shard like data-parallel ones, tp ranks hold
 a 1/tp slice of every matrix and of the vocabulary) and replicates them over dp_replicate (HSDP). The candidates
 (`candidate_layouts`): tp a power of two up to the GPUs of one node that divides the attention heads, the
-key/value heads and the MLP's columns (training/parallel.py replicates no key/value head); cp (Ulysses) a
+key/value heads and the MLP's columns (parallel/tensor.py replicates no key/value head); cp (Ulysses) a
 divisor of the heads per tp rank, tp x cp within one node (their collectives run every layer); dp the rest,
 either one FSDP2 group over all of it (dp_replicate 1) or HSDP with copies of whole nodes (dp_replicate a
 divisor of the node count).
@@ -33,7 +33,7 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
 - reference (with a KL term, without LoRA): a frozen copy of the policy, 4 P / S;
 - engine weights (2 P / engine tp, bf16) and KV cache (L x 2 x max(kv heads / engine tp, 1) x head dim x
   generation_sequences x seq_len x 2 B): colocated, the engine sleeps while the trainer works
-  (`generation.vllm_sleep_mode`, on on GPU), so the GPU holds the larger of the training phase and the
+  (`generation.vllm.sleep_mode`, on on GPU), so the GPU holds the larger of the training phase and the
   generation phase (weights, grads, AdamW state and reference, which stay, plus the engine); separate, the
   engine's GPUs are other GPUs and must hold it alone;
 - runtime: a fixed overhead, `GPU_RUNTIME_GIB` on GPU (CUDA context, NCCL buffers, the caching allocator's
@@ -41,7 +41,7 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
   transformers and reinforge's training backend, measured by bench/plan_memory.py).
 Validated against measured peaks: docs/benchmarks.md ("Planner") and docs/distributed.md ("The planner").
 
-Mixture-of-experts models (training/model_shape.py; training/expert_parallel.py): the experts' P_e = L x E x 3 H
+Mixture-of-experts models (model_shape.py; expert.py): the experts' P_e = L x E x 3 H
 I_moe parameters are sharded over dp_shard x cp ranks only, split over ep of them and FSDP2-sharded over the
 other dp_shard x cp / ep (tp ranks hold them whole): params 4 P_e, grads 4 P_e and AdamW 8 P_e, each / (dp_shard
 x cp), beside the dense part's / S. ep is the largest that divides dp_shard x cp and E (it adds no rank; FSDP2
@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from reinforge.errors import ConfigError
-from reinforge.training.model_shape import (  # noqa: F401  (re-exported: the planner's API)
+from reinforge.training.parallel.model_shape import (  # noqa: F401  (re-exported: the planner's API)
     KNOWN_MODELS,
     LORA_TARGETS,
     ModelShape,
