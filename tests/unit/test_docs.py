@@ -1,0 +1,237 @@
+"""The documentation stays true by construction: every config key, repository path, `reinforge` command and flag
+that README.md and docs/*.md cite must exist.
+
+- Config keys: a dotted name in a code span or a command line (`loop.max_steps`, `model.lora.rank=16`) whose first
+  part is a section of some recipe must be a key of some recipe's tree (`RECIPES`, `all_keys`), an old key a root
+  still maps to its new place (`moved_keys`), or lie under a mapping field (`env.gym.<task>.url`).
+- Paths: `configs/...`, `reinforge/...`, `bench/...`, `scripts/...`, `docs/...`, `tests/...`, `data/...`,
+  `models/...` must exist (a `*` is a glob that must match), and so must every relative Markdown link's target.
+- Commands: `reinforge CMD [SUB] --flag` in a code span or a fenced block must name a subcommand of
+  `reinforge.cli.build_parser()` and flags that subcommand takes.
+
+Each check is a function from a page's text to its violations, so the tests below also plant one violation of each
+kind and check that it is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import typing
+from functools import cache
+from pathlib import Path
+
+from pydantic import BaseModel
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+# Cited on purpose though they do not exist, each with why.
+ALLOWED_KEYS = {
+    "grpo.num_generatoins": "README: a typo, shown with the error it gives",
+    "grpo.max_stepz": "docs/recipes.md: a typo, shown with the error it gives",
+    "training.lr": "docs/configuration.md: a key of another section, shown with the error it gives",
+    "grpo.advantage": "docs/algorithms.md: the key PPO is not (why PPO is a command of its own)",
+}
+ALLOWED_PATHS = {
+    "docs/guides/grpo-deepscaler.md": "docs/recipes.md: NeMo-RL's page, in its repository",
+}
+# A table column headed by another project's name (or "old key") holds that project's keys, not ours.
+FOREIGN_COLUMN = re.compile(r"^(NeMo-RL|veRL|TRL|old key)$")
+
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+FENCE = re.compile(r"^```.*?$(.*?)^```", re.S | re.M)
+DOTTED = re.compile(r"(?<![\w./<$-])([a-z_][a-z0-9_]*(?:\.(?:[a-z0-9_]+\*?|<[a-z_]+>|\*))+)")
+FILE_SUFFIX = re.compile(r"\.(py|ya?ml|jsonl?|md|txt|sh|safetensors|parquet|arrow|png|toml|cfg|csv|bin|pt|html)$")
+PATH = re.compile(r"(?<![\w./-])((?:configs|reinforge|bench|scripts|docs|tests|data|models)/[\w.*/-]*[\w*/])")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+COMMAND = re.compile(r"(?:^|(?<=[\s(/]))reinforge ([a-z][a-z-]*)((?: [^|;&#`]*)?)")
+
+
+# --- what exists ---------------------------------------------------------------------------------------------------
+
+
+@cache
+def config_keys() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """(every key of every recipe's tree and every old key still mapped, the mapping fields, the top sections)."""
+    from reinforge.config.loader import all_keys
+    from reinforge.loops.registry import RECIPES
+
+    keys, open_keys, tops = set(), set(), set()
+    for recipe in RECIPES.values():
+        root = recipe.config_class
+        keys.update(all_keys(root))
+        keys.update(getattr(root, "moved_keys", {}))
+        tops.update(root.model_fields)
+        _walk(root, "", keys, open_keys)
+    return frozenset(keys), frozenset(open_keys), frozenset(tops)
+
+
+def _walk(model: type[BaseModel], prefix: str, keys: set[str], open_keys: set[str]) -> None:
+    """all_keys, also through optional sections (`model.lora: LoraConfig | None`), noting the mapping fields."""
+    for name, field in model.model_fields.items():
+        dotted = prefix + name
+        keys.add(dotted)
+        for arg in (field.annotation, *typing.get_args(field.annotation)):
+            if typing.get_origin(arg) is dict or arg is dict:
+                open_keys.add(dotted)
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                _walk(arg, dotted + ".", keys, open_keys)
+
+
+@cache
+def python_attributes(module: str) -> frozenset[str]:
+    """The top-level names of every reinforge module called `module` (`grpo.train_on_batch` cites a function)."""
+    names = set()
+    for path in (REPO / "reinforge").rglob(f"{module}.py"):
+        names.update(re.findall(r"^(?:def|class) (\w+)|^(\w+)\s*[:=]", path.read_text(), re.M))
+    return frozenset(n for pair in names for n in pair if n)
+
+
+@cache
+def commands() -> dict[str, set[str]]:
+    """'grpo' -> its flags; 'env serve' -> its flags; and each group ('env') -> its subcommands' names."""
+    from reinforge.cli import build_parser
+
+    table: dict[str, set[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        flags = {s for action in parser._actions for s in action.option_strings}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    flags.add(f"<sub>{name}")
+                    walk(sub, f"{path} {name}".strip())
+        table[path] = flags
+
+    walk(build_parser(), "")
+    return table
+
+
+# --- the checks: a page's text -> its violations -------------------------------------------------------------------
+
+
+def cited_code(text: str) -> list[str]:
+    """The code a page cites: each inline code span (outside foreign table columns), each line of each fenced
+    block."""
+    fenced = [line for block in FENCE.findall(text) for line in block.splitlines()]
+    prose = mask_foreign_columns(FENCE.sub("", text))
+    return CODE_SPAN.findall(prose) + fenced
+
+
+def mask_foreign_columns(text: str) -> str:
+    lines, foreign = text.splitlines(), set()
+    for i, line in enumerate(lines):
+        if not line.startswith("|"):
+            foreign = set()
+            continue
+        cells = line.split("|")
+        if i + 1 < len(lines) and lines[i + 1].startswith(("|-", "|:")):
+            foreign = {j for j, cell in enumerate(cells) if FOREIGN_COLUMN.match(cell.strip())}
+        lines[i] = "|".join("" if j in foreign else cell for j, cell in enumerate(cells))
+    return "\n".join(lines)
+
+
+def key_violations(text: str) -> list[str]:
+    keys, open_keys, tops = config_keys()
+    bad = []
+    for code in cited_code(text):
+        if code.lstrip().startswith(("reinforge: error", "Error", "#")) or "error:" in code:
+            continue
+        for key in DOTTED.findall(code):
+            if key.split(".")[0] not in tops or FILE_SUFFIX.search(key) or key in ALLOWED_KEYS:
+                continue
+            stem = re.sub(r"\.\*$", "", key)
+            parts = stem.split(".")
+            under_mapping = any(".".join(parts[:i]) in open_keys for i in range(1, len(parts)))
+            prefix = stem.endswith("*") and any(k.startswith(stem[:-1]) for k in keys)
+            code_ref = len(parts) == 2 and parts[1] in python_attributes(parts[0])
+            if stem not in keys and not (under_mapping or prefix or code_ref):
+                bad.append(f"config key {key}")
+    return bad
+
+
+def path_violations(text: str, page: Path) -> list[str]:
+    bad = []
+    for code_or_prose in [text]:
+        for path in PATH.findall(code_or_prose):
+            path = path.rstrip(".")
+            if path in ALLOWED_PATHS or "..." in path:
+                continue
+            if not (FILE_SUFFIX.search(path) or path.endswith("/") or "*" in path):
+                continue  # a metric name (`data/prompts_trained`) or a module attribute, not a file
+            if path.startswith("data/") and (REPO / "reinforge" / path).exists():
+                continue  # a module named under reinforge/ (`data/prompts.py`), as the tables of sections do
+            if "*" in path:
+                if not list(REPO.glob(path)):
+                    bad.append(f"path {path} (matches nothing)")
+            elif not (REPO / path).exists():
+                bad.append(f"path {path}")
+    for target in LINK.findall(text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        if not (page.parent / target).exists():
+            bad.append(f"link {target}")
+    return bad
+
+
+def command_violations(text: str) -> list[str]:
+    table = commands()
+    bad = []
+    for code in cited_code(text):
+        for name, rest in COMMAND.findall(code):
+            words = rest.split()
+            path = name
+            if f"<sub>{name}" not in table[""]:
+                bad.append(f"command reinforge {name}")
+                continue
+            if words and f"<sub>{words[0]}" in table[path]:
+                path = f"{path} {words[0]}"
+            for flag in re.findall(r"(?<!\S)(--[a-z][a-z-]*)", rest):
+                if flag not in table[path]:
+                    bad.append(f"flag reinforge {path} {flag}")
+    return bad
+
+
+def violations(page: Path, text: str | None = None) -> list[str]:
+    text = page.read_text(encoding="utf-8") if text is None else text
+    found = key_violations(text) + path_violations(text, page) + command_violations(text)
+    return [f"{page.relative_to(REPO)}: {v}" for v in found]
+
+
+# --- the tests -----------------------------------------------------------------------------------------------------
+
+
+def test_docs_cite_only_what_exists():
+    found = [v for page in PAGES for v in violations(page)]
+    assert not found, "the docs cite what does not exist:\n" + "\n".join(found)
+
+
+def test_planted_violations_are_reported():
+    page = REPO / "docs" / "planted.md"
+    text = (
+        "Set `loop.max_stepz=3` (and `generation.no_such.*`), see `configs/no_such.yaml` and [x](no_such.md);\n"
+        "```bash\nreinforge grpo --config configs/grpo_demo.yaml --no-such-flag rollout.num_generations=2\n```\n"
+        "and `reinforge frobnicate`.\n"
+    )
+    found = violations(page, text)
+    for expected in (
+        "config key loop.max_stepz",
+        "config key generation.no_such.*",
+        "config key rollout.num_generations",
+        "path configs/no_such.yaml",
+        "link no_such.md",
+        "flag reinforge grpo --no-such-flag",
+        "command reinforge frobnicate",
+    ):
+        assert any(v.endswith(expected) for v in found), (expected, found)
+
+
+def test_what_exists_passes():
+    page = REPO / "docs" / "planted.md"
+    text = (
+        "`loop.max_steps=3`, `env.gym.<task>.url`, `model.lora.rank=16`, `curriculum.*`, `configs/*_demo.yaml`,\n"
+        "[distributed](distributed.md), `reinforge env serve --protocol gym`, `reinforge convert CKPT --out DIR`,\n"
+        "`grpo.num_prompts_per_step` (an old key), `torch.compile`, `model.safetensors`.\n"
+    )
+    assert violations(page, text) == []
