@@ -44,7 +44,7 @@ FENCE = re.compile(r"^```.*?$(.*?)^```", re.S | re.M)
 DOTTED = re.compile(r"(?<![\w./<$-])([a-z_][a-z0-9_]*(?:\.(?:[a-z0-9_]+\*?|<[a-z_]+>|\*))+)")
 FILE_SUFFIX = re.compile(r"\.(py|ya?ml|jsonl?|md|txt|sh|safetensors|parquet|arrow|png|toml|cfg|csv|bin|pt|html)$")
 PATH = re.compile(r"(?<![\w./-])((?:configs|reinforge|bench|scripts|docs|tests|data|models)/[\w.*/-]*[\w*/])")
-LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
 COMMAND = re.compile(r"(?:^|(?<=[\s(/]))reinforge ([a-z][a-z-]*)((?: [^|;&#`]*)?)")
 
 
@@ -167,12 +167,21 @@ def path_violations(text: str, page: Path) -> list[str]:
                     bad.append(f"path {path} (matches nothing)")
             elif not (REPO / path).exists():
                 bad.append(f"path {path}")
-    for target in LINK.findall(text):
+    for target, anchor in LINK.findall(text):
         if "://" in target or target.startswith("mailto:"):
             continue
-        if not (page.parent / target).exists():
+        linked = page.parent / target if target else page
+        if not linked.exists():
             bad.append(f"link {target}")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            bad.append(f"link {target}#{anchor}")
     return bad
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", FENCE.sub("", page.read_text(encoding="utf-8")), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
 def command_violations(text: str) -> list[str]:
@@ -211,6 +220,7 @@ def test_planted_violations_are_reported():
     page = REPO / "docs" / "planted.md"
     text = (
         "Set `loop.max_stepz=3` (and `generation.no_such.*`), see `configs/no_such.yaml` and [x](no_such.md);\n"
+        "[y](distributed.md#no-such-section);\n"
         "```bash\nreinforge grpo --config configs/grpo_demo.yaml --no-such-flag rollout.num_generations=2\n```\n"
         "and `reinforge frobnicate`.\n"
     )
@@ -221,6 +231,7 @@ def test_planted_violations_are_reported():
         "config key rollout.num_generations",
         "path configs/no_such.yaml",
         "link no_such.md",
+        "link distributed.md#no-such-section",
         "flag reinforge grpo --no-such-flag",
         "command reinforge frobnicate",
     ):
@@ -231,7 +242,14 @@ def test_what_exists_passes():
     page = REPO / "docs" / "planted.md"
     text = (
         "`loop.max_steps=3`, `env.gym.<task>.url`, `model.lora.rank=16`, `curriculum.*`, `configs/*_demo.yaml`,\n"
-        "[distributed](distributed.md), `reinforge env serve --protocol gym`, `reinforge convert CKPT --out DIR`,\n"
+        "[distributed](distributed.md), [planner](distributed.md#the-planner), `reinforge env serve --protocol gym`, `reinforge convert CKPT --out DIR`,\n"
         "`grpo.num_prompts_per_step` (an old key), `torch.compile`, `model.safetensors`.\n"
     )
     assert violations(page, text) == []
+
+
+def test_index_lists_every_page():
+    index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
+    pages = {page.name for page in (REPO / "docs").glob("*.md")} - {"README.md"}
+    assert pages <= listed, f"docs/README.md does not list {sorted(pages - listed)}"
