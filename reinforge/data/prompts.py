@@ -77,7 +77,7 @@ def render_prompt(
     `system_prompt`: the record wins, so one file can mix system prompts (e.g. "detailed thinking
     on" and "off" per record) while the global one fills in for records without. An empty string
     in the record means no system message for that record. The default `system_key` is
-    `data.system_key`'s (config/schema.py). A NeMo Gym row whose input starts with its own system
+    `data.system_key`'s (`DataConfig` above). A NeMo Gym row whose input starts with its own system
     (or developer) message keeps that one and gets no other. A record with images (data/images.py: its
     `images` field, paths relative to `base_dir`) is rendered by a vision-language model's `processor`.
     """

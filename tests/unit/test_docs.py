@@ -242,7 +242,8 @@ def test_what_exists_passes():
     page = REPO / "docs" / "planted.md"
     text = (
         "`loop.max_steps=3`, `env.gym.<task>.url`, `model.lora.rank=16`, `curriculum.*`, `configs/*_demo.yaml`,\n"
-        "[distributed](distributed.md), [planner](distributed.md#the-planner), `reinforge env serve --protocol gym`, `reinforge convert CKPT --out DIR`,\n"
+        "[distributed](distributed.md), [planner](distributed.md#the-planner), `reinforge env serve --protocol gym`,\n"
+        "`reinforge convert CKPT --out DIR`,\n"
         "`grpo.num_prompts_per_step` (an old key), `torch.compile`, `model.safetensors`.\n"
     )
     assert violations(page, text) == []
@@ -253,3 +254,34 @@ def test_index_lists_every_page():
     listed = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
     pages = {page.name for page in (REPO / "docs").glob("*.md")} - {"README.md"}
     assert pages <= listed, f"docs/README.md does not list {sorted(pages - listed)}"
+
+
+def test_section_lists_are_the_code_s():
+    """docs/configuration.md's table of each recipe's sections, and README's list of `reinforge grpo`'s, are the
+    root classes' fields."""
+    from reinforge.loops.registry import RECIPES
+
+    table = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `reinforge (\w+)` \| [^|]+ \| ([^|]+) \| ([^|]+) \|$", table, re.M)
+    assert {name for name, _, _ in rows} == set(RECIPES)
+    for name, sections, settings in rows:
+        listed = set(re.findall(r"`(\w+)`", sections + settings))
+        assert listed == set(RECIPES[name].config_class.model_fields), name
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    grpo = re.search(r"`reinforge grpo` has (.*?)plus `seed`", readme, re.S)
+    assert grpo, "README no longer lists reinforge grpo's sections"
+    listed = set(re.findall(r"`(\w+)`", grpo.group(1))) | {"seed"}
+    assert listed == set(RECIPES["grpo"].config_class.model_fields)
+
+
+def test_section_homes_exist():
+    """docs/configuration.md's "Where each section lives": each class is defined in the module it names."""
+    table = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `[\w.]+` \| `(\w+)` \| ([\w/]+\.py) \|", table, re.M)
+    assert len(rows) > 20
+    wrong = [f"{cls} in {module}" for cls, module in rows if not _defines(REPO / "reinforge" / module, cls)]
+    assert not wrong, f"docs/configuration.md places sections where they are not: {wrong}"
+
+
+def _defines(module: Path, cls: str) -> bool:
+    return module.is_file() and re.search(rf"^class {cls}\b", module.read_text(encoding="utf-8"), re.M) is not None
