@@ -4,10 +4,15 @@ that README.md and docs/*.md cite must exist.
 - Config keys: a dotted name in a code span or a command line (`loop.max_steps`, `model.lora.rank=16`) whose first
   part is a section of some recipe must be a key of some recipe's tree (`RECIPES`, `all_keys`), an old key a root
   still maps to its new place (`moved_keys`), or lie under a mapping field (`env.gym.<task>.url`).
+  A table column headed by another project (NeMo-RL, veRL, TRL) or "old key" is not ours and is not checked.
 - Paths: `configs/...`, `reinforge/...`, `bench/...`, `scripts/...`, `docs/...`, `tests/...`, `data/...`,
-  `models/...` must exist (a `*` is a glob that must match), and so must every relative Markdown link's target.
+  `models/...` with a file suffix or a trailing `/` must exist (a `*` is a glob that must match), and so must every
+  relative Markdown link's target and its `#anchor` (GitHub's slug of a heading).
 - Commands: `reinforge CMD [SUB] --flag` in a code span or a fenced block must name a subcommand of
-  `reinforge.cli.build_parser()` and flags that subcommand takes.
+  `reinforge.cli.build_parser()` and flags that subcommand takes; `python bench/x.py --flag` a flag the script
+  defines; `make TARGET` a target of the Makefile.
+- docs/configuration.md's tables of each recipe's sections and of where each section is defined, and README's
+  list of `reinforge grpo`'s sections, are the code's; docs/README.md lists every page.
 
 Each check is a function from a page's text to its violations, so the tests below also plant one violation of each
 kind and check that it is reported.
@@ -45,6 +50,7 @@ DOTTED = re.compile(r"(?<![\w./<$-])([a-z_][a-z0-9_]*(?:\.(?:[a-z0-9_]+\*?|<[a-z
 FILE_SUFFIX = re.compile(r"\.(py|ya?ml|jsonl?|md|txt|sh|safetensors|parquet|arrow|png|toml|cfg|csv|bin|pt|html)$")
 PATH = re.compile(r"(?<![\w./-])((?:configs|reinforge|bench|scripts|docs|tests|data|models)/[\w.*/-]*[\w*/])")
 LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
+SCRIPT = re.compile(r"python3? ((?:bench|scripts)/\w+\.py)((?: [^|;&#`]*)?)")
 COMMAND = re.compile(r"(?:^|(?<=[\s(/]))reinforge ([a-z][a-z-]*)((?: [^|;&#`]*)?)")
 
 
@@ -153,20 +159,19 @@ def key_violations(text: str) -> list[str]:
 
 def path_violations(text: str, page: Path) -> list[str]:
     bad = []
-    for code_or_prose in [text]:
-        for path in PATH.findall(code_or_prose):
-            path = path.rstrip(".")
-            if path in ALLOWED_PATHS or "..." in path:
-                continue
-            if not (FILE_SUFFIX.search(path) or path.endswith("/") or "*" in path):
-                continue  # a metric name (`data/prompts_trained`) or a module attribute, not a file
-            if path.startswith("data/") and (REPO / "reinforge" / path).exists():
-                continue  # a module named under reinforge/ (`data/prompts.py`), as the tables of sections do
-            if "*" in path:
-                if not list(REPO.glob(path)):
-                    bad.append(f"path {path} (matches nothing)")
-            elif not (REPO / path).exists():
-                bad.append(f"path {path}")
+    for path in PATH.findall(text):
+        path = path.rstrip(".")
+        if path in ALLOWED_PATHS or "..." in path:
+            continue
+        if not (FILE_SUFFIX.search(path) or path.endswith("/") or "*" in path):
+            continue  # a metric name (`data/prompts_trained`) or a module attribute, not a file
+        if path.startswith("data/") and (REPO / "reinforge" / path).exists():
+            continue  # a module named under reinforge/ (`data/prompts.py`), as the tables of sections do
+        if "*" in path:
+            if not list(REPO.glob(path)):
+                bad.append(f"path {path} (matches nothing)")
+        elif not (REPO / path).exists():
+            bad.append(f"path {path}")
     for target, anchor in LINK.findall(text):
         if "://" in target or target.startswith("mailto:"):
             continue
@@ -202,9 +207,36 @@ def command_violations(text: str) -> list[str]:
     return bad
 
 
+def script_flag_violations(text: str) -> list[str]:
+    """`python bench/x.py --flag`: the script must define the flag (its argparse `add_argument("--flag"`)."""
+    bad = []
+    for code in cited_code(text):
+        for script, rest in SCRIPT.findall(code):
+            source = REPO / script
+            if not source.is_file():
+                continue  # the path check reports it
+            defined = source.read_text(encoding="utf-8")
+            for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", rest):
+                if f'"{flag}"' not in defined and flag != "--help":
+                    bad.append(f"flag {script} {flag}")
+    return bad
+
+
+def make_violations(text: str) -> list[str]:
+    """`make TARGET` must be a target of the Makefile."""
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(encoding="utf-8"), re.M))
+    return [
+        f"make target {target}"
+        for code in cited_code(text)
+        for target in re.findall(r"^\s*make ([a-z][\w-]*)", code)
+        if target not in targets
+    ]
+
+
 def violations(page: Path, text: str | None = None) -> list[str]:
     text = page.read_text(encoding="utf-8") if text is None else text
     found = key_violations(text) + path_violations(text, page) + command_violations(text)
+    found += script_flag_violations(text) + make_violations(text)
     return [f"{page.relative_to(REPO)}: {v}" for v in found]
 
 
@@ -222,7 +254,7 @@ def test_planted_violations_are_reported():
         "Set `loop.max_stepz=3` (and `generation.no_such.*`), see `configs/no_such.yaml` and [x](no_such.md);\n"
         "[y](distributed.md#no-such-section);\n"
         "```bash\nreinforge grpo --config configs/grpo_demo.yaml --no-such-flag rollout.num_generations=2\n```\n"
-        "and `reinforge frobnicate`.\n"
+        "and `reinforge frobnicate`, `python bench/faults.py --no-such-option`, `make no-such-target`.\n"
     )
     found = violations(page, text)
     for expected in (
@@ -234,6 +266,8 @@ def test_planted_violations_are_reported():
         "link distributed.md#no-such-section",
         "flag reinforge grpo --no-such-flag",
         "command reinforge frobnicate",
+        "flag bench/faults.py --no-such-option",
+        "make target no-such-target",
     ):
         assert any(v.endswith(expected) for v in found), (expected, found)
 
@@ -243,7 +277,7 @@ def test_what_exists_passes():
     text = (
         "`loop.max_steps=3`, `env.gym.<task>.url`, `model.lora.rank=16`, `curriculum.*`, `configs/*_demo.yaml`,\n"
         "[distributed](distributed.md), [planner](distributed.md#the-planner), `reinforge env serve --protocol gym`,\n"
-        "`reinforge convert CKPT --out DIR`,\n"
+        "`reinforge convert CKPT --out DIR`, `python bench/gpu_training_mfu.py --compile`, `make gym-venv`,\n"
         "`grpo.num_prompts_per_step` (an old key), `torch.compile`, `model.safetensors`.\n"
     )
     assert violations(page, text) == []
