@@ -1,8 +1,8 @@
 """The documentation stays true by construction: every config key, repository path, `reinforge` command and flag
 that README.md and docs/*.md cite must exist.
 
-- Config keys: a dotted name in a code span or a command line (`loop.max_steps`, `model.lora.rank=16`) whose first
-  part is a section of some recipe must be a key of some recipe's tree (`RECIPES`, `all_keys`), an old key a root
+- Config keys: a dotted name in a code span or a command line (`loop.max_steps`, `model.lora.rank=16`), or a key
+  of a fenced YAML block (`rollout:` / `  num_prompts_per_step: 32`), whose first part is a section of some recipe must be a key of some recipe's tree (`RECIPES`, `all_keys`), an old key a root
   still maps to its new place (`moved_keys`), or lie under a mapping field (`env.gym.<task>.url`).
   A table column headed by another project (NeMo-RL, veRL, TRL) or "old key" is not ours and is not checked.
 - Paths: `configs/...`, `reinforge/...`, `bench/...`, `scripts/...`, `docs/...`, `tests/...`, `data/...`,
@@ -26,6 +26,7 @@ import typing
 from functools import cache
 from pathlib import Path
 
+import yaml
 from pydantic import BaseModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,22 +140,50 @@ def mask_foreign_columns(text: str) -> str:
 
 
 def key_violations(text: str) -> list[str]:
-    keys, open_keys, tops = config_keys()
-    bad = []
-    for code in cited_code(text):
-        if code.lstrip().startswith(("reinforge: error", "Error", "#")) or "error:" in code:
+    cited = [key for code in cited_code(text) if not _an_error(code) for key in DOTTED.findall(code)]
+    return [f"config key {key}" for key in cited + yaml_keys(text) if not key_exists(key)]
+
+
+def _an_error(code: str) -> bool:
+    return code.lstrip().startswith(("reinforge: error", "Error", "#")) or "error:" in code
+
+
+def yaml_keys(text: str) -> list[str]:
+    """The dotted keys of each fenced YAML block (`rollout:` then `  num_prompts_per_step: 32` is
+    rollout.num_prompts_per_step); a block that is not valid YAML, or not a mapping, holds none."""
+    keys = []
+    for block in re.findall(r"^```ya?ml$(.*?)^```", text, re.S | re.M):
+        try:
+            tree = yaml.safe_load(block)
+        except yaml.YAMLError:
             continue
-        for key in DOTTED.findall(code):
-            if key.split(".")[0] not in tops or FILE_SUFFIX.search(key) or key in ALLOWED_KEYS:
-                continue
-            stem = re.sub(r"\.\*$", "", key)
-            parts = stem.split(".")
-            under_mapping = any(".".join(parts[:i]) in open_keys for i in range(1, len(parts)))
-            prefix = stem.endswith("*") and any(k.startswith(stem[:-1]) for k in keys)
-            code_ref = len(parts) == 2 and parts[1] in python_attributes(parts[0])
-            if stem not in keys and not (under_mapping or prefix or code_ref):
-                bad.append(f"config key {key}")
-    return bad
+        if isinstance(tree, dict):
+            keys.extend(_flatten(tree, ""))
+    return keys
+
+
+def _flatten(tree: dict, prefix: str) -> list[str]:
+    keys = []
+    for name, value in tree.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        if isinstance(value, dict):
+            keys.extend(_flatten(value, dotted + "."))
+    return keys
+
+
+def key_exists(key: str) -> bool:
+    """A key of some recipe (or an old key still mapped, or one under a mapping field); a name whose first part is
+    no recipe's section is not a config key and passes."""
+    keys, open_keys, tops = config_keys()
+    if "." not in key or key.split(".")[0] not in tops or FILE_SUFFIX.search(key) or key in ALLOWED_KEYS:
+        return True
+    stem = re.sub(r"\.\*$", "", key)
+    parts = stem.split(".")
+    under_mapping = any(".".join(parts[:i]) in open_keys for i in range(1, len(parts)))
+    prefix = stem.endswith("*") and any(k.startswith(stem[:-1]) for k in keys)
+    code_ref = len(parts) == 2 and parts[1] in python_attributes(parts[0])
+    return stem in keys or under_mapping or prefix or code_ref
 
 
 def path_violations(text: str, page: Path) -> list[str]:
@@ -255,6 +284,7 @@ def test_planted_violations_are_reported():
         "[y](distributed.md#no-such-section);\n"
         "```bash\nreinforge grpo --config configs/grpo_demo.yaml --no-such-flag rollout.num_generations=2\n```\n"
         "and `reinforge frobnicate`, `python bench/faults.py --no-such-option`, `make no-such-target`.\n"
+        "```yaml\nrollout:\n  num_prompts_per_stepz: 4\n```\n"
     )
     found = violations(page, text)
     for expected in (
@@ -268,6 +298,7 @@ def test_planted_violations_are_reported():
         "command reinforge frobnicate",
         "flag bench/faults.py --no-such-option",
         "make target no-such-target",
+        "config key rollout.num_prompts_per_stepz",
     ):
         assert any(v.endswith(expected) for v in found), (expected, found)
 
