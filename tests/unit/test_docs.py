@@ -2,8 +2,9 @@
 that README.md and docs/*.md cite must exist.
 
 - Config keys: a dotted name in a code span or a command line (`loop.max_steps`, `model.lora.rank=16`), or a key
-  of a fenced YAML block (`rollout:` / `  num_prompts_per_step: 32`), whose first part is a section of some recipe must be a key of some recipe's tree (`RECIPES`, `all_keys`), an old key a root
-  still maps to its new place (`moved_keys`), or lie under a mapping field (`env.gym.<task>.url`).
+  of a fenced YAML block (`rollout:` / `  num_prompts_per_step: 32`), whose first part is a section of some recipe
+  must be a key of some recipe's tree (`RECIPES`, `all_keys`), an old key a root still maps to its new place
+  (`moved_keys`), or lie under a mapping field (`env.gym.<task>.url`).
   A table column headed by another project (NeMo-RL, veRL, TRL) or "old key" is not ours and is not checked.
 - Paths: `configs/...`, `reinforge/...`, `bench/...`, `scripts/...`, `docs/...`, `tests/...`, `data/...`,
   `models/...` with a file suffix or a trailing `/` must exist (a `*` is a glob that must match), and so must every
