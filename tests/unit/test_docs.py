@@ -62,14 +62,14 @@ COMMAND = re.compile(r"(?:^|(?<=[\s(/]))reinforge ([a-z][a-z-]*)((?: [^|;&#`]*)?
 @cache
 def config_keys() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
     """(every key of every recipe's tree and every old key still mapped, the mapping fields, the top sections)."""
-    from reinforge.config.loader import all_keys
+    from reinforge.config.loader import all_keys, moved_keys
     from reinforge.loops.registry import RECIPES
 
     keys, open_keys, tops = set(), set(), set()
     for recipe in RECIPES.values():
         root = recipe.config_class
         keys.update(all_keys(root))
-        keys.update(getattr(root, "moved_keys", {}))
+        keys.update(moved_keys(root))  # the root's and each section's own
         tops.update(root.model_fields)
         _walk(root, "", keys, open_keys)
     return frozenset(keys), frozenset(open_keys), frozenset(tops)
