@@ -43,16 +43,15 @@ import torch
 from reinforge.algorithms.advantages import BASELINES, group_advantages
 from reinforge.algorithms.distill_config import DistillConfig, DistillRunConfig, TeacherConfig
 from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
-from reinforge.algorithms.grpo_advantages import valid_samples
-from reinforge.algorithms.learner import Learner, RunResult, StepResult
+from reinforge.algorithms.learner import Learner, LearnerParts, StepResult
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.policy_loss import policy_loss_fn
+from reinforge.algorithms.shaping import valid_samples
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.prompts import load_prompts
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
-from reinforge.loops.rl_loop import run
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_processor, load_tokenizer
 from reinforge.rollout.source import RolloutBatch
@@ -60,12 +59,6 @@ from reinforge.training.backend import with_outputs
 from reinforge.training.base import TrainingBackend
 from reinforge.training.heads import LogprobsAt
 from reinforge.training.teacher import Teacher
-
-
-def train(config: DistillRunConfig) -> RunResult:
-    """Distil `config.distill`'s teachers into `config.model` on the RL loop."""
-    check_distill(config)
-    return run(config, distill_learner)
 
 
 def teacher_model(config: DistillRunConfig, teacher: TeacherConfig) -> ModelConfig:
@@ -98,15 +91,15 @@ def check_distill(config: DistillRunConfig) -> None:
         )
 
 
-def distill_learner(config: DistillRunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
+def distill_learner(config: DistillRunConfig, parts: LearnerParts) -> Learner:
     """The teachers (one frozen model per distinct `name_or_path`) and the distillation step."""
     distill = config.distill
-    teachers = {t.name_or_path: build_teacher(config, t, cleanup) for t in distill.teachers}
+    teachers = {t.name_or_path: build_teacher(config, t, parts.cleanup) for t in distill.teachers}
     step = partial(
         train_on_batch,
-        trainer=trainer,
+        trainer=parts.trainer,
         teachers=teachers,
-        tokenizer=tokenizer,
+        tokenizer=parts.tokenizer,
         loss_fn=make_loss_fn(config),
         config=config,
     )

@@ -30,14 +30,12 @@ al. 2019 and Schulman et al. 2017):
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from functools import partial
 
 import torch
 
-from reinforge.algorithms.grpo_advantages import overlong_penalties
-from reinforge.algorithms.learner import Learner, RunResult, StepResult
+from reinforge.algorithms.learner import Learner, LearnerParts, StepResult
 from reinforge.algorithms.losses import KL_ESTIMATORS
 from reinforge.algorithms.policy_loss import kl_in_reward, old_policy_logprobs, policy_loss_fn, split_old_logprobs
 from reinforge.algorithms.ppo_config import PPORunConfig
@@ -49,11 +47,10 @@ from reinforge.algorithms.ppo_losses import (
     terminal_rewards,
     whiten_tokens,
 )
+from reinforge.algorithms.shaping import overlong_penalties
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, collate
 from reinforge.logging.metrics import Timers
-from reinforge.loops.builders import build_critic
-from reinforge.loops.rl_loop import run
 from reinforge.rollout.source import RolloutBatch
 from reinforge.training.base import TrainingBackend
 
@@ -66,21 +63,15 @@ class CriticBatch(TrainBatch):
     returns: torch.Tensor | None = None  # [B, T]: GAE's returns A_t + V(s_t), the value targets
 
 
-def train(config: PPORunConfig) -> RunResult:
-    """Run PPO as `config` says."""
-    return run(config, ppo_learner)
-
-
-def ppo_learner(config: PPORunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
-    """The critic (its own copy of the base model, on the policy's training backend, with AdamW at
-    `ppo.critic_lr`, saved as `critic/` in every checkpoint) and PPO's step."""
-    critic_optimizer = config.optimizer.model_copy(update={"lr": config.ppo.critic_lr})
-    critic = build_critic(config, critic_optimizer, cleanup)
+def ppo_learner(config: PPORunConfig, parts: LearnerParts) -> Learner:
+    """The critic (its own copy of the base model, built by the loop on the policy's training backend, with AdamW
+    at `ppo.critic_lr`, saved as `critic/` in every checkpoint) and PPO's step."""
+    critic = parts.build_critic(config.optimizer.model_copy(update={"lr": config.ppo.critic_lr}))
     step = partial(
         train_on_batch,
-        trainer=trainer,
+        trainer=parts.trainer,
         critic=critic,
-        tokenizer=tokenizer,
+        tokenizer=parts.tokenizer,
         loss_fn=policy_loss_fn(config.loss, config.generation.max_new_tokens, off_policy=False),
         value_loss_fn=make_value_loss_fn(config.ppo.value_clip),
         config=config,

@@ -10,8 +10,8 @@ import json
 import subprocess
 import sys
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt
 from reinforge.loops.curriculum_prefilter import build_prompt_sampler
@@ -38,7 +38,7 @@ def run(train_path, run_dir, max_steps):
     config = load_config(
         CONFIG, [*ARGS, f"data.train_path={train_path}", f"loop.max_steps={max_steps}", f"logging.run_dir={run_dir}"]
     )
-    return grpo.train(config).run_dir
+    return loops.train(config).run_dir
 
 
 def rows(run_dir):
