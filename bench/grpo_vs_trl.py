@@ -134,7 +134,7 @@ def reinforge_worker(
     skip_zero_advantage: bool,
     extra: tuple[str, ...] = (),
 ) -> None:
-    """`reinforge grpo`, held between steps until the coordinator says go: `grpo.train`'s `on_step_end`
+    """`reinforge grpo`, held between steps until the coordinator says go: `loops.train`'s `on_step_end`
     hook, called once the run is set up and after each step (logged), outside the loop's step timer."""
     from reinforge import loops
     from reinforge.algorithms.grpo_config import load_config

@@ -3,7 +3,7 @@ the demo model with the real engine, trainer and verifier: the curriculum's metr
 are stored in the run directory, and a run stopped after step 2 and resumed repeats the uninterrupted metrics
 without sampling the pass rates again; `reinforge curriculum prefilter` writes records with a pass_rate field.
 
-The first test needs grpo.train to build its sampler with
+The first test needs the RL loop (loops.train) to build its sampler with
 reinforge.loops.curriculum_prefilter.build_prompt_sampler (see that module)."""
 
 import json
