@@ -68,8 +68,8 @@ from reinforge.training.checkpoint import rng_state, set_rng_state
 
 
 @dataclass
-class Run(Inputs):
-    """A run's inputs and its parts, built once; every phase reads them."""
+class Parts(Inputs):
+    """A run's inputs and the parts built from them, once; every phase reads them."""
 
     run_dir: Path
     resume_from: Path | None  # the checkpoint the run continues from
@@ -102,32 +102,32 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
         torch.set_num_threads(config.cluster.num_threads)
     inputs = read_inputs(config)
     with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
-        run = build_parts(inputs, make_learner, cleanup)
-        progress, metrics_log = start(run, cleanup)
-        with ConsoleLog(config.loop.max_steps, run.learner.title, completed=progress.step) as console:
-            resumed = f" (resumed from {run.resume_from.name})" if run.resume_from else ""
-            console.print(f"run directory: {run.run_dir}{resumed}")
+        parts = build_parts(inputs, make_learner, cleanup)
+        progress, metrics_log = start(parts, cleanup)
+        with ConsoleLog(config.loop.max_steps, parts.learner.title, completed=progress.step) as console:
+            resumed = f" (resumed from {parts.resume_from.name})" if parts.resume_from else ""
+            console.print(f"run directory: {parts.run_dir}{resumed}")
             # from here on, not during start-up (model loading, the curriculum's pre-filter may take long)
-            watchdog = cleanup.enter_context(Watchdog(config.deadlines.step_s, run.run_dir / REPORT_NAME))
-            if run.val_prompts and not run.resume_from:
+            watchdog = cleanup.enter_context(Watchdog(config.deadlines.step_s, parts.run_dir / REPORT_NAME))
+            if parts.val_prompts and not parts.resume_from:
                 watchdog.beat("the first validation")
-                first_validation(run, progress, metrics_log, console)
-            rollouts = open_rollouts(config, run.learner, run.sampler, run.episodes, run.engine, run.envs,
+                first_validation(parts, progress, metrics_log, console)
+            rollouts = open_rollouts(config, parts.learner, parts.sampler, parts.episodes, parts.engine, parts.envs,
                                      progress.step, progress.pending)  # fmt: skip
             cleanup.callback(rollouts.close)
             if on_step_end:
                 on_step_end(progress.step)
             for step in range(progress.step + 1, config.loop.max_steps + 1):
-                train_step(step, run, progress, rollouts, watchdog, metrics_log, console)
+                train_step(step, parts, progress, rollouts, watchdog, metrics_log, console)
                 if on_step_end:
                     on_step_end(step)
             if config.checkpoint.save_final:
                 watchdog.beat("the final model to be saved")
-                save_final(run)
-    return finish(run, progress, console)
+                save_final(parts)
+    return finish(parts, progress, console)
 
 
-def build_parts(inputs: Inputs, make_learner: MakeLearner, cleanup: ExitStack) -> Run:
+def build_parts(inputs: Inputs, make_learner: MakeLearner, cleanup: ExitStack) -> Parts:
     """The run directory (its config, hang reports, dependency logs), Ray when the run uses it, the environments,
     the trainer, the engine, the episodes, the prompt sampler and the recipe's learner; each released on `cleanup`."""
     config, tokenizer = inputs.config, inputs.tokenizer
@@ -148,7 +148,7 @@ def build_parts(inputs: Inputs, make_learner: MakeLearner, cleanup: ExitStack) -
     write_placement(run_dir, trainer, engine, envs)
     critic = partial(build_critic, config, cleanup=cleanup)
     learner = make_learner(config, LearnerParts(trainer, tokenizer, cleanup, critic))
-    return Run(
+    return Parts(
         **vars(inputs),
         run_dir=run_dir,
         resume_from=resume_from,
@@ -162,105 +162,107 @@ def build_parts(inputs: Inputs, make_learner: MakeLearner, cleanup: ExitStack) -
     )
 
 
-def start(run: Run, cleanup: ExitStack) -> tuple[Progress, MetricLogger]:
+def start(parts: Parts, cleanup: ExitStack) -> tuple[Progress, MetricLogger]:
     """Resume from the run's checkpoint, if any; probe that the engine and the trainer agree; open the metrics."""
-    config, progress, state = run.config, Progress(), None
-    if run.resume_from:
+    config, progress, state = parts.config, Progress(), None
+    if parts.resume_from:
         state = resume_run(
-            run.resume_from, run.run_dir, run.trainer, run.engine, run.sampler, config, run.learner.models
+            parts.resume_from, parts.run_dir, parts.trainer, parts.engine, parts.sampler, config, parts.learner.models
         )
         progress = Progress(state.step, state.val_history, state.best, state.pending_rollouts)
-    check_consistency(run, "at start-up")
-    metrics_log = cleanup.enter_context(MetricLogger(run.run_dir, config.logging.loggers))
+    check_consistency(parts, "at start-up")
+    metrics_log = cleanup.enter_context(MetricLogger(parts.run_dir, config.logging.loggers))
     metrics_log.log_config(config.model_dump(mode="json"))
     if state:
         set_rng_state(state.rng)  # after the start-up probe, which samples
     return progress, metrics_log
 
 
-def first_validation(run: Run, progress: Progress, metrics_log: MetricLogger, console: ConsoleLog) -> None:
+def first_validation(parts: Parts, progress: Progress, metrics_log: MetricLogger, console: ConsoleLog) -> None:
     timers = Timers()
     with timers.time("val"):
-        val_metrics = validation(run)
+        val_metrics = validation(parts)
     val_metrics.update(timers.metrics())
     progress.val_history.append(val_metrics["val/accuracy"])
     metrics_log.log(0, val_metrics)
     console.step(0, val_metrics, show_line=True)
 
 
-def train_step(step: int, run: Run, progress: Progress, rollouts, watchdog: Watchdog, metrics_log, console) -> None:
+def train_step(step: int, parts: Parts, progress: Progress, rollouts, watchdog: Watchdog, metrics_log, console) -> None:
     """One step: its rollouts and the learner's training on them, the engine's turn, the log and the checkpoint."""
-    config = run.config
+    config = parts.config
     watchdog.beat(f"step {step}'s rollouts and training")
     timers = Timers()
     with timers.time("step"):
         batch = rollouts.get(step, timers)  # async: the wait for what generation ahead did not hide
-        result = run.learner.train_on_batch(step, batch, timers)
+        result = parts.learner.train_on_batch(step, batch, timers)
     every = config.checkpoint.save_every
     saving = bool(every) and (step % every == 0 or step == config.loop.max_steps)
     watchdog.beat(f"step {step}'s refit and validation")
-    snapshot, rng = engine_turn(step, run, progress, rollouts, result, timers, saving)
+    snapshot, rng = engine_turn(step, parts, progress, rollouts, result, timers, saving)
     watchdog.beat(f"step {step}'s logging and checkpoint")
     metrics = result.metrics
     metrics.update(timers.metrics())
     metrics["perf/tokens_per_s"] = result.num_tokens / timers.seconds["step"]
     metrics.update(memory_metrics("perf/"))  # the driver's
-    metrics.update(run.trainer.memory_metrics())  # each rank's, when the ranks are processes of their own
-    metrics.update(run.curriculum_metrics)
-    metrics.update(log_trained_prompts(run.run_dir, step, batch.trajectories))
+    metrics.update(parts.trainer.memory_metrics())  # each rank's, when the ranks are processes of their own
+    metrics.update(parts.curriculum_metrics)
+    metrics.update(log_trained_prompts(parts.run_dir, step, batch.trajectories))
     metrics_log.log(step, metrics)
     console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
     if saving:
         progress.best = update_best(progress.best, step, metrics, config.checkpoint)
         state = ResumeState(step, snapshot["sampler"], snapshot["pending"], rng, progress.val_history, progress.best)
-        save_run_checkpoint(run.run_dir, state, run.trainer, config, run.learner.models)
+        save_run_checkpoint(parts.run_dir, state, parts.trainer, config, parts.learner.models)
 
 
 def engine_turn(
-    step: int, run: Run, progress: Progress, rollouts, result: StepResult, timers: Timers, saving: bool
+    step: int, parts: Parts, progress: Progress, rollouts, result: StepResult, timers: Timers, saving: bool
 ) -> tuple[dict | None, Any]:
     """The engine is the loop's between steps: refit, then probe, validate, and (when `saving`) the rollout
     source's snapshot and the RNG states for the checkpoint."""
-    config, metrics = run.config, result.metrics
+    config, metrics = parts.config, result.metrics
     with rollouts.engine_turn(step, timers):
         if result.trained:
             with timers.time("step"), timers.time("refit"):
-                refit(run.engine, run.trainer, config, run.run_dir, step, timers)  # weights or adapter, verified
+                refit(parts.engine, parts.trainer, config, parts.run_dir, step, timers)  # weights or adapter, verified
         if step == 1:  # the first refit must really have moved the engine to the trainer's weights
-            check_consistency(run, "after the first refit")
+            check_consistency(parts, "after the first refit")
         val_every = config.loop.val_every
-        if run.val_prompts and (step == config.loop.max_steps or (val_every and step % val_every == 0)):
+        if parts.val_prompts and (step == config.loop.max_steps or (val_every and step % val_every == 0)):
             with timers.time("val"):
-                metrics.update(validation(run))
+                metrics.update(validation(parts))
             progress.val_history.append(metrics["val/accuracy"])
         return (rollouts.snapshot(), rng_state()) if saving else (None, None)
 
 
-def save_final(run: Run) -> None:
-    with atomic_directory(run.run_dir / "final") as tmp:
-        run.trainer.save_pretrained(tmp)
-        save_tokenizer(run.config.model, tmp)
+def save_final(parts: Parts) -> None:
+    with atomic_directory(parts.run_dir / "final") as tmp:
+        parts.trainer.save_pretrained(tmp)
+        save_tokenizer(parts.config.model, tmp)
 
 
-def finish(run: Run, progress: Progress, console: ConsoleLog) -> RunResult:
+def finish(parts: Parts, progress: Progress, console: ConsoleLog) -> RunResult:
     """The run's summary: its first and last validation accuracy, where its metrics and final model are."""
-    history, max_steps = progress.val_history, run.config.loop.max_steps
+    history, max_steps = progress.val_history, parts.config.loop.max_steps
     first, last = (history[0], history[-1]) if history else (None, None)
     if first is not None:
         console.print(f"val/accuracy at step 0: {first:.3f}")
         console.print(f"val/accuracy at step {max_steps}: {last:.3f} ({last - first:+.3f})")
-    final = f"   final model: {run.run_dir / 'final'}" if run.config.checkpoint.save_final else ""
-    console.print(f"metrics: {run.run_dir / 'metrics.jsonl'}{final}")
-    return RunResult(run_dir=run.run_dir, first_val_accuracy=first, last_val_accuracy=last)
+    final = f"   final model: {parts.run_dir / 'final'}" if parts.config.checkpoint.save_final else ""
+    console.print(f"metrics: {parts.run_dir / 'metrics.jsonl'}{final}")
+    return RunResult(run_dir=parts.run_dir, first_val_accuracy=first, last_val_accuracy=last)
 
 
-def check_consistency(run: Run, when: str) -> None:
+def check_consistency(parts: Parts, when: str) -> None:
     """Stop the run if the engine's logprobs disagree with the trainer's (see algorithms/consistency.py)."""
-    params = sampling_params(run.config, 0)
-    probe_prompts = run.train_prompts[: run.config.generation.num_probe_prompts]
-    error = consistency.probe(probe_prompts, run.engine, run.trainer, run.tokenizer, params)
-    consistency.check(error, run.config.generation.max_logprob_error, when, params)
+    params = sampling_params(parts.config, 0)
+    probe_prompts = parts.train_prompts[: parts.config.generation.num_probe_prompts]
+    error = consistency.probe(probe_prompts, parts.engine, parts.trainer, parts.tokenizer, params)
+    consistency.check(error, parts.config.generation.max_logprob_error, when, params)
 
 
-def validation(run: Run) -> dict[str, float]:
-    return validate(run.config, run.val_prompts, run.episodes, run.engine, run.tokenizer, run.envs, run.benchmarks)
+def validation(parts: Parts) -> dict[str, float]:
+    return validate(
+        parts.config, parts.val_prompts, parts.episodes, parts.engine, parts.tokenizer, parts.envs, parts.benchmarks
+    )
