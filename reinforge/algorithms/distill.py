@@ -1,5 +1,5 @@
-"""On-policy distillation (`reinforge distill`): a recipe of the RL loop, a frozen teacher in place of (or beside)
-the reward.
+"""On-policy distillation (`reinforge distill`): the step of a recipe of the RL loop, a frozen teacher in place of (or
+beside) the reward (its settings are distill_config.py's, its losses distill_losses.py's).
 
 Each step: the student samples G answers to each of P prompts (the RL loop's rollout, environments scoring
 them as usual); the teacher of each answer's task scores the student's own tokens (training/teacher.py: its
@@ -8,7 +8,7 @@ student's logprobs before the update come from the trainer; the student takes th
 rollout batch with one of two losses (algorithms/distill_losses.py has the formulas and their sources):
 
 - `distill.loss=reverse_kl`: the per-token advantage A_t = kl_coef * (log pi_teacher(y_t) -
-  log pi_student(y_t)), discount 0, detached, through GRPO's own loss (algorithms/losses.py: the clipped
+  log pi_student(y_t)), discount 0, detached, through the clipped policy loss (algorithms/losses.py: the clipped
   surrogate, `loss.*` as for GRPO). Thinking Machines' "On-Policy Distillation" (2025; Tinker cookbook),
   the on-policy reverse-KL case of GKD (Agarwal et al. 2024, arXiv:2306.13649).
 - `distill.loss=topk_kl` (default): kl_coef x the token mean of a forward, reverse or mixed KL over the teacher's top

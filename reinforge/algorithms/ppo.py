@@ -1,4 +1,5 @@
-"""PPO with a critic (`reinforge ppo`): a recipe of the RL loop, read top to bottom.
+"""PPO with a critic (`reinforge ppo`): the step of a recipe of the RL loop, read top to bottom (its settings are
+ppo_config.py's, its math ppo_losses.py's).
 
 The loop (loops/rl_loop.py: sample, score, train, refit, validate, log, checkpoint) is shared; what a
 step does with its rollouts is this file's `train_on_batch`:
@@ -6,13 +7,13 @@ collate; the trainer's old (and reference) logprobs; the critic's values V(s_t) 
 (training/critic.py: a value head on its own copy of the base model); token rewards (the environment's
 reward on the last generated token); GAE advantages and returns per token (algorithms/ppo_losses.py);
 advantages whitened over the batch's tokens; the critic's optimizer steps on the clipped value loss;
-the actor's on GRPO's clipped policy-gradient loss with the per-token advantages; metrics. During the
+the actor's on the clipped policy-gradient loss (policy_loss.py) with the per-token advantages; metrics. During the
 first `ppo.critic_warmup_steps` steps only the critic trains (and the engine is not refitted).
 
 Why a recipe (`reinforge ppo`) rather than `grpo.advantage=gae`: PPO brings a second trained model, with
 its own optimizer, learning rate, warm-up and checkpoint, and a step of a different shape (values, GAE, two
 updates); a switch inside GRPO's step would thread all of that through the group-advantage code. Here GRPO's
-step stays as it was, and PPO reuses its loss, metrics and loop by import (the `Learner` seam).
+step stays as it was, and PPO shares the clipped loss, the step metrics and the loop with it (the `Learner` seam).
 
 As implemented, relative to PPO for language models (Ouyang et al. 2022, arXiv:2203.02155, after Ziegler et
 al. 2019 and Schulman et al. 2017):
