@@ -239,9 +239,9 @@ def policy_backend(model_config, training, lr: float, num_optimizer_steps: int, 
 
 def clipped_token_mean_loss(logprobs_BT, micro, norm):
     """The benchmarks' loss: GRPO's clipped ratio (0.2 / 0.28), token mean over the global batch, no KL."""
-    from reinforge.algorithms.losses import grpo_loss, token_mean
+    from reinforge.algorithms.losses import clipped_policy_loss, token_mean
 
-    return grpo_loss(
+    return clipped_policy_loss(
         logprobs_BT,
         micro.old_logprobs,
         micro.advantages,

@@ -134,10 +134,10 @@ def reinforge_worker(
     skip_zero_advantage: bool,
     extra: tuple[str, ...] = (),
 ) -> None:
-    """`reinforge grpo`, held between steps until the coordinator says go: `grpo.train`'s `on_step_end`
+    """`reinforge grpo`, held between steps until the coordinator says go: `loops.train`'s `on_step_end`
     hook, called once the run is set up and after each step (logged), outside the loop's step timer."""
-    from reinforge.algorithms import grpo
-    from reinforge.algorithms.grpo import load_config
+    from reinforge import loops
+    from reinforge.algorithms.grpo_config import load_config
 
     def wait_for_turn(done_step: int) -> None:
         if done_step < steps:
@@ -151,7 +151,7 @@ def reinforge_worker(
             model_dir, num_prompts, steps, backend, threads, Path(tmp) / "run", skip_zero_advantage
         )
         config = load_config(ROOT / "configs" / "grpo_demo.yaml", [*overrides, *extra])
-        grpo.train(config, on_step_end=wait_for_turn)
+        loops.train(config, on_step_end=wait_for_turn)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     steps_out = []
     for row in rows:

@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from reinforge.algorithms.losses import grpo_loss, token_mean
+from reinforge.algorithms.losses import clipped_policy_loss, token_mean
 from reinforge.data.batch import Trajectory, collate
 from reinforge.model_config import ModelConfig
 from reinforge.training.backend import Backend
@@ -74,7 +74,7 @@ def make_batch(num_rows: int = 64):
 
 
 def loss_fn(logprobs, micro, norm):
-    return grpo_loss(
+    return clipped_policy_loss(
         logprobs, micro.old_logprobs, micro.advantages, micro.loss_mask, norm, aggregate=token_mean, eps_low=0.2,
         eps_high=0.28, kl_coef=0.0,
     )  # fmt: skip

@@ -1,5 +1,5 @@
-"""On-policy distillation (`reinforge distill`): a recipe of the RL loop, a frozen teacher in place of (or beside)
-the reward.
+"""On-policy distillation (`reinforge distill`): the step of a recipe of the RL loop, a frozen teacher in place of (or
+beside) the reward (its settings are distill_config.py's, its losses distill_losses.py's).
 
 Each step: the student samples G answers to each of P prompts (the RL loop's rollout, environments scoring
 them as usual); the teacher of each answer's task scores the student's own tokens (training/teacher.py: its
@@ -8,7 +8,7 @@ student's logprobs before the update come from the trainer; the student takes th
 rollout batch with one of two losses (algorithms/distill_losses.py has the formulas and their sources):
 
 - `distill.loss=reverse_kl`: the per-token advantage A_t = kl_coef * (log pi_teacher(y_t) -
-  log pi_student(y_t)), discount 0, detached, through GRPO's own loss (algorithms/losses.py: the clipped
+  log pi_student(y_t)), discount 0, detached, through the clipped policy loss (algorithms/losses.py: the clipped
   surrogate, `loss.*` as for GRPO). Thinking Machines' "On-Policy Distillation" (2025; Tinker cookbook),
   the on-policy reverse-KL case of GKD (Agarwal et al. 2024, arXiv:2306.13649).
 - `distill.loss=topk_kl` (default): kl_coef x the token mean of a forward, reverse or mixed KL over the teacher's top
@@ -43,16 +43,15 @@ import torch
 from reinforge.algorithms.advantages import BASELINES, group_advantages
 from reinforge.algorithms.distill_config import DistillConfig, DistillRunConfig, TeacherConfig
 from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
-from reinforge.algorithms.grpo_advantages import valid_samples
-from reinforge.algorithms.learner import Learner, RunResult, StepResult
+from reinforge.algorithms.learner import Learner, LearnerParts, StepResult
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.policy_loss import policy_loss_fn
+from reinforge.algorithms.shaping import valid_samples
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.prompt_stream import training_prompts
 from reinforge.errors import ConfigError
 from reinforge.logging.metrics import Timers
-from reinforge.loops.rl_loop import run
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_processor, load_tokenizer
 from reinforge.rollout.source import RolloutBatch
@@ -60,12 +59,6 @@ from reinforge.training.backend import with_outputs
 from reinforge.training.base import TrainingBackend
 from reinforge.training.heads import LogprobsAt
 from reinforge.training.teacher import Teacher
-
-
-def train(config: DistillRunConfig) -> RunResult:
-    """Distil `config.distill`'s teachers into `config.model` on the RL loop."""
-    check_distill(config)
-    return run(config, distill_learner)
 
 
 def teacher_model(config: DistillRunConfig, teacher: TeacherConfig) -> ModelConfig:
@@ -98,15 +91,15 @@ def check_distill(config: DistillRunConfig) -> None:
         )
 
 
-def distill_learner(config: DistillRunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
+def distill_learner(config: DistillRunConfig, parts: LearnerParts) -> Learner:
     """The teachers (one frozen model per distinct `name_or_path`) and the distillation step."""
     distill = config.distill
-    teachers = {t.name_or_path: build_teacher(config, t, cleanup) for t in distill.teachers}
+    teachers = {t.name_or_path: build_teacher(config, t, parts.cleanup) for t in distill.teachers}
     step = partial(
         train_on_batch,
-        trainer=trainer,
+        trainer=parts.trainer,
         teachers=teachers,
-        tokenizer=tokenizer,
+        tokenizer=parts.tokenizer,
         loss_fn=make_loss_fn(config),
         config=config,
     )

@@ -1,4 +1,5 @@
-"""GRPO with verifiable rewards (`reinforge grpo`): a recipe of the RL loop (loops/rl_loop.py).
+"""GRPO with verifiable rewards (`reinforge grpo`): the step of a recipe of the RL loop (loops/rl_loop.py runs it;
+its settings are grpo_config.py's, its advantages grpo_losses.py's).
 
 Each step, on the loop's scored groups (G answers to each of P prompts): DAPO's overlong shaping of the rewards;
 the reference (and, with several optimizer steps per rollout, the old) logprobs from the trainer; group-relative
@@ -23,33 +24,17 @@ CISPO (clipped, detached importance weights), GDPO (rewards normalised per compo
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from functools import partial
-from pathlib import Path
-from typing import ClassVar
 
 import torch
-from pydantic import model_validator
 
 from reinforge.algorithms.consistency import version_matched_mismatch
 from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
-from reinforge.algorithms.grpo_advantages import (
-    GRPOConfig,
-    OverlongConfig,
-    check_overlong,
-    kl_reward_penalties,
-    overlong_penalties,
-    step_advantages,
-)
-from reinforge.algorithms.learner import Learner, RunResult, StepResult
-from reinforge.algorithms.policy_loss import (
-    RewardKLLossConfig,
-    kl_in_reward,
-    old_policy_logprobs,
-    policy_loss_fn,
-    split_old_logprobs,
-)
-from reinforge.algorithms.rl_config import RLRunConfig
+from reinforge.algorithms.grpo_config import GRPORunConfig
+from reinforge.algorithms.grpo_losses import kl_reward_penalties, step_advantages
+from reinforge.algorithms.learner import Learner, LearnerParts, StepResult
+from reinforge.algorithms.policy_loss import kl_in_reward, old_policy_logprobs, policy_loss_fn, split_old_logprobs
+from reinforge.algorithms.shaping import overlong_penalties
 from reinforge.algorithms.step_metrics import (
     advantage_metrics,
     rollout_metrics,
@@ -57,53 +42,17 @@ from reinforge.algorithms.step_metrics import (
     token_advantage_metrics,
     train_metrics,
 )
-from reinforge.config.loader import load_recipe_config
 from reinforge.data.batch import Normalisers, TrainBatch, collate
 from reinforge.logging.metrics import Timers
-from reinforge.loops.rl_loop import run
 from reinforge.rollout.source import RolloutBatch
 from reinforge.training.base import TrainingBackend
 
 
-class GRPORunConfig(RLRunConfig):
-    """A whole `reinforge grpo` run: the RL loop's sections, GRPO's advantages and DAPO's overlong shaping."""
-
-    recipe: ClassVar[str] = "grpo"
-    grpo: GRPOConfig = GRPOConfig()
-    """Group-relative advantages, the family's variants, dynamic sampling."""
-    overlong: OverlongConfig = OverlongConfig()
-    """DAPO's overlong reward shaping and filtering."""
-    loss: RewardKLLossConfig = RewardKLLossConfig()
-    """The clipped policy-gradient loss, its KL penalty (in the loss or the reward) and mismatch correction."""
-
-    @model_validator(mode="after")
-    def _check_grpo(self) -> "GRPORunConfig":
-        check_overlong(self.overlong, self.generation.max_new_tokens, self.rollout.max_turns)
-        ranks, group = self.training.num_workers, self.rollout.num_generations_per_prompt
-        if self.grpo.dynamic_sampling and self.training.backend == "fsdp2" and group % ranks:
-            raise ValueError(
-                f"grpo.dynamic_sampling=true with training.num_workers={ranks}: a step may train on fewer groups, "
-                f"and a batch of whole groups of rollout.num_generations_per_prompt={group} must split evenly over "
-                "the ranks; make num_generations_per_prompt a multiple of training.num_workers"
-            )
-        return self
-
-
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> GRPORunConfig:
-    """A GRPO run's config from an optional YAML file plus `key=value` overrides."""
-    return load_recipe_config(GRPORunConfig, path, overrides)
-
-
-def train(config: GRPORunConfig, on_step_end=None) -> RunResult:
-    """Run GRPO as `config` says (`on_step_end`: rl_loop.run's)."""
-    return run(config, grpo_learner, on_step_end)
-
-
-def grpo_learner(config: GRPORunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
+def grpo_learner(config: GRPORunConfig, parts: LearnerParts) -> Learner:
     """Group-relative advantages and the clipped policy-gradient loss; DAPO's dynamic sampling when asked."""
     grpo, rollout = config.grpo, config.rollout
     loss_fn = policy_loss_fn(config.loss, config.generation.max_new_tokens, config.off_policy)
-    step = partial(train_on_batch, trainer=trainer, tokenizer=tokenizer, loss_fn=loss_fn, config=config)
+    step = partial(train_on_batch, trainer=parts.trainer, tokenizer=parts.tokenizer, loss_fn=loss_fn, config=config)
     collect = None
     if grpo.dynamic_sampling:
         collect = partial(

@@ -1,18 +1,21 @@
-"""The seam between the RL loop (rl_loop.py) and its recipes (grpo.py, ppo.py, distill.py): what a recipe hands
-the loop (a `Learner`: what it does with each step's rollouts) and what the loop and the recipe's step return."""
+"""The seam between the RL loop (loops/rl_loop.py) and its recipes (grpo.py, ppo.py, distill.py): what the loop
+hands a recipe's learner factory (`LearnerParts`), what the factory hands back (a `Learner`: what the recipe does
+with each step's rollouts) and what the loop and the recipe's step return. loops/registry.py names each recipe's
+factory; a recipe never imports the loop."""
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers
 from reinforge.rollout.source import RolloutBatch
 from reinforge.training.base import TrainingBackend
+from reinforge.training.optimizer import OptimizerConfig
 
 # One rollout round of a step: round index -> scored trajectories (a fresh sampling seed per round).
 RolloutRound = Callable[[int], list[Trajectory]]
@@ -49,7 +52,21 @@ class Learner:
     collect_groups: Callable[[RolloutRound], tuple[list[Trajectory], dict[str, float]]] | None = None
 
 
-MakeLearner = Callable[[RLRunConfig, TrainingBackend, object, ExitStack], Learner]
+@dataclass
+class LearnerParts:
+    """What the loop hands a recipe's learner factory: the policy's trainer, the tokenizer, the run's `cleanup`
+    (a part the recipe starts itself, a teacher, is released on it), and `build_critic(optimizer)`: a value model
+    (the base model with a value head) beside the policy, on the run's training backend and placement, with AdamW
+    as `optimizer` says; the loop knows where models go, the recipe which models it needs."""
+
+    trainer: TrainingBackend
+    tokenizer: Any
+    cleanup: ExitStack
+    build_critic: Callable[[OptimizerConfig], TrainingBackend]
+
+
+# A recipe's learner factory, named in loops/registry.py: called once the run's parts are built.
+MakeLearner = Callable[[RLRunConfig, LearnerParts], Learner]
 
 
 @dataclass

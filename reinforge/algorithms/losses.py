@@ -7,7 +7,7 @@ The normaliser is an explicit argument, fixed for the whole global batch (one op
 global token count, the sum of the micro-batch losses equals the loss of the whole batch, so gradient
 accumulation (and, later, data parallelism) gives the same gradient as one big batch.
 
-The GRPO objective as implemented (per token, to be minimised):
+The clipped policy objective of the RL recipes (`clipped_policy_loss`; per token, to be minimised):
     ratio = exp(logp - logp_old)                      (per token; or GSPO's sequence ratio
                                                        exp(mean_t (logp - logp_old)) on all its tokens)
     pg    = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
@@ -22,7 +22,7 @@ The GRPO objective as implemented (per token, to be minimised):
 A is each token's advantage [B, T]: a sequence's own on all its tokens (GRPO), or per token (PPO's GAE,
 distillation); a [B] tensor is taken as one per sequence. Which gradient
 each KL estimator gives, as a loss term or as a reward penalty, is derived in docs/algorithms.md.
-Deviation from the GRPO paper: the paper averages per sequence then per group ("sequence" aggregation
+Deviation from the GRPO paper (Shao et al. 2024): the paper averages per sequence then per group ("sequence" aggregation
 here); the default is DAPO's token-level mean, which does not down-weight long answers. Dr.GRPO's
 aggregation divides the token sum by a constant (sequences x a fixed token budget) instead.
 """
@@ -188,7 +188,7 @@ def sequence_ratio_mask(
     return keep_B.unsqueeze(1).expand_as(mask_BT)
 
 
-def grpo_loss(
+def clipped_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
     advantages: torch.Tensor,
@@ -206,9 +206,11 @@ def grpo_loss(
     policy_gradient: PolicyGradient = clipped_policy_gradient,
     kl_estimator: KLEstimator = k3_kl,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO loss of one micro-batch, scaled so that micro-batch losses sum to the global-batch loss.
-    `advantages`: [B] (one per sequence) or [B, T] (one per token). GSPO is this loss with
-    `log_ratio=sequence_log_ratio` and `aggregate=sequence_mean`; CISPO with `policy_gradient=cispo_policy_gradient`.
+    """The clipped policy-gradient loss of one micro-batch (GRPO's, PPO's actor's, distillation's), scaled so that
+    micro-batch losses sum to the global-batch loss.
+    `advantages`: [B] (one per sequence, GRPO) or [B, T] (one per token: PPO's GAE, distillation). GSPO is this
+    loss with `log_ratio=sequence_log_ratio` and `aggregate=sequence_mean`; CISPO with
+    `policy_gradient=cispo_policy_gradient`.
 
     Returns the loss and metric contributions that also sum over micro-batches (metric means divide by
     `norm.metric_tokens`), except `ratio_max`/`ratio_min`, which reduce by max/min.

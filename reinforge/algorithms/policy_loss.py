@@ -14,8 +14,8 @@ from reinforge.algorithms.losses import (
     KL_ESTIMATORS,
     LOG_RATIOS,
     POLICY_GRADIENTS,
+    clipped_policy_loss,
     constant_normaliser,
-    grpo_loss,
     sequence_ratio_mask,
     truncated_importance_weights,
 )
@@ -161,7 +161,7 @@ def policy_loss_fn(loss: PolicyLossConfig, max_new_tokens: int, off_policy: bool
     def loss_fn(logprobs_BT: torch.Tensor, micro: TrainBatch, norm):
         # Without a pass of their own (loss.old_logprobs), the old policy is the one being trained: this pass's
         old_BT = logprobs_BT.detach() if micro.old_logprobs is None else micro.old_logprobs
-        value, metrics = grpo_loss(
+        value, metrics = clipped_policy_loss(
             logprobs_BT,
             old_BT,
             micro.advantages,

@@ -1,4 +1,5 @@
-"""PPO with a critic (`reinforge ppo`): a recipe of the RL loop, read top to bottom.
+"""PPO with a critic (`reinforge ppo`): the step of a recipe of the RL loop, read top to bottom (its settings are
+ppo_config.py's, its math ppo_losses.py's).
 
 The loop (loops/rl_loop.py: sample, score, train, refit, validate, log, checkpoint) is shared; what a
 step does with its rollouts is this file's `train_on_batch`:
@@ -6,13 +7,13 @@ collate; the trainer's old (and reference) logprobs; the critic's values V(s_t) 
 (training/critic.py: a value head on its own copy of the base model); token rewards (the environment's
 reward on the last generated token); GAE advantages and returns per token (algorithms/ppo_losses.py);
 advantages whitened over the batch's tokens; the critic's optimizer steps on the clipped value loss;
-the actor's on GRPO's clipped policy-gradient loss with the per-token advantages; metrics. During the
+the actor's on the clipped policy-gradient loss (policy_loss.py) with the per-token advantages; metrics. During the
 first `ppo.critic_warmup_steps` steps only the critic trains (and the engine is not refitted).
 
 Why a recipe (`reinforge ppo`) rather than `grpo.advantage=gae`: PPO brings a second trained model, with
 its own optimizer, learning rate, warm-up and checkpoint, and a step of a different shape (values, GAE, two
 updates); a switch inside GRPO's step would thread all of that through the group-advantage code. Here GRPO's
-step stays as it was, and PPO reuses its loss, metrics and loop by import (the `Learner` seam).
+step stays as it was, and PPO shares the clipped loss, the step metrics and the loop with it (the `Learner` seam).
 
 As implemented, relative to PPO for language models (Ouyang et al. 2022, arXiv:2203.02155, after Ziegler et
 al. 2019 and Schulman et al. 2017):
@@ -30,14 +31,12 @@ al. 2019 and Schulman et al. 2017):
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from functools import partial
 
 import torch
 
-from reinforge.algorithms.grpo_advantages import overlong_penalties
-from reinforge.algorithms.learner import Learner, RunResult, StepResult
+from reinforge.algorithms.learner import Learner, LearnerParts, StepResult
 from reinforge.algorithms.losses import KL_ESTIMATORS
 from reinforge.algorithms.policy_loss import kl_in_reward, old_policy_logprobs, policy_loss_fn, split_old_logprobs
 from reinforge.algorithms.ppo_config import PPORunConfig
@@ -49,11 +48,10 @@ from reinforge.algorithms.ppo_losses import (
     terminal_rewards,
     whiten_tokens,
 )
+from reinforge.algorithms.shaping import overlong_penalties
 from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
 from reinforge.data.batch import TrainBatch, collate
 from reinforge.logging.metrics import Timers
-from reinforge.loops.builders import build_critic
-from reinforge.loops.rl_loop import run
 from reinforge.rollout.source import RolloutBatch
 from reinforge.training.base import TrainingBackend
 
@@ -66,21 +64,15 @@ class CriticBatch(TrainBatch):
     returns: torch.Tensor | None = None  # [B, T]: GAE's returns A_t + V(s_t), the value targets
 
 
-def train(config: PPORunConfig) -> RunResult:
-    """Run PPO as `config` says."""
-    return run(config, ppo_learner)
-
-
-def ppo_learner(config: PPORunConfig, trainer: TrainingBackend, tokenizer, cleanup: ExitStack) -> Learner:
-    """The critic (its own copy of the base model, on the policy's training backend, with AdamW at
-    `ppo.critic_lr`, saved as `critic/` in every checkpoint) and PPO's step."""
-    critic_optimizer = config.optimizer.model_copy(update={"lr": config.ppo.critic_lr})
-    critic = build_critic(config, critic_optimizer, cleanup)
+def ppo_learner(config: PPORunConfig, parts: LearnerParts) -> Learner:
+    """The critic (its own copy of the base model, built by the loop on the policy's training backend, with AdamW
+    at `ppo.critic_lr`, saved as `critic/` in every checkpoint) and PPO's step."""
+    critic = parts.build_critic(config.optimizer.model_copy(update={"lr": config.ppo.critic_lr}))
     step = partial(
         train_on_batch,
-        trainer=trainer,
+        trainer=parts.trainer,
         critic=critic,
-        tokenizer=tokenizer,
+        tokenizer=parts.tokenizer,
         loss_fn=policy_loss_fn(config.loss, config.generation.max_new_tokens, off_policy=False),
         value_loss_fn=make_value_loss_fn(config.ppo.value_clip),
         config=config,

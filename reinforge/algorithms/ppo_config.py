@@ -1,6 +1,7 @@
-"""`ppo`: the settings of PPO with a critic (algorithms/ppo.py has the loop), and `PPORunConfig`, the tree of a
-`reinforge ppo` run: the RL loop's sections (algorithms/rl_config.py) plus `ppo` and `overlong`, so a PPO config
-never carries GRPO's advantage settings nor a GRPO config PPO's: each recipe refuses the other's as unknown keys.
+"""`ppo`: the settings of PPO with a critic (algorithms/ppo.py has the step, ppo_losses.py its math), and
+`PPORunConfig`, the tree of a `reinforge ppo` run: the RL loop's sections (algorithms/rl_config.py) plus `ppo` and
+`overlong` (shaping.py), so a PPO config never carries GRPO's advantage settings nor a GRPO config PPO's: each
+recipe refuses the other's as unknown keys.
 
 Defaults against the two reference implementations (their shipped configs: NeMo-RL's
 examples/configs/ppo_math_1B.yaml, veRL's trainer/config/algorithm.py and critic/critic.yaml):
@@ -23,9 +24,9 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from reinforge.algorithms.grpo_advantages import OverlongConfig, check_overlong
 from reinforge.algorithms.policy_loss import RewardKLLossConfig
 from reinforge.algorithms.rl_config import RLRunConfig
+from reinforge.algorithms.shaping import OverlongConfig, check_overlong
 from reinforge.config.section import Section
 from reinforge.logging.loggers import LoggingConfig
 

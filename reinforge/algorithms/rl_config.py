@@ -1,8 +1,9 @@
 """The sections every RL recipe's run tree shares (`RLRunConfig`), and the loop's own (`loop:`).
 
-Each recipe assembles its root from these plus its own sections (grpo.py: `grpo`, `overlong`; ppo_config.py:
+Each recipe assembles its root from these plus its own sections (grpo_config.py: `grpo`, `overlong`; ppo_config.py:
 `ppo`, `overlong`; distill_config.py: `distill`), so a setting a recipe does not read is an unknown key there.
-The loop and its builders (rl_loop.py, builders.py, checkpointing.py, refit.py) read only these shared sections.
+The loop and its builders (loops/: rl_loop.py, builders.py, checkpointing.py, refit.py) read only these shared
+sections.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from reinforge.algorithms.grpo_advantages import OverlongConfig
+from reinforge.algorithms.shaping import OverlongConfig
 from reinforge.data.batch import TrainBatch, Trajectory
 from reinforge.envs.base import Environment
 from reinforge.rollout.source import RolloutBatch

@@ -142,18 +142,7 @@ def evaluate(
     samples per prompt on its first `limit` prompts; `batch_size` prompts go to the engine at a time.
     Writes samples.jsonl and summary.json to `output_dir` when given (see the module doc)."""
     num_samples = k if num_samples is None else num_samples
-    if k < 1 or num_samples < k:
-        raise ReinforgeError(f"need 1 <= k <= n, got k={k}, n={num_samples}")
-    for name, value, ok in (
-        ("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
-        ("batch_size", batch_size, batch_size >= 1),
-        ("temperature", temperature, temperature is None or temperature >= 0),
-        ("top_p", top_p, 0 < top_p <= 1),
-    ):
-        if not ok:
-            raise ReinforgeError(f"{name} (--{name.replace('_', '-')}) is out of range: {value}")
-    if backend not in ("hf", "vllm"):
-        raise ReinforgeError(f"unknown backend {backend!r}; choose hf or vllm")
+    check_settings(k, num_samples, backend, max_new_tokens, temperature, top_p, batch_size)
     if temperature is None:
         temperature = 0.0 if num_samples == 1 else SAMPLING_TEMPERATURE
     spec = get_benchmark(benchmark, data)
@@ -213,6 +202,30 @@ def evaluate(
         summary["output_dir"] = str(written)
         write_results(written, summary, samples)
     return EvalResult(summary=summary, samples=samples, output_dir=written)
+
+
+def check_settings(
+    k: int,
+    num_samples: int,
+    backend: str,
+    max_new_tokens: int,
+    temperature: float | None,
+    top_p: float,
+    batch_size: int,
+) -> None:
+    """`evaluate`'s settings in range: a one-line error naming the option otherwise."""
+    if k < 1 or num_samples < k:
+        raise ReinforgeError(f"need 1 <= k <= n, got k={k}, n={num_samples}")
+    for name, value, ok in (
+        ("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
+        ("batch_size", batch_size, batch_size >= 1),
+        ("temperature", temperature, temperature is None or temperature >= 0),
+        ("top_p", top_p, 0 < top_p <= 1),
+    ):
+        if not ok:
+            raise ReinforgeError(f"{name} (--{name.replace('_', '-')}) is out of range: {value}")
+    if backend not in ("hf", "vllm"):
+        raise ReinforgeError(f"unknown backend {backend!r}; choose hf or vllm")
 
 
 def render_items(items: list[BenchmarkItem], tokenizer, processor=None) -> list[Prompt]:

@@ -1,5 +1,10 @@
-"""Every recipe `reinforge` runs, by name: its root config class and its training function (imported on use, so
-that a command loads only its own recipe), and what a multi-stage recipe needs to know of it."""
+"""Every recipe `reinforge` runs, by name, and `train(config)`, which runs the recipe a root config belongs to.
+
+A recipe of algorithms/ never runs itself: the table names its root config class, the loop that runs it and the
+learner factory that loop calls (what the recipe does with each step's data), all as "module:attribute" strings
+imported on use, so that a command loads only its own recipe. A recipe that still runs itself names its own
+`train` instead (`train_path`).
+"""
 
 from __future__ import annotations
 
@@ -7,22 +12,36 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# The loops, by name: each takes (root config, learner factory, **options).
+LOOPS = {"rl": "reinforge.loops.rl_loop:run"}
+
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    config_path: str  # "module:RootConfig"
-    train_path: str  # "module:train", taking the root config
-    rl: bool  # a recipe of the RL loop: checkpointed, resumable, its length `loop.max_steps`
+    config_path: str  # "module:RootConfig"; the class's `recipe` ClassVar is `name`
     policy: bool  # its final/ is a causal LM that a next stage can start from
+    loop: str | None = None  # the loop of LOOPS that runs it; None: it runs itself (`train_path`)
+    learner_path: str | None = None  # "module:make_learner", the factory the loop calls
+    check_path: str | None = None  # "module:check", taking the root config: one-line errors before any run directory
+    train_path: str | None = None  # "module:train", taking the root config, of a recipe that runs itself
 
     @property
     def config_class(self) -> type:
         return _load(self.config_path)
 
     @property
-    def train(self) -> Callable[[Any], Any]:
-        return _load(self.train_path)
+    def rl(self) -> bool:
+        """A recipe of the RL loop: checkpointed, resumable, its length `loop.max_steps`."""
+        return self.loop == "rl"
+
+    def train(self, config: Any, **options: Any) -> Any:
+        """Run the recipe on its root `config`; `options` are the loop's (the RL loop's `on_step_end`)."""
+        if self.train_path:
+            return _load(self.train_path)(config, **options)
+        if self.check_path:
+            _load(self.check_path)(config)
+        return _load(LOOPS[self.loop])(config, _load(self.learner_path), **options)
 
     def max_steps(self, config: Any) -> int:
         """The number of steps the recipe runs: the RL loop's, or the recipe section's own."""
@@ -34,20 +53,36 @@ def _load(path: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
+def _rl(name: str, config_path: str, learner_path: str, check_path: str | None = None) -> Recipe:
+    return Recipe(name, config_path, policy=True, loop="rl", learner_path=learner_path, check_path=check_path)
+
+
 RECIPES = {
     recipe.name: recipe
     for recipe in (
-        Recipe("grpo", "reinforge.algorithms.grpo:GRPORunConfig", "reinforge.algorithms.grpo:train", True, True),
-        Recipe("ppo", "reinforge.algorithms.ppo_config:PPORunConfig", "reinforge.algorithms.ppo:train", True, True),
-        Recipe(
+        _rl("grpo", "reinforge.algorithms.grpo_config:GRPORunConfig", "reinforge.algorithms.grpo:grpo_learner"),
+        _rl("ppo", "reinforge.algorithms.ppo_config:PPORunConfig", "reinforge.algorithms.ppo:ppo_learner"),
+        _rl(
             "distill",
             "reinforge.algorithms.distill_config:DistillRunConfig",
-            "reinforge.algorithms.distill:train",
-            True,
-            True,
+            "reinforge.algorithms.distill:distill_learner",
+            check_path="reinforge.algorithms.distill:check_distill",
         ),
-        Recipe("sft", "reinforge.algorithms.sft:SFTRunConfig", "reinforge.algorithms.sft:train", False, True),
-        Recipe("dpo", "reinforge.algorithms.dpo:DPORunConfig", "reinforge.algorithms.dpo:train", False, True),
-        Recipe("rm", "reinforge.algorithms.rm:RMRunConfig", "reinforge.algorithms.rm:train", False, False),
+        # recipes that still run themselves
+        Recipe("sft", "reinforge.algorithms.sft:SFTRunConfig", True, train_path="reinforge.algorithms.sft:train"),
+        Recipe("dpo", "reinforge.algorithms.dpo:DPORunConfig", True, train_path="reinforge.algorithms.dpo:train"),
+        Recipe("rm", "reinforge.algorithms.rm:RMRunConfig", False, train_path="reinforge.algorithms.rm:train"),
     )
 }
+
+
+def recipe_of(config: Any) -> Recipe:
+    """The recipe whose root config `config` is (its class's `recipe`)."""
+    return RECIPES[type(config).recipe]
+
+
+def train(config: Any, on_step_end: Callable[[int], None] | None = None) -> Any:
+    """Run the recipe that `config` (a root config of algorithms/) belongs to, on its loop. `on_step_end`: the RL
+    loop's hook, for tools that observe or pace it (loops/rl_loop.run)."""
+    options = {} if on_step_end is None else {"on_step_end": on_step_end}
+    return recipe_of(config).train(config, **options)

@@ -1,20 +1,74 @@
-"""Start-up checks of an RL run's inputs that need more than its config can see: the model directory (weights, its
-context length, its experts), the records (the math verifier's answers), the agents' code and the kind of each
-env.gym server. They run before the run directory is made (rl_loop.py), so that such an input is one line and never a
-half-made run directory, nor a run that trains on sequences its model cannot position."""
+"""An RL run's inputs (its tokenizer, prompts and validation benchmarks, `read_inputs`) and the start-up checks that
+need more than its config can see: the tasks' environments, the loggers, LoRA's targets, the model directory
+(weights, its context length, its experts), the records (the math verifier's answers), the agents' code and the kind
+of each env.gym server. They run before the run directory is made (rl_loop.py), so that such an input is one line
+and never a half-made run directory, nor a run that trains on sequences its model cannot position."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from reinforge.algorithms.rl_config import RLRunConfig
-from reinforge.data.prompts import Prompt
+from reinforge.data.prompt_stream import PromptStream, stream_sampler
+from reinforge.data.prompts import Prompt, load_prompts
 from reinforge.envs.gym import check_resources_server
-from reinforge.envs.registry import EnvConfig
+from reinforge.envs.registry import EnvConfig, check_tasks
 from reinforge.errors import ConfigError, DataError
+from reinforge.evaluation.evaluate import ValidationBenchmark, prepare_validation_benchmarks
+from reinforge.logging.loggers import check_backends
 from reinforge.loops.builders import engines_on_ray
-from reinforge.modeling import check_weights, describe_device, model_limits, resolve_device
+from reinforge.modeling import (
+    check_weights,
+    describe_device,
+    load_processor,
+    load_tokenizer,
+    model_limits,
+    resolve_device,
+)
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
+from reinforge.training.lora import check_lora
+
+
+@dataclass
+class Inputs:
+    """What a run reads before it makes anything, each checked."""
+
+    config: RLRunConfig
+    tokenizer: Any
+    train_prompts: list[Prompt]
+    val_prompts: list[Prompt]
+    benchmarks: list[ValidationBenchmark]
+    tasks: set[str]  # the environments' tasks: the prompts', the benchmarks', `env.extra_rewards`
+    stream: PromptStream | None = None  # `data.streaming`: train_prompts is then its first buffer only
+
+
+def read_inputs(config: RLRunConfig) -> Inputs:
+    """The tokenizer, the prompts, the benchmarks and the tasks they need, each checked: every problem is one line
+    before anything starts, and never leaves a half-made run directory."""
+    tokenizer = load_tokenizer(config.model)
+    processor = load_processor(config.model)  # a vision-language model's, for image prompts; None: text-only
+    stream = stream_sampler(
+        config.data, config.curriculum, tokenizer, config.rollout.num_prompts_per_step, config.seed, processor
+    )
+    train_prompts = stream.head() if stream else load_prompts(config.data.train_path, config.data, tokenizer, processor)
+    val_prompts = []
+    if config.data.val_path:
+        val_prompts = load_prompts(config.data.val_path, config.data, tokenizer, processor, val=True)
+        val_prompts = val_prompts[: config.data.max_val_prompts]
+    loop = config.loop
+    benchmarks = prepare_validation_benchmarks(loop.val_benchmarks, loop.val_benchmark_limit, tokenizer, processor)
+    tasks = {item.record["task"] for benchmark in benchmarks for item in benchmark.items}
+    if config.rollout.driver == "reinforge":  # agents score their own episodes
+        tasks |= {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts}
+        tasks |= set(config.env.extra_rewards)
+    check_tasks(tasks, config.env)
+    check_backends(config.logging.loggers)
+    check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
+    check_run_inputs(config, train_prompts + val_prompts)  # no weights, too long for the model, agents not importable
+    return Inputs(config, tokenizer, train_prompts, val_prompts, benchmarks, tasks, stream)
 
 
 def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:

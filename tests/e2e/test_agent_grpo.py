@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def test_the_agent_demo_learns_to_call_its_calculator(tmp_path):
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    result = grpo.train(config)
+    result = loops.train(config)
     first, *steps = rows(result.run_dir)
     last = steps[-1]
     assert result.last_val_accuracy >= result.first_val_accuracy + 0.15, (
@@ -79,7 +79,7 @@ def test_episodes_an_agent_cannot_vouch_for_are_masked_and_counted_and_the_run_g
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    result = grpo.train(config)
+    result = loops.train(config)
     steps = rows(result.run_dir)[1:]
     assert len(steps) == 2
     for row in steps:

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.cli import main
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.convert import convert
@@ -89,7 +89,7 @@ def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(
         "data.max_val_prompts=4",
         f"logging.run_dir={tmp_path / 'run'}",
     ]
-    run = grpo.train(load_config(PROJECT_ROOT / "configs" / "grpo_lora_demo.yaml", overrides)).run_dir
+    run = loops.train(load_config(PROJECT_ROOT / "configs" / "grpo_lora_demo.yaml", overrides)).run_dir
     checkpoint = run / "checkpoints" / "step_00000002"
     assert main(["convert", str(checkpoint), "--out", str(tmp_path / "merged_checkpoint"), "--merge"]) == 0
     convert(checkpoint, tmp_path / "adapter")

@@ -3,15 +3,15 @@ the demo model with the real engine, trainer and verifier: the curriculum's metr
 are stored in the run directory, and a run stopped after step 2 and resumed repeats the uninterrupted metrics
 without sampling the pass rates again; `reinforge curriculum prefilter` writes records with a pass_rate field.
 
-The first test needs grpo.train to build its sampler with
+The first test needs the RL loop (loops.train) to build its sampler with
 reinforge.loops.curriculum_prefilter.build_prompt_sampler (see that module)."""
 
 import json
 import subprocess
 import sys
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt
 from reinforge.loops.curriculum_prefilter import build_prompt_sampler
@@ -38,7 +38,7 @@ def run(train_path, run_dir, max_steps):
     config = load_config(
         CONFIG, [*ARGS, f"data.train_path={train_path}", f"loop.max_steps={max_steps}", f"logging.run_dir={run_dir}"]
     )
-    return grpo.train(config).run_dir
+    return loops.train(config).run_dir
 
 
 def rows(run_dir):

@@ -51,7 +51,7 @@ def test_the_documented_environment_scores_a_file_through_env_score(tmp_path):
 def test_a_custom_task_is_built_from_env_custom_and_a_bad_path_is_one_line(tmp_path):
     env = doc_example(tmp_path)
     script = (
-        "from reinforge.algorithms.grpo import load_config\n"
+        "from reinforge.algorithms.grpo_config import load_config\n"
         "from reinforge.envs.registry import build_envs, check_tasks\n"
         "config = load_config(None, ['env.custom.brief=word_limit_env:WordLimitEnv'])\n"
         "check_tasks({'brief', 'math'}, config.env)\n"

@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from reinforge.algorithms.grpo import load_config
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.errors import ConfigError

@@ -5,8 +5,8 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.paths import PROJECT_ROOT
 
 REQUIRED = [
@@ -32,7 +32,7 @@ def test_grpo_on_the_demo_model_raises_reward_and_accuracy(tmp_path):
         PROJECT_ROOT / "configs" / "grpo_demo.yaml",
         ["loop.max_steps=12", "loop.val_every=0", f"logging.run_dir={tmp_path / 'run'}"],
     )
-    result = grpo.train(config)
+    result = loops.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(13))
     steps = rows[1:]

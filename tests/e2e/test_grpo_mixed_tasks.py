@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.paths import PROJECT_ROOT
 
 # One xdist worker runs every test that starts sandboxes in turn: some count the live sandbox processes
@@ -34,7 +34,7 @@ def test_a_batch_mixing_math_and_code_trains_with_per_task_metrics(tmp_path):
             "loop.val_benchmark_limit=4",
         ],
     )
-    result = grpo.train(config)
+    result = loops.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     val, steps = rows[0], rows[1:]
     assert len(steps) == 2

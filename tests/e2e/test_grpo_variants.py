@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.paths import PROJECT_ROOT
 
 COMMON = [
@@ -67,7 +67,7 @@ def test_each_grpo_variant_config_trains_two_steps_with_finite_metrics(method, t
             *overrides,
         ],
     )
-    result = grpo.train(config)
+    result = loops.train(config)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:
@@ -123,7 +123,7 @@ def test_a_kl_penalty_in_the_reward_is_zero_until_the_policy_moves(tmp_path):
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    rows = [json.loads(line) for line in (grpo.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (loops.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert rows[0]["train/kl_reward_penalty_mean"] == 0.0  # train/kl is not: it is measured during the updates
     assert rows[1]["train/kl_reward_penalty_mean"] != 0.0 and math.isfinite(rows[1]["train/kl_reward_penalty_mean"])

@@ -18,8 +18,8 @@ import pytest
 from _gym import gym_python, gym_servers, policy_model
 from _servers import cli_server
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.responses_format import create_params_to_chat, hermes_messages, items_to_chat, verdict_components
 from reinforge.envs.base import EnvRequest
@@ -148,7 +148,7 @@ def test_grpo_trains_on_episodes_gyms_simple_agent_drives(gym, tmp_path):
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    result = grpo.train(config)
+    result = loops.train(config)
     steps = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps] == [1, 2, 3]
     for row in steps:

@@ -22,7 +22,7 @@ import pytest
 from _gym import GymLaunchError, gym_python, gym_servers
 from _gym_episodes import Episode, assistant, call, gym_env
 
-from reinforge.algorithms.grpo import load_config
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.prompts import render_prompt
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.gym import GymResourcesEnv, GymServerError

@@ -13,7 +13,8 @@ from _gym import gym_python, gym_servers, policy_model
 from _servers import cli_server
 from transformers import AutoTokenizer
 
-from reinforge.algorithms import grpo
+from reinforge import loops
+from reinforge.algorithms.grpo_config import GRPORunConfig
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.network import free_port
@@ -72,7 +73,7 @@ def test_grpo_trains_on_gym_image_episodes_with_the_trainer_seeing_the_engines_p
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({**row, "agent_ref": {"name": "circle_agent"}}) + "\n" for row in rows[:4]))
     config = load_recipe_config(
-        grpo.GRPORunConfig,
+        GRPORunConfig,
         PROJECT_ROOT / "configs" / "grpo_vlm_demo.yaml",
         [
             f"data.train_path={train}",
@@ -89,7 +90,7 @@ def test_grpo_trains_on_gym_image_episodes_with_the_trainer_seeing_the_engines_p
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    steps = [json.loads(line) for line in (grpo.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (loops.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps] == [1, 2]
     for row in steps:
         assert row["rollout/agent_ok_fraction"] == 1 and row["rollout/agent_contiguous_fraction"] == 1, row

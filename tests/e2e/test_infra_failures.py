@@ -21,7 +21,8 @@ import time
 import pytest
 import uvicorn
 
-from reinforge.algorithms.grpo import load_config, train
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
 from reinforge.envs.base import EnvRequest, EnvResponse
@@ -165,7 +166,7 @@ def test_a_short_grpo_run_through_a_server_failing_half_its_requests_finishes(tm
             "env.remote.math.batch_size=2",
             f"logging.run_dir={tmp_path / 'run'}",
         ]
-        train(load_config(PROJECT_ROOT / "configs" / "grpo_demo.yaml", overrides))
+        loops.train(load_config(PROJECT_ROOT / "configs" / "grpo_demo.yaml", overrides))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/reward_mean" in row]
     assert len(steps) == 2 and flaky.num_failed > 0

@@ -9,8 +9,8 @@ import torch
 from _kill import assert_resumes_like_a_run_never_killed
 from transformers import AutoModelForCausalLM
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.state import model_state_dict
 
@@ -23,7 +23,7 @@ def rows(run_dir):
 
 def test_grpo_with_lora_raises_reward_and_accuracy_and_leaves_an_adapter(tmp_path):
     config = load_config(CONFIG, ["loop.max_steps=12", "loop.val_every=0", f"logging.run_dir={tmp_path / 'run'}"])
-    result = grpo.train(config)
+    result = loops.train(config)
     steps = rows(result.run_dir)[1:]
     early = sum(r["train/reward_mean"] for r in steps[:4]) / 4
     late = sum(r["train/reward_mean"] for r in steps[-4:]) / 4
@@ -48,7 +48,7 @@ def test_grpo_with_lora_raises_reward_and_accuracy_and_leaves_an_adapter(tmp_pat
         CONFIG,
         ["loop.max_steps=0", "model.lora=null", f"model.adapter={final}", f"logging.run_dir={tmp_path / 'onward'}"],
     )
-    assert grpo.train(onward).first_val_accuracy == result.last_val_accuracy
+    assert loops.train(onward).first_val_accuracy == result.last_val_accuracy
 
 
 RESUME = [

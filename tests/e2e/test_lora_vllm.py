@@ -52,7 +52,7 @@ def refit_and_probe(run_dir, out_path):
     each followed by the adapter refit; then the engine's logprobs, with the adapter and with it turned off,
     against the trainer and the base model."""
     from reinforge.algorithms import consistency
-    from reinforge.algorithms.grpo import load_config
+    from reinforge.algorithms.grpo_config import load_config
     from reinforge.data.batch import collate
     from reinforge.data.jsonl import read_jsonl
     from reinforge.data.prompts import render_prompt

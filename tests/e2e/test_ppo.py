@@ -9,7 +9,7 @@ import pytest
 from _kill import assert_resumes_like_a_run_never_killed
 from torch.distributed.checkpoint import FileSystemReader
 
-from reinforge.algorithms import ppo
+from reinforge import loops
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.cli import main
 from reinforge.config.loader import load_recipe_config
@@ -42,7 +42,7 @@ def test_ppo_fits_the_critic_and_trains_the_policy_with_the_kl_penalty_in_the_re
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    result = ppo.train(config)
+    result = loops.train(config)
     steps = rows(result.run_dir)[1:]
     assert [row["step"] for row in steps] == list(range(1, 9))
     assert (

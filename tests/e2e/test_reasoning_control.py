@@ -13,8 +13,9 @@ import json
 import pytest
 import yaml
 
-from reinforge.algorithms import grpo, sft
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms import sft
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import render_prompt
@@ -85,7 +86,7 @@ def chain(tmp_path_factory):
         CONFIGS / "reasoning_grpo_demo.yaml",
         GRPO_OVERRIDES + [f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={root / 'grpo'}"],
     )
-    grpo_run = grpo.train(grpo_config).run_dir
+    grpo_run = loops.train(grpo_config).run_dir
     rows = [json.loads(line) for line in (grpo_run / "metrics.jsonl").read_text().splitlines()]
     return sft_run, grpo_run, rows
 
@@ -140,7 +141,7 @@ def test_gdpo_normalises_the_math_and_format_rewards_apart_from_the_sft_model(ch
         + ["loop.max_steps=2", f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={tmp_path / 'gdpo'}"],
     )
     assert config.grpo.decoupled_normalization and config.env.extra_rewards == {"format": 0.5}
-    rows = [json.loads(line) for line in (grpo.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (loops.train(config).run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows[1:]:
         assert row["train/num_reward_components"] == 2.0, row
         assert abs(row["train/advantage_token_mean"]) < 1e-5 and abs(row["train/advantage_token_std"] - 1.0) < 1e-3, row

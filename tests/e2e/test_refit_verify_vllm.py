@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from reinforge.algorithms import grpo
-from reinforge.algorithms.grpo import load_config
+from reinforge import loops
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.generation.hf import HFGenerationBackend
 from reinforge.generation.weight_digest import RefitMismatch
 from reinforge.paths import PROJECT_ROOT
@@ -167,7 +167,7 @@ def test_a_grpo_demo_run_stops_at_the_step_whose_refit_skipped_a_parameter(tmp_p
         ],
     )
     with pytest.raises(RefitMismatch) as error:
-        grpo.train(config)
+        loops.train(config)
     assert str(error.value).startswith(f"refit check: hf engine does not serve the weights just sent: {skipped} ")
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]  # step 2's refit was the stale one: the run stopped there

@@ -9,7 +9,9 @@ import pytest
 from safetensors import safe_open
 from transformers import AutoProcessor
 
-from reinforge.algorithms import grpo, sft
+from reinforge import loops
+from reinforge.algorithms import sft
+from reinforge.algorithms.grpo_config import GRPORunConfig
 from reinforge.config.loader import load_recipe_config
 from reinforge.paths import PROJECT_ROOT
 
@@ -27,9 +29,9 @@ def rows(run_dir):
 
 def grpo_run(config_name, tmp_path, *overrides):
     config = load_recipe_config(
-        grpo.GRPORunConfig, CONFIGS / config_name, [*SHORT, f"logging.run_dir={tmp_path / 'run'}", *overrides]
+        GRPORunConfig, CONFIGS / config_name, [*SHORT, f"logging.run_dir={tmp_path / 'run'}", *overrides]
     )
-    return grpo.train(config)
+    return loops.train(config)
 
 
 def test_grpo_on_the_vlm_demo_learns_and_exports_the_processor(tmp_path):
@@ -153,7 +155,7 @@ def test_in_flight_image_prompts_on_vllm_match_the_version_that_sampled_each_tok
     logprob equals the trainer's under the version that sampled it. (How many sequences span an update depends on
     timing; the forced mid-generation update is tests/unit/test_in_flight.py's.)"""
     config = load_recipe_config(
-        grpo.GRPORunConfig,
+        GRPORunConfig,
         CONFIGS / "grpo_vlm_demo.yaml",
         [
             "loop.max_steps=6",
@@ -165,7 +167,7 @@ def test_in_flight_image_prompts_on_vllm_match_the_version_that_sampled_each_tok
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    steps = [r for r in rows(grpo.train(config).run_dir) if "train/loss" in r]
+    steps = [r for r in rows(loops.train(config).run_dir) if "train/loss" in r]
     assert len(steps) == 6
     for r in steps:
         assert r["train/version_matched/token_share"] == 1.0

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from reinforge.algorithms.distill_config import DistillRunConfig
-from reinforge.algorithms.grpo import GRPORunConfig, load_config
+from reinforge.algorithms.grpo_config import GRPORunConfig, load_config
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.config.loader import load_recipe_config, save_config
 from reinforge.errors import ConfigError
@@ -77,7 +77,7 @@ def test_ppo_refuses_grpo_advantage_settings_it_does_not_read(key, hint):
         load_recipe_config(PPORunConfig, None, [f"grpo.{key}=false"])
 
 
-def test_distillation_refuses_grpo_advantages_and_the_kl_in_the_reward():
+def test_distillation_refuses_grpo_losses_and_the_kl_in_the_reward():
     with pytest.raises(
         ConfigError, match=r"^unknown config key grpo.whiten_advantages: reinforge distill has no grpo section"
     ):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from reinforge.algorithms.grpo import load_config
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.curriculum import ProgressiveSampler, gaussian_targets, record_pass_rates
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt, PromptSampler, render_prompt

@@ -3,7 +3,7 @@ fixed answers stand in for the policy's, so every expectation is exact."""
 
 import pytest
 
-from reinforge.algorithms.grpo import fill_with_informative_groups
+from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
 from reinforge.data.batch import Trajectory
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.math_env import MathEnv

@@ -1,12 +1,12 @@
-"""The GRPO loop's advantages of scored trajectories (algorithms/grpo_advantages.py): GDPO's components from
+"""The GRPO loop's advantages of scored trajectories (algorithms/grpo_losses.py): GDPO's components from
 `env.extra_rewards` or an agent's reward_components, the KL penalty in the reward, token-weighted whitening;
 and the config errors of the new loss settings."""
 
 import pytest
 import torch
 
-from reinforge.algorithms.grpo import load_config
-from reinforge.algorithms.grpo_advantages import kl_reward_penalties, reward_components, step_advantages
+from reinforge.algorithms.grpo_config import load_config
+from reinforge.algorithms.grpo_losses import kl_reward_penalties, reward_components, step_advantages
 from reinforge.data.batch import Trajectory, collate
 from reinforge.errors import ReinforgeError
 from reinforge.paths import PROJECT_ROOT

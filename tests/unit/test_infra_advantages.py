@@ -12,7 +12,8 @@ from reinforge.algorithms.advantages import (
     leave_one_out_baseline,
     mean_baseline,
 )
-from reinforge.algorithms.grpo_advantages import GRPOConfig, step_advantages
+from reinforge.algorithms.grpo_config import GRPOConfig
+from reinforge.algorithms.grpo_losses import step_advantages
 from reinforge.algorithms.step_metrics import rollout_metrics
 from reinforge.data.batch import Trajectory, collate
 from reinforge.rollout.infra import InfraFailureError, InfraLimits, settle

@@ -10,7 +10,7 @@ differentiated, only the loss computed on it).
 import pytest
 import torch
 
-from reinforge.algorithms.losses import KL_ESTIMATORS, grpo_loss, token_mean
+from reinforge.algorithms.losses import KL_ESTIMATORS, clipped_policy_loss, token_mean
 from reinforge.data.batch import Normalisers
 
 V = 6
@@ -93,7 +93,7 @@ def test_grpo_loss_adds_the_chosen_estimator_and_measures_it_without_training_on
     logp = torch.tensor([[-1.0]], requires_grad=True)
     common = dict(aggregate=token_mean, eps_low=0.2, eps_high=0.2, ref_logprobs_BT=torch.tensor([[-2.0]]))
     for name, expected in {"k1": 1.0, "k2": 0.5, "k3": 0.367879}.items():
-        loss, metrics = grpo_loss(
+        loss, metrics = clipped_policy_loss(
             logp,
             logp.detach(),
             torch.zeros(1),
@@ -104,7 +104,7 @@ def test_grpo_loss_adds_the_chosen_estimator_and_measures_it_without_training_on
             **common,
         )
         assert abs(loss.item() - 0.5 * expected) < 1e-5 and abs(metrics["kl"].item() - expected) < 1e-5
-        loss, metrics = grpo_loss(
+        loss, metrics = clipped_policy_loss(
             logp,
             logp.detach(),
             torch.zeros(1),

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from reinforge.algorithms.grpo import GRPORunConfig
+from reinforge.algorithms.grpo_config import GRPORunConfig
 from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
 from reinforge.logging.loggers import LoggersConfig, MetricLogger, check_backends

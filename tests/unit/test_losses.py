@@ -5,8 +5,8 @@ import torch
 from reinforge.algorithms.losses import (
     cispo_policy_gradient,
     clipped_policy_gradient,
+    clipped_policy_loss,
     constant_normaliser,
-    grpo_loss,
     k3_kl,
     sequence_log_ratio,
     sequence_mean,
@@ -68,7 +68,7 @@ def test_grpo_loss_with_kl_matches_hand_computed_value():
     per token: -1 + 0.1 * 0.193147 = -0.980685 and -1; token mean = -0.990343."""
     logp = torch.tensor([[math.log(0.5), math.log(0.5)]])
     ref = torch.tensor([[math.log(0.25), math.log(0.5)]])
-    loss, metrics = grpo_loss(
+    loss, metrics = clipped_policy_loss(
         logp,
         logp.clone(),
         torch.tensor([1.0]),
@@ -91,9 +91,11 @@ def test_masked_positions_never_change_the_loss():
     logp, old, ref = (torch.randn(2, 5, generator=gen) for _ in range(3))
     mask = torch.tensor([[0.0, 0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0, 1.0]])
     kwargs = dict(aggregate=token_mean, eps_low=0.2, eps_high=0.2, kl_coef=0.05)
-    base, _ = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, Normalisers(6, 2), ref_logprobs_BT=ref, **kwargs)
+    base, _ = clipped_policy_loss(
+        logp, old, torch.tensor([1.0, -1.0]), mask, Normalisers(6, 2), ref_logprobs_BT=ref, **kwargs
+    )
     noise = torch.randn(2, 5, generator=gen) * 100 * (1 - mask)
-    moved, _ = grpo_loss(
+    moved, _ = clipped_policy_loss(
         logp + noise,
         old - noise,
         torch.tensor([1.0, -1.0]),
@@ -128,7 +130,7 @@ def test_sequence_mask_drops_sequences_whose_geometric_mean_ratio_is_out_of_boun
 def test_importance_weights_scale_the_policy_gradient_term_only():
     """ratio 1, A = +1, weights [2, 0.5]: pg per token = [-2, -0.5]; token mean = -1.25; KL (0 here) unweighted."""
     logp = torch.zeros(1, 2)
-    loss, _ = grpo_loss(
+    loss, _ = clipped_policy_loss(
         logp,
         logp.clone(),
         torch.tensor([1.0]),
@@ -154,7 +156,7 @@ def test_sequence_log_ratio_is_the_mean_log_ratio_over_valid_tokens_on_every_pos
 
 
 def test_gspo_loss_clips_whole_sequences_and_spreads_the_gradient_over_their_tokens():
-    """GSPO = grpo_loss with the sequence ratio and sequence aggregation; eps_low 0.2, eps_high 0.28; 2 sequences.
+    """GSPO = clipped_policy_loss with the sequence ratio and sequence aggregation; eps 0.2 low, 0.28 high, 2 sequences.
     Sequence 0: log ratios [0.1, -0.1] -> s = exp(0) = 1, A = +1: loss term -1, unclipped.
     Sequence 1: log ratios [0.6, 0.6, 0.6] -> s = e^0.6 = 1.822119 > 1.28, A = +1: loss term -1.28, clipped.
     loss = (-1 - 1.28) / 2 = -1.14. Gradient wrt logp: sequence 0's tokens get -A * s / |y| / B = -1 * 1 / 2 / 2 = -0.25
@@ -162,7 +164,7 @@ def test_gspo_loss_clips_whole_sequences_and_spreads_the_gradient_over_their_tok
     old = torch.zeros(2, 3)
     logp = torch.tensor([[0.1, -0.1, 0.0], [0.6, 0.6, 0.6]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, metrics = grpo_loss(
+    loss, metrics = clipped_policy_loss(
         logp,
         old,
         torch.tensor([1.0, 1.0]),
@@ -204,11 +206,13 @@ def test_micro_batch_losses_sum_to_the_global_batch_loss_for_every_variant():
     for aggregate, log_ratio in variants:
         kwargs = dict(aggregate=aggregate, log_ratio=log_ratio, eps_low=0.2, eps_high=0.28)
         whole_logp = logp.clone().requires_grad_(True)
-        whole, _ = grpo_loss(whole_logp, old, advantages, mask, norm, **kwargs)
+        whole, _ = clipped_policy_loss(whole_logp, old, advantages, mask, norm, **kwargs)
         whole.backward()
         split_logp = logp.clone().requires_grad_(True)
         parts = [
-            grpo_loss(split_logp[s : s + 2], old[s : s + 2], advantages[s : s + 2], mask[s : s + 2], norm, **kwargs)[0]
+            clipped_policy_loss(
+                split_logp[s : s + 2], old[s : s + 2], advantages[s : s + 2], mask[s : s + 2], norm, **kwargs
+            )[0]
             for s in (0, 2)
         ]
         sum(parts).backward()
@@ -226,7 +230,7 @@ def test_cispo_keeps_the_gradient_of_tokens_whose_weight_is_clipped():
 
     def loss_and_gradient(policy_gradient):
         logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]])).requires_grad_()
-        loss, metrics = grpo_loss(
+        loss, metrics = clipped_policy_loss(
             logp,
             old,
             advantages.view(1, 3),
@@ -254,6 +258,8 @@ def test_per_token_advantages_weigh_each_token_on_its_own():
     logp = torch.zeros(2, 2)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     common = dict(aggregate=token_mean, eps_low=0.2, eps_high=0.2)
-    per_token, _ = grpo_loss(logp, logp, torch.tensor([[1.0, 2.0], [3.0, 0.0]]), mask, Normalisers(3, 2), **common)
-    per_sequence, _ = grpo_loss(logp, logp, torch.tensor([1.0, 3.0]), mask, Normalisers(3, 2), **common)
+    per_token, _ = clipped_policy_loss(
+        logp, logp, torch.tensor([[1.0, 2.0], [3.0, 0.0]]), mask, Normalisers(3, 2), **common
+    )
+    per_sequence, _ = clipped_policy_loss(logp, logp, torch.tensor([1.0, 3.0]), mask, Normalisers(3, 2), **common)
     assert abs(per_token.item() + 2.0) < 1e-6 and abs(per_sequence.item() + 5 / 3) < 1e-6

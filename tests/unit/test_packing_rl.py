@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from reinforge.algorithms.losses import grpo_loss, token_mean
+from reinforge.algorithms.losses import clipped_policy_loss, token_mean
 from reinforge.data.batch import Normalisers, Trajectory, collate
 from reinforge.data.packing import dense_mask, row_layout, sequence_rows, shared_prompt_rows
 from reinforge.model_config import ModelConfig
@@ -79,7 +79,7 @@ def make_backend(model_dir, **training):
 
 
 def loss_fn(logprobs, micro, norm):
-    return grpo_loss(
+    return clipped_policy_loss(
         logprobs,
         micro.old_logprobs,
         micro.advantages,
@@ -243,7 +243,7 @@ def test_ranks_split_their_micro_batches_to_the_same_count():
     ],
 )
 def test_bad_micro_batching_settings_are_one_line_errors(override, message):
-    from reinforge.algorithms.grpo import load_config
+    from reinforge.algorithms.grpo_config import load_config
     from reinforge.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message) as error:

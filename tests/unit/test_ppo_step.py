@@ -2,15 +2,18 @@
 update order changes no number, the critic's warm-up leaves the policy untouched, and the advantages the
 actor trains on are GAE's, whitened over the batch's tokens."""
 
+from functools import partial
 from types import SimpleNamespace
 
 import torch
 
 from reinforge.algorithms import ppo
+from reinforge.algorithms.learner import LearnerParts
 from reinforge.algorithms.ppo_config import PPORunConfig
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.batch import Trajectory
 from reinforge.logging.metrics import Timers
+from reinforge.loops.builders import build_critic
 from reinforge.model_config import ModelConfig
 from reinforge.rollout.source import RolloutBatch
 from reinforge.training.backend import Backend
@@ -49,7 +52,8 @@ def step(model_dir, *overrides: str) -> tuple[dict[str, float], bool, Backend, B
         ],
     )
     trainer = fresh_policy(config)
-    learner = ppo.ppo_learner(config, trainer, SimpleNamespace(pad_token_id=0), cleanup=None)
+    critic = partial(build_critic, config, cleanup=None)  # the loop's builder: in this process on the torch backend
+    learner = ppo.ppo_learner(config, LearnerParts(trainer, SimpleNamespace(pad_token_id=0), None, critic))
     result = learner.train_on_batch(1, rollouts(), Timers())
     return (
         {k: v for k, v in result.metrics.items() if not k.startswith(("timing/", "perf/"))},

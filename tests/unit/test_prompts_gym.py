@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from reinforge.algorithms.grpo import load_config
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.prompts import load_prompts, render_prompt
 from reinforge.errors import DataError
 from reinforge.model_config import ModelConfig

@@ -6,7 +6,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from reinforge.algorithms.grpo import load_config
+from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.batch import Trajectory, collate
 from reinforge.errors import ConfigError
 from reinforge.generation.hf import HFGenerationBackend

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from reinforge.algorithms.grpo import GRPORunConfig
+from reinforge.algorithms.grpo_config import GRPORunConfig
 from reinforge.cli import main
 from reinforge.config.loader import save_config
 from reinforge.logging.report import phase_seconds, write_report

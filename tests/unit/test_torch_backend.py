@@ -4,8 +4,9 @@ from functools import partial
 import pytest
 import torch
 
-from reinforge.algorithms.grpo import GRPORunConfig, computed_part
-from reinforge.algorithms.losses import grpo_loss, sequence_mean, token_mean
+from reinforge.algorithms.grpo import computed_part
+from reinforge.algorithms.grpo_config import GRPORunConfig
+from reinforge.algorithms.losses import clipped_policy_loss, sequence_mean, token_mean
 from reinforge.algorithms.policy_loss import RewardKLLossConfig, old_policy_logprobs, policy_loss_fn, split_old_logprobs
 from reinforge.data.batch import Trajectory, collate
 from reinforge.model_config import ModelConfig
@@ -49,7 +50,7 @@ def make_loss_fn(config: GRPORunConfig):
 
 
 def loss_fn(aggregate, kl_coef, logprobs, micro, norm):
-    return grpo_loss(
+    return clipped_policy_loss(
         logprobs,
         micro.old_logprobs,
         micro.advantages,

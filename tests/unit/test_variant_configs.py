@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from reinforge.algorithms.grpo import GRPORunConfig, load_config
+from reinforge.algorithms.grpo_config import GRPORunConfig, load_config
 from reinforge.algorithms.policy_loss import PolicyLossConfig, policy_loss_fn
 from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.paths import PROJECT_ROOT
