@@ -137,10 +137,9 @@ def evaluate(
     env_config: EnvConfig | None = None,
     data: SourceConfig | None = None,
 ) -> EvalResult:
-    """Evaluate `model` on `benchmark` (a name in benchmarks.BENCHMARKS, or questions of the user's own read with
-    `data`'s split, subset and columns) with `num_samples` (n, default k)
-    samples per prompt on its first `limit` prompts; `batch_size` prompts go to the engine at a time.
-    Writes samples.jsonl and summary.json to `output_dir` when given (see the module doc)."""
+    """Evaluate `model` on `benchmark` (a name in benchmarks.BENCHMARKS, or the user's own file or dataset, read with
+    `data`'s split, subset and columns) with `num_samples` (n, default k) samples per prompt on its first `limit`
+    prompts, `batch_size` at a time; samples.jsonl and summary.json go to `output_dir` if given (the module doc)."""
     num_samples = k if num_samples is None else num_samples
     check_settings(k, num_samples, backend, max_new_tokens, temperature, top_p, batch_size)
     if temperature is None:

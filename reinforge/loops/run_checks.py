@@ -42,7 +42,7 @@ class Inputs:
     val_prompts: list[Prompt]
     benchmarks: list[ValidationBenchmark]
     tasks: set[str]  # the environments' tasks: the prompts', the benchmarks', `env.extra_rewards`
-    stream: PromptStream | None = None  # `data.streaming`: train_prompts is then its first buffer only
+    stream: PromptStream | None  # `data.streaming`: train_prompts is then its first buffer only (else None)
 
 
 def read_inputs(config: RLRunConfig) -> Inputs:
