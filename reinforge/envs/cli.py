@@ -115,13 +115,17 @@ def add_serve_rm_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve_rm_command(args: argparse.Namespace) -> None:
-    from reinforge.envs.reward_model_server import serve_reward_model
-    from reinforge.modeling import resolve_device
+    import re
 
+    from reinforge.envs.reward_model_server import serve_reward_model
+    from reinforge.errors import ConfigError
+    from reinforge.modeling import DEVICE_PATTERN, resolve_device
+
+    if not re.fullmatch(DEVICE_PATTERN, args.device):
+        raise ConfigError(f"--device {args.device}: choose auto, cpu, cuda or cuda:N")
     check_bind_address(args.host, args.allow_remote)
     token = token_from_env(args.token_env, "--token-env")
     device = str(resolve_device(args.device, "--device"))
-    print(f"serving reward model {args.model_path} at http://{args.host}:{args.port} on {device}; Ctrl-C stops")
     serve_reward_model(
         args.model_path, args.host, args.port, device, args.dtype, args.max_length, args.batch_size, token=token
     )

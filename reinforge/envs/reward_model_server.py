@@ -161,6 +161,7 @@ def serve_reward_model(
     import uvicorn
 
     scorer = RewardModelScorer(model_path, device=device, dtype=dtype, max_length=max_length, batch_size=batch_size)
+    print(f"serving reward model {model_path} at http://{host}:{port} on {device}; Ctrl-C stops", flush=True)
     uvicorn.run(create_app(scorer, token), host=host, port=port, log_level="warning")
 
 

@@ -91,6 +91,14 @@ def test_serve_dtype_auto_is_the_dtype_the_model_was_saved_in(tmp_path):
     assert _dtype("float16", ModelConfig(name_or_path=str(tmp_path))) == "float16"
 
 
+def test_serve_rm_refuses_a_device_it_cannot_name_and_a_remote_host_without_allow_remote(capsys):
+    assert main(["serve-rm", "models/demo", "--device", "gpu"]) == 2
+    assert main(["serve-rm", "models/demo", "--host", "0.0.0.0"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors[0] == "reinforge: error: --device gpu: choose auto, cpu, cuda or cuda:N"
+    assert errors[1].startswith("reinforge: error: --host 0.0.0.0 is not a loopback address")
+
+
 def test_the_old_reward_model_server_module_names_the_subcommand():
     result = subprocess.run(
         [sys.executable, "-m", "reinforge.envs.reward_model_server", "x"], capture_output=True, text=True, timeout=60
