@@ -1,4 +1,5 @@
-"""The `reinforge` command line."""
+"""The `reinforge` command line: `build_parser` lists the subcommands; each is declared by an `add_<cmd>_parser`
+beside the `run_<cmd>` that runs it (here, or in its package's cli.py), which it sets as the parsed `args.run`."""
 
 from __future__ import annotations
 
@@ -7,9 +8,59 @@ import os
 import sys
 from pathlib import Path
 
+from reinforge import __version__
+from reinforge.envs.cli import add_env_commands, add_serve_rm_command
+from reinforge.evaluation.cli import add_eval_command
 from reinforge.paths import PROJECT_ROOT
+from reinforge.serving.cli import add_serve_command
+from reinforge.training.parallel.plan_cli import add_plan_command
 
 DEMO_CONFIG = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
+CONFIG_HELP = "YAML config file (may inherit with `defaults:`)"
+RL_COMMANDS = ("grpo", "ppo", "distill", "demo")  # the RL loop's: checkpointed, so restartable (supervisor.py)
+
+# name: (summary, description, an override of its own for the help's example); each trains with its recipe
+TRAINING_COMMANDS = {
+    "grpo": (
+        "train a policy with GRPO on verifiable rewards",
+        "Run GRPO: sample groups of answers, score them with environments, update the policy "
+        "with a clipped policy-gradient loss. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+        "loop.max_steps=10",
+    ),
+    "ppo": (
+        "train a policy with PPO and a critic (GAE advantages per token)",
+        "Run PPO: the RL loop with a critic (a value head on its own copy of the base model) trained on the same "
+        "rollouts, GAE advantages per token, a clipped value loss. Writes config.yaml, metrics.jsonl and final/ to "
+        "logging.run_dir; checkpoints hold the critic too.",
+        "ppo.critic_lr=1e-5",
+    ),
+    "distill": (
+        "on-policy distillation: the student samples, a frozen teacher scores its tokens",
+        "Run on-policy distillation: the RL loop, the student trained toward a frozen teacher (same tokenizer) on "
+        "its own samples, by the per-token reverse KL as advantage or a top-k logits KL (docs/algorithms.md). "
+        "Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+        "distill.topk=32",
+    ),
+    "sft": (
+        "supervised fine-tuning on chat data (loss on assistant tokens, packed batches)",
+        "Run SFT: chats rendered with the model's chat template, loss on the assistant tokens, "
+        "packed micro-batches. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+        "sft.max_steps=10",
+    ),
+    "dpo": (
+        "train a policy with DPO on preference pairs (prompt, chosen, rejected)",
+        "Run DPO: the policy learns to prefer the chosen reply over the rejected one relative to a frozen "
+        "reference (the starting model). Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
+        "dpo.max_steps=10",
+    ),
+    "rm": (
+        "train a Bradley-Terry reward model on preference pairs",
+        "Train a reward model: a scalar head on a causal LM, loss -log sigmoid(r_chosen - r_rejected). Writes "
+        "config.yaml, metrics.jsonl and final/, which `reinforge serve-rm RUN_DIR/final` serves to the judge "
+        "environment.",
+        "rm.max_steps=10",
+    ),
+}
 
 
 def overrides_help(recipe: str, example: str) -> str:
@@ -20,78 +71,49 @@ def overrides_help(recipe: str, example: str) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="reinforge", description="Reinforcement-learning post-training of LLMs.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+class RenamedFlag(argparse.Action):
+    """A flag that also answers to its old name (`aliases`, listed after the new one): the old name still
+    works and says once on stderr which name replaces it."""
 
-    for name, summary, description, help_text in (
-        (
-            "grpo",
-            "train a policy with GRPO on verifiable rewards",
-            "Run GRPO: sample groups of answers, score them with environments, update the policy "
-            "with a clipped policy-gradient loss. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
-            overrides_help("grpo", "loop.max_steps=10"),
-        ),
-        (
-            "ppo",
-            "train a policy with PPO and a critic (GAE advantages per token)",
-            "Run PPO: the RL loop with a critic (a value head on its own copy of the base model) trained on the same "
-            "rollouts, GAE advantages per token, a clipped value loss. Writes config.yaml, metrics.jsonl and final/ to "
-            "logging.run_dir; checkpoints hold the critic too.",
-            overrides_help("ppo", "ppo.critic_lr=1e-5"),
-        ),
-        (
-            "distill",
-            "on-policy distillation: the student samples, a frozen teacher scores its tokens",
-            "Run on-policy distillation: the RL loop, the student trained toward a frozen teacher (same tokenizer) on "
-            "its own samples, by the per-token reverse KL as advantage or a top-k logits KL (docs/algorithms.md). "
-            "Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
-            overrides_help("distill", "distill.topk=32"),
-        ),
-    ):
-        loop = commands.add_parser(name, help=summary, description=description)
-        loop.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-        loop.add_argument("overrides", nargs="*", help=help_text)
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != self.option_strings[0]:
+            print(f"reinforge: warning: {option_string} is deprecated; use {self.option_strings[0]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
+
+def add_output_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """`--output`, as every command that writes a named file or directory calls it (`--out`: its old name)."""
+    parser.add_argument(
+        "--output", "--out", required=True, action=RenamedFlag, help=f"{help_text} (--out: the old name, deprecated)"
+    )
+
+
+def add_training_parsers(commands: argparse._SubParsersAction) -> None:
+    for name, (summary, description, example) in TRAINING_COMMANDS.items():
+        parser = commands.add_parser(name, help=summary, description=description)
+        parser.add_argument("--config", required=True, help=CONFIG_HELP)
+        parser.add_argument("overrides", nargs="*", help=overrides_help(name, example))
+        parser.set_defaults(run=run_training)
     demo = commands.add_parser(
         "demo",
         help="GRPO on the embedded demo model (a few minutes on a laptop CPU)",
-        description=f"Same as `reinforge grpo --config {DEMO_CONFIG}`: GRPO lifts the tiny demo model's "
+        description="Same as `reinforge grpo --config configs/grpo_demo.yaml`: GRPO lifts the tiny demo model's "
         "accuracy on arithmetic word problems; prints validation accuracy before and after.",
     )
     demo.add_argument("overrides", nargs="*", help=overrides_help("grpo", "loop.max_steps=10"))
+    demo.set_defaults(run=run_training)
 
-    sft = commands.add_parser(
-        "sft",
-        help="supervised fine-tuning on chat data (loss on assistant tokens, packed batches)",
-        description="Run SFT: chats rendered with the model's chat template, loss on the assistant tokens, "
-        "packed micro-batches. Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
-    )
-    sft.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-    sft.add_argument("overrides", nargs="*", help=overrides_help("sft", "sft.max_steps=10"))
 
-    for name, summary, description in (
-        (
-            "dpo",
-            "train a policy with DPO on preference pairs (prompt, chosen, rejected)",
-            "Run DPO: the policy learns to prefer the chosen reply over the rejected one relative to a frozen "
-            "reference (the starting model). Writes config.yaml, metrics.jsonl and final/ to logging.run_dir.",
-        ),
-        (
-            "rm",
-            "train a Bradley-Terry reward model on preference pairs",
-            "Train a reward model: a scalar head on a causal LM, loss -log sigmoid(r_chosen - r_rejected). Writes "
-            "config.yaml, metrics.jsonl and final/ (servable by `python -m reinforge.envs.reward_model_server`).",
-        ),
-    ):
-        pairs = commands.add_parser(name, help=summary, description=description)
-        pairs.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-        pairs.add_argument(
-            "overrides",
-            nargs="*",
-            help=overrides_help(name, f"{name}.max_steps=10"),
-        )
+def run_training(args: argparse.Namespace) -> None:
+    from reinforge.config.loader import load_recipe_config
+    from reinforge.loops.registry import RECIPES
 
+    recipe = RECIPES["grpo" if args.command == "demo" else args.command]
+    path = DEMO_CONFIG if args.command == "demo" else args.config
+    recipe.train(load_recipe_config(recipe.config_class, path, args.overrides))
+
+
+def add_recipe_parser(commands: argparse._SubParsersAction) -> None:
     recipe = commands.add_parser(
         "recipe",
         help="run a multi-stage recipe (e.g. GRPO at growing context lengths, or SFT then GRPO)",
@@ -111,25 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument(
         "overrides", nargs="*", help="key=value overrides applied to every stage, after the recipe's own"
     )
+    recipe.set_defaults(run=run_recipe)
 
-    from reinforge.envs.cli import add_env_commands
 
-    add_env_commands(commands)
+def run_recipe(args: argparse.Namespace) -> None:
+    from reinforge.recipes.runner import run_recipe_command
 
-    from reinforge.evaluation.cli import add_eval_command
+    run_recipe_command(args)
 
-    add_eval_command(commands)
 
-    from reinforge.serving.cli import add_serve_command
-
-    add_serve_command(commands)
-
-    from reinforge.training.parallel.plan_cli import add_plan_command
-
-    add_plan_command(commands)
-
+def add_curriculum_parser(commands: argparse._SubParsersAction) -> None:
     curriculum = commands.add_parser(
-        "curriculum", help="offline pass-rate pre-filtering of a prompt file (Llama-Nemotron's curriculum)"
+        "curriculum",
+        help="offline pass-rate pre-filtering of a prompt file (Llama-Nemotron's curriculum)",
+        description="Measure each prompt's pass rate with the config's model before training, and keep the "
+        "prompts it does not already solve (docs/algorithms.md, 'Curriculum').",
     )
     prefilter = curriculum.add_subparsers(dest="curriculum_command", required=True, metavar="COMMAND").add_parser(
         "prefilter",
@@ -138,11 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
         "model, score them, and write the records below curriculum.prefilter_threshold (all with --keep-all) with "
         "their pass_rate.",
     )
-    prefilter.add_argument("--config", required=True, help="YAML config file (may inherit with `defaults:`)")
-    prefilter.add_argument("--out", required=True, help="JSONL file to write")
+    prefilter.add_argument("--config", required=True, help=CONFIG_HELP)
+    add_output_argument(prefilter, "JSONL file to write")
     prefilter.add_argument("--keep-all", action="store_true", help="also write the prompts at or above the threshold")
     prefilter.add_argument("overrides", nargs="*", help=overrides_help("grpo", "curriculum.prefilter_samples=4"))
+    prefilter.set_defaults(run=run_curriculum)
 
+
+def run_curriculum(args: argparse.Namespace) -> None:
+    from reinforge.config.loader import load_recipe_config
+    from reinforge.loops.curriculum_prefilter import prefilter_file
+    from reinforge.loops.registry import RECIPES
+
+    config = load_recipe_config(RECIPES["grpo"].config_class, args.config, args.overrides)
+    written, measured = prefilter_file(config, Path(args.output), args.keep_all)
+    print(f"{args.output}: {written} of {measured} records")
+
+
+def add_report_parser(commands: argparse._SubParsersAction) -> None:
     report = commands.add_parser(
         "report",
         help="plots and a summary of a run, written to RUN_DIR/report/",
@@ -150,7 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
         "entropy, lengths, mismatch, time per phase, throughput) and summary.md to RUN_DIR/report/.",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (it holds metrics.jsonl)")
+    report.set_defaults(run=run_report)
 
+
+def run_report(args: argparse.Namespace) -> None:
+    from reinforge.logging.report import write_report
+
+    for path in write_report(args.run_dir):
+        print(path)
+
+
+def add_convert_parser(commands: argparse._SubParsersAction) -> None:
     convert = commands.add_parser(
         "convert",
         help="a training checkpoint as a Hugging Face directory; a LoRA adapter merged into its base (--merge)",
@@ -164,59 +205,44 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHECKPOINT_DIR",
         help="RUN_DIR/checkpoints/step_N, RUN_DIR, or with --merge a PEFT adapter directory (RUN_DIR/final)",
     )
-    convert.add_argument("--out", required=True, help="new directory to write")
+    add_output_argument(convert, "new directory to write")
     convert.add_argument(
         "--merge",
         action="store_true",
         help="merge a LoRA adapter into its base weights: write a whole Hugging Face model",
     )
+    convert.set_defaults(run=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> None:
+    from reinforge.training.convert import convert
+
+    print(convert(Path(args.checkpoint), Path(args.output), merge=args.merge))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reinforge", description="Reinforcement-learning post-training of LLMs.")
+    parser.add_argument("--version", action="version", version=f"reinforge {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (
+        add_training_parsers,
+        add_recipe_parser,
+        add_env_commands,
+        add_eval_command,
+        add_serve_command,
+        add_serve_rm_command,
+        add_plan_command,
+        add_curriculum_parser,
+        add_report_parser,
+        add_convert_parser,
+    ):
+        add(commands)
     return parser
 
 
 def run_command(args: argparse.Namespace) -> None:
-    """The parsed command, its imports inside its branch so that each command loads only what it needs."""
-    from reinforge.config.loader import load_recipe_config
-    from reinforge.loops.registry import RECIPES
-
-    if args.command in RECIPES or args.command == "demo":
-        recipe = RECIPES["grpo" if args.command == "demo" else args.command]
-        path = DEMO_CONFIG if args.command == "demo" else args.config
-        recipe.train(load_recipe_config(recipe.config_class, path, args.overrides))
-    elif args.command == "recipe":
-        from reinforge.recipes.runner import run_recipe_command
-
-        run_recipe_command(args)
-    elif args.command == "env":
-        from reinforge.envs.cli import run_env_command
-
-        run_env_command(args)
-    elif args.command == "eval":
-        from reinforge.evaluation.cli import run_eval_command
-
-        run_eval_command(args)
-    elif args.command == "serve":
-        from reinforge.serving.cli import run_serve_command
-
-        run_serve_command(args)
-    elif args.command == "convert":
-        from reinforge.training.convert import convert
-
-        print(convert(Path(args.checkpoint), Path(args.out), merge=args.merge))
-    elif args.command == "curriculum":
-        from reinforge.loops.curriculum_prefilter import prefilter_file
-
-        config = load_recipe_config(RECIPES["grpo"].config_class, args.config, args.overrides)
-        written, measured = prefilter_file(config, Path(args.out), args.keep_all)
-        print(f"{args.out}: {written} of {measured} records")
-    elif args.command == "plan":
-        from reinforge.training.parallel.plan_cli import run_plan_command
-
-        run_plan_command(args)
-    elif args.command == "report":
-        from reinforge.logging.report import write_report
-
-        for path in write_report(args.run_dir):
-            print(path)
+    """The parsed command's `run`: its imports inside it, so that each command loads only what it needs."""
+    args.run(args)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -230,9 +256,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     return args
-
-
-RL_COMMANDS = ("grpo", "ppo", "distill", "demo")  # the RL loop's: checkpointed, so restartable (supervisor.py)
 
 
 def main(argv: list[str] | None = None) -> int:

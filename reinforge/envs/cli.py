@@ -1,4 +1,5 @@
-"""`reinforge env serve` and `reinforge env score`: an environment over HTTP, or on a file of answers.
+"""`reinforge env serve` and `reinforge env score`: an environment over HTTP, or on a file of answers;
+`reinforge serve-rm`: a trained reward model over HTTP, for the judge environment.
 
 Only argparse (and reinforge/network.py, which imports no web framework) is imported at module level, so
 that `reinforge --help` stays instant.
@@ -10,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from reinforge.network import add_bind_arguments, token_from_env
+from reinforge.network import add_bind_arguments, check_bind_address, token_from_env
 
 ENV_OVERRIDES_HELP = (
     "key=value overrides of the environment config, e.g. math.timeout_s=3 (the env section of the "
@@ -70,6 +71,7 @@ def add_env_commands(subparsers: argparse._SubParsersAction) -> None:
         help=f"records per environment call (default: {DEFAULT_SCORE_BATCH_SIZE})",
     )
     score.add_argument("overrides", nargs="*", help=ENV_OVERRIDES_HELP)
+    env.set_defaults(run=run_env_command)
 
 
 def run_env_command(args: argparse.Namespace) -> None:
@@ -78,6 +80,55 @@ def run_env_command(args: argparse.Namespace) -> None:
         _serve(args)
     else:
         _score(args)
+
+
+def add_serve_rm_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add `serve-rm` (the reward model server of envs/reward_model_server.py) to the `reinforge` command line."""
+    serve = subparsers.add_parser(
+        "serve-rm",
+        help="serve a reward model over HTTP (POST /score, GET /health) for the judge environment",
+        description="Serve a Hugging Face sequence-classification model with one label (`reinforge rm`'s "
+        "RUN_DIR/final, a LoRA one included) until Ctrl-C: POST /score answers one score per conversation. The judge "
+        "environment reaches it with env.judge.mode=reward_model and env.judge.url (docs/environments.md).",
+    )
+    serve.add_argument("model_path", metavar="MODEL_DIR", help="the reward model's directory, e.g. runs/rm_demo/final")
+    add_bind_arguments(serve, default_port=8001)
+    serve.add_argument(
+        "--device",
+        default="auto",
+        help="where the model runs: auto (a GPU this process sees, else the CPU; the default), cpu, cuda or cuda:N",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="weights' dtype (default: auto, the dtype the model was saved in)",
+    )
+    serve.add_argument(
+        "--max-length",
+        type=int,
+        default=2048,
+        help="tokens per conversation; longer ones lose their beginning (default: 2048)",
+    )
+    serve.add_argument("--batch-size", type=int, default=8, help="conversations per forward pass (default: 8)")
+    serve.set_defaults(run=run_serve_rm_command)
+
+
+def run_serve_rm_command(args: argparse.Namespace) -> None:
+    import re
+
+    from reinforge.envs.reward_model_server import serve_reward_model
+    from reinforge.errors import ConfigError
+    from reinforge.modeling import DEVICE_PATTERN, resolve_device
+
+    if not re.fullmatch(DEVICE_PATTERN, args.device):
+        raise ConfigError(f"--device {args.device}: choose auto, cpu, cuda or cuda:N")
+    check_bind_address(args.host, args.allow_remote)
+    token = token_from_env(args.token_env, "--token-env")
+    device = str(resolve_device(args.device, "--device"))
+    serve_reward_model(
+        args.model_path, args.host, args.port, device, args.dtype, args.max_length, args.batch_size, token=token
+    )
 
 
 def _serve(args: argparse.Namespace) -> None:

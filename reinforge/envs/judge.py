@@ -9,7 +9,7 @@ Three modes (`JudgeEnvConfig.mode`):
   (max_score - min_score). An answer with no match, or a score outside [min_score, max_score], is
   *unparseable*: it scores `failure_reward` and is counted, and is not asked again (a greedy
   judge would repeat itself).
-- `reward_model`: a reward-model server speaking the protocol of `reward_model_server` scores the
+- `reward_model`: a reward-model server (`reinforge serve-rm`, reward_model_server.py) scores the
   whole conversations, `batch_size` per `POST {url}/score`. reward = the model's score
   (`reward_model_transform="sigmoid"` maps it into (0, 1)).
 - `local`: the same reward model in this process (`RewardModelScorer`), `batch_size` per forward
@@ -79,7 +79,7 @@ PLACEHOLDERS = ("question", "response", "reference", "conversation")
 class JudgeEnvConfig(Section):
     mode: Literal["chat", "reward_model", "local"] = "chat"
     """`chat`: an OpenAI-compatible chat model judges with `prompt_template`; `reward_model`: a
-    `reward_model_server` scores conversations over HTTP; `local`: a Hugging Face
+    `reinforge serve-rm` server scores conversations over HTTP; `local`: a Hugging Face
     sequence-classification reward model in this process."""
     url: str = ""
     """Base URL of the server. chat: the OpenAI base URL, e.g. `http://127.0.0.1:8000/v1`

@@ -10,6 +10,9 @@ Protocol (JSON over HTTP):
   {"role": "assistant", "content": "..."}], ...]}` answers `{"scores": [0.73, -1.2, ...]}`: one
   float per conversation, in order. A malformed body gets HTTP 422 (FastAPI's validation error).
 - `GET /health` answers `{"status": "ok", "model": "<path>"}` once the model is loaded.
+- The guards of every reinforge server (network.Guard): with a token (`--token-env`), every route but
+  /health answers 401 without `Authorization: Bearer <token>`; a body that is not JSON 415, one over
+  64 MiB 413.
 
 Scoring: each conversation is rendered with the tokenizer's chat template
 (`apply_chat_template(messages, tokenize=False)`, no generation prompt), tokenized without further
@@ -19,14 +22,14 @@ micro-batches of `batch_size`. The score is the model's single logit at the last
 float rounding (a test holds 1e-5). Forward passes are serialised with a lock; batches come from
 within one request, not across concurrent requests.
 
-Run it with `python -m reinforge.envs.reward_model_server MODEL_DIR --port 8001` or
-`serve_reward_model(...)`; it listens on 127.0.0.1 unless told otherwise.
+Run it with `reinforge serve-rm MODEL_DIR --port 8001` (envs/cli.py) or `serve_reward_model(...)`; it
+listens on 127.0.0.1 unless told otherwise (`--allow-remote`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -50,7 +53,7 @@ class RewardModelScorer:
         self.batch_size = batch_size
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-            self.model = self._load_model(model_path, DTYPES[dtype])
+            self.model = self._load_model(model_path, DTYPES.get(dtype, dtype))  # auto: as saved
         except OSError as exc:
             raise ReinforgeError(
                 f"reward model {model_path}: could not load it ({str(exc).strip().splitlines()[0]})"
@@ -72,7 +75,7 @@ class RewardModelScorer:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _load_model(model_path: str, dtype: torch.dtype):
+    def _load_model(model_path: str, dtype: torch.dtype | str):
         """The classifier in `model_path`; a LoRA reward model's directory (`reinforge rm` with `model.lora`:
         a PEFT adapter and the trained head) is merged onto the base model it names."""
         from transformers import AutoModelForSequenceClassification
@@ -121,11 +124,16 @@ class ScoreResponse(BaseModel):
     scores: list[float]
 
 
-def create_app(scorer: RewardModelScorer):
-    """The FastAPI app of the protocol in the module doc."""
+def create_app(scorer: RewardModelScorer, token: str | None = None):
+    """The FastAPI app of the protocol in the module doc; with a `token`, every route but /health wants it
+    as `Authorization: Bearer` (the judge sends env.judge.api_key_env's)."""
     from fastapi import FastAPI
 
+    from reinforge.envs.http_server import DEFAULT_MAX_REQUEST_BYTES
+    from reinforge.network import Guard
+
     app = FastAPI(title="reinforge reward model")
+    app.add_middleware(Guard, token=token, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES, open_paths=("/health",))
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -147,29 +155,21 @@ def serve_reward_model(
     dtype: str = "float32",
     max_length: int = 2048,
     batch_size: int = 8,
+    token: str | None = None,
 ) -> None:
     """Load the model, then serve it until interrupted."""
     import uvicorn
 
     scorer = RewardModelScorer(model_path, device=device, dtype=dtype, max_length=max_length, batch_size=batch_size)
-    uvicorn.run(create_app(scorer), host=host, port=port, log_level="warning")
+    print(f"serving reward model {model_path} at http://{host}:{port} on {device}; Ctrl-C stops", flush=True)
+    uvicorn.run(create_app(scorer, token), host=host, port=port, log_level="warning")
 
 
-def main(argv: list[str] | None = None) -> None:
-    # Options left out keep serve_reward_model's defaults.
-    parser = argparse.ArgumentParser(
-        description="Serve a reward model: POST /score, GET /health.", argument_default=argparse.SUPPRESS
-    )
-    parser.add_argument("model_path", help="directory of a Hugging Face sequence-classification model with one label")
-    parser.add_argument("--host", help="default 127.0.0.1")
-    parser.add_argument("--port", type=int, help="default 8001")
-    parser.add_argument("--device", help="default cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
-    parser.add_argument(
-        "--max-length", type=int, help="tokens per conversation, longer ones lose their beginning; default 2048"
-    )
-    parser.add_argument("--batch-size", type=int, help="conversations per forward pass; default 8")
-    serve_reward_model(**vars(parser.parse_args(argv)))
+def main() -> None:
+    # the old entry point: one line naming the new one
+    moved = "`python -m reinforge.envs.reward_model_server` moved: run `reinforge serve-rm MODEL_DIR`"
+    print(f"reinforge: error: {moved}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

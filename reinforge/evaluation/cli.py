@@ -59,7 +59,10 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=int, help="evaluate only the first N prompts of the benchmark")
     parser.add_argument(
         "--backend",
-        help="generation engine: vllm or hf (default: vllm; hf starts faster but decodes long answers far slower)",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="generation engine (default: hf, as every command; vllm decodes long answers and many samples far "
+        "faster, once its engine has started)",
     )
     parser.add_argument(
         "--output",
@@ -75,6 +78,7 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> None:
         help="prompts sent to the engine at a time; the HF engine decodes all their samples at once (default: 32)",
     )
     parser.add_argument("--seed", type=int, help="sampling seed (default: 0)")
+    parser.set_defaults(run=run_eval_command)
 
 
 def run_eval_command(args: argparse.Namespace) -> None:

@@ -127,7 +127,7 @@ def evaluate(
     k: int,
     num_samples: int | None = None,
     limit: int | None = None,
-    backend: str = "vllm",
+    backend: str = "hf",
     output_dir: str | Path | None = None,
     max_new_tokens: int = 1024,
     temperature: float | None = None,
@@ -255,6 +255,7 @@ def build_engine(
 ) -> GenerationBackend:
     """An in-process engine: `hf` decodes up to `max_batch_size` sequences at once; `vllm`'s context is
     the longest prompt plus `max_new_tokens`, capped at the model's own (longer samples stop there, as truncated)."""
+    check_weights(model)  # a directory without weights is one line with either engine (vLLM's would be a traceback)
     if backend == "hf":
         from reinforge.generation.hf import HFGenerationBackend
 
@@ -270,7 +271,6 @@ def build_engine(
             "or pass --backend hf"
         ) from None
     location = model_location(model)
-    check_weights(model)  # vLLM's own error would be a traceback
     model_limit = model_limits(model).max_positions
     max_sequence_tokens = longest_prompt + max_new_tokens
     max_model_len = min(max_sequence_tokens, model_limit) if model_limit else max_sequence_tokens

@@ -27,7 +27,7 @@ import asyncio
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -53,123 +53,142 @@ STATUSES: dict[type[EndpointError], tuple[int, str]] = {  # error -> (HTTP statu
 }
 
 
+routes = APIRouter()  # the routes, each beside its handler below; build_app mounts them over one server
+
+
 def build_app(server: PolicyServer) -> FastAPI:
     """The routes over `server`; serve them with `server.start(build_app(server))`."""
     app = FastAPI(title="reinforge policy endpoint", docs_url=None, redoc_url=None, openapi_url=None)
-    tokenizer = server.tokenizer
-
-    @app.exception_handler(EndpointError)
-    async def _refused(request: Request, exc: EndpointError) -> JSONResponse:
-        server.count_rejected()
-        status, kind = STATUSES[type(exc)]
-        return JSONResponse(error_body(exc.message, exc.param, kind), status_code=status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        server.count_rejected()
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
-        if first["type"] == "json_invalid":
-            return JSONResponse(
-                error_body(f"bad request: the body is not valid JSON ({first.get('ctx', {}).get('error', '')})"), 400
-            )
-        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        return JSONResponse(error_body(f"bad request: {where}: {first['msg']}{more}", where), status_code=400)
-
-    @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "reinforge",
-                    "max_model_len": server.max_model_len,
-                }
-            ],
-        }
-
-    @app.get("/metrics")
-    def metrics() -> dict:
-        return {"metrics": server.metrics()}
-
-    async def chat(body: ChatCompletionRequest, episode_id: str | None) -> dict:
-        admission = server.admit(body, episode_id)
-        try:
-            timeout_s = server.config.request_timeout_s
-            completions = await asyncio.wait_for(asyncio.wrap_future(admission.completions), timeout_s)
-        except TimeoutError:  # the request is cancelled: the batcher drops it if it has not started it
-            raise GenerationTimedOut(
-                f"no completion within {timeout_s:g} s (request_timeout_s): the engine is overloaded or stuck"
-            ) from None
-        except Exception as exc:
-            raise GenerationFailed(f"generation failed: {one_line(exc)}") from None
-        server.record(admission, completions)
-        prompt, choices = admission.prompt_ids, []
-        for index, completion in enumerate(completions):
-            truncated = completion.finish_reason == "length"
-            parsed = parse_generation(tokenizer, completion.token_ids, truncated, admission.params.stop_strings)
-            strings = (
-                _token_strings(tokenizer, completion.token_ids, bool(body.return_tokens_as_token_ids))
-                if body.logprobs
-                else None
-            )
-            choices.append(
-                completion_choice(
-                    index,
-                    parsed.content,
-                    parsed.tool_calls,
-                    parsed.finish_reason,
-                    prompt,
-                    list(completion.token_ids),
-                    list(completion.logprobs),
-                    strings,
-                )
-            )
-        num_generated = sum(len(completion.token_ids) for completion in completions)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": server.model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": num_generated,
-                "total_tokens": len(prompt) + num_generated,
-            },
-        }
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> dict:
-        return await chat(body, None)
-
-    @app.post("/episodes/{episode_id}/v1/chat/completions")
-    async def episode_chat_completions(episode_id: str, body: ChatCompletionRequest) -> dict:
-        return await chat(body, episode_id)
-
-    def tokenize(body: TokenizeRequest) -> dict:
-        tokens = server.tokenize(body)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
-
-    @app.post("/tokenize")
-    def tokenize_route(body: TokenizeRequest) -> dict:
-        return tokenize(body)
-
-    @app.post("/episodes/{episode_id}/tokenize")
-    def episode_tokenize(episode_id: str, body: TokenizeRequest) -> dict:
-        return tokenize(body)
-
+    app.state.server = server  # the routes below find it there
+    app.add_exception_handler(EndpointError, _refused)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.include_router(routes)
     app.add_middleware(
         Guard, token=server.token, max_request_bytes=server.config.max_request_bytes, open_paths=("/health",)
     )
     return app
+
+
+def _server(request: Request) -> PolicyServer:
+    return request.app.state.server
+
+
+async def _refused(request: Request, exc: EndpointError) -> JSONResponse:
+    _server(request).count_rejected()
+    status, kind = STATUSES[type(exc)]
+    return JSONResponse(error_body(exc.message, exc.param, kind), status_code=status)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    _server(request).count_rejected()
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
+    if first["type"] == "json_invalid":
+        return JSONResponse(
+            error_body(f"bad request: the body is not valid JSON ({first.get('ctx', {}).get('error', '')})"), 400
+        )
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return JSONResponse(error_body(f"bad request: {where}: {first['msg']}{more}", where), status_code=400)
+
+
+@routes.get("/health")
+def health() -> dict:
+    return {"status": "ok"}
+
+
+@routes.get("/v1/models")
+def models(request: Request) -> dict:
+    server = _server(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": server.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "reinforge",
+                "max_model_len": server.max_model_len,
+            }
+        ],
+    }
+
+
+@routes.get("/metrics")
+def metrics(request: Request) -> dict:
+    return {"metrics": _server(request).metrics()}
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
+    return await _chat(_server(request), body, None)
+
+
+@routes.post("/episodes/{episode_id}/v1/chat/completions")
+async def episode_chat_completions(episode_id: str, body: ChatCompletionRequest, request: Request) -> dict:
+    return await _chat(_server(request), body, episode_id)
+
+
+@routes.post("/tokenize")
+def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    return _tokenize(_server(request), body)
+
+
+@routes.post("/episodes/{episode_id}/tokenize")
+def episode_tokenize(episode_id: str, body: TokenizeRequest, request: Request) -> dict:
+    return _tokenize(_server(request), body)
+
+
+async def _chat(server: PolicyServer, body: ChatCompletionRequest, episode_id: str | None) -> dict:
+    admission = server.admit(body, episode_id)
+    try:
+        timeout_s = server.config.request_timeout_s
+        completions = await asyncio.wait_for(asyncio.wrap_future(admission.completions), timeout_s)
+    except TimeoutError:  # the request is cancelled: the batcher drops it if it has not started it
+        raise GenerationTimedOut(
+            f"no completion within {timeout_s:g} s (request_timeout_s): the engine is overloaded or stuck"
+        ) from None
+    except Exception as exc:
+        raise GenerationFailed(f"generation failed: {one_line(exc)}") from None
+    server.record(admission, completions)
+    tokenizer, prompt, choices = server.tokenizer, admission.prompt_ids, []
+    for index, completion in enumerate(completions):
+        truncated = completion.finish_reason == "length"
+        parsed = parse_generation(tokenizer, completion.token_ids, truncated, admission.params.stop_strings)
+        strings = (
+            _token_strings(tokenizer, completion.token_ids, bool(body.return_tokens_as_token_ids))
+            if body.logprobs
+            else None
+        )
+        choices.append(
+            completion_choice(
+                index,
+                parsed.content,
+                parsed.tool_calls,
+                parsed.finish_reason,
+                prompt,
+                list(completion.token_ids),
+                list(completion.logprobs),
+                strings,
+            )
+        )
+    num_generated = sum(len(completion.token_ids) for completion in completions)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": server.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": num_generated,
+            "total_tokens": len(prompt) + num_generated,
+        },
+    }
+
+
+def _tokenize(server: PolicyServer, body: TokenizeRequest) -> dict:
+    tokens = server.tokenize(body)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
 
 
 def _token_strings(tokenizer, token_ids: list[int], as_ids: bool) -> list[str]:

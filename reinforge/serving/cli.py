@@ -34,9 +34,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation engine (default: hf)")
     serve.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="weights' dtype (default: float32)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="weights' dtype (default: auto, the dtype the model was saved in, as vLLM's default; float32 when its "
+        "config names none)",
     )
     add_bind_arguments(serve, default_port=8000)
     serve.add_argument("--model-name", default="policy", help="the model id it reports (default: policy)")
@@ -58,6 +59,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         "endpoint waits longer, agent.endpoint.batch_wait_s)",
     )
     serve.add_argument("--seed", type=int, default=0, help="seed of the engine (vLLM)")
+    serve.set_defaults(run=run_serve_command)
 
 
 def run_serve_command(args: argparse.Namespace) -> None:
@@ -82,7 +84,8 @@ def run_serve_command(args: argparse.Namespace) -> None:
         )
     except ValueError as exc:
         raise ConfigError(str(exc).splitlines()[-1]) from None
-    model_config = ModelConfig(name_or_path=args.model, dtype=args.dtype, adapter=args.adapter)
+    model_config = ModelConfig(name_or_path=args.model, adapter=args.adapter)
+    model_config = model_config.model_copy(update={"dtype": _dtype(args.dtype, model_config)})
     if model_config.adapter:
         adapter_base(model_config)  # an adapter of another base model is a one-line error before anything loads
     tokenizer = load_tokenizer(model_config)
@@ -144,5 +147,23 @@ def _engine(args: argparse.Namespace, model_config, tokenizer, cleanup: ExitStac
         model_config = merged_copy(model_config, Path(cleanup.enter_context(tempfile.TemporaryDirectory())))
     location = model_location(model_config)
     max_model_len = args.max_model_len or limit or 4096
-    engine = VLLMGenerationBackend(model_path=location, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len)
+    engine = VLLMGenerationBackend(
+        model_path=location, dtype=model_config.dtype, seed=args.seed, max_model_len=max_model_len
+    )
     return engine, max_model_len
+
+
+def _dtype(setting: str, model_config) -> str:
+    """`--dtype`: `auto` is the dtype the model's config.json names (`dtype`, or `torch_dtype` before transformers
+    4.56) where it is one the project loads, else float32."""
+    if setting != "auto":
+        return setting
+    from transformers import AutoConfig
+
+    from reinforge.modeling import DTYPES, model_location
+
+    location = model_location(model_config)
+    hf_config = AutoConfig.from_pretrained(location, trust_remote_code=model_config.trust_remote_code)
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(saved).removeprefix("torch.") if saved is not None else "float32"
+    return name if name in DTYPES else "float32"

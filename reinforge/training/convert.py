@@ -1,4 +1,4 @@
-"""`reinforge convert CHECKPOINT_DIR --out HF_DIR [--merge]`: a training checkpoint as a Hugging Face directory.
+"""`reinforge convert CHECKPOINT_DIR --output HF_DIR [--merge]`: a training checkpoint as a Hugging Face directory.
 
 A checkpoint holds the policy as the trainer saved it, a torch.distributed.checkpoint of global tensors whatever
 the layout that wrote it (one process, N FSDP2 ranks, a tensor-parallel mesh: training/state.py), or one
@@ -38,7 +38,7 @@ def convert(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     PEFT adapter directory) to `out` as a Hugging Face model directory, or a LoRA checkpoint without `merge`
     as a PEFT adapter directory."""
     if out.exists() and any(out.iterdir()):
-        raise ReinforgeError(f"{out} already exists and is not empty; choose another --out")
+        raise ReinforgeError(f"{out} already exists and is not empty; choose another --output")
     if (checkpoint / "adapter_config.json").is_file():
         return merge_adapter_directory(checkpoint, out, merge)
     if (checkpoint / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint

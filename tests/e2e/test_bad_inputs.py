@@ -168,7 +168,7 @@ CASES = {
             "prefilter",
             "--config",
             str(CONFIGS / "grpo_demo.yaml"),
-            "--out",
+            "--output",
             f"{d}/run",
             f"data.train_path={d}/latin1.jsonl",
         ],
@@ -216,7 +216,7 @@ CASES = {
     "report: metrics that are not UTF-8": (lambda d: ["report", f"{d}/run_latin1"], "metrics.jsonl:1: not UTF-8 text"),
     "report: a directory without a run": (lambda d: ["report", f"{d}/a_file"], "metrics.jsonl does not exist"),
     "convert: a directory that is no checkpoint": (
-        lambda d: ["convert", f"{d}/run_latin1", "--out", f"{d}/run"],
+        lambda d: ["convert", f"{d}/run_latin1", "--output", f"{d}/run"],
         "is not a complete reinforge checkpoint",
     ),
 }

@@ -43,7 +43,7 @@ def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path)
             "reinforge.cli",
             "convert",
             str(run / "checkpoints" / "step_00000001"),
-            "--out",
+            "--output",
             str(out),
         ],
         capture_output=True,
@@ -56,14 +56,14 @@ def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path)
     assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
     assert (out / "tokenizer_config.json").is_file()
     again = subprocess.run(
-        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--out", str(out)],
+        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--output", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert again.returncode == 2 and "already exists" in again.stderr
     merged = subprocess.run(
-        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--out", str(tmp_path / "merged"), "--merge"],
+        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--output", str(tmp_path / "merged"), "--merge"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -91,7 +91,7 @@ def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(
     ]
     run = loops.train(load_config(PROJECT_ROOT / "configs" / "grpo_lora_demo.yaml", overrides)).run_dir
     checkpoint = run / "checkpoints" / "step_00000002"
-    assert main(["convert", str(checkpoint), "--out", str(tmp_path / "merged_checkpoint"), "--merge"]) == 0
+    assert main(["convert", str(checkpoint), "--output", str(tmp_path / "merged_checkpoint"), "--merge"]) == 0
     convert(checkpoint, tmp_path / "adapter")
     convert(run / "final", tmp_path / "merged_final", merge=True)
     converted, final = (
@@ -141,6 +141,6 @@ def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(
         (run / "final", tmp_path / "new", "already a PEFT adapter directory; add --merge"),
         (checkpoint, tmp_path / "adapter", "already exists"),
     ]:
-        assert main(["convert", str(source), "--out", str(out)]) == 2
+        assert main(["convert", str(source), "--output", str(out)]) == 2
         stderr = capsys.readouterr().err
         assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr

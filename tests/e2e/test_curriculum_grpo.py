@@ -89,7 +89,7 @@ def test_offline_prefilter_writes_records_whose_pass_rates_a_progressive_run_use
             "prefilter",
             "--config",
             str(CONFIG),
-            "--out",
+            "--output",
             str(out),
             "--keep-all",
             f"data.train_path={source}",

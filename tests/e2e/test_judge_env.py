@@ -1,6 +1,6 @@
 """The judge environment against real servers on 127.0.0.1, each in its own process.
 
-- the reward-model server (`reward_model_server`) with a tiny random Qwen2ForSequenceClassification:
+- the reward-model server (`reinforge serve-rm`) with a tiny random Qwen2ForSequenceClassification:
   the same scores over HTTP as in-process;
 - vLLM's OpenAI-compatible server with the demo model: the chat request and the parse path round-trip
   (the demo model cannot judge, so only the plumbing is checked);
@@ -286,29 +286,33 @@ def reward_model_requests():
     return requests
 
 
-def test_reward_model_over_http_in_batches_equals_the_model_in_process(reward_model_dir):
+def test_reward_model_over_http_in_batches_equals_the_model_in_process(reward_model_dir, monkeypatch):
+    monkeypatch.setenv("RM_TOKEN", "s3cret")  # the server's --token-env, the judge's env.judge.api_key_env
     port = free_port("127.0.0.1")
     command = [
         sys.executable,
         "-m",
-        "reinforge.envs.reward_model_server",
+        "reinforge.cli",
+        "serve-rm",
         str(reward_model_dir),
         "--port",
         str(port),
         "--batch-size",
         "3",
+        "--token-env",
+        "RM_TOKEN",
     ]
     requests = reward_model_requests()
     with server_process(command, f"http://127.0.0.1:{port}/health", 120):
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
         assert health == {"status": "ok", "model": str(reward_model_dir)}
-        assert (
-            httpx.post(f"http://127.0.0.1:{port}/score", json={"conversations": [[{"role": "user"}]]}).status_code
-            == 422
-        )
-        remote = JudgeEnv(
-            JudgeEnvConfig(mode="reward_model", url=f"http://127.0.0.1:{port}", batch_size=2, max_concurrency=2)
-        )
+        bad = {"conversations": [[{"role": "user"}]]}
+        assert httpx.post(f"http://127.0.0.1:{port}/score", json=bad).status_code == 401  # no token
+        authorized = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(f"http://127.0.0.1:{port}/score", json=bad, headers=authorized).status_code == 422
+        url = f"http://127.0.0.1:{port}"
+        config = JudgeEnvConfig(mode="reward_model", url=url, batch_size=2, max_concurrency=2, api_key_env="RM_TOKEN")
+        remote = JudgeEnv(config)
         remote_scores = [r.reward for r in remote.step(requests)]
         assert remote.metrics()["calls"] == 4.0  # 7 conversations, 2 per call
         remote.close()

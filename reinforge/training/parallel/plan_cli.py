@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from reinforge.errors import ConfigError
 from reinforge.training.parallel.planner import (
     GIB,
     LORA_TARGETS,
@@ -37,19 +38,38 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
     plan_parser.add_argument("--gpu-memory", type=float, required=True, metavar="GB", help="memory per GPU, GiB")
     plan_parser.add_argument("--seq-len", type=int, required=True, help="longest sequence, prompt + response")
     plan_parser.add_argument("--micro-batch-tokens", type=int, help="tokens per micro-batch (default: --seq-len)")
-    plan_parser.add_argument("--gpus-per-node", type=int, default=8)
+    plan_parser.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs per machine (default: 8); no tp group spans two"
+    )
     plan_parser.add_argument("--lora", type=int, metavar="RANK", help="train LoRA adapters of this rank")
     plan_parser.add_argument(
         "--lora-targets", default="all-linear", help="comma-separated module names, or all-linear (the default)"
     )
     plan_parser.add_argument("--kl", action="store_true", help="a frozen reference model for the KL term")
-    plan_parser.add_argument("--generation", choices=("colocated", "separate", "none"), default="colocated")
+    plan_parser.add_argument(
+        "--generation",
+        choices=("colocated", "separate", "none"),
+        default="colocated",
+        help="where the generation engine runs: on the training GPUs (colocated, the default), on GPUs of its own "
+        "(separate), or nowhere (none: SFT, DPO, RM)",
+    )
     plan_parser.add_argument("--generation-sequences", type=int, default=16, help="sequences in the KV cache")
     plan_parser.add_argument("--generation-tp", type=int, help="the engine's tensor-parallel size (default: auto)")
-    plan_parser.add_argument("--logprob-chunk-tokens", type=int, default=2048)
-    plan_parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    plan_parser.add_argument(
+        "--logprob-chunk-tokens",
+        type=int,
+        default=2048,
+        help="tokens whose logits are held at once when logprobs are computed (default: 2048)",
+    )
+    plan_parser.add_argument(
+        "--device",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="gpu (bf16 compute, fp32 master weights; the default) or cpu (fp32, one process per rank)",
+    )
     plan_parser.add_argument("--runtime-gb", type=float, help="fixed overhead per GPU or process, GiB")
     plan_parser.add_argument("--fitting-only", action="store_true", help="list only the layouts that fit")
+    plan_parser.set_defaults(run=run_plan_command)
 
 
 def run_plan_command(args: argparse.Namespace) -> None:
@@ -67,6 +87,12 @@ def run_plan_command(args: argparse.Namespace) -> None:
         device=args.device,
         runtime_gib=args.runtime_gb,
     )
+    machine = args.gpus_per_node if args.generation == "separate" else min(args.gpus, args.gpus_per_node)
+    if args.generation_tp and args.generation_tp > machine:
+        where = "--gpus-per-node" if args.generation == "separate" or args.gpus > args.gpus_per_node else "--gpus"
+        raise ConfigError(
+            f"--generation-tp {args.generation_tp} exceeds the {machine} GPU(s) one engine can use ({where})"
+        )
     result = plan(model_shape(args.model), args.gpus, args.gpu_memory, workload, args.gpus_per_node)
     print(format_plan(args.model, result, args.fitting_only))
 
@@ -89,15 +115,18 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
     """The table (GiB per GPU; activations and totals without / with activation checkpointing), the choice."""
     shape, workload, gpu_bytes = result.shape, result.workload, result.gpu_memory_gb * GIB
     active = f" ({shape.active_parameters():,} active: top-{shape.num_experts_per_tok} of {shape.num_experts} experts)"
-    lines = [
-        f"{name}: {shape.parameters():,} parameters{active if shape.moe else ''} on {result.gpus} x "
-        f"{result.gpu_memory_gb:g} GiB, "
-        f"{workload.tokens} tokens per micro-batch, generation {workload.generation}; GiB per GPU, "
-        "activations and total without / with activation checkpointing",
-        f"{'layout (R x S x T x C' + (' x E)' if shape.moe else ')'):<24}"
-        + "".join(f"{c:>11}" for c in COLUMNS[:4])
-        + f"{'activations':>16}{'logits':>8}{'ref':>6}{'engine+kv':>14}{'runtime':>9}{'total':>14}  fits",
+    header = [
+        "layout (R x S x T x C" + (" x E)" if shape.moe else ")"),
+        *COLUMNS[:4],
+        "activations",
+        "logits",
+        "ref",
+        "engine+kv",
+        "runtime",
+        "total",
+        "fits",
     ]
+    rows = [header]
     by_layout: dict = {}
     for e in result.estimates:
         by_layout.setdefault(e.layout, {})[e.activation_checkpointing] = e
@@ -106,20 +135,42 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
         fits = [label for label, e in (("no ckpt", off), ("ckpt", on)) if e.fits(gpu_bytes)]
         if fitting_only and not fits:
             continue
-        engine = f"{_gib(sum(on.engine.values()))} @tp{on.engine_tp}" if on.engine else "-"
-        lines.append(
-            f"{'x'.join(map(str, _numbers(layout, shape.moe))):<24}"
-            + "".join(f"{_gib(on.terms[c]):>11}" for c in COLUMNS[:4])
-            + f"{_gib(off.terms['activations']) + ' / ' + _gib(on.terms['activations']):>16}"
-            + f"{_gib(on.terms['logits']):>8}{_gib(on.terms['reference']):>6}{engine:>14}"
-            + f"{_gib(on.terms['runtime']):>9}{_gib(off.total) + ' / ' + _gib(on.total):>14}  {', '.join(fits) or 'no'}"
+        rows.append(
+            [
+                "x".join(map(str, _numbers(layout, shape.moe))),
+                *(_gib(on.terms[c]) for c in COLUMNS[:4]),
+                f"{_gib(off.terms['activations'])} / {_gib(on.terms['activations'])}",
+                _gib(on.terms["logits"]),
+                _gib(on.terms["reference"]),
+                f"{_gib(sum(on.engine.values()))} @tp{on.engine_tp}" if on.engine else "-",
+                _gib(on.terms["runtime"]),
+                f"{_gib(off.total)} / {_gib(on.total)}",
+                ", ".join(fits) or "no",
+            ]
         )
+    lines = [
+        f"{name}: {shape.parameters():,} parameters{active if shape.moe else ''} on {result.gpus} x "
+        f"{result.gpu_memory_gb:g} GiB, "
+        f"{workload.tokens} tokens per micro-batch, generation {workload.generation}; GiB per GPU, "
+        "activations and total without / with activation checkpointing",
+        *_aligned(rows),
+    ]
     if result.choice is None:
         return "\n".join([*lines, f"nothing fits: {result.reason}"])
     choice = result.choice
     checkpointing = "on" if choice.activation_checkpointing else "off"
     lines.append(f"choice: {choice.layout}, activation checkpointing {checkpointing}: {result.reason}")
     return "\n".join([*lines, "arithmetic of the choice:", *arithmetic(shape, workload, choice)])
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """Rows as lines, each column as wide as its widest cell and two spaces from the next: the first and last
+    (layout, fits) left-aligned, the numbers right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    last = len(widths) - 1
+    aligned = [[cell.ljust(w) if i in (0, last) else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+               for row in rows]  # fmt: skip
+    return ["  ".join(cells).rstrip() for cells in aligned]
 
 
 def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:

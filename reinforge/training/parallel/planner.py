@@ -257,7 +257,9 @@ def estimate(
         return Estimate(layout, activation_checkpointing, terms, {}, 0, training, 0.0)
     persistent = sum(terms[name] for name in PERSISTENT)
     resident = terms["runtime"] if workload.generation == "separate" else persistent  # beside the engine
-    fitting = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and shape.num_attention_heads % t == 0]
+    gpus = layout.dp_replicate * layout.dp_shard * layout.tp * layout.cp
+    machine = gpus_per_node if workload.generation == "separate" else min(gpus, gpus_per_node)  # tp's GPUs at most
+    fitting = [t for t in (1, 2, 4, 8, 16) if t <= machine and shape.num_attention_heads % t == 0]
     engine_tp = workload.generation_tp or next(
         (t for t in fitting if resident + sum(engine_terms(shape, workload, t).values()) <= gpu_bytes), fitting[-1]
     )
