@@ -14,7 +14,7 @@ from reinforge.cli import build_parser, main, parse_args
 from reinforge.model_config import ModelConfig
 from reinforge.paths import PROJECT_ROOT
 from reinforge.serving.cli import _dtype
-from reinforge.training.model_shape import KNOWN_MODELS
+from reinforge.training.parallel.model_shape import KNOWN_MODELS
 from reinforge.training.parallel.plan_cli import format_plan
 from reinforge.training.parallel.planner import Workload, plan
 
