@@ -162,6 +162,31 @@ def served_adapter(worker, adapter_id: int) -> WeightDigests:
     return report("vllm engine", tensors)
 
 
+def check_engine_settings(on_gpu: bool, sleep_mode: bool | None, block_size: int | None) -> bool:
+    """One-line errors for settings this machine's vLLM cannot honour; whether the engine sleeps (GPU: by default)."""
+    from reinforge.errors import ConfigError
+
+    if sleep_mode and not on_gpu:
+        raise ConfigError(
+            "generation.vllm.sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null"
+        )
+    if block_size is not None and (block_size < 1 or (not on_gpu and block_size % 32)):
+        raise ConfigError(
+            f"generation.vllm.block_size={block_size}: vLLM's CPU attention needs a multiple of 32; "
+            "set 32, 64 or 128, or null"
+        )
+    return on_gpu if sleep_mode is None else sleep_mode
+
+
+def lora_engine_kwargs(on_gpu: bool, model_path: str, lora_rank: int, lora_targets: list[str] | None) -> dict:
+    """vLLM's LoRA settings for an adapter of `lora_rank`, its layers only where the adapter has weights."""
+    check_lora_supported(on_gpu, model_path)
+    lora = dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
+    if lora_targets is not None:
+        lora["lora_target_modules"] = list(lora_targets)
+    return lora
+
+
 class VLLMGenerationBackend:
     def __init__(
         self,
@@ -184,32 +209,11 @@ class VLLMGenerationBackend:
             check_routes_supported(on_gpu)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM returns routes from Model Runner V2 only
         self.route_experts = route_experts
-        self.sleep_mode = on_gpu if sleep_mode is None else sleep_mode
-        if self.sleep_mode and not on_gpu:
-            from reinforge.errors import ConfigError
-
-            raise ConfigError(
-                "generation.vllm.sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); set it to false or null"
-            )
-        if block_size is not None and (block_size < 1 or (not on_gpu and block_size % 32)):
-            from reinforge.errors import ConfigError
-
-            raise ConfigError(
-                f"generation.vllm.block_size={block_size}: vLLM's CPU attention needs a multiple of 32; "
-                "set 32, 64 or 128, or null"
-            )
+        self.sleep_mode = check_engine_settings(on_gpu, sleep_mode, block_size)
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
         self.lora_enabled = lora_rank is not None
-        if self.lora_enabled:
-            check_lora_supported(on_gpu, model_path)
         self.adapter = None  # the LoRARequest of the adapter `load_adapter` loaded last, used by every generate
-        lora = (
-            dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
-            if self.lora_enabled
-            else {}
-        )
-        if self.lora_enabled and lora_targets is not None:  # LoRA layers only where the adapter has weights
-            lora["lora_target_modules"] = list(lora_targets)
+        lora = lora_engine_kwargs(on_gpu, model_path, lora_rank, lora_targets) if self.lora_enabled else {}
         # Before importing vllm: it reads these when its engine starts.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))

@@ -71,8 +71,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "so its helpers are nested in it",
     "reinforge.algorithms.dpo:run": "DPO's hand-written loop moves onto the supervised loop (issue 40, item 2, "
     "under way)",
-    "reinforge.generation.vllm_backend:VLLMGenerationBackend.__init__": "its setting checks move to vLLM's own "
-    "section (issue 40, item 4, under way)",
 }
 MAX_LONG_FUNCTIONS = 5
 
