@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-RL_COMMANDS = ("grpo", "ppo", "distill", "demo")  # the RL loop's: checkpointed, so restartable (supervisor.py)
+RECIPE_COMMANDS = ("grpo", "ppo", "distill", "sft", "dpo", "rm", "demo")  # checkpointed, so restartable (supervisor.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     # taken, so 2x is the floor), for about 5% alone; vLLM's generation is unchanged (docs/benchmarks.md). It
     # must be set before torch loads; the processes this one starts inherit it; a value you set wins.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-    if args.command in RL_COMMANDS:
+    if args.command in RECIPE_COMMANDS:
         from reinforge import supervisor
 
         limit = supervisor.max_restarts(getattr(args, "config", None) or str(DEMO_CONFIG), args.overrides)

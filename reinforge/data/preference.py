@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from reinforge.config.section import Section
@@ -70,18 +69,6 @@ class TokenizedPair:
     rejected_ids: list[int]
     num_prompt_tokens: int  # leading tokens the two share before the replies; never trained on
     images: ImageInputs | None = None  # the prompt's images (a vision-language model's pair)
-
-
-@dataclass
-class PairBatch:
-    """B pairs as 2B right-padded rows: chosen sequences in rows [0, B), rejected ones in rows [B, 2B)."""
-
-    input_ids: torch.Tensor  # [2B, T] long
-    attention_mask: torch.Tensor  # [2B, T] long: 1 on real tokens
-    loss_mask: torch.Tensor  # [2B, T] float: 1 on reply tokens (the end-of-turn token included)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0] // 2
 
 
 def read_preference_records(path: str, system_prompt: str | None) -> list[PreferenceRecord]:
@@ -178,21 +165,6 @@ def load_pairs(
     if len(kept) < len(pairs):
         print(f"{path}: dropped {len(pairs) - len(kept)} of {len(pairs)} pairs longer than data.max_length")
     return kept
-
-
-def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int) -> PairBatch:
-    """Right-pad the chosen then the rejected sequences of `pairs` into one [2B, T] batch."""
-    rows: list[tuple[list[int], int]] = [(p.chosen_ids, p.num_prompt_tokens) for p in pairs]
-    rows += [(p.rejected_ids, p.num_prompt_tokens) for p in pairs]
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for row, (ids, num_prompt) in enumerate(rows):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-        loss_mask[row, num_prompt : len(ids)] = 1.0
-    return PairBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
 
 
 def num_reply_tokens(pairs: list[TokenizedPair]) -> dict[str, int]:

@@ -20,7 +20,7 @@ from reinforge.generation.base import GenerationBackend
 from reinforge.generation.vllm_backend import max_sequence_tokens
 from reinforge.rollout.infra import InfraLimits
 from reinforge.rollout.rollout import Episodes, ReinforgeRollout, RolloutOptions
-from reinforge.training.base import BackendConfig, TrainingBackend, TrainingConfig
+from reinforge.training.base import TrainingBackend, TrainingConfig
 from reinforge.training.heads import Head
 from reinforge.training.optimizer import OptimizerConfig
 from reinforge.training.parallel import resolve_auto
@@ -148,19 +148,6 @@ def build_recipe_backend(
     group = FSDP2Group(kwargs, cluster, config.seed, rows_together)
     cleanup.callback(group.shutdown)
     return group
-
-
-def check_backend(training: BackendConfig) -> None:
-    """`training.backend`, `num_workers` and `cpu_offload` agree (SFT's and the pair recipes' check at load time)."""
-    if training.num_workers < 1:
-        raise ValueError("training.num_workers must be >= 1")
-    if training.num_workers > 1 and training.backend != "fsdp2":
-        raise ValueError(
-            f"training.num_workers={training.num_workers} needs training.backend=fsdp2; the torch backend is one "
-            "process"
-        )
-    if training.cpu_offload and training.backend != "fsdp2":
-        raise ValueError("training.cpu_offload=true needs training.backend=fsdp2 (FSDP2's CPUOffloadPolicy)")
 
 
 def build_critic(config: RLRunConfig, optimizer: OptimizerConfig, cleanup: ExitStack):

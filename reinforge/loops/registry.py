@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 
@@ -13,8 +14,9 @@ class Recipe:
     name: str
     config_path: str  # "module:RootConfig"
     train_path: str  # "module:train", taking the root config
-    rl: bool  # a recipe of the RL loop: checkpointed, resumable, its length `loop.max_steps`
+    rl: bool  # a recipe of the RL loop (its length `loop.max_steps`), else of the supervised loop
     policy: bool  # its final/ is a causal LM that a next stage can start from
+    recipe_path: str | None = None  # "module:Recipe": what the loop at train_path runs (its `make_recipe`)
 
     @property
     def config_class(self) -> type:
@@ -22,7 +24,8 @@ class Recipe:
 
     @property
     def train(self) -> Callable[[Any], Any]:
-        return _load(self.train_path)
+        loop = _load(self.train_path)
+        return partial(loop, make_recipe=_load(self.recipe_path)) if self.recipe_path else loop
 
     def max_steps(self, config: Any) -> int:
         """The number of steps the recipe runs: the RL loop's, or the recipe section's own."""
@@ -34,6 +37,7 @@ def _load(path: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
+SUPERVISED = "reinforge.loops.supervised:train"  # the loop of SFT, DPO and RM
 RECIPES = {
     recipe.name: recipe
     for recipe in (
@@ -46,8 +50,8 @@ RECIPES = {
             True,
             True,
         ),
-        Recipe("sft", "reinforge.algorithms.sft:SFTRunConfig", "reinforge.algorithms.sft:train", False, True),
-        Recipe("dpo", "reinforge.algorithms.dpo:DPORunConfig", "reinforge.algorithms.dpo:train", False, True),
-        Recipe("rm", "reinforge.algorithms.rm:RMRunConfig", "reinforge.algorithms.rm:train", False, False),
+        Recipe("sft", "reinforge.algorithms.sft:SFTRunConfig", SUPERVISED, False, True, "reinforge.algorithms.sft:SFT"),
+        Recipe("dpo", "reinforge.algorithms.dpo:DPORunConfig", SUPERVISED, False, True, "reinforge.algorithms.dpo:DPO"),
+        Recipe("rm", "reinforge.algorithms.rm:RMRunConfig", SUPERVISED, False, False, "reinforge.algorithms.rm:RM"),
     )
 }

@@ -18,7 +18,6 @@ under finished stages, is a one-line error before hours of training. Then, stage
 from __future__ import annotations
 
 import gc
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -71,11 +70,7 @@ def run_stage(stage: Stage) -> dict[str, Any]:
     )
     print(f"\n== {stage.label}: {stage.max_steps} steps from {source}; run directory {stage.run_dir}")
     if stage.run_dir.exists():
-        if stage.recipe.rl:
-            print("   unfinished earlier: continuing from its newest checkpoint (starting over if it has none)")
-        else:
-            print(f"   unfinished earlier: {stage.algorithm} writes no checkpoints, so the stage starts over")
-            shutil.rmtree(stage.run_dir)
+        print("   unfinished earlier: continuing from its newest checkpoint (starting over if it has none)")
     started_at = time.time()
     try:
         result = stage.train_fn()(stage.config)

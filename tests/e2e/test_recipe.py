@@ -155,7 +155,7 @@ def test_an_sft_then_grpo_recipe_starts_an_unfinished_sft_stage_over_and_chains_
         f"run_dir: {tmp_path / 'run'}\nstages:\n"
         f"  - name: sft\n    algorithm: sft\n    config: {PROJECT_ROOT / 'configs' / 'sft_demo.yaml'}\n"
         f"    overrides: {{data.train_path: {chats}, data.val_fraction: 0, sft.max_steps: 2, sft.random_init: false,\n"
-        f"                training.global_batch_size: 8, scheduler.warmup_steps: 0, num_threads: 1}}\n"
+        f"                training.global_batch_size: 8, scheduler.warmup_steps: 0, cluster: {{num_threads: 1}}}}\n"
         f"  - name: rl\n    config: {PROJECT_ROOT / 'configs' / 'grpo_demo.yaml'}\n"
         f"    overrides: {{loop.max_steps: 1, rollout.num_prompts_per_step: 2, rollout.num_generations_per_prompt: 4,\n"
         f"                training.global_batch_size: 8, training.micro_batch_size: 8, data.max_val_prompts: 4,\n"
