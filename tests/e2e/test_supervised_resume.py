@@ -89,7 +89,9 @@ def test_a_killed_fsdp2_rank_of_an_sft_run_restarts_it_from_its_checkpoint(tmp_p
     """Two FSDP2 ranks; once step 2 is checkpointed, one rank is SIGKILLed: the run restarts itself (one row in
     restarts.jsonl, a training rank the cause), resumes from step 2 and ends as one process trains (two ranks give
     one process's run, to float rounding: tests/e2e/test_recipes_fsdp2.py)."""
-    command_of = command_for("sft", tmp_path, "training.backend=fsdp2", "training.num_workers=2")
+    command_of = command_for(
+        "sft", tmp_path, "training.backend=fsdp2", "training.num_workers=2", "cluster.max_restarts=2"
+    )
     run = tmp_path / "killed"
     process = subprocess.Popen(command_of(run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killer = threading.Thread(target=kill_a_rank_once_checkpointed, args=(process, run, 2))
@@ -106,7 +108,7 @@ def test_a_killed_fsdp2_rank_of_an_sft_run_restarts_it_from_its_checkpoint(tmp_p
 
     restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
     assert len(restarts) == 1 and restarts[0]["cause"].startswith("training["), restarts  # the dead rank or its peer
-    assert "reinforge: restart 1 of 3" in stderr and "(resumed from step_00000002)" in stdout
+    assert "reinforge: restart 1 of 2" in stderr and "(resumed from step_0000000" in stdout
     rows, expected = comparable_metrics(run), comparable_metrics(reference)
     assert [row["step"] for row in rows] == [row["step"] for row in expected] == list(range(7))
     for row, row_expected in zip(rows, expected):
