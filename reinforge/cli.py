@@ -17,7 +17,7 @@ from reinforge.training.parallel.plan_cli import add_plan_command
 
 DEMO_CONFIG = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
 CONFIG_HELP = "YAML config file (may inherit with `defaults:`)"
-RL_COMMANDS = ("grpo", "ppo", "distill", "demo")  # the RL loop's: checkpointed, so restartable (supervisor.py)
+RECIPE_COMMANDS = ("grpo", "ppo", "distill", "sft", "dpo", "rm", "demo")  # checkpointed, so restartable (supervisor.py)
 
 # name: (summary, description, an override of its own for the help's example); each trains with its recipe
 TRAINING_COMMANDS = {
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     # taken, so 2x is the floor), for about 5% alone; vLLM's generation is unchanged (docs/benchmarks.md). It
     # must be set before torch loads; the processes this one starts inherit it; a value you set wins.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-    if args.command in RL_COMMANDS:
+    if args.command in RECIPE_COMMANDS:
         from reinforge import supervisor
 
         limit = supervisor.max_restarts(getattr(args, "config", None) or str(DEMO_CONFIG), args.overrides)

@@ -39,18 +39,25 @@ REPORT_NAME = "hang_report.txt"
 T = TypeVar("T")
 
 
-class DeadlinesConfig(Section):
-    """`deadlines:` the RL loop's own waits. The deadlines of the waits inside a component sit in its section:
-    `cluster.worker_timeout_s`, `training.collective_timeout_s`, `agent.timeout_s`, `agent.endpoint.request_timeout_s`,
-    `env.remote.*.timeout_s`."""
+class TrainerDeadlinesConfig(Section):
+    """`deadlines:` of a run with no generation engine (SFT, DPO, RM): its checkpoints and the step watchdog. The
+    deadlines of the waits inside a component sit in its section: `cluster.worker_timeout_s`,
+    `training.collective_timeout_s`."""
 
-    rollout_wait_s: float = Field(default=1800.0, gt=0)
-    """Async generation: the longest the trainer waits for the rollout producer (a batch, or the engine's turn)."""
     checkpoint_s: float = Field(default=1800.0, gt=0)
     """The longest writing one checkpoint may take (the weights, the optimizer, the loop's state)."""
     step_s: float = Field(default=3600.0, ge=0)
     """The watchdog: a run in which no phase of a step (rollout, training, refit, validation, checkpoint) finishes
     for this long is stopped; 0: no watchdog."""
+
+
+class DeadlinesConfig(TrainerDeadlinesConfig):
+    """`deadlines:` the RL loop's own waits: the trainer's, and the rollouts'. The deadlines of the waits inside a
+    component sit in its section: `cluster.worker_timeout_s`, `training.collective_timeout_s`, `agent.timeout_s`,
+    `agent.endpoint.request_timeout_s`, `env.remote.*.timeout_s`."""
+
+    rollout_wait_s: float = Field(default=1800.0, gt=0)
+    """Async generation: the longest the trainer waits for the rollout producer (a batch, or the engine's turn)."""
 
 
 class HangError(InfrastructureError):

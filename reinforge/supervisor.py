@@ -1,8 +1,8 @@
-"""Automatic recovery (`cluster.max_restarts`): an RL run's own process is started and watched by this one, and
+"""Automatic recovery (`cluster.max_restarts`): a run's own process is started and watched by this one, and
 restarted from its last complete checkpoint when the machinery failed rather than the input.
 
-`reinforge grpo|ppo|distill|demo` with `cluster.max_restarts` > 0 runs the same command again in a child process
-(the run), passes its output through, and when the run ends:
+`reinforge grpo|ppo|distill|sft|dpo|rm|demo` with `cluster.max_restarts` > 0 runs the same command again in a child
+process (the run), passes its output through, and when the run ends:
 - exit 0: done;
 - exit 75, an `InfrastructureError` (a Ray worker died: a training rank, an engine, the critic, a teacher, an env
   worker; a wait passed its deadline), or death by a signal (the run's process was killed, out of memory or by hand):
@@ -42,10 +42,10 @@ def supervised() -> bool:
 def max_restarts(config_path: str | None, overrides: list[str]) -> int:
     """`cluster.max_restarts` from the config file and the overrides, read without validating the rest (the run
     validates; a file it cannot read gives the default here and the run's own one-line error there)."""
-    from reinforge.cluster.config import ClusterConfig
+    from reinforge.cluster.config import TrainerClusterConfig
     from reinforge.config.loader import read_yaml_tree
 
-    value = ClusterConfig.model_fields["max_restarts"].default
+    value = TrainerClusterConfig.model_fields["max_restarts"].default
     try:
         tree = read_yaml_tree(Path(config_path)) if config_path else {}
         value = (tree.get("cluster") or {}).get("max_restarts", value)

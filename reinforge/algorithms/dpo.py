@@ -1,12 +1,11 @@
-"""DPO from preference pairs: one loop, read top to bottom.
+"""DPO from preference pairs: the recipe the supervised loop (loops/supervised.py) runs.
 
 Before training: tokenize the pairs (prompt with the generation prompt, then each reply and its
 end-of-turn token: the tokens the policy would generate); compute the reference policy's sequence
 logprobs of the held-out pairs, and of the training pairs too with `dpo.reference=precompute`.
-Each step: draw a global batch of pairs; their reference logprobs (looked up, or computed now by the
-frozen reference); the policy's sequence logprobs of both replies, micro-batch by micro-batch, with
-gradients; the DPO loss (plus an optional NLL term on the chosen replies); one AdamW step; validate;
-log. At the end, the policy in Hugging Face format.
+Each step the loop draws a global batch of pairs; here: their reference logprobs (looked up, or computed now by
+the frozen reference), and the loss on the policy's sequence logprobs of both replies: DPO's (plus an optional NLL
+term on the chosen replies). At the end, the policy in Hugging Face format.
 
 As implemented, relative to DPO (Rafailov et al. 2023, arXiv:2305.18290):
 1. The reference policy is the starting model (the paper's pi_SFT). `dpo.reference=per_batch` (the
@@ -25,41 +24,26 @@ format (training/lora.py).
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
+from transformers import PreTrainedTokenizerBase
 
 from reinforge.algorithms.losses import dpo_loss, sequence_logprobs, token_mean
-from reinforge.algorithms.pairs import (
-    PairRunConfig,
-    PairRunResult,
-    PairTrainBatch,
-    check_schedule,
-    chosen_and_rejected,
-    evaluate,
-    optimizer_step,
-    pair_batch,
-    with_prefix,
-)
-from reinforge.config.loader import save_config
-from reinforge.config.section import Section
+from reinforge.algorithms.pairs import PairRecipe, PairRunConfig, PairTrainBatch, chosen_and_rejected, pair_batch
+from reinforge.algorithms.supervised_recipe import RecipeModel, StepsConfig
 from reinforge.data.batch import Normalisers
-from reinforge.data.preference import TokenizedPair, load_pairs, tokenize_for_policy
-from reinforge.data.prompts import PromptSampler
-from reinforge.logging.console import ConsoleLog
+from reinforge.data.preference import TokenizedPair, tokenize_for_policy
 from reinforge.logging.loggers import LoggingConfig
-from reinforge.logging.metrics import JsonlWriter, Timers
-from reinforge.loops.builders import build_recipe_backend
-from reinforge.modeling import check_fits_context, load_processor, load_tokenizer, save_tokenizer
-from reinforge.run_dir import atomic_directory, make_run_dir
+from reinforge.logging.metrics import Timers
+from reinforge.modeling import load_processor
+from reinforge.training.base import LossFn
 from reinforge.training.heads import LogprobHead
-from reinforge.training.lora import check_lora
 
 
-class DPOConfig(Section):
+class DPOConfig(StepsConfig):
     beta: float = 0.1
     """beta of DPO: implicit rewards are beta * (log pi - log pi_ref) of each reply; a larger beta holds
     the policy closer to the reference."""
@@ -70,9 +54,7 @@ class DPOConfig(Section):
     `precompute`: the starting policy computes them for every training pair once, before the first
     update, so no second model is kept in memory (worth it from about one epoch of training on). With
     `model.lora` neither keeps a copy: the reference is the policy with its adapters disabled."""
-    max_steps: int = 100
-    """Optimizer steps; each takes training.global_batch_size / 2 pairs, the data recycled epoch after epoch."""
-    val_every: int = 10
+    val_every: int = Field(default=10, ge=0)
     """Validate on the held-out pairs every this many steps (and before the first and after the last); 0: only then."""
 
 
@@ -88,7 +70,6 @@ class DPORunConfig(PairRunConfig):
 
     @model_validator(mode="after")
     def _check_dpo(self) -> "DPORunConfig":
-        check_schedule(self.dpo.max_steps, self.dpo.val_every, "dpo")
         if self.dpo.beta <= 0:
             raise ValueError("dpo.beta must be > 0 (typical values 0.01 to 0.5)")
         if self.dpo.sft_weight < 0:
@@ -96,118 +77,50 @@ class DPORunConfig(PairRunConfig):
         return self
 
 
-def train(config: DPORunConfig) -> PairRunResult:
-    with ExitStack() as cleanup:  # the FSDP2 ranks and Ray, on every way out
-        return run(config, cleanup)
+class DPO(PairRecipe):
+    """The policy's LM head at temperature 1, and the reference: a frozen copy of the starting model
+    (`dpo.reference=per_batch`), or its logprobs computed once by the starting policy (`precompute`); with LoRA the
+    policy with its adapters disabled."""
 
+    title, summary = "DPO", ("reward_margin", "preference_accuracy", "logp_accuracy")
 
-def run(config: DPORunConfig, cleanup: ExitStack) -> PairRunResult:
-    dpo, training = config.dpo, config.training
-    torch.manual_seed(config.seed)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
-    tokenizer = load_tokenizer(config.model)
-    check_fits_context(config.model, config.data.max_length, f"data.max_length={config.data.max_length}")
-    pad_id = tokenizer.pad_token_id
-    processor = load_processor(config.model)  # a vision-language model's: pairs may hold images
-    train_pairs = load_pairs(config.data.train_path, tokenizer, tokenize_for_policy, config.data, processor)
-    val_pairs = (
-        load_pairs(config.data.val_path, tokenizer, tokenize_for_policy, config.data, processor, val=True)[
-            : config.data.max_val_pairs
-        ]
-        if config.data.val_path
-        else []
-    )
-    run_dir = make_run_dir(config.logging.run_dir)
-    save_config(
-        config.model_copy(update={"logging": config.logging.model_copy(update={"run_dir": str(run_dir)})}),
-        run_dir / "config.yaml",
-    )
+    def __init__(self, config: DPORunConfig, tokenizer: PreTrainedTokenizerBase):
+        self.dpo = config.dpo
+        model = RecipeModel(LogprobHead(temperature=1.0), load_reference=self.dpo.reference == "per_batch")
+        # a vision-language model's processor: pairs may hold images
+        super().__init__(config, tokenizer, tokenize_for_policy, model, load_processor(config.model))
+        # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
+        self.use_reference = self.dpo.reference == "per_batch" or config.model.lora is not None
+        self.backend = self.train_ref_N2 = self.val_ref_B = None
 
-    # per_batch keeps a frozen copy; with LoRA the policy with its adapters disabled is the reference
-    backend = build_recipe_backend(
-        config,
-        dpo.max_steps,
-        LogprobHead(temperature=1.0),
-        cleanup,
-        rows_together=2,  # a pair's chosen and rejected rows
-        load_reference=dpo.reference == "per_batch",
-    )
-    # the frozen copy, else the policy: adapters off, or (precompute) not yet updated
-    use_reference = dpo.reference == "per_batch" or config.model.lora is not None
+    def start(self, backend) -> None:
+        """The references the starting model gives: the held-out pairs', and with `precompute` every training
+        pair's."""
+        self.backend = backend
+        self.val_ref_B = self.reference_logprobs(self.val)
+        if self.dpo.reference == "precompute":
+            self.train_ref_N2 = self.reference_logprobs(self.examples).view(-1, 2)
 
-    def dpo_batch(pairs: list[TokenizedPair], reference_B: torch.Tensor | None = None) -> DPOBatch:
-        return pair_batch(pairs, pad_id, batch_type=DPOBatch, reference_B=reference_B)
-
-    def reference_logprobs(pairs: list[TokenizedPair]) -> torch.Tensor:
+    def reference_logprobs(self, pairs: list[TokenizedPair]) -> torch.Tensor:
         """Sequence logprobs [2N] of the pairs' replies (chosen 0, rejected 0, ...) under the reference."""
         if not pairs:
             return torch.zeros(0)
-        batch = dpo_batch(pairs)
-        return sequence_logprobs(backend.per_token(batch, reference=use_reference), batch.loss_mask)
+        batch = pair_batch(pairs, self.pad_id)
+        return sequence_logprobs(self.backend.per_token(batch, reference=self.use_reference), batch.loss_mask)
 
-    timers = Timers()
-    with timers.time("reference"):
-        val_ref_B = reference_logprobs(val_pairs)
-        train_ref_N2 = reference_logprobs(train_pairs).view(-1, 2) if dpo.reference == "precompute" else None
-    val_batch = dpo_batch(val_pairs, val_ref_B) if val_pairs else None
-    pairs_per_step = training.global_batch_size // 2
-    sampler = PromptSampler(
-        list(range(len(train_pairs))), pairs_per_step, config.seed, config.data.shuffle
-    )  # draws pair indices
-    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
-    first_val, last_val = {}, {}
+    def train_batch(self, indices: list[int], timers: Timers) -> tuple[DPOBatch, LossFn]:
+        pairs = [self.examples[i] for i in indices]
+        with timers.time("reference"):
+            if self.train_ref_N2 is not None:
+                reference_B = self.train_ref_N2[indices].flatten()
+            else:
+                reference_B = self.reference_logprobs(pairs)
+        batch = pair_batch(pairs, self.pad_id, batch_type=DPOBatch, reference_B=reference_B)
+        return batch, make_loss_fn(pairs, self.dpo)
 
-    def validate() -> dict[str, float]:
-        return evaluate(backend, val_batch, make_loss_fn(val_pairs, dpo))
-
-    with ConsoleLog(dpo.max_steps, "DPO") as console:
-        console.print(f"run directory: {run_dir}   {len(train_pairs)} train / {len(val_pairs)} val pairs")
-        if val_pairs:
-            first_val = last_val = validate()
-            metrics_log.write(0, {**first_val, **timers.metrics()})
-            console.print(val_line(0, first_val))
-
-        for step in range(1, dpo.max_steps + 1):
-            timers = Timers()
-            with timers.time("step"):
-                indices = sampler.next_batch()
-                pairs = [train_pairs[i] for i in indices]
-                with timers.time("reference"):
-                    ref_B = train_ref_N2[indices].flatten() if train_ref_N2 is not None else reference_logprobs(pairs)
-                with timers.time("train"):
-                    updates = optimizer_step(backend, dpo_batch(pairs, ref_B), make_loss_fn(pairs, dpo))
-            metrics = {**with_prefix("train", updates), "train/epoch": step * pairs_per_step / len(train_pairs)}
-            if val_pairs and (step == dpo.max_steps or (dpo.val_every and step % dpo.val_every == 0)):
-                with timers.time("val"):
-                    last_val = validate()
-                metrics.update(last_val)
-            metrics.update(timers.metrics())
-            metrics["perf/tokens_per_s"] = (
-                sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs) / timers.seconds["step"]
-            )
-            metrics_log.write(step, metrics)
-            console.step(step, metrics, show_line=step % config.logging.console_every == 0)
-            if "val/loss" in metrics:
-                console.print(val_line(step, metrics))
-
-        if config.checkpoint.save_final:
-            with atomic_directory(run_dir / "final") as tmp:
-                backend.save_pretrained(tmp)  # with LoRA, the adapter in PEFT's format
-                save_tokenizer(config.model, tmp)
-
-    if first_val:
-        for name in ("reward_margin", "preference_accuracy", "logp_accuracy"):
-            console.print(
-                f"val/{name}: {first_val[f'val/{name}']:.3f} at step 0 -> "
-                f"{last_val[f'val/{name}']:.3f} at step {dpo.max_steps}"
-            )
-    console.print(
-        f"metrics: {run_dir / 'metrics.jsonl'}"
-        + (f"   final model: {run_dir / 'final'}" if config.checkpoint.save_final else "")
-    )
-    return PairRunResult(run_dir=run_dir, first_val=first_val, last_val=last_val)
+    def val_batch(self) -> tuple[DPOBatch, LossFn]:
+        batch = pair_batch(self.val, self.pad_id, batch_type=DPOBatch, reference_B=self.val_ref_B)
+        return batch, make_loss_fn(self.val, self.dpo)
 
 
 @dataclass
@@ -240,10 +153,3 @@ def make_loss_fn(pairs: list[TokenizedPair], d: DPOConfig):
         return loss, metrics
 
     return loss_fn
-
-
-def val_line(step: int, metrics: dict[str, float]) -> str:
-    return (
-        f"step {step:>4} | val loss {metrics['val/loss']:.4f} | margin {metrics['val/reward_margin']:+.3f} | "
-        f"pref_acc {metrics['val/preference_accuracy']:.3f} | logp_acc {metrics['val/logp_accuracy']:.3f}"
-    )

@@ -1,7 +1,5 @@
 """What the two preference-pair recipes (`dpo.py`, `rm.py`) share: the run config's common sections and
-checks, pairs as a training batch, one optimizer step over a global batch of pairs and the held-out pass, both
-through the training backend (training/backend.py), in this process or on FSDP2 ranks
-(loops/builders.py, `build_recipe_backend`).
+checks, the pairs they load, and pairs as a training batch.
 
 Batch sizes count sequences, as everywhere in `training`: a pair is two sequences (chosen and
 rejected, always in the same micro-batch), so `training.global_batch_size / 2` pairs make one
@@ -13,20 +11,16 @@ rows holds whole pairs: `global_batch_size` must be a multiple of 2 x `num_worke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from pydantic import model_validator
+from transformers import PreTrainedTokenizerBase
 
-from reinforge.cluster.config import ClusterConfig
-from reinforge.config.section import Section
-from reinforge.data.batch import TrainBatch
-from reinforge.data.preference import PreferenceDataConfig, TokenizedPair, collate_pairs
-from reinforge.model_config import ModelConfig
-from reinforge.training.backend import Backend
-from reinforge.training.base import BackendConfig, LossFn, TrainingConfig
-from reinforge.training.checkpoint import CheckpointConfig
-from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
+from reinforge.algorithms.supervised_recipe import RecipeModel, SupervisedRecipe, SupervisedRunConfig
+from reinforge.data.batch import TrainBatch, sequences_batch
+from reinforge.data.preference import PreferenceDataConfig, Tokenize, TokenizedPair, load_pairs
+from reinforge.modeling import check_fits_context, check_weights
+from reinforge.training.base import BackendConfig, TrainingConfig
 
 
 class PairTrainingConfig(BackendConfig):
@@ -47,28 +41,14 @@ class PairTrainingConfig(BackendConfig):
         return TrainingConfig(**self.model_dump(), share_prompts=False)
 
 
-class PairRunConfig(Section):
-    """The sections every pair recipe has; each recipe adds its own."""
+class PairRunConfig(SupervisedRunConfig):
+    """The sections every pair recipe has; each recipe adds its own and its `logging`."""
 
-    seed: int = 0
-    """Seed for the data order and any freshly initialised weights."""
-    num_threads: int = 0
-    """torch intra-op threads; 0 keeps torch's default (all cores)."""
-    model: ModelConfig = ModelConfig()
-    """The model to start from (a causal LM in Hugging Face format)."""
     data: PreferenceDataConfig = PreferenceDataConfig()
     """The preference pairs."""
     training: PairTrainingConfig = PairTrainingConfig()
     """The training backend (in this process, or `backend: fsdp2` on `num_workers` ranks) and the batch sizes, in
     sequences (two per pair)."""
-    optimizer: OptimizerConfig = OptimizerConfig()
-    """AdamW."""
-    scheduler: SchedulerConfig = SchedulerConfig()
-    """The learning-rate schedule over the recipe's max_steps."""
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    """Whether to write the trained model to RUN_DIR/final."""
-    cluster: ClusterConfig = ClusterConfig()
-    """With `training.backend=fsdp2`: the Ray cluster the ranks run on and each rank's resources."""
 
     @model_validator(mode="after")
     def _check_training(self) -> "PairRunConfig":
@@ -95,28 +75,34 @@ class PairRunConfig(Section):
                 f"training.micro_batch_size={training.micro_batch_size} does not divide training.global_batch_size="
                 f"{training.global_batch_size}; set it to an even divisor of {training.global_batch_size}"
             )
-        if self.model.lora and self.model.lora.quantize_base != "none":
-            raise ValueError("model.lora.quantize_base (QLoRA) is not supported by preference training; set it to none")
-        if self.num_threads < 0:
-            raise ValueError("num_threads must be >= 0 (0: torch's default)")
         if self.data.max_length < 2:
             raise ValueError("data.max_length must be at least 2 tokens")
         return self
 
 
-def check_schedule(max_steps: int, val_every: int, section: str) -> None:
-    """The recipe's step counts, checked at load time."""
-    if max_steps < 0:
-        raise ValueError(f"{section}.max_steps must be >= 0")
-    if val_every < 0:
-        raise ValueError(f"{section}.val_every must be >= 0 (0: validate only before and after training)")
+class PairRecipe(SupervisedRecipe):
+    """The pairs of data.train_path, drawn `training.global_batch_size / 2` a step, and the first
+    `data.max_val_pairs` of data.val_path held out; each recipe tokenizes them its way and adds its loss."""
 
-
-@dataclass
-class PairRunResult:
-    run_dir: Path
-    first_val: dict[str, float]  # val/ metrics before training (empty without validation)
-    last_val: dict[str, float]  # val/ metrics after the last step
+    def __init__(
+        self,
+        config: PairRunConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        tokenize: Tokenize,
+        model: RecipeModel,
+        processor=None,
+    ):
+        check_weights(config.model)
+        check_fits_context(config.model, config.data.max_length, f"data.max_length={config.data.max_length}")
+        data, self.pad_id = config.data, tokenizer.pad_token_id
+        train = load_pairs(data.train_path, tokenizer, tokenize, data, processor)
+        self.val = (
+            load_pairs(data.val_path, tokenizer, tokenize, data, processor, val=True)[: data.max_val_pairs]
+            if data.val_path
+            else []
+        )
+        model.rows_together = 2  # a pair's chosen and rejected rows
+        super().__init__(train, len(self.val), config.training.global_batch_size // 2, model)
 
 
 @dataclass
@@ -138,24 +124,19 @@ def pair_batch(
     """The pairs' 2N sequences interleaved (chosen 0, rejected 0, chosen 1, ...), the loss mask on the reply tokens
     or, with `last_token_only`, on each sequence's last token (a reward model's score); `fields`: more batch
     fields, [2N] in the interleaved order."""
-    collated = collate_pairs(pairs, pad_token_id)
+
+    def weights(ids: list[int], num_prompt: int) -> list[float]:
+        if last_token_only:
+            return [0.0] * (len(ids) - 1) + [1.0]
+        return [0.0] * num_prompt + [1.0] * (len(ids) - num_prompt)
+
+    sequences = [(ids, weights(ids, p.num_prompt_tokens)) for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
     num = len(pairs)
-    # collate_pairs' rows: chosen [0, N), rejected [N, 2N)
-    order = torch.stack([torch.arange(num), torch.arange(num) + num], dim=1).flatten()
-    input_ids, attention_mask = collated.input_ids[order], collated.attention_mask[order]
-    loss_mask = collated.loss_mask[order]
-    if last_token_only:
-        last_B = attention_mask.sum(dim=1) - 1
-        loss_mask = torch.zeros_like(loss_mask).index_put_((torch.arange(2 * num), last_B), torch.tensor(1.0))
-    zeros = torch.zeros_like(loss_mask)
-    images = [pair.images for pair in pairs for _ in range(2)]  # a vision-language model's pairs: both rows'
-    return batch_type(
-        input_ids,
-        attention_mask,
-        loss_mask,
-        advantages=zeros,
-        gen_logprobs=zeros,
-        images=images if any(i is not None for i in images) else None,
+    return sequences_batch(
+        sequences,
+        pad_token_id,
+        [pair.images for pair in pairs for _ in range(2)],  # a vision-language model's pairs: both rows'
+        batch_type,
         pair_index=torch.arange(num).repeat_interleave(2),
         chosen=torch.tensor([True, False]).repeat(num),
         **fields,
@@ -173,19 +154,3 @@ def chosen_and_rejected(
     )
     values_P2 = values_B[order].view(-1, 2)
     return values_P2[:, 0], values_P2[:, 1], order.view(-1, 2)[:, 0]
-
-
-def optimizer_step(backend: Backend, batch: PairTrainBatch, loss_fn: LossFn) -> dict[str, float]:
-    """One AdamW step on a global batch of pairs through the training backend: the gradient accumulates micro-batch
-    by micro-batch (the loss is normalised by the global number of pairs, so this equals one big batch), clip, step."""
-    return backend.train_step(batch, loss_fn)
-
-
-def evaluate(backend: Backend, batch: PairTrainBatch, loss_fn: LossFn) -> dict[str, float]:
-    """The loss and metrics of all the pairs of `batch` as one batch, in eval mode without gradients, prefixed
-    `val/`."""
-    return with_prefix("val", backend.evaluate(batch, loss_fn))
-
-
-def with_prefix(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
-    return {f"{prefix}/{name}": value for name, value in metrics.items()}

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from reinforge.cluster.config import ClusterConfig
+from reinforge.cluster.config import TrainerClusterConfig
 from reinforge.cluster.fsdp2_trainer import FSDP2Ranks
 from reinforge.data.batch import TrainBatch
 from reinforge.model_config import ModelConfig
@@ -42,7 +42,9 @@ def seeded_load(model_config: ModelConfig, load_model: LoadModel, seed: int):
 
 
 class FSDP2Group(FSDP2Ranks):
-    def __init__(self, backend_kwargs: dict[str, Any], cluster: ClusterConfig, seed: int, rows_together: int = 1):
+    def __init__(
+        self, backend_kwargs: dict[str, Any], cluster: TrainerClusterConfig, seed: int, rows_together: int = 1
+    ):
         """`backend_kwargs`: the in-process `Backend`'s arguments (its `training`, `head`, `row_tokens`, ...)."""
         kwargs = dict(backend_kwargs)
         self.training, self.row_tokens = kwargs.pop("training"), kwargs.get("row_tokens")

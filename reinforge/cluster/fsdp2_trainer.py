@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from reinforge.cluster.config import ClusterConfig
+from reinforge.cluster.config import ClusterConfig, TrainerClusterConfig
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.data.batch import TrainBatch
 from reinforge.model_config import ModelConfig
@@ -32,7 +32,7 @@ class FSDP2Ranks:
         self,
         name: str,
         training: TrainingConfig,
-        cluster: ClusterConfig,
+        cluster: TrainerClusterConfig,
         backend_kwargs: dict[str, Any],
         actor_fraction: float = 1.0,
     ):

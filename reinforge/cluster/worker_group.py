@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from reinforge.cluster.config import ClusterConfig
+from reinforge.cluster.config import TrainerClusterConfig
 from reinforge.errors import InfrastructureError, ReinforgeError
 from reinforge.hang import HangError, register_workers, unregister_workers
 
@@ -39,7 +39,7 @@ class WorkerHang(WorkerFailed, HangError):
     """A worker call in which no worker finished within `cluster.worker_timeout_s`."""
 
 
-def start_ray(config: ClusterConfig, num_cpus_needed: float) -> None:
+def start_ray(config: TrainerClusterConfig, num_cpus_needed: float) -> None:
     """Start a local Ray (cluster.address empty) or join an existing cluster (`auto` or HOST:PORT).
 
     A local Ray gets `cluster.num_cpus` logical CPUs, or by default enough for the run's workers even
@@ -55,7 +55,7 @@ def start_ray(config: ClusterConfig, num_cpus_needed: float) -> None:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
-def ensure_ray(config: ClusterConfig, num_cpus_needed: float) -> Callable[[], None]:
+def ensure_ray(config: TrainerClusterConfig, num_cpus_needed: float) -> Callable[[], None]:
     """`start_ray` unless Ray already runs in this process. Returns the cleanup: `ray.shutdown` for a Ray
     that this call started or joined, a no-op for one that was running before (whoever started it stops it)."""
     if ray.is_initialized():

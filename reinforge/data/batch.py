@@ -182,3 +182,28 @@ def collate(trajectories: list[Trajectory], advantages: list[float], pad_token_i
         prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
         images=[t.images for t in trajectories] if any(t.images is not None for t in trajectories) else None,
     )
+
+
+def sequences_batch(
+    sequences: list[tuple[list[int], list[float]]],
+    pad_token_id: int,
+    images: "list[ImageInputs | None] | None" = None,
+    batch_type: type[TrainBatch] = TrainBatch,
+    **fields,
+) -> TrainBatch:
+    """Sequences given as (token ids, a loss weight per token) as right-padded rows with no advantages or engine
+    logprobs: the batch of a supervised recipe (SFT's conversations, a preference pair's two replies). `images`: each
+    sequence's (None where it has none); `fields`: more fields of `batch_type`, one row per sequence."""
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(sequences), width), dtype=torch.float32)
+    for row, (ids, weights) in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        loss_mask[row, : len(ids)] = torch.tensor(weights, dtype=torch.float32)
+    zeros = torch.zeros_like(loss_mask)
+    has_images = images is not None and any(i is not None for i in images)
+    return batch_type(
+        input_ids, attention_mask, loss_mask, zeros, zeros, images=images if has_images else None, **fields
+    )

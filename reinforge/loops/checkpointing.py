@@ -1,4 +1,5 @@
-"""What the RL loop saves in a checkpoint and how it picks a run back up (`checkpoint.resume=auto`).
+"""What the RL loop saves in a checkpoint and how it picks a run back up (`checkpoint.resume=auto`); the supervised
+loop (supervised.py) opens its run directory and saves its checkpoints the same way, with no engine and no rollouts.
 
 A resumed run continues as if it had never stopped: the trainer's weights, AdamW state and LR
 schedule, the prompt sampler's position, the RNG states and the validation history come back from
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,9 +26,12 @@ from typing import Any
 import yaml
 
 from reinforge.algorithms.rl_config import RLRunConfig
+from reinforge.config.loader import save_config
 from reinforge.data.prompts import PromptSampler
+from reinforge.hang import hang_reports
+from reinforge.logging.capture import capture_dependency_logs
 from reinforge.loops.refit import refit
-from reinforge.run_dir import make_run_dir
+from reinforge.run_dir import announce_run_dir, make_run_dir
 from reinforge.training.checkpoint import (
     CheckpointConfig,
     check_compatible,
@@ -55,6 +60,19 @@ def open_run_dir(config: RLRunConfig, warn=print) -> tuple[Path, Path | None]:
     return requested, checkpoint
 
 
+def start_run_dir(config, cleanup: ExitStack) -> tuple[Path, Path | None]:
+    """`open_run_dir`, then what every run does in it first: hang reports written there (`cleanup` exits them last),
+    the directory announced to the supervisor (a restart resumes there), the dependencies' logs sent there, the
+    resolved config saved as config.yaml."""
+    run_dir, resume_from = open_run_dir(config)
+    cleanup.enter_context(hang_reports(run_dir))  # exits last: a HangError's stacks were taken when it was raised
+    announce_run_dir(run_dir)
+    cleanup.enter_context(capture_dependency_logs(run_dir, config.logging.capture_dependency_logs))
+    logging_here = config.logging.model_copy(update={"run_dir": str(run_dir)})
+    save_config(config.model_copy(update={"logging": logging_here}), run_dir / "config.yaml")
+    return run_dir, resume_from
+
+
 def config_tree(config: RLRunConfig, run_dir: Path) -> dict[str, Any]:
     return config.model_dump(mode="json") | {
         "logging": config.logging.model_dump(mode="json") | {"run_dir": str(run_dir)}
@@ -66,13 +84,14 @@ class ResumeState:
     """What the loop needs, beside the models' own state, to continue a run as if it had never stopped; saved as
     `driver.pt` in every checkpoint. `sampler`: the prompt sampler's position; `pending_rollouts`: the rollout
     batches generated ahead but not yet trained on (async generation); `rng`: the RNG states, taken while the
-    engine was idle (`rollout_source.snapshot`); `best`: the best `checkpoint.keep_best_metric` so far."""
+    engine was idle (`rollout_source.snapshot`); `val_history`: the validations so far (the RL loop's val/accuracy
+    values, the supervised loop's val/ metrics); `best`: the best `checkpoint.keep_best_metric` so far."""
 
     step: int
     sampler: dict[str, Any]
     pending_rollouts: list[Any]
     rng: dict[str, Any]
-    val_history: list[float] = field(default_factory=list)
+    val_history: list[Any] = field(default_factory=list)
     best: dict[str, Any] = field(default_factory=dict)
 
 

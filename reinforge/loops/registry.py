@@ -1,9 +1,9 @@
 """Every recipe `reinforge` runs, by name, and `train(config)`, which runs the recipe a root config belongs to.
 
 A recipe of algorithms/ never runs itself: the table names its root config class, the loop that runs it and the
-learner factory that loop calls (what the recipe does with each step's data), all as "module:attribute" strings
-imported on use, so that a command loads only its own recipe. A recipe that still runs itself names its own
-`train` instead (`train_path`).
+learner factory that loop calls (what the recipe does with each step's data: the RL loop's `make_learner`, the
+supervised loop's recipe class), all as "module:attribute" strings imported on use, so that a command loads only its
+own recipe.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 # The loops, by name: each takes (root config, learner factory, **options).
-LOOPS = {"rl": "reinforge.loops.rl_loop:run"}
+LOOPS = {"rl": "reinforge.loops.rl_loop:run", "supervised": "reinforge.loops.supervised:train"}
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,9 @@ class Recipe:
     name: str
     config_path: str  # "module:RootConfig"; the class's `recipe` ClassVar is `name`
     policy: bool  # its final/ is a causal LM that a next stage can start from
-    loop: str | None = None  # the loop of LOOPS that runs it; None: it runs itself (`train_path`)
-    learner_path: str | None = None  # "module:make_learner", the factory the loop calls
+    loop: str  # the loop of LOOPS that runs it
+    learner_path: str  # what the loop calls: "module:make_learner" (RL), "module:RecipeClass" (supervised)
     check_path: str | None = None  # "module:check", taking the root config: one-line errors before any run directory
-    train_path: str | None = None  # "module:train", taking the root config, of a recipe that runs itself
 
     @property
     def config_class(self) -> type:
@@ -32,13 +31,11 @@ class Recipe:
 
     @property
     def rl(self) -> bool:
-        """A recipe of the RL loop: checkpointed, resumable, its length `loop.max_steps`."""
+        """A recipe of the RL loop (its length `loop.max_steps`), else of the supervised loop (its section's)."""
         return self.loop == "rl"
 
     def train(self, config: Any, **options: Any) -> Any:
         """Run the recipe on its root `config`; `options` are the loop's (the RL loop's `on_step_end`)."""
-        if self.train_path:
-            return _load(self.train_path)(config, **options)
         if self.check_path:
             _load(self.check_path)(config)
         return _load(LOOPS[self.loop])(config, _load(self.learner_path), **options)
@@ -68,10 +65,9 @@ RECIPES = {
             "reinforge.algorithms.distill:distill_learner",
             check_path="reinforge.algorithms.distill:check_distill",
         ),
-        # recipes that still run themselves
-        Recipe("sft", "reinforge.algorithms.sft:SFTRunConfig", True, train_path="reinforge.algorithms.sft:train"),
-        Recipe("dpo", "reinforge.algorithms.dpo:DPORunConfig", True, train_path="reinforge.algorithms.dpo:train"),
-        Recipe("rm", "reinforge.algorithms.rm:RMRunConfig", False, train_path="reinforge.algorithms.rm:train"),
+        Recipe("sft", "reinforge.algorithms.sft:SFTRunConfig", True, "supervised", "reinforge.algorithms.sft:SFT"),
+        Recipe("dpo", "reinforge.algorithms.dpo:DPORunConfig", True, "supervised", "reinforge.algorithms.dpo:DPO"),
+        Recipe("rm", "reinforge.algorithms.rm:RMRunConfig", False, "supervised", "reinforge.algorithms.rm:RM"),
     )
 }
 

@@ -29,7 +29,6 @@ IGNORED = (
     "logging.",
     "cluster.",
     "checkpoint.",
-    "num_threads",
     "loop.val_every",
     "loop.val_benchmark",
     "data.max_val_prompts",

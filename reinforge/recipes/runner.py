@@ -5,10 +5,8 @@ is checked against the recipe (`markers.py`), so a mistake in the last stage, or
 under finished stages, is a one-line error before hours of training. Then, stage by stage:
 
 - a finished stage (its marker exists and its config is unchanged) is skipped;
-- an unfinished GRPO stage continues from its newest checkpoint (`checkpoint.resume=auto`; with
-  `checkpoint.save_every=0` it has none and starts over);
-- an unfinished sft, dpo or rm stage starts over in a clean directory: those loops write no
-  checkpoints, so there is nothing to resume from;
+- an unfinished stage continues from its newest checkpoint (`checkpoint.resume=auto`; with
+  `checkpoint.save_every=0` it has none and starts over in its directory);
 - after training, a LoRA stage's adapter (final/) is merged into its base in merged/, the weights the
   next stage starts from; the stage's marker is written and RUN_DIR/recipe.jsonl is rewritten.
 
@@ -18,7 +16,6 @@ under finished stages, is a one-line error before hours of training. Then, stage
 from __future__ import annotations
 
 import gc
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -71,11 +68,7 @@ def run_stage(stage: Stage) -> dict[str, Any]:
     )
     print(f"\n== {stage.label}: {stage.max_steps} steps from {source}; run directory {stage.run_dir}")
     if stage.run_dir.exists():
-        if stage.recipe.rl:
-            print("   unfinished earlier: continuing from its newest checkpoint (starting over if it has none)")
-        else:
-            print(f"   unfinished earlier: {stage.algorithm} writes no checkpoints, so the stage starts over")
-            shutil.rmtree(stage.run_dir)
+        print("   unfinished earlier: continuing from its newest checkpoint (starting over if it has none)")
     started_at = time.time()
     try:
         result = stage.train_fn()(stage.config)

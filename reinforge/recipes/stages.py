@@ -105,8 +105,7 @@ def build_stages(recipe: RecipeSpec, recipe_path: Path, run_dir: Path, cli_overr
                 )
             if number < len(recipe.stages):
                 set_dotted(tree, "checkpoint.save_final", True)
-            if RECIPES[spec.algorithm].rl:  # checkpointed: an unfinished stage resumes
-                set_dotted(tree, "checkpoint.resume", "auto")
+            set_dotted(tree, "checkpoint.resume", "auto")  # every recipe is checkpointed: an unfinished stage resumes
             config = build_config(tree, schema)
             if previous is None:
                 model_location(config.model)  # a local directory that exists, or a hub id (not fetched)

@@ -61,6 +61,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 # how it checkpoints, where its workers run and how the model is laid out over them (checkpoints reshard)
 RESUMABLE_CHANGES = (
     *("loop.max_steps", "loop.val_every", "logging.", "checkpoint.", "cluster.", "data.max_val_prompts"),
+    *("sft.val_every", "dpo.val_every", "rm.val_every", "data.max_val_pairs"),  # the supervised recipes' validation
     *("training.backend", "training.num_workers", "training.parallel.", "training.cpu_offload"),
     *("deadlines.", "training.collective_timeout_s", "agent.endpoint.request_timeout_s"),  # how long waits may take
     *("agent.first_call_timeout_s", "generation.verify_refit_every"),  # a check's deadline and frequency

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms import dpo
 from reinforge.config.loader import load_recipe_config
+from reinforge.loops.supervised import train
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "dpo_demo.yaml"
@@ -44,7 +45,7 @@ def test_dpo_on_the_demo_pairs_raises_the_held_out_margin_and_preference_accurac
         CONFIG,
         ["dpo.max_steps=12", "dpo.val_every=0", "data.max_val_pairs=64", f"logging.run_dir={tmp_path / 'run'}"],
     )
-    result = dpo.train(config)
+    result = train(config, dpo.DPO)
     rows = read_rows(result.run_dir)
     assert [row["step"] for row in rows] == list(range(13))
     for row in rows[1:]:
@@ -86,7 +87,9 @@ def test_precomputed_reference_logprobs_give_the_same_run_as_a_frozen_reference_
         config = load_recipe_config(
             dpo.DPORunConfig, CONFIG, common + [f"dpo.reference={mode}", f"logging.run_dir={tmp_path / mode}"]
         )
-        losses[mode] = [(row["train/loss"], row["train/reward_margin"]) for row in read_rows(dpo.train(config).run_dir)]
+        losses[mode] = [
+            (row["train/loss"], row["train/reward_margin"]) for row in read_rows(train(config, dpo.DPO).run_dir)
+        ]
     assert len(losses["precompute"]) == 3
     for (loss_a, margin_a), (loss_b, margin_b) in zip(losses["per_batch"], losses["precompute"]):
         assert abs(loss_a - loss_b) < 1e-5 and abs(margin_a - margin_b) < 1e-5, losses

@@ -24,6 +24,7 @@ from reinforge.data.preference import load_pairs, tokenize_for_policy
 from reinforge.envs.reward_model_server import RewardModelScorer
 from reinforge.errors import ReinforgeError
 from reinforge.evaluation.evaluate import evaluate, resolve_model
+from reinforge.loops.supervised import train
 from reinforge.model_config import ModelConfig
 from reinforge.paths import PROJECT_ROOT
 from reinforge.training.convert import convert
@@ -70,13 +71,14 @@ def sft_run(tmp_path_factory):
     config = load_recipe_config(
         sft.SFTRunConfig,
         CONFIGS["sft"],
-        ["sft.max_steps=12", "sft.val_every=0", "num_threads=1", f"logging.run_dir={run_dir}"],
+        ["sft.max_steps=12", "sft.val_every=0", "cluster.num_threads=1", f"logging.run_dir={run_dir}"],
     )
-    return sft.train(config)
+    return train(config, sft.SFT)
 
 
 def test_sft_with_lora_lowers_the_validation_loss_training_the_adapter_only(sft_run):
-    assert sft_run.last_val_loss < sft_run.first_val_loss - 1.0, (sft_run.first_val_loss, sft_run.last_val_loss)
+    first, last = sft_run.first_val["val/loss"], sft_run.last_val["val/loss"]
+    assert last < first - 1.0, (first, last)
     final = sft_run.run_dir / "final"
     assert (final / "tokenizer_config.json").is_file() and not (final / "model.safetensors").exists()
     assert_only_the_adapter_was_trained(final)
@@ -95,7 +97,7 @@ def test_dpo_with_lora_raises_the_margin_against_the_base_model_as_reference(tmp
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    result = dpo.train(config)
+    result = train(config, dpo.DPO)
     # before any update the policy is its reference: every implicit reward is 0 and the loss is log 2
     assert abs(rows(result.run_dir)[1]["train/loss"] - math.log(2)) < 1e-5
     first, last = result.first_val, result.last_val
@@ -145,7 +147,7 @@ def test_with_lora_a_per_batch_reference_gives_the_run_of_a_precomputed_one(tmp_
         config = load_recipe_config(
             dpo.DPORunConfig, CONFIGS["dpo"], [*common, f"dpo.reference={mode}", f"logging.run_dir={tmp_path / mode}"]
         )
-        losses[mode] = [(row["train/loss"], row["train/reward_margin"]) for row in rows(dpo.train(config).run_dir)]
+        losses[mode] = [(row["train/loss"], row["train/reward_margin"]) for row in rows(train(config, dpo.DPO).run_dir)]
     assert len(losses["precompute"]) == 3 and losses["precompute"][-1][1] > 0
     for (loss_a, margin_a), (loss_b, margin_b) in zip(losses["per_batch"], losses["precompute"]):
         assert abs(loss_a - loss_b) < 1e-5 and abs(margin_a - margin_b) < 1e-5, losses
@@ -164,7 +166,7 @@ def test_rm_with_lora_trains_the_adapter_and_the_head_and_its_final_scores_throu
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    result = rm.train(config)
+    result = train(config, rm.RM)
     first, last = result.first_val, result.last_val
     assert last["val/loss"] < first["val/loss"] - 0.05, (first, last)
     assert last["val/preference_accuracy"] >= first["val/preference_accuracy"] + 0.2, (first, last)

@@ -45,7 +45,7 @@ RL_SMALL = [
     "env.extra_rewards.digits=1.0",
 ]
 PAIR_SMALL = ["data.max_val_pairs=8", "training.global_batch_size=16", "training.micro_batch_size=16"]
-SFT_SMALL = ["sft.max_steps=2", "sft.val_every=0", "training.global_batch_size=8", "num_threads=1"]
+SFT_SMALL = ["sft.max_steps=2", "sft.val_every=0", "training.global_batch_size=8", "cluster.num_threads=1"]
 
 
 @pytest.fixture(scope="module")

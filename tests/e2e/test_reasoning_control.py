@@ -23,6 +23,7 @@ from reinforge.envs.base import EnvRequest
 from reinforge.envs.format_env import FormatEnv, FormatEnvConfig
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
+from reinforge.loops.supervised import train
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model, load_tokenizer
 from reinforge.paths import PROJECT_ROOT
@@ -37,7 +38,7 @@ SFT_OVERRIDES = [
     "optimizer.lr=2e-3",
     "scheduler.warmup_steps=5",
     "data.val_fraction=0",
-    "num_threads=1",
+    "cluster.num_threads=1",
 ]
 GRPO_OVERRIDES = [
     "loop.max_steps=3",
@@ -81,7 +82,7 @@ def chain(tmp_path_factory):
     sft_config = load_recipe_config(
         sft.SFTRunConfig, CONFIGS / "reasoning_sft_demo.yaml", SFT_OVERRIDES + [f"logging.run_dir={root / 'sft'}"]
     )
-    sft_run = sft.train(sft_config).run_dir
+    sft_run = train(sft_config, sft.SFT).run_dir
     grpo_config = load_config(
         CONFIGS / "reasoning_grpo_demo.yaml",
         GRPO_OVERRIDES + [f"model.name_or_path={sft_run / 'final'}", f"logging.run_dir={root / 'grpo'}"],

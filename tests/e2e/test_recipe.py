@@ -146,8 +146,9 @@ def test_rerunning_with_a_finished_stage_changed_is_refused_naming_stage_and_set
     assert files_state(run_dir) == before
 
 
-def test_an_sft_then_grpo_recipe_starts_an_unfinished_sft_stage_over_and_chains_its_weights(tmp_path):
-    """SFT writes no checkpoints: a leftover SFT stage directory is replaced, not resumed or suffixed."""
+def test_an_sft_then_grpo_recipe_starts_an_uncheckpointed_sft_stage_over_and_chains_its_weights(tmp_path):
+    """A leftover SFT stage directory with no checkpoint (checkpoint.save_every=0) is started over in place, not
+    suffixed."""
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join((PROJECT_ROOT / "data" / "demo" / "sft.jsonl").read_text().splitlines(keepends=True)[:16]))
     recipe = tmp_path / "chain.yaml"
@@ -155,7 +156,7 @@ def test_an_sft_then_grpo_recipe_starts_an_unfinished_sft_stage_over_and_chains_
         f"run_dir: {tmp_path / 'run'}\nstages:\n"
         f"  - name: sft\n    algorithm: sft\n    config: {PROJECT_ROOT / 'configs' / 'sft_demo.yaml'}\n"
         f"    overrides: {{data.train_path: {chats}, data.val_fraction: 0, sft.max_steps: 2, sft.random_init: false,\n"
-        f"                training.global_batch_size: 8, scheduler.warmup_steps: 0, num_threads: 1}}\n"
+        f"                training.global_batch_size: 8, scheduler.warmup_steps: 0, cluster.num_threads: 1}}\n"
         f"  - name: rl\n    config: {PROJECT_ROOT / 'configs' / 'grpo_demo.yaml'}\n"
         f"    overrides: {{loop.max_steps: 1, rollout.num_prompts_per_step: 2, rollout.num_generations_per_prompt: 4,\n"
         f"                training.global_batch_size: 8, training.micro_batch_size: 8, data.max_val_prompts: 4,\n"

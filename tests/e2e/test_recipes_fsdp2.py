@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from reinforge.algorithms import dpo, rm, sft
 from reinforge.config.loader import load_recipe_config
 from reinforge.errors import ConfigError
+from reinforge.loops.supervised import train
 from reinforge.paths import PROJECT_ROOT
 
 # One xdist worker runs every Ray test in turn (see tests/conftest.py).
@@ -31,7 +32,7 @@ RUNS = {
     "rm": ["rm.max_steps=3", "rm.val_every=0", *PAIRS],
 }
 TRAIN_FILES = {"sft": ("sft.jsonl", 300), "dpo": ("preference_train.jsonl", 64), "rm": ("preference_train.jsonl", 64)}
-RECIPES = {"sft": (sft, sft.SFTRunConfig), "dpo": (dpo, dpo.DPORunConfig), "rm": (rm, rm.RMRunConfig)}
+RECIPES = {"sft": (sft.SFT, sft.SFTRunConfig), "dpo": (dpo.DPO, dpo.DPORunConfig), "rm": (rm.RM, rm.RMRunConfig)}
 
 
 def config_path(recipe: str) -> Path:
@@ -46,7 +47,7 @@ def start(recipe: str, overrides: list[str], run_dir: Path) -> subprocess.Popen:
         recipe,
         "--config",
         str(config_path(recipe)),
-        "num_threads=1",
+        "cluster.num_threads=1",
         *overrides,
         f"logging.run_dir={run_dir}",
     ]
@@ -82,9 +83,9 @@ def test_two_fsdp2_ranks_train_the_demo_exactly_as_one_process(case, tmp_path):
     overrides = [*RUNS[recipe], f"data.train_path={train_path}"]
     two_ranks = start(recipe, [*overrides, *FSDP2, *LAYOUTS[case]], tmp_path / "fsdp2")
     # the one-process run here meanwhile, while the ranks' Ray starts up
-    module, config_class = RECIPES[recipe]
-    overrides_here = ["num_threads=1", *overrides, f"logging.run_dir={tmp_path / 'torch'}"]
-    module.train(load_recipe_config(config_class, config_path(recipe), overrides_here))
+    make_recipe, config_class = RECIPES[recipe]
+    overrides_here = ["cluster.num_threads=1", *overrides, f"logging.run_dir={tmp_path / 'torch'}"]
+    train(load_recipe_config(config_class, config_path(recipe), overrides_here), make_recipe)
     two_stdout = finish(two_ranks)
     one, two = read_metrics(tmp_path / "torch"), read_metrics(tmp_path / "fsdp2")
 

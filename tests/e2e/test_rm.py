@@ -11,6 +11,7 @@ from reinforge.data.preference import read_preference_records, tokenize_for_rewa
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.judge import JudgeEnv, JudgeEnvConfig
 from reinforge.envs.reward_model_server import RewardModelScorer
+from reinforge.loops.supervised import train
 from reinforge.paths import PROJECT_ROOT
 
 CONFIG = PROJECT_ROOT / "configs" / "rm_demo.yaml"
@@ -28,7 +29,7 @@ def test_reward_model_learns_the_demo_preferences_and_scores_them_the_same_throu
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    result = rm.train(config)
+    result = train(config, rm.RM)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(51))
     assert all(

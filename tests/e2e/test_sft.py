@@ -39,7 +39,7 @@ def test_sft_on_the_demo_chats_lowers_the_validation_loss(tmp_path):
         str(CONFIG),
         "sft.max_steps=30",
         "sft.val_every=15",
-        "num_threads=1",
+        "cluster.num_threads=1",
         f"logging.run_dir={run_dir}",
         cwd=tmp_path,
     )
@@ -63,7 +63,9 @@ def test_sft_on_the_demo_chats_lowers_the_validation_loss(tmp_path):
     assert model.config.vocab_size == len(tokenizer)
     saved = load_recipe_config(SFTRunConfig, run_dir / "config.yaml")
     assert saved == load_recipe_config(
-        SFTRunConfig, CONFIG, ["sft.max_steps=30", "sft.val_every=15", "num_threads=1", f"logging.run_dir={run_dir}"]
+        SFTRunConfig,
+        CONFIG,
+        ["sft.max_steps=30", "sft.val_every=15", "cluster.num_threads=1", f"logging.run_dir={run_dir}"],
     )
 
 
@@ -83,8 +85,15 @@ def test_sft_config_mistakes_are_one_line_errors_with_exit_status_2(tmp_path, ca
         (["training.backend=fsdp2", "training.num_workers=3"], "does not split over training.num_workers=3 ranks"),
         (["data.val_path=data/demo/sft.jsonl"], "data.val_path and data.val_fraction are both set"),
         (["data.train_path=nope.jsonl"], "dataset file nope.jsonl does not exist"),
+        # one thread setting for every command; the RL runs' engine placement is not SFT's
+        (
+            ["num_threads=1"],
+            "unknown config key num_threads: reinforge sft has no such setting; did you mean cluster.num_threads?",
+        ),
+        (["cluster.colocate=true"], "unknown config key cluster.colocate: reinforge sft has no such setting"),
     ]:
-        status = main(["sft", "--config", str(CONFIG), f"logging.run_dir={tmp_path / 'run'}", *overrides])
+        run_dir = f"logging.run_dir={tmp_path / 'run'}"
+        status = main(["sft", "--config", str(CONFIG), run_dir, "cluster.max_restarts=0", *overrides])  # in-process
         stderr = capsys.readouterr().err
         assert status == 2, (overrides, stderr)
         assert stderr.startswith("reinforge: error: ") and message in stderr, stderr

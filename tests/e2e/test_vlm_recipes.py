@@ -13,6 +13,7 @@ from reinforge import loops
 from reinforge.algorithms import sft
 from reinforge.algorithms.grpo_config import GRPORunConfig
 from reinforge.config.loader import load_recipe_config
+from reinforge.loops.supervised import train
 from reinforge.paths import PROJECT_ROOT
 
 CONFIGS = PROJECT_ROOT / "configs"
@@ -67,8 +68,8 @@ def test_sft_on_image_chats_lowers_the_validation_loss(tmp_path):
         CONFIGS / "sft_vlm_demo.yaml",
         ["sft.max_steps=40", "sft.val_every=40", f"logging.run_dir={tmp_path / 'run'}"],
     )
-    result = sft.train(config)
-    assert result.last_val_loss < 0.5 * result.first_val_loss, result
+    result = train(config, sft.SFT)
+    assert result.last_val["val/loss"] < 0.5 * result.first_val["val/loss"], result
 
 
 def test_eval_on_an_image_benchmark_answers_as_a_plain_generate(tmp_path):
@@ -130,7 +131,7 @@ def test_dpo_on_image_pairs_prefers_the_right_sums(tmp_path):
         CONFIGS / "dpo_vlm_demo.yaml",
         ["dpo.max_steps=10", "dpo.val_every=10", f"logging.run_dir={tmp_path / 'run'}"],
     )
-    result = dpo.train(config)
+    result = train(config, dpo.DPO)
     assert result.first_val["val/loss"] > 0.69 and result.last_val["val/loss"] < 0.5, result
     assert result.last_val["val/logp_accuracy"] > 0.9 > result.first_val["val/logp_accuracy"], result
 

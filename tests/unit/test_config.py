@@ -134,7 +134,7 @@ RL_SECTIONS = {
 OFFLINE_SECTIONS = {
     "seed",
     "cluster",
-    "num_threads",
+    "deadlines",
     "model",
     "data",
     "training",

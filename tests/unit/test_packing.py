@@ -2,7 +2,7 @@
 
 SFT trains through the training backend (training/backend.py), which plans its micro-batches with
 `plan_micro_batches` (rows of `data.max_seq_len` tokens) and lays them out with `row_layout`; these tests
-go through that path, built as `sft.build_backend` builds it from configs/sft_demo.yaml.
+go through that path, built as the supervised loop builds SFT's from configs/sft_demo.yaml.
 """
 
 import json
@@ -11,11 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reinforge.algorithms.sft import SFTRunConfig, SFTTrainingConfig, build_backend, examples_batch, nll_loss
+from reinforge.algorithms.sft import SFTRunConfig, SFTTrainingConfig, examples_batch, nll_loss
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.chat import ChatExample, render_chat
 from reinforge.data.packing import dense_mask, first_fit_decreasing, padded_layout, row_layout, rows_by_token_budget
+from reinforge.loops.builders import build_recipe_backend
 from reinforge.paths import PROJECT_ROOT
+from reinforge.training import lora
+from reinforge.training.heads import LogprobHead
 from reinforge.training.micro_batching import plan_micro_batches
 
 DEMO = PROJECT_ROOT / "models" / "demo"
@@ -95,7 +98,8 @@ def sft_backend(packing: bool, attn_implementation: str = "sdpa", checkpointing:
     ]
     config = load_recipe_config(SFTRunConfig, CONFIG, overrides)
     assert config.model.name_or_path == "models/demo" and config.data.max_seq_len == 256
-    backend = build_backend(config)
+    head = LogprobHead(temperature=1.0, load_model=lora.load_policy)  # sft.SFT's, from trained weights
+    backend = build_recipe_backend(config, config.sft.max_steps, head, None, row_tokens=config.data.max_seq_len)
     backend.model.set_attn_implementation(attn_implementation)
     return backend
 

@@ -8,7 +8,7 @@ import torch
 
 from reinforge.algorithms import dpo, rm
 from reinforge.algorithms.losses import sequence_logprobs
-from reinforge.algorithms.pairs import PairTrainingConfig, optimizer_step, pair_batch
+from reinforge.algorithms.pairs import PairTrainingConfig, pair_batch
 from reinforge.data.preference import PreferenceDataConfig, load_pairs, tokenize_for_policy, tokenize_for_reward_model
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_tokenizer
@@ -29,7 +29,7 @@ def backend_for(recipe: str, micro_batch_size: int, packing: bool, pad_token_id:
     builds it, from the recipe's `training:` section."""
     if recipe == "dpo":
         head = LogprobHead(temperature=1.0)
-    else:  # rm.train's head: the score of a conversation at its last token
+    else:  # rm.RM's head: the score of a conversation at its last token
         load = partial(rm.load_scorer, pad_token_id=pad_token_id)
         head = ScalarHead("score", from_previous_token=False, load_model=load, causal_lm=False)
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def gradients_after_one_step(recipe, pairs, pad_token_id, micro_batch_size, pack
         loss_fn = dpo.make_loss_fn(pairs, dpo.DPOConfig(beta=0.3, sft_weight=0.7))
     else:
         batch, loss_fn = pair_batch(pairs, pad_token_id, last_token_only=True), rm.rm_loss
-    metrics = optimizer_step(backend, batch, loss_fn)
+    metrics = backend.train_step(batch, loss_fn)
     return [p.grad.clone() for p in backend.trainable], metrics
 
 

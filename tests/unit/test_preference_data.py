@@ -6,13 +6,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from reinforge.algorithms.dpo import DPORunConfig
+from reinforge.algorithms.pairs import pair_batch
 from reinforge.algorithms.rm import RMRunConfig
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.preference import (
     PreferenceDataConfig,
     PreferenceRecord,
     TokenizedPair,
-    collate_pairs,
     load_pairs,
     read_preference_records,
     tokenize_for_policy,
@@ -38,16 +38,19 @@ def write_jsonl(path, records):
     return path
 
 
-def test_collated_pairs_put_chosen_rows_first_and_train_only_on_reply_tokens():
+def test_pairs_batch_as_chosen_then_rejected_rows_trained_only_on_reply_tokens():
     pairs = [
         TokenizedPair([5, 6, 7], [5, 8], num_prompt_tokens=1),
         TokenizedPair([5, 9], [5, 9, 9, 9], num_prompt_tokens=1),
     ]
-    batch = collate_pairs(pairs, pad_token_id=0)
-    assert len(batch) == 2
-    assert batch.input_ids.tolist() == [[5, 6, 7, 0], [5, 9, 0, 0], [5, 8, 0, 0], [5, 9, 9, 9]]
+    batch = pair_batch(pairs, pad_token_id=0)
+    assert len(batch) == 4 and batch.pair_index.tolist() == [0, 0, 1, 1]
+    assert batch.chosen.tolist() == [True, False, True, False]
+    assert batch.input_ids.tolist() == [[5, 6, 7, 0], [5, 8, 0, 0], [5, 9, 0, 0], [5, 9, 9, 9]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
     assert batch.loss_mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 0, 0], [0, 1, 1, 1]]
+    last_token = pair_batch(pairs, pad_token_id=0, last_token_only=True)  # a reward model's score
+    assert last_token.loss_mask.tolist() == [[0, 0, 1, 0], [0, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]]
 
 
 def test_policy_tokens_are_the_generation_prompt_then_the_reply_and_eos(tokenizer):
@@ -143,7 +146,7 @@ def test_demo_configs_load_and_unknown_keys_suggest_the_nearest_key_of_their_own
         ),
         (["training.backend=fsdp2", "training.num_workers=3"], "does not split into whole pairs"),
         (["dpo.beta=0"], "dpo.beta must be > 0"),
-        (["dpo.max_steps=-1"], "dpo.max_steps must be >= 0"),
+        (["dpo.max_steps=-1"], "config key dpo.max_steps: Input should be greater than or equal to 0"),
     ],
 )
 def test_inconsistent_dpo_settings_are_rejected_at_load_time_with_the_fix(overrides, message):
