@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from reinforge.data.images import ImageInputs
-from reinforge.data.sources import SourceConfig
+from transformers import PreTrainedTokenizerBase
+
+from reinforge.data.images import ImageInputs, image_messages, load_image, process_prompt, record_image_refs
+from reinforge.data.sources import Source, SourceConfig
+from reinforge.errors import DataError
 
 
 class PreferenceDataConfig(SourceConfig):
@@ -66,6 +69,111 @@ class TokenizedPair:
     rejected_ids: list[int]
     num_prompt_tokens: int  # leading tokens the two share before the replies; never trained on
     images: ImageInputs | None = None  # the prompt's images (a vision-language model's pair)
+
+
+def read_preference_records(
+    path: str, system_prompt: str | None, data: SourceConfig | None = None, val: bool = False
+) -> list[PreferenceRecord]:
+    """Every pair of `path` (`data.val_path`'s split when `val`), checked: a `prompt` string or a `messages` list,
+    and string replies."""
+    data = data or SourceConfig()
+    source = Source.val(data, path) if val else Source.train(data, path)
+    records = []
+    for row in source.rows():
+        raw, where = row.record, row.where
+        for key in ("chosen", "rejected"):
+            if key not in raw:
+                raise source.missing_error(row, key)
+        if not all(isinstance(raw[key], str) for key in ("chosen", "rejected")):
+            raise DataError(f"{where}: `chosen` and `rejected` must be strings (the assistant's replies)")
+        if isinstance(raw.get("messages"), list) and raw["messages"]:
+            messages = raw["messages"]
+        elif isinstance(raw.get("prompt"), str):
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+                {"role": "user", "content": raw["prompt"]}
+            ]
+        else:
+            raise DataError(
+                f"{where}: needs a `prompt` string or a non-empty `messages` list (the conversation before the reply)"
+            )
+        try:
+            refs = record_image_refs(raw, messages)
+        except DataError as exc:
+            raise DataError(f"{where}: {exc}") from None
+        leading = len(refs) if {"images", "image"} & raw.keys() else 0
+        records.append(
+            PreferenceRecord(messages, raw["chosen"], raw["rejected"], refs, leading, source.base_dir, where)
+        )
+    return records
+
+
+def tokenize_for_policy(
+    record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase, processor: Any = None
+) -> TokenizedPair:
+    """Prompt (with the generation prompt) + reply tokens + eos, as the policy generates them; a pair with images
+    has its prompt rendered by the `processor`, as GRPO's image prompts are (data/prompts.py)."""
+    inputs = None
+    if record.images:
+        images = [load_image(ref, record.base_dir) for ref in record.images]
+        prompt_ids, inputs = process_prompt(processor, image_messages(record.messages, record.leading_images), images)
+    else:
+        prompt_text = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+
+    def reply(text: str) -> list[int]:
+        return prompt_ids + list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+    return TokenizedPair(reply(record.chosen), reply(record.rejected), len(prompt_ids), inputs)
+
+
+def tokenize_for_reward_model(
+    record: PreferenceRecord, tokenizer: PreTrainedTokenizerBase, processor: Any = None
+) -> TokenizedPair:
+    """Each whole conversation through the chat template, tokenized in one piece (RewardModelScorer's rendering)."""
+    if record.images:
+        raise DataError("reward models on image pairs are not supported yet; give text pairs")
+
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    chosen_ids = render(record.messages + [{"role": "assistant", "content": record.chosen}], False)
+    rejected_ids = render(record.messages + [{"role": "assistant", "content": record.rejected}], False)
+    # Where the prompt ends: a template may tokenize the boundary differently in one piece, so at most
+    # where the two sequences first differ.
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(chosen_ids, rejected_ids)) if a != b), min(len(chosen_ids), len(rejected_ids))
+    )
+    return TokenizedPair(chosen_ids, rejected_ids, num_prompt_tokens=min(len(render(record.messages, True)), shared))
+
+
+Tokenize = Callable[[PreferenceRecord, PreTrainedTokenizerBase, Any], TokenizedPair]
+
+
+def load_pairs(
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    tokenize: Tokenize,
+    config: PreferenceDataConfig,
+    processor: Any = None,
+    val: bool = False,
+) -> list[TokenizedPair]:
+    """Read and tokenize the pairs of `path` (`data.val_path`'s when `val`), dropping pairs longer than
+    `data.max_length`; pairs with images need a vision-language model's `processor`."""
+    pairs = []
+    for record in read_preference_records(path, config.system_prompt, config, val):
+        try:
+            if record.images and processor is None:
+                raise DataError("the pair has images, but the model is text-only; use a vision-language model")
+            pairs.append(tokenize(record, tokenizer, processor))
+        except DataError as exc:
+            raise DataError(f"{record.where}: {exc}") from None
+    kept = [p for p in pairs if max(len(p.chosen_ids), len(p.rejected_ids)) <= config.max_length]
+    if not kept:
+        raise DataError(f"{path}: every pair is longer than data.max_length={config.max_length} tokens; raise it")
+    if len(kept) < len(pairs):
+        print(f"{path}: dropped {len(pairs) - len(kept)} of {len(pairs)} pairs longer than data.max_length")
+    return kept
 
 
 def num_reply_tokens(pairs: list[TokenizedPair]) -> dict[str, int]:

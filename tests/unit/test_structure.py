@@ -69,8 +69,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: dict[str, str] = {
     "reinforge.envs.sandbox_supervisor:supervise": "shipped as one self-contained source to a fresh interpreter, "
     "so its helpers are nested in it",
-    "reinforge.algorithms.dpo:run": "DPO's hand-written loop moves onto the supervised loop (issue 40, item 2, "
-    "under way)",
 }
 MAX_LONG_FUNCTIONS = 5
 
