@@ -47,7 +47,12 @@ from reinforge.algorithms.learner import Learner, LearnerParts, StepResult
 from reinforge.algorithms.losses import metric_mean, token_mean
 from reinforge.algorithms.policy_loss import policy_loss_fn
 from reinforge.algorithms.shaping import valid_samples
-from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
+from reinforge.algorithms.step_metrics import (
+    rollout_metrics,
+    step_rewards,
+    token_advantage_metrics,
+    train_metrics,
+)
 from reinforge.data.batch import TrainBatch, Trajectory, collate
 from reinforge.data.prompt_stream import training_prompts
 from reinforge.errors import ConfigError
@@ -135,11 +140,10 @@ def train_on_batch(
     """Teacher scores, the student's logprobs, per-token advantages (or the top-k targets) and the optimizer
     steps on one step's rollout batch."""
     distill, global_batch = config.distill, config.training.global_batch_size
-    trajectories = rollout_batch.trajectories
-    metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
-    if not trajectories:
+    rewards_PG, metrics = step_rewards(step, rollout_batch, config.rollout.num_generations_per_prompt)
+    if rewards_PG is None:  # nothing to learn from
         return StepResult(metrics, trained=False)
-    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.rollout.num_generations_per_prompt)
+    trajectories = rollout_batch.trajectories
     baseline = BASELINES[distill.reward_baseline]
     reward_advantages_PG = distill.reward_weight * group_advantages(
         rewards_PG, baseline, distill.reward_normalize_std, valid_PG=valid_samples(trajectories, rewards_PG)

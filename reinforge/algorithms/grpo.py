@@ -38,7 +38,7 @@ from reinforge.algorithms.shaping import overlong_penalties
 from reinforge.algorithms.step_metrics import (
     advantage_metrics,
     rollout_metrics,
-    staleness_metrics,
+    step_rewards,
     token_advantage_metrics,
     train_metrics,
 )
@@ -69,11 +69,10 @@ def train_on_batch(
 ) -> StepResult:
     """Advantages, logprobs and the optimizer steps on one step's rollout batch."""
     global_batch, loss, overlong = config.training.global_batch_size, config.loss, config.overlong
-    trajectories = rollout_batch.trajectories
-    metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
-    if not trajectories:  # dynamic sampling found no group with unequal rewards: nothing to learn from
+    rewards_PG, metrics = step_rewards(step, rollout_batch, config.rollout.num_generations_per_prompt)
+    if rewards_PG is None:  # dynamic sampling found no group with unequal rewards: nothing to learn from
         return StepResult(metrics, trained=False)
-    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.rollout.num_generations_per_prompt)
+    trajectories = rollout_batch.trajectories
     penalties_PG = overlong_penalties(trajectories, overlong, config.generation.max_new_tokens).view_as(rewards_PG)
     batch = collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id)
     if overlong.filtering:  # DAPO: truncated answers are not trained on (their rewards still set the baseline)

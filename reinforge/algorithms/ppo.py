@@ -49,7 +49,12 @@ from reinforge.algorithms.ppo_losses import (
     whiten_tokens,
 )
 from reinforge.algorithms.shaping import overlong_penalties
-from reinforge.algorithms.step_metrics import rollout_metrics, staleness_metrics, token_advantage_metrics, train_metrics
+from reinforge.algorithms.step_metrics import (
+    rollout_metrics,
+    step_rewards,
+    token_advantage_metrics,
+    train_metrics,
+)
 from reinforge.data.batch import TrainBatch, collate
 from reinforge.logging.metrics import Timers
 from reinforge.rollout.source import RolloutBatch
@@ -102,11 +107,10 @@ def train_on_batch(
     """Values, GAE, the critic's and the actor's optimizer steps on one step's rollout batch. Returns its
     metrics and whether the policy changed (not during the critic's warm-up)."""
     ppo, global_batch = config.ppo, config.training.global_batch_size
-    trajectories = rollout_batch.trajectories
-    metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
-    if not trajectories:
+    rewards_PG, metrics = step_rewards(step, rollout_batch, config.rollout.num_generations_per_prompt)
+    if rewards_PG is None:  # nothing to learn from
         return StepResult(metrics, trained=False)
-    rewards_PG = torch.tensor([t.reward for t in trajectories]).view(-1, config.rollout.num_generations_per_prompt)
+    trajectories = rollout_batch.trajectories
     penalties_PG = overlong_penalties(trajectories, config.overlong, config.generation.max_new_tokens).view_as(
         rewards_PG
     )

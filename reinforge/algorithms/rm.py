@@ -23,52 +23,23 @@ reward-model server) merges onto the base when it loads it.
 from __future__ import annotations
 
 from functools import partial
-from typing import ClassVar
 
 import torch
-from pydantic import Field, model_validator
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforge.algorithms.losses import bradley_terry_loss
-from reinforge.algorithms.pairs import PairRecipe, PairRunConfig, PairTrainBatch, chosen_and_rejected, pair_batch
-from reinforge.algorithms.supervised_recipe import RecipeModel, StepsConfig
+from reinforge.algorithms.pairs import PairRecipe, PairTrainBatch, chosen_and_rejected, pair_batch
+from reinforge.algorithms.rm_config import RMRunConfig
+from reinforge.algorithms.supervised_recipe import RecipeModel
 from reinforge.data.batch import Normalisers
 from reinforge.data.preference import tokenize_for_reward_model
 from reinforge.errors import ReinforgeError
-from reinforge.logging.loggers import LoggingConfig
 from reinforge.logging.metrics import Timers
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import DTYPES, adapter_base, model_location
 from reinforge.training.base import LossFn
 from reinforge.training.heads import ScalarHead
 from reinforge.training.lora import absolute_location, add_lora, inner_model
-
-
-class RewardModelTrainingConfig(StepsConfig):
-    max_steps: int = Field(default=200, ge=0)
-    """Optimizer steps; each takes training.global_batch_size / 2 pairs, the data recycled epoch after epoch."""
-    val_every: int = Field(default=20, ge=0)
-    """Validate on the held-out pairs every this many steps (and before the first and after the last); 0: only then."""
-
-
-class RMRunConfig(PairRunConfig):
-    """A whole `reinforge rm` run."""
-
-    recipe: ClassVar[str] = "rm"
-
-    rm: RewardModelTrainingConfig = RewardModelTrainingConfig()
-    """The reward-model schedule."""
-    logging: LoggingConfig = LoggingConfig(run_dir="runs/rm")
-    """Run directory (config.yaml, metrics.jsonl, final/) and console output."""
-
-    @model_validator(mode="after")
-    def _check_rm(self) -> "RMRunConfig":
-        if self.model.lora and self.training.backend == "fsdp2":  # FSDP2's adapter export keeps `.lora_` keys only
-            raise ValueError(
-                "model.lora with training.backend=fsdp2 is not supported by rm yet (the ranks' adapter export leaves "
-                "out the new score head); set training.backend=torch or model.lora=null"
-            )
-        return self
 
 
 class RM(PairRecipe):

@@ -11,6 +11,15 @@ from reinforge.envs.base import Environment
 from reinforge.rollout.source import RolloutBatch
 
 
+def step_rewards(step: int, rollout_batch: RolloutBatch, group_size: int) -> tuple[torch.Tensor | None, dict]:
+    """A step's rewards [P, G] (None: the batch is empty, nothing to learn from) and its rollout and staleness
+    metrics, the start of every RL recipe's step."""
+    metrics = {**rollout_batch.metrics, **staleness_metrics(step, rollout_batch)}
+    if not rollout_batch.trajectories:
+        return None, metrics
+    return torch.tensor([t.reward for t in rollout_batch.trajectories]).view(-1, group_size), metrics
+
+
 def staleness_metrics(step: int, batch: RolloutBatch) -> dict[str, float]:
     """How far behind the trainer the policy that generated this step's batch was (0: on-policy)."""
     return {"rollout/policy_version": batch.policy_version, "rollout/policy_lag": step - 1 - batch.policy_version}

@@ -54,6 +54,12 @@ def _rl(name: str, config_path: str, learner_path: str, check_path: str | None =
     return Recipe(name, config_path, policy=True, loop="rl", learner_path=learner_path, check_path=check_path)
 
 
+def _supervised(name: str, root: str, recipe_class: str, policy: bool) -> Recipe:
+    """A recipe of the supervised loop: its root in algorithms/<name>_config.py, its recipe class in <name>.py."""
+    module = f"reinforge.algorithms.{name}"
+    return Recipe(name, f"{module}_config:{root}", policy, loop="supervised", learner_path=f"{module}:{recipe_class}")
+
+
 RECIPES = {
     recipe.name: recipe
     for recipe in (
@@ -65,9 +71,9 @@ RECIPES = {
             "reinforge.algorithms.distill:distill_learner",
             check_path="reinforge.algorithms.distill:check_distill",
         ),
-        Recipe("sft", "reinforge.algorithms.sft:SFTRunConfig", True, "supervised", "reinforge.algorithms.sft:SFT"),
-        Recipe("dpo", "reinforge.algorithms.dpo:DPORunConfig", True, "supervised", "reinforge.algorithms.dpo:DPO"),
-        Recipe("rm", "reinforge.algorithms.rm:RMRunConfig", False, "supervised", "reinforge.algorithms.rm:RM"),
+        _supervised("sft", "SFTRunConfig", "SFT", policy=True),
+        _supervised("dpo", "DPORunConfig", "DPO", policy=True),
+        _supervised("rm", "RMRunConfig", "RM", policy=False),
     )
 }
 

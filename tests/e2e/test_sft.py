@@ -7,7 +7,7 @@ import sys
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reinforge.algorithms.sft import SFTRunConfig
+from reinforge.algorithms.sft_config import SFTRunConfig
 from reinforge.cli import main
 from reinforge.config.loader import load_recipe_config
 from reinforge.paths import PROJECT_ROOT

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reinforge.algorithms.sft import SFTRunConfig, SFTTrainingConfig, examples_batch, nll_loss
+from reinforge.algorithms.sft import examples_batch, nll_loss
+from reinforge.algorithms.sft_config import SFTRunConfig, SFTTrainingConfig
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.chat import ChatExample, render_chat
 from reinforge.data.packing import dense_mask, first_fit_decreasing, padded_layout, row_layout, rows_by_token_budget

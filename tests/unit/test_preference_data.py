@@ -5,9 +5,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from reinforge.algorithms.dpo import DPORunConfig
+from reinforge.algorithms.dpo_config import DPORunConfig
 from reinforge.algorithms.pairs import pair_batch
-from reinforge.algorithms.rm import RMRunConfig
+from reinforge.algorithms.rm_config import RMRunConfig
 from reinforge.config.loader import load_recipe_config
 from reinforge.data.preference import (
     PreferenceDataConfig,
