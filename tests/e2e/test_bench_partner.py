@@ -36,7 +36,9 @@ def test_the_benchmark_stops_with_the_trl_sides_import_error_when_trl_is_missing
         timeout=60,
     )
     assert result.returncode != 0 and time.monotonic() - start < 60
-    last = result.stderr.strip().splitlines()[-1]
+    # multiprocessing's resource tracker may warn of the dead side's semaphore after the benchmark's last line
+    ours = [line for line in result.stderr.strip().splitlines() if "resource_tracker" not in line]
+    last = [line for line in ours if not line.strip().startswith("warnings.warn(")][-1]
     assert last.startswith("bench/grpo_vs_trl.py: the trl side failed: ModuleNotFoundError: No module named"), (
         result.stderr[-2000:]
     )

@@ -86,7 +86,7 @@ def engine_and_prompts(tmp_path_factory):
     return HFGenerationBackend(load_model(config), tokenizer, 8, torch.device("cpu")), tokenizer, prompts
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.8), (0.9, 7, 0.9)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.9, 7, 0.9)])
 def test_logprobs_are_of_the_warped_sampling_distribution_not_the_checkpoints_defaults(
     engine_and_prompts, temperature, top_k, top_p
 ):
