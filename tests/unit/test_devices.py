@@ -59,9 +59,13 @@ def test_the_run_says_where_it_computes_in_one_line():
         check_devices(vllm)
 
 
-@pytest.mark.parametrize("setting", ["training.device=cuda", "generation.device=cuda:0"])
-def test_an_absent_device_stops_the_run_before_its_directory(setting, tmp_path, capsys):
-    status = main(["grpo", "--config", DEMO, setting, f"logging.run_dir={tmp_path}/run"])
+@pytest.mark.parametrize(
+    "command,setting",
+    [("grpo", "training.device=cuda"), ("grpo", "generation.device=cuda:0"), ("sft", "training.device=cuda")],
+)
+def test_an_absent_device_stops_the_run_before_its_directory(command, setting, tmp_path, capsys):
+    config = DEMO if command == "grpo" else str(PROJECT_ROOT / "configs" / "sft_demo.yaml")
+    status = main([command, "--config", config, setting, f"logging.run_dir={tmp_path}/run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and err[0].startswith(f"reinforge: error: {setting}, but this process")
     assert not (tmp_path / "run").exists()
