@@ -10,6 +10,7 @@ tokenizer.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -90,7 +91,7 @@ class RecipeModel:
     load_reference: bool = False
 
 
-class SupervisedRecipe:
+class SupervisedRecipe(ABC):
     """A supervised recipe as the loop sees it. `examples`: the training examples, which the loop's seeded sampler
     draws `examples_per_step` at a time (by index); `num_val`: held-out examples (0: no validation); `model`: what
     the backend computes; `summary`: the `val/` metrics compared at the end of a run."""
@@ -105,10 +106,10 @@ class SupervisedRecipe:
         """Called once the backend holds the starting model, before a checkpoint is restored into it (DPO's
         reference logprobs are the starting model's)."""
 
+    @abstractmethod
     def train_batch(self, indices: list[int], timers: Timers) -> tuple[TrainBatch, LossFn]:
         """The training batch of examples `indices` and its loss, normalised over the whole global batch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def val_batch(self) -> tuple[TrainBatch, LossFn]:
         """The held-out examples as one batch and the loss whose metrics are the `val/` ones."""
-        raise NotImplementedError

@@ -1,24 +1,18 @@
-"""The house's structure, held by a test: the floor order of the packages, no import circles, no recipe of
-algorithms/ importing another's modules, Ray only in cluster/, no module over 450 lines, no function over 80 lines
-but the few named with their reason, no tracked file naming a path outside the repository.
-
-Every import counts: at module level, inside a function (deferred, it still ties the two modules together) and
-under `if TYPE_CHECKING:` (it ties the design, if not the run), and so does a `"reinforge.module:attribute"` string
-that the code imports by name (recipes/stages.py). Each rule is a function from the parsed modules (or the tracked
-files) to its violations, so the tests below also plant one violation of each kind and check that the rule sees it.
-"""
+"""The house's structure, held by a test: the floors of the packages, no import circles, no recipe of algorithms/
+importing another's modules, Ray only in cluster/, no module over 450 lines, no function over 80 but those named with
+their reason. Every import counts: at module level, in a function (deferred, it still ties the two modules) and under
+`if TYPE_CHECKING:` (it ties the design), and so does a `"reinforge.module:attribute"` string imported by name
+(recipes/stages.py). Each rule is a function from the parsed modules to its violations, so the tests below also plant
+one violation of each kind and check that the rule sees it (test_tracked_files.py holds the rule on tracked files)."""
 
 from __future__ import annotations
 
 import ast
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,15 +65,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "so its helpers are nested in it",
 }
 MAX_LONG_FUNCTIONS = 5
-
-# Paths that exist only on some machine, never in a user's clone: a workspace or home directory, or a folder beside
-# the repository. /tmp/ is allowed: the code and docs use it for scratch output and inside the sandbox, not to cite
-# a file the user should have.
-OUTSIDE_PATH = re.compile(r"(?<![\w.~-])/(work|home|root|Users)/|\.\./shared\b")
-# Dataset and model files hold records and weights, not prose; their READMEs and scripts are checked.
-DATA_FOLDERS = ("data/", "tests/data/", "models/")
-DATA_SUFFIXES = (".jsonl", ".json", ".safetensors", ".parquet")
-THIS_FILE = "tests/unit/test_structure.py"  # it spells the patterns it looks for
 
 
 @dataclass(frozen=True)
@@ -313,39 +298,8 @@ def long_functions(
     ]
 
 
-def outside_paths(files: dict[str, str]) -> list[str]:
-    """Lines of {path: text} that name a path outside the repository."""
-    return [
-        f"{path}:{number}: {match.group(0)!r} in {line.strip()[:100]!r}"
-        for path, text in sorted(files.items())
-        for number, line in enumerate(text.splitlines(), 1)
-        for match in OUTSIDE_PATH.finditer(line)
-    ]
-
-
-def tracked_text_files() -> dict[str, str]:
-    """The repository's tracked files, and new ones git does not ignore, that hold prose or code (not data records,
-    weights or binaries)."""
-    if not (REPO / ".git").exists():
-        pytest.skip("not a git checkout: no tracked files to read")
-    command = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
-    listing = subprocess.run(command, cwd=REPO, capture_output=True, check=True, text=True).stdout
-    files = {}
-    for path in listing.split("\0"):
-        is_data = path.startswith(DATA_FOLDERS) and path.endswith(DATA_SUFFIXES)
-        if not path or path == THIS_FILE or is_data or not (REPO / path).is_file():
-            continue
-        raw = (REPO / path).read_bytes()
-        if b"\0" not in raw:
-            files[path] = raw.decode("utf-8", errors="replace")
-    return files
-
-
-def _report(violations: list[str]) -> str:
-    return "\n".join(violations)
-
-
-# The rules on the package as it is.
+# The rules on the package as it is; a failure lists its violations, one a line.
+_report = "\n".join
 
 
 def test_every_unit_of_the_package_has_a_floor():
@@ -384,10 +338,6 @@ def test_no_function_is_over_80_lines_but_the_named_exceptions():
 def test_each_long_function_names_its_reason_and_there_are_few():
     assert len(LONG_FUNCTIONS) <= MAX_LONG_FUNCTIONS
     assert all(len(reason.split()) >= 3 for reason in LONG_FUNCTIONS.values())
-
-
-def test_no_tracked_file_names_a_path_outside_the_repository():
-    assert not (problems := outside_paths(tracked_text_files())), _report(problems)
 
 
 # Each rule sees a violation planted in a synthetic package.
@@ -495,16 +445,4 @@ def test_a_long_function_is_reported_nested_or_not_unless_allowed_and_a_stale_al
         "reinforge.data.long:outer.inner has 81 lines (at most 80)",
         "reinforge.data.long:short has 81 lines (at most 80)",
         "LONG_FUNCTIONS lists reinforge.data.long:gone, which is not over 80 lines (any more): remove it",
-    ]
-
-
-def test_a_path_outside_the_repository_is_reported():
-    files = {
-        "docs/a.md": "see /work/shared/docs/protocol.md\nor ../shared/docs/protocol.md\n",
-        "reinforge/b.py": "# /home/user/notes, https://example.com/work/page, /tmp/scratch, docs/work/x\n",
-    }
-    assert outside_paths(files) == [
-        "docs/a.md:1: '/work/' in 'see /work/shared/docs/protocol.md'",
-        "docs/a.md:2: '../shared' in 'or ../shared/docs/protocol.md'",
-        "reinforge/b.py:1: '/home/' in '# /home/user/notes, https://example.com/work/page, /tmp/scratch, docs/work/x'",
     ]
