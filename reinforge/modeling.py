@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -278,7 +279,11 @@ def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:
     try:
         hf_config = AutoConfig.from_pretrained(location, trust_remote_code=config.trust_remote_code)
         model = model_class(hf_config).from_pretrained(
-            location, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code, **kwargs
+            location,
+            dtype=DTYPES[config.dtype],
+            trust_remote_code=config.trust_remote_code,
+            **exact_attention_setting(hf_config),
+            **kwargs,
         )
     except OSError as exc:
         raise ReinforgeError(
@@ -290,6 +295,27 @@ def load_model(config: ModelConfig, **kwargs) -> PreTrainedModel:
         # PEFT loads an adapter for inference, freezing the base; the merged model trains like any other
         model = PeftModel.from_pretrained(model, adapter_base(config)).merge_and_unload().requires_grad_(True)
     return model
+
+
+def exact_attention_setting(hf_config: PretrainedConfig) -> dict:
+    """`attn_implementation="eager"` for a model whose attention sdpa would compute otherwise than the model defines
+    it: transformers 5.19's sdpa drops Gemma 2's attention-logit soft-cap (`attn_logit_softcapping`) without a word
+    (gpt-oss' sinks load eager by themselves). The HF engine and the trainer's padded layout then run the exact
+    attention; the packed layouts take theirs from training/segment_attention.py. Empty for every other model."""
+    if getattr(hf_config.get_text_config(), "attn_logit_softcapping", None) is None:
+        return {}
+    say_once(f"{hf_config.model_type} soft-caps its attention logits, which sdpa cannot do: it runs eager attention")
+    return {"attn_implementation": "eager"}
+
+
+_SAID: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """Log `message` once per process, as a warning of the `reinforge` logger (a run's logs/dependencies.log)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        logging.getLogger("reinforge").warning(message)
 
 
 def adapter_base(model_config: ModelConfig) -> str:

@@ -173,7 +173,7 @@ FAMILIES: dict[str, Family] = {
             "deepseek_v3",
             "DeepseekV3Config",
             moe=True,
-            variants="multi-head latent attention (MLA), 4 routed experts top-2 and a shared one",
+            variants="MLA (value heads narrower than query/key heads), 4 routed experts top-2 and a shared one",
             settings=MOE
             | dict(
                 num_key_value_heads=2,
@@ -187,7 +187,7 @@ FAMILIES: dict[str, Family] = {
                 q_lora_rank=48,
                 qk_rope_head_dim=16,
                 qk_nope_head_dim=16,
-                v_head_dim=32,
+                v_head_dim=16,  # queries and keys 32 wide, values 16: MLA's unequal head sizes
             ),
         ),
         Family(

@@ -58,15 +58,26 @@ class SegmentBucket:
     query_valid: torch.Tensor  # [N, Q] bool
     key_valid: torch.Tensor  # [N, K] bool
     mask: torch.Tensor | None = None  # [N, 1, Q, K] bool: True where the query may attend to the key
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None  # the queries' [N, Q] and keys' [N, K] position ids
 
     def with_mask(self, position_ids_flat: torch.Tensor) -> "SegmentBucket":
         """This bucket with its mask: causal by position id, within each segment's valid keys. Padded
         query rows see one real key, so that no row is all masked (some kernels give NaN there, and NaN
         times a zero gradient is NaN); their output is dropped."""
-        causal = position_ids_flat[self.key_index][:, None, :] <= position_ids_flat[self.query_index][:, :, None]
+        positions = position_ids_flat[self.query_index], position_ids_flat[self.key_index]
+        causal = positions[1][:, None, :] <= positions[0][:, :, None]
         mask = causal & self.key_valid[:, None, :] & self.query_valid[:, :, None]
         mask[:, :, 0] |= ~self.query_valid
-        return replace(self, mask=mask.unsqueeze(1))
+        return replace(self, mask=mask.unsqueeze(1), positions=positions)
+
+    def window_mask(self, sliding_window: int) -> torch.Tensor:
+        """`mask` within a sliding window of `sliding_window` positions, transformers' rule (masking_utils.py,
+        `sliding_window_overlay`: a key is kept when its position is above the query's minus the window), by the
+        tokens' own positions, so a shared prompt's answers count from their prompt's start."""
+        assert self.mask is not None and self.positions is not None, "the layout's masks are built by RowLayout.to"
+        query_position, key_position = self.positions
+        inside = key_position[:, None, None, :] > query_position[:, None, :, None] - sliding_window
+        return self.mask & (inside | ~self.query_valid[:, None, :, None])  # a padded query keeps its one key
 
     def to(self, device: torch.device) -> "SegmentBucket":
         return SegmentBucket(

@@ -47,7 +47,7 @@ from reinforge.modeling import (
 from reinforge.training.base import LossFn, TrainingConfig
 from reinforge.training.heads import Head, LogprobHead, LogprobsAt
 from reinforge.training.lora import adapter_disabled, merge_lora_weights, scaling
-from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, plan_micro_batches
+from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, model_layouts, plan_micro_batches
 from reinforge.training.moe import MoeRouting, RoutedTokens, forward_metrics, model_routing
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
 from reinforge.training.parallel.context import context_group
@@ -111,6 +111,8 @@ class Backend:
         self.row_tokens = row_tokens
         load_config = self.strategy.load_config(model_config)
         model, self.peft = self.head.load(load_config)
+        # a recurrent model: one sequence per row, in the plans of the strategy (which reads its prompt sharing) too
+        self.config = self.strategy.config = model_layouts(model, self.config)
         if model_config.freeze_vision and self.peft is None:
             freeze_vision_tower(model)  # a vision-language model's encoder keeps its weights (docs/vlm.md)
         if training.activation_checkpointing:

@@ -46,7 +46,9 @@ from reinforge.data.packing import (
     shared_prompt_rows,
 )
 from reinforge.errors import ConfigError
+from reinforge.modeling import say_once
 from reinforge.training.base import TrainingConfig
+from reinforge.training.logit_transform import IDENTITY, LogitTransform, logit_transform
 from reinforge.training.moe import model_routing
 from reinforge.training.parallel.context import context_group, sequence_chunk, sum_over_group, ulysses_forward
 from reinforge.training.parallel.layout import ParallelConfig
@@ -54,14 +56,6 @@ from reinforge.training.parallel.tensor import is_vocab_parallel, vocab_parallel
 from reinforge.training.segment_attention import forward_layout
 
 MicroBatchPlan = list[list[list[int]]]  # micro-batch -> rows -> indices of the batch's sequences
-# Config attributes of models that scale or soft-cap the logits after the LM head (Gemma, Cohere, Granite, ...)
-LOGIT_TRANSFORMS = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "logits_scaling",
-    "output_multiplier",
-    "lm_head_multiplier",
-)
 
 
 @dataclass
@@ -88,6 +82,25 @@ class Prompts:
 
     def slice(self, start: int, end: int) -> "Prompts":
         return Prompts(self.lengths[start:end], self.keys[start:end])
+
+
+def model_layouts(model: torch.nn.Module, config: TrainingConfig) -> TrainingConfig:
+    """`config` as `model` can lay out its rows: a model with recurrent layers (Mamba, linear attention:
+    transformers' `_is_stateful`, e.g. Nemotron-H) carries its state along a row, across a packed row's sequences
+    and from a shared prompt's copy to none of its answers, so it runs one sequence per row (said once); and a
+    cp rank's chunk of a row would start from no state, so context parallelism is a one-line error."""
+    if not getattr(model, "_is_stateful", False):
+        return config
+    if isinstance(config.parallel, ParallelConfig) and config.parallel.cp > 1:
+        raise ConfigError(
+            f"{model.config.model_type} has recurrent (state-space) layers, which context parallelism would cut "
+            "mid-sequence; set training.parallel.cp=1"
+        )
+    if config.sequence_packing:
+        say_once(
+            f"{model.config.model_type} has recurrent layers: one sequence per row (no packing, no shared prompts)"
+        )
+    return config.model_copy(update={"sequence_packing": False, "share_prompts": False})
 
 
 def plan_micro_batches(
@@ -149,19 +162,11 @@ class HiddenStates:
     """The last hidden states [R, W, H] of `model`'s decoder in its latest forward, caught by a forward
     hook on `model.get_decoder()`. The model itself is called (not its decoder) so that FSDP2's hooks on
     the root module run: they unshard the embeddings and the LM head, and FSDP2 does not reshard the root
-    after its forward, so the head's full weight is there when `micro_batch_logprobs` applies it."""
+    after its forward, so the head's full weight is there when `micro_batch_logprobs` applies it. `transform`:
+    what the model's forward does to the logits after its head (soft-cap, scale), which the head must do too."""
 
     def __init__(self, model: torch.nn.Module):
-        scaled = [
-            name
-            for name in LOGIT_TRANSFORMS
-            if getattr(model.config.get_text_config(), name, None) not in (None, 1, 1.0)
-        ]
-        if scaled:
-            raise ConfigError(
-                f"{model.config.model_type} transforms its logits after the LM head ({', '.join(scaled)}), which the "
-                "chunked LM head of the GRPO backends does not do yet; use a model without it (Qwen, Llama, Mistral)"
-            )
+        self.transform = logit_transform(model.config)  # a transform it does not know: a one-line error
         self.value: torch.Tensor | None = None
         model.get_decoder().register_forward_hook(self._catch)
 
@@ -229,16 +234,21 @@ def micro_batch_layout(micro: TrainBatch, rows: list[list[int]], config: Trainin
 
 
 def head_chunk(
-    lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float
+    lm_head: torch.nn.Module,
+    hidden_NH: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float,
+    transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs [N] of the targets under softmax(lm_head(hidden) / temperature), and the entropies [N]
-    of those distributions (no gradient): the formulas of `token_logprobs` and `token_entropy` below.
-    Targets [N, K] (several token ids per position) give logprobs [N, K]."""
+    """Logprobs [N] of the targets under softmax(transform(lm_head(hidden)) / temperature), and the entropies [N]
+    of those distributions (no gradient): the formulas of `token_logprobs` and `token_entropy` below, `transform`
+    the model's own after its head (training/logit_transform.py). Targets [N, K] (several token ids per position)
+    give logprobs [N, K]."""
     targets_NK = targets_N if targets_N.dim() == 2 else targets_N.unsqueeze(-1)
     if is_vocab_parallel(lm_head.weight):  # tensor parallelism: this rank's rows of the vocabulary
-        logprobs_NK, entropy_N = vocab_parallel_logprobs(lm_head.weight, hidden_NH, targets_NK, temperature)
+        logprobs_NK, entropy_N = vocab_parallel_logprobs(lm_head.weight, hidden_NH, targets_NK, temperature, transform)
     else:
-        logits_NV = lm_head(hidden_NH).float() / temperature
+        logits_NV = transform(lm_head(hidden_NH).float()) / temperature
         logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
         logprobs_NK = logits_NV.gather(-1, targets_NK) - logsumexp_N.unsqueeze(-1)
         with torch.no_grad():
@@ -261,6 +271,7 @@ def chunked_head(
     temperature: float,
     chunk_tokens: int,
     compile: bool = False,
+    transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`head_chunk` over `chunk_tokens` tokens at a time; with gradients each chunk is checkpointed, so
     only one chunk's [chunk, V] logits exist at once in the forward and in the backward pass."""
@@ -269,7 +280,8 @@ def chunked_head(
     # With no tokens one empty chunk still runs: the result stays connected to the model, so every
     # parameter gets a (zero) gradient, as FSDP2's reduce-scatter needs on every rank.
     for start in range(0, max(len(targets_N), 1), chunk_tokens):
-        args = (lm_head, hidden_NH[start : start + chunk_tokens], targets_N[start : start + chunk_tokens], temperature)
+        part = slice(start, start + chunk_tokens)
+        args = (lm_head, hidden_NH[part], targets_N[part], temperature, transform)
         logprobs_N, entropy_N = checkpoint(head, *args, use_reentrant=False) if torch.is_grad_enabled() else head(*args)
         logprobs.append(logprobs_N)
         entropies.append(entropy_N)
@@ -306,7 +318,7 @@ def micro_batch_logprobs_at(
     if ids_BTK is not None:  # column 0 the sampled token, then the K ids
         targets = torch.cat([targets.unsqueeze(1), ids_BTK[b_index, t_index]], dim=1)
     logprobs, entropy_N = chunked_head(
-        lm_head, hidden_NH, targets, temperature, config.logprob_chunk_tokens, config.compile
+        lm_head, hidden_NH, targets, temperature, config.logprob_chunk_tokens, config.compile, hidden.transform
     )
     shape = micro.loss_mask.shape
     logprobs_BT = hidden_NH.new_zeros(shape, dtype=torch.float32).index_put(

@@ -15,9 +15,11 @@ from reinforge.data.batch import TrainBatch
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_model
 from reinforge.training.base import TrainingConfig
+from reinforge.training.logit_transform import IDENTITY, LogitTransform
 from reinforge.training.micro_batching import (
     HiddenStates,
     Prompts,
+    model_layouts,
     plan_micro_batches,
     select_micro_batch,
     trained_hidden_states,
@@ -25,11 +27,16 @@ from reinforge.training.micro_batching import (
 
 
 def topk_head(
-    lm_head: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float, k: int
+    lm_head: torch.nn.Module,
+    hidden_NH: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float,
+    k: int,
+    transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprobs [N] of the targets, top-k ids [N, k], their logprobs [N, k]) under
-    softmax(lm_head(hidden) / temperature)."""
-    logp_NV = torch.log_softmax(lm_head(hidden_NH).float() / temperature, dim=-1)
+    softmax(transform(lm_head(hidden)) / temperature), `transform` the model's own after its head."""
+    logp_NV = torch.log_softmax(transform(lm_head(hidden_NH).float()) / temperature, dim=-1)
     topk_logprobs_NK, topk_ids_NK = logp_NV.topk(k, dim=-1) if k else (logp_NV[:, :0], logp_NV[:, :0].long())
     return logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1), topk_ids_NK, topk_logprobs_NK
 
@@ -38,8 +45,9 @@ class Teacher:
     """A frozen causal LM (`model_config`, eval mode, no gradients) that scores batches of the student's tokens."""
 
     def __init__(self, model_config: ModelConfig, training_config: TrainingConfig, temperature: float):
-        self.config, self.temperature = training_config, temperature
+        self.temperature = temperature
         self.model = load_model(model_config).eval().requires_grad_(False)
+        self.config = model_layouts(self.model, training_config)
         self.hidden = HiddenStates(self.model)
 
     @torch.no_grad()
@@ -59,7 +67,12 @@ class Teacher:
             for start in range(0, len(targets_N), chunk):
                 part = slice(start, start + chunk)
                 logprobs_N, top_ids_NK, top_logprobs_NK = topk_head(
-                    self.model.get_output_embeddings(), hidden_NH[part], targets_N[part], self.temperature, k
+                    self.model.get_output_embeddings(),
+                    hidden_NH[part],
+                    targets_N[part],
+                    self.temperature,
+                    k,
+                    self.hidden.transform,
                 )
                 where = (rows_N[part], t_index[part])
                 logprobs_BT[where], ids_BTK[where], topk_BTK[where] = (

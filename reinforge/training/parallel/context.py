@@ -5,16 +5,17 @@ the added columns are in no segment and masked, so every real token's result is 
 whole model on it: embeddings, norms, MLPs and projections see W/cp positions. Rotary embeddings come
 from the chunk's own `position_ids`, so each position gets its own angle. Only attention needs the whole
 row: around it, one all-to-all turns q, k and v from [R, H, W/cp, D] (this rank's positions, all heads)
-into [R, H/cp, W, D] (all positions, this rank's heads), the attention the layout would use runs on the
-whole row for those heads (segment attention with the whole layout's segments, or sdpa/eager with the
-whole row's mask), and a second all-to-all brings the output back to [R, W/cp, H, D]. Both all-to-alls
-are differentiable (the backward of one is the other), and they work on gloo. Reference: Jacobs et al.,
+into [R, H/cp, W, D] (all positions, this rank's heads), segment attention (training/segment_attention.py)
+runs on the whole row for those heads, with the whole layout's segments (a padded layout's rows are one
+segment each), so each layer's own variants (its sliding window, soft-cap, sinks: this rank's heads'
+ones) are honoured as in one process, and a second all-to-all brings the output back to [R, W/cp, H, D].
+Both all-to-alls are differentiable (the backward of one is the other), and they work on gloo. Reference: Jacobs et al.,
 "DeepSpeed Ulysses" (2023); as there, the query heads (and the key/value heads, repeated when fewer
 than cp) must split evenly over the group.
 
 `ulysses_forward` mirrors segment_attention.py's `forward_layout`: same layout, same keyword arguments,
-the model's output for this rank's chunk of columns (`sequence_chunk`). The group, the inner attention
-and the whole row's segments travel as keyword arguments, which transformers hands down to every
+the model's output for this rank's chunk of columns (`sequence_chunk`). The group and the whole row's
+segments travel as keyword arguments, which transformers hands down to every
 attention layer, so activation checkpointing's recompute (which replays the layer's call) sees them.
 The per-rank outputs then meet in one of two ways (each rank's parameter gradients are then its chunk's
 share, and the group's sum is one process's gradient):
@@ -31,7 +32,6 @@ used or tested here: on CPU it has no sharding strategy for the CPU flash kernel
 
 from __future__ import annotations
 
-import sys
 import weakref
 from dataclasses import dataclass, replace
 
@@ -39,14 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reinforge.data.packing import RowLayout, SegmentBucket
+from reinforge.data.packing import RowLayout, SegmentBucket, segment_buckets
 from reinforge.errors import ConfigError
 from reinforge.modeling import attention_implementation
 from reinforge.training.parallel.tensor import sum_over_ranks
-from reinforge.training.segment_attention import SEGMENT_ATTENTION
+from reinforge.training.segment_attention import segment_attention
 
 ULYSSES_ATTENTION = "reinforge_ulysses"
 
@@ -168,24 +166,6 @@ def check_heads(config: PretrainedConfig, cp: int) -> None:
 # --- The attention function -------------------------------------------------------------------
 
 
-class _HeadGroup:
-    """`module` as seen by an inner attention function whose key/value heads were repeated to split over
-    the ranks: eager and sdpa repeat each key/value head `module.num_key_value_groups` times, which must
-    now be the local ratio of query to key/value heads."""
-
-    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
-        self._module, self.num_key_value_groups = module, num_key_value_groups
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
-
-
-def _inner_attention(module: torch.nn.Module, name: str):
-    if name == "eager":  # not in transformers' registry: each model module defines its own
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
 def ulysses_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -193,23 +173,22 @@ def ulysses_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     ulysses_group: dist.ProcessGroup | None = None,
-    ulysses_inner: str | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [R, Hq, W/cp, D], key and value [R, Hkv, W/cp, D]
-    (this rank's positions); `attention_mask` the whole row's (or None), `attention_segments` (in kwargs)
-    the whole layout's. Returns [R, W/cp, Hq, D], as the inner attention `ulysses_inner` would for the row:
-    `scaling`, `dropout` and the rest of `kwargs` go to it."""
-    assert ulysses_group is not None and ulysses_inner is not None, "Ulysses attention runs under ulysses_forward"
-    size = dist.get_world_size(ulysses_group)
+    (this rank's positions); `attention_segments` (in kwargs) the whole layout's. Returns [R, W/cp, Hq, Dv], as
+    segment attention (training/segment_attention.py) would for the whole rows: `scaling`, `sliding_window`,
+    `softcap` and the rest of `kwargs` go to it, and the per-head sinks `s_aux` (gpt-oss) as this rank's heads'."""
+    assert ulysses_group is not None, "Ulysses attention runs under ulysses_forward"
+    size, rank = dist.get_world_size(ulysses_group), dist.get_rank(ulysses_group)
     if key.shape[1] % size:  # fewer key/value heads than ranks: each rank gets a copy of its query heads' one
         key = key.repeat_interleave(size // key.shape[1], dim=1)
         value = value.repeat_interleave(size // value.shape[1], dim=1)
     query, key, value = (seq_to_heads(t, ulysses_group) for t in (query, key, value))
-    groups = query.shape[1] // key.shape[1]
-    view = module if getattr(module, "num_key_value_groups", groups) == groups else _HeadGroup(module, groups)
-    inner = _inner_attention(module, ulysses_inner)
-    output, _ = inner(view, query, key, value, attention_mask, **kwargs)  # [R, W, Hq/cp, D]
+    if s_aux is not None:  # rank g holds query heads g * Hq/cp ... (`seq_to_heads`)
+        kwargs["s_aux"] = s_aux.chunk(size)[rank]
+    output, _ = segment_attention(module, query, key, value, None, **kwargs)  # [R, W, Hq/cp, Dv]
     return _AllToAll.apply(output, ulysses_group, 1, 2), None
 
 
@@ -233,12 +212,14 @@ def _padded_segments(segments: list[SegmentBucket], width: int, padded_width: in
     ]
 
 
-def _whole_row_mask(model: torch.nn.Module, attention_mask: torch.Tensor, position_ids: torch.Tensor):
-    """The mask the model would build for the whole padded rows under its own attention implementation
-    (None where sdpa's causal flag does instead); a 4-D mask reaches the layers unchanged."""
-    dtype = model.get_input_embeddings().weight.dtype  # eager's additive mask: its minimum for this dtype
-    shape_only = torch.empty(*position_ids.shape, 0, dtype=dtype, device=position_ids.device)
-    return create_causal_mask(model.config, shape_only, attention_mask, None, position_ids=position_ids)
+def padded_segments(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> list[SegmentBucket]:
+    """A padded layout's rows [R, W] (right-padded sequences) as segments, one per row, their masks built from
+    `position_ids` [R, W + added columns]: causal within each sequence, windows by its positions."""
+    width = attention_mask.shape[1]
+    lengths = attention_mask.sum(dim=1).tolist()
+    buckets = segment_buckets([(r * width, r * width + n, r * width, r * width) for r, n in enumerate(lengths)])
+    flat_positions = position_ids[:, :width].flatten()
+    return [bucket.to(attention_mask.device).with_mask(flat_positions) for bucket in buckets]
 
 
 def ulysses_forward(model: torch.nn.Module, layout: RowLayout, group: dist.ProcessGroup, **kwargs):
@@ -251,20 +232,17 @@ def ulysses_forward(model: torch.nn.Module, layout: RowLayout, group: dist.Proce
     input_ids = F.pad(layout.input_ids, (0, pad))
     added = layout.position_ids[:, -1:] + 1 + torch.arange(pad, device=input_ids.device)  # attended by no token
     position_ids = torch.cat([layout.position_ids, added], dim=1)
-    if layout.segments is None:
-        inner, segments = model.config._attn_implementation, None
-        mask = _whole_row_mask(model, F.pad(layout.attention_mask, (0, pad)), position_ids)
-    else:
-        inner, mask = SEGMENT_ATTENTION, None
-        segments = _padded_segments(layout.segments, chunk.width, chunk.padded_width)
+    segments = layout.segments
+    if segments is None:  # padded: each row one segment, its sequence
+        segments = padded_segments(layout.attention_mask, position_ids)
+    segments = _padded_segments(segments, chunk.width, chunk.padded_width)
     with attention_implementation(model.config, ULYSSES_ATTENTION):
         return model(
             input_ids=input_ids[:, chunk.start : chunk.end],
             position_ids=position_ids[:, chunk.start : chunk.end],
-            attention_mask=mask,
+            attention_mask=None,
             use_cache=False,
             attention_segments=segments,
             ulysses_group=group,
-            ulysses_inner=inner,
             **kwargs,
         )

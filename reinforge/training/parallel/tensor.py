@@ -21,6 +21,7 @@ vocabulary divisible by tp.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -139,9 +140,14 @@ def is_vocab_parallel(weight: torch.Tensor) -> bool:
 
 
 def vocab_parallel_logprobs(
-    weight: DTensor, hidden_NH: torch.Tensor, targets_NK: torch.Tensor, temperature: float
+    weight: DTensor,
+    hidden_NH: torch.Tensor,
+    targets_NK: torch.Tensor,
+    temperature: float,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs [N, K] of the target ids under softmax(hidden @ W.T / temperature) and the entropies [N], from
+    """Logprobs [N, K] of the target ids under softmax(transform(hidden @ W.T) / temperature) and the entropies [N]
+    (`transform`: the model's own elementwise soft-cap or scale after its head, training/logit_transform.py), from
     this rank's rows of the vocabulary (`weight`: [V, H] sharded on V, torch.chunk's uneven split): the
     log-sum-exp, the target logits and the entropy's sum are all-reduced over the tensor-parallel ranks as [N]
     or [N, K] values, so the [N, V] logits never exist whole. Equal to the full-vocabulary formula
@@ -151,7 +157,8 @@ def vocab_parallel_logprobs(
     rank, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
     local_W = weight.to_local()
     start = rank * math.ceil(weight.shape[0] / size)  # torch.chunk's split: equal chunks, the last smaller
-    logits_NV = F.linear(_CopyToRanks.apply(hidden_NH, group), local_W).float() / temperature
+    logits_NV = F.linear(_CopyToRanks.apply(hidden_NH, group), local_W).float()
+    logits_NV = (logits_NV if transform is None else transform(logits_NV)) / temperature
     with torch.no_grad():
         max_N = logits_NV.max(dim=-1).values if logits_NV.shape[-1] else logits_NV.new_full(logits_NV.shape[:1], -1e30)
         dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
