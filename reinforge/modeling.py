@@ -203,6 +203,17 @@ def model_limits(config: ModelConfig) -> ModelLimits:
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
+def shortest_window(config: ModelConfig) -> int | None:
+    """The sliding window of the model's windowed attention layers (Mistral's every layer, those `layer_types` names
+    `sliding_attention`: Gemma 2 and 3, gpt-oss, Qwen2 past max_window_layers), None where no layer has one."""
+    text = AutoConfig.from_pretrained(model_location(config), trust_remote_code=config.trust_remote_code)
+    text = text.get_text_config()
+    window, layer_types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
 def check_weights(config: ModelConfig) -> None:
     """A local model directory must hold weights (a hub id is left to the download): checked before a run makes
     its directory, so that one without them is one line, not a half-made run."""
@@ -223,6 +234,33 @@ def check_fits_context(config: ModelConfig, num_tokens: int, setting: str) -> No
             f"{setting} exceeds the model's max_position_embeddings={limit} ({config.name_or_path}); lower it to "
             f"{limit} or less"
         )
+    check_rope_scaling(config, num_tokens, setting)
+
+
+def check_rope_scaling(config: ModelConfig, num_tokens: int, setting: str) -> None:
+    """RoPE scalings that transformers computes from the batch instead of each token's position: exact per sequence
+    only up to a length. `longrope` (Phi-3 long-context) takes its long factors for the whole batch once its longest
+    sequence passes original_max_position_embeddings, and midway through a generation: past that length the
+    trainer's packed rows and the engine would each rotate by other factors, so it is a one-line error. `dynamic`
+    (NTK) rescales only past max_position_embeddings, which `check_fits_context` refuses: below, it is plain RoPE.
+    Position-based scalings (linear, llama3, yarn) are exact in every layout."""
+    text = AutoConfig.from_pretrained(model_location(config), trust_remote_code=config.trust_remote_code)
+    text = text.get_text_config()
+    parameters = getattr(text, "rope_parameters", None) or {}
+    for rope in [parameters] if "rope_type" in parameters else parameters.values():
+        original = (
+            isinstance(rope, dict)
+            and rope.get("rope_type") == "longrope"
+            and (
+                rope.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+            )
+        )
+        if original and num_tokens > original:
+            raise ReinforgeError(
+                f"{setting}: sequences past the model's longrope original_max_position_embeddings={original}, "
+                "where transformers switches a whole batch to the long factors (the trainer's and the engine's "
+                f"logprobs would differ); keep sequences to {original} tokens"
+            )
 
 
 def model_class(hf_config: PretrainedConfig) -> type:

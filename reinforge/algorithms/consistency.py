@@ -13,6 +13,8 @@ from reinforge.data.batch import Normalisers, TrainBatch, collate, sampled_by
 from reinforge.data.prompts import Prompt
 from reinforge.errors import ReinforgeError
 from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.model_config import ModelConfig
+from reinforge.modeling import shortest_window
 from reinforge.rollout.single_turn import generate_trajectories
 
 
@@ -78,12 +80,44 @@ def version_matched_mismatch(
     return share | {name: value for name, value in matched.items() if "is_ratio" not in name}
 
 
-def probe(prompts: list[Prompt], engine: GenerationBackend, trainer, tokenizer, params: SamplingParams) -> float:
-    """Sample with the engine, recompute with the trainer, return token_mult_prob_error."""
-    trajectories = generate_trajectories(prompts, engine, params, tokenizer)
+def probe(
+    prompts: list[Prompt],
+    engine: GenerationBackend,
+    trainer,
+    tokenizer,
+    params: SamplingParams,
+    min_tokens: int = 0,
+) -> float:
+    """Sample with the engine, recompute with the trainer, return token_mult_prob_error; each prompt at least
+    `min_tokens` long (`lengthened`)."""
+    trajectories = generate_trajectories(lengthened(prompts, min_tokens), engine, params, tokenizer)
     batch = collate(trajectories, [0.0] * len(trajectories), tokenizer.pad_token_id)
     batch.old_logprobs = trainer.logprobs(batch)
     return mismatch_metrics(batch)["train/token_mult_prob_error"]
+
+
+def probe_tokens(model: ModelConfig, max_prompt_tokens: int) -> int:
+    """How long the probe's prompts must be so that every sampled token attends past the model's shortest sliding
+    window (`modeling.shortest_window`): window + 1 tokens, as far as `data.max_prompt_tokens` allows (past it the
+    run's own prompts never reach the window either, but its answers may); 0 for a model without windows. A layout
+    that ignored a window would then give other logprobs than the engine on every token, and fail the probe."""
+    window = shortest_window(model)
+    return 0 if window is None else min(window + 1, max_prompt_tokens)
+
+
+def lengthened(prompts: list[Prompt], min_tokens: int) -> list[Prompt]:
+    """The prompts, each text prompt shorter than `min_tokens` tokens led by the probe prompts' tokens (in turn, as
+    many as it lacks): the engine and the trainer see the same tokens, so any tokens serve the comparison."""
+    filler = [token for prompt in prompts for token in prompt.token_ids]
+    longer = []
+    for prompt in prompts:
+        lacking = min_tokens - len(prompt.token_ids)
+        if lacking <= 0 or prompt.images is not None or not filler:
+            longer.append(prompt)
+            continue
+        lead = (filler * (lacking // len(filler) + 1))[-lacking:]
+        longer.append(replace(prompt, token_ids=lead + list(prompt.token_ids)))
+    return longer
 
 
 def check(error: float, threshold: float, when: str, params: SamplingParams) -> None:

@@ -262,7 +262,8 @@ def check_consistency(parts: Parts, when: str) -> None:
     """Stop the run if the engine's logprobs disagree with the trainer's (see algorithms/consistency.py)."""
     params = sampling_params(parts.config, 0)
     probe_prompts = parts.train_prompts[: parts.config.generation.num_probe_prompts]
-    error = consistency.probe(probe_prompts, parts.engine, parts.trainer, parts.tokenizer, params)
+    min_tokens = consistency.probe_tokens(parts.config.model, parts.config.data.max_prompt_tokens)
+    error = consistency.probe(probe_prompts, parts.engine, parts.trainer, parts.tokenizer, params, min_tokens)
     consistency.check(error, parts.config.generation.max_logprob_error, when, params)
 
 

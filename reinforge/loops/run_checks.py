@@ -21,6 +21,7 @@ from reinforge.evaluation.evaluate import ValidationBenchmark, prepare_validatio
 from reinforge.logging.loggers import check_backends
 from reinforge.loops.builders import engines_on_ray
 from reinforge.modeling import (
+    check_rope_scaling,
     check_weights,
     describe_device,
     load_processor,
@@ -125,6 +126,8 @@ def check_devices(config: RLRunConfig) -> str:
 def check_context_length(config: RLRunConfig) -> None:
     """The longest sequence a rollout can make must fit the model's `max_position_embeddings` (past it, a
     rotary model computes positions it was never trained on, and says nothing)."""
+    longest = config.generation.vllm.max_model_len or config.max_sequence_tokens
+    check_rope_scaling(config.model, longest, f"the run's sequences of up to {longest} tokens")
     limit = model_limits(config.model).max_positions
     if limit is None:
         return

@@ -1,0 +1,186 @@
+"""Attention as each model family defines it, in every layout of the trainer (issue 42, items 1 and 5).
+
+For every family of the conformance matrix (tests/model_families.py: windows of 8 tokens, soft-caps, sinks, query
+scaling, MLA, multipliers, partial rotary, RoPE scalings, Mamba layers), the trainer's logprobs
+(`Backend.logprobs`, the chunked LM head) in the padded, packed and shared-prompt layouts equal a plain transformers
+forward of the same checkpoint (eager attention, float32, full logits) to 1e-5, on sequences of 10-33 tokens. And
+each variant binds: the same weights with the variant taken away give logprobs more than 1e-3 away, so a layout that
+ignored it would fail. The HF engine's own logprobs agree with the trainer's through the start-up probe, whose
+prompts reach past the window.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from reinforge.algorithms import consistency
+from reinforge.data.batch import Trajectory, collate
+from reinforge.data.prompts import Prompt
+from reinforge.errors import ConfigError
+from reinforge.generation.base import SamplingParams
+from reinforge.generation.hf import HFGenerationBackend
+from reinforge.model_config import ModelConfig
+from reinforge.modeling import load_model, load_tokenizer, shortest_window
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.heads import LogprobHead
+from reinforge.training.logit_transform import logit_transform
+from reinforge.training.micro_batching import token_logprobs
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
+from tests.model_families import FAMILIES, build
+
+TEMPERATURE = 0.7
+LAYOUTS = {
+    "padded": dict(sequence_packing=False, share_prompts=False),
+    "packed": dict(sequence_packing=True, share_prompts=False),
+    "shared_prompt": dict(sequence_packing=True, share_prompts=True),
+}
+
+
+def full_attention(config):
+    if getattr(config, "layer_types", None):  # the window stays set, no layer uses it
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    else:
+        config.sliding_window = None
+
+
+def setting(**values):
+    def edit(config):
+        for name, value in values.items():
+            setattr(config, name, value)
+
+    return edit
+
+
+# family: {variant: config edit that takes it away (same weights)}
+VARIANTS = {
+    "llama": {"llama3 RoPE": setting(rope_parameters=dict(rope_type="default", rope_theta=10000.0))},
+    "mistral": {"window": full_attention},
+    "qwen2": {"window": full_attention},
+    "gemma2": {
+        "window": full_attention,
+        "attention soft-cap": setting(attn_logit_softcapping=None),
+        "final soft-cap": setting(final_logit_softcapping=None),
+        "query_pre_attn_scalar": setting(query_pre_attn_scalar=32),
+    },
+    "gemma3": {"window": full_attention, "final soft-cap": setting(final_logit_softcapping=None)},
+    "phi3": {
+        "partial rotary": setting(
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)
+        )
+    },
+    "granite": {
+        "logits_scaling": setting(logits_scaling=1.0),
+        "attention_multiplier": setting(attention_multiplier=32**-0.5),
+    },
+    "gpt_oss": {"window": full_attention, "sinks": None},  # None: the sinks' logits set to -inf
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return lambda name, edit=None, tag="": build(name, root / f"{name}{tag}", edit=edit)
+
+
+def ragged_batch():
+    """3 prompts of 6-13 tokens, 3 answers of 4-19 each: sequences of 10-33 tokens, past the windows of 8."""
+    gen = torch.Generator().manual_seed(0)
+    trajectories = []
+    for group in range(3):
+        prompt = torch.randint(3, 449, (int(torch.randint(6, 14, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(3):
+            answer = torch.randint(3, 449, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
+            trajectories.append(Trajectory(prompt, answer, [0.0] * len(answer), False, 0.0, group, "math"))
+    return collate(trajectories, [0.0] * len(trajectories), pad_token_id=0)
+
+
+def plain_logprobs(path, batch, no_sinks=False):
+    """The reference: the checkpoint through transformers alone, eager attention, full [B, T, V] logits."""
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    if no_sinks:
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(-torch.inf)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    return token_logprobs(logits, batch.input_ids, TEMPERATURE) * batch.loss_mask
+
+
+def trainer_logprobs(path, batch, layout):
+    config = TrainingConfig(global_batch_size=9, micro_batch_size=9, logprob_chunk_tokens=16, **LAYOUTS[layout])
+    backend = Backend(
+        ModelConfig(name_or_path=str(path)),
+        config,
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
+        num_optimizer_steps=1,
+        head=LogprobHead(TEMPERATURE),
+    )
+    return backend.logprobs(batch)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_layout_gives_the_models_own_logprobs_and_every_variant_binds(models, family):
+    path, batch = models(family), ragged_batch()
+    reference = plain_logprobs(path, batch)
+    for layout in LAYOUTS:
+        logprobs = trainer_logprobs(path, batch, layout)
+        diff = (logprobs - reference).abs().max().item()
+        assert diff < 1e-5, f"{family} {layout}: max |logprob diff| {diff:.2e}"
+    for variant, edit in VARIANTS.get(family, {}).items():
+        without = (
+            plain_logprobs(path, batch, no_sinks=True)
+            if edit is None
+            else plain_logprobs(models(family, edit, tag=variant.replace(" ", "_")), batch)
+        )
+        assert (without - reference).abs().max() > 1e-3, f"{family}: {variant} does not bind at these lengths"
+
+
+def test_the_padded_rows_of_a_recurrent_model_are_not_packed_and_its_context_parallelism_is_refused(models):
+    from reinforge.training.micro_batching import model_layouts
+    from reinforge.training.parallel.layout import ParallelConfig
+
+    model = AutoModelForCausalLM.from_pretrained(models("nemotron_h"))
+    config = model_layouts(model, TrainingConfig(global_batch_size=1, micro_batch_size=1))
+    assert not config.sequence_packing and not config.share_prompts
+    split = config.model_copy(update={"parallel": ParallelConfig(cp=2)})  # as an FSDP2 strategy resolves it
+    with pytest.raises(ConfigError, match="recurrent .* set training.parallel.cp=1"):
+        model_layouts(model, split)
+
+
+def test_a_logit_transform_the_head_does_not_know_is_one_line(models):
+    config = AutoModelForCausalLM.from_pretrained(models("llama")).config
+    config.lm_head_multiplier = 2.0
+    with pytest.raises(ConfigError, match=r"llama transforms its logits after the LM head \(lm_head_multiplier\)"):
+        logit_transform(config)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_the_probe_reaches_past_the_window_and_the_hf_engine_agrees_in_every_layout(models, family):
+    """The start-up probe's prompts are window + 1 tokens long (here from 3-token prompts), so every sampled
+    token attends past the window: against the HF engine the mismatch is <= 1.001 in every layout, and a trainer
+    that ignored the window (the same weights with full attention) fails the probe's gate."""
+    path = models(family)
+    model_config = ModelConfig(name_or_path=str(path))
+    tokenizer = load_tokenizer(model_config)
+    min_tokens = consistency.probe_tokens(model_config, max_prompt_tokens=64)
+    assert min_tokens == shortest_window(model_config) + 1 == 9
+    prompts = [Prompt({}, [], [5 + i, 17, 40 + i]) for i in range(4)]
+    assert all(len(p.token_ids) == 9 for p in consistency.lengthened(prompts, min_tokens))
+    engine = HFGenerationBackend(load_model(model_config), tokenizer, 8, torch.device("cpu"))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, num_samples=2, seed=3)
+    errors = {}
+    for layout, settings in LAYOUTS.items():
+        config = TrainingConfig(global_batch_size=8, micro_batch_size=8, **settings)
+        trainer = Backend(model_config, config, OptimizerConfig(lr=1e-3), SchedulerConfig(), num_optimizer_steps=1)
+        errors[layout] = consistency.probe(prompts, engine, trainer, tokenizer, params, min_tokens)
+    assert max(errors.values()) <= 1.001, errors
+    windowless = ModelConfig(name_or_path=str(models(family, full_attention, tag="windowless")))
+    trainer = Backend(
+        windowless,
+        TrainingConfig(global_batch_size=8, micro_batch_size=8),
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
+        num_optimizer_steps=1,
+    )
+    assert consistency.probe(prompts, engine, trainer, tokenizer, params, min_tokens) > 1.01
