@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from test_fsdp2_worker import launch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from reinforge.data.packing import padded_layout, row_layout
 from reinforge.errors import ConfigError
-from reinforge.modeling import enable_activation_checkpointing
+from reinforge.modeling import enable_activation_checkpointing, exact_attention_setting
 from reinforge.training.parallel.context import (
     check_heads,
     gather_sequence,
@@ -26,6 +26,7 @@ from reinforge.training.parallel.context import (
     ulysses_forward,
 )
 from reinforge.training.segment_attention import forward_layout
+from tests.model_families import FAMILIES
 
 pytestmark = pytest.mark.xdist_group("ulysses")
 
@@ -38,11 +39,21 @@ CASES = {
     "packed_odd_width_eager_one_kv_head": ("eager", 1, False, "packed_odd"),
     "shared_prompt_odd_width": ("sdpa", 2, False, "shared"),
     "shared_prompt_activation_checkpointing": ("sdpa", 2, True, "shared"),
+    # families of the matrix (tests/model_families.py), their attention as they load it (load_model): windows of 8
+    # tokens on 10-15 token rows, Gemma 2's soft-caps, gpt-oss' sinks (one head per rank: each rank its head's sink)
+    "mistral_window_padded": ("mistral", 1, False, "padded"),
+    "mistral_window_packed": ("mistral", 1, False, "packed_odd"),
+    "gemma2_padded": ("gemma2", 1, False, "padded_odd"),
+    "gemma2_shared_prompt_activation_checkpointing": ("gemma2", 1, True, "shared"),
+    "gpt_oss_sinks_packed": ("gpt_oss", 1, False, "packed"),
 }
 
 
-def make_model(attention: str, kv_heads: int) -> Qwen2ForCausalLM:
+def make_model(attention: str, kv_heads: int) -> torch.nn.Module:
     torch.manual_seed(0)
+    if attention in FAMILIES:  # a family's tiny model, with the attention implementation load_model gives it
+        config = FAMILIES[attention].config()
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **exact_attention_setting(config))
     config = Qwen2Config(
         vocab_size=64,
         hidden_size=32,
@@ -109,7 +120,8 @@ def two_ranks(case: str, group, way: str):
         loss = (hidden * loss_weight(hidden) * real[..., None]).sum()
     else:  # each rank its own columns' terms, the others zero
         chunk = sequence_chunk(width, group)
-        weight = F.pad(loss_weight(torch.empty(*real.shape, 32)), (0, 0, 0, chunk.padded_width - width))
+        hidden_size = model.config.hidden_size
+        weight = F.pad(loss_weight(torch.empty(*real.shape, hidden_size)), (0, 0, 0, chunk.padded_width - width))
         terms = (hidden_local * weight[:, chunk.start : chunk.end]).sum(-1)
         terms_RW = sum_over_group(F.pad(terms, (chunk.start, chunk.padded_width - chunk.end)), group)[:, :width]
         loss, hidden = (terms_RW * real).sum(), None
@@ -140,11 +152,12 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_give_one_process_hidden_states_and_gradients(ranks, case, way):
     hidden, grads = one_process(case)
-    assert len(grads) == len(dict(make_model("sdpa", CASES[case][1]).model.named_parameters()))
+    assert len(grads) == len(dict(make_model(CASES[case][0], CASES[case][1]).model.named_parameters()))
     for rank in range(2):
         rank_hidden, rank_grads = ranks[rank][(case, way)]
-        if way == "gather":
-            torch.testing.assert_close(rank_hidden, hidden, atol=1e-5, rtol=0)
+        if way == "gather":  # at the real tokens (a padded row's padding is in no segment under cp)
+            real = make_layout(CASES[case][3])[1]
+            torch.testing.assert_close(rank_hidden[real], hidden[real], atol=1e-5, rtol=0)
         assert rank_grads.keys() == grads.keys()
         for name, grad in grads.items():
             assert grad.abs().max() > 0, name
