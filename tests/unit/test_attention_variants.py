@@ -184,3 +184,47 @@ def test_the_probe_reaches_past_the_window_and_the_hf_engine_agrees_in_every_lay
         num_optimizer_steps=1,
     )
     assert consistency.probe(prompts, engine, trainer, tokenizer, params, min_tokens) > 1.01
+
+
+def vocab_parallel_rank(rank, world_size, port, model_dir, out_dir):
+    """This rank's logprobs and entropies from its half of an uneven vocabulary (449 rows), soft-capped and scaled."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from reinforge.training.micro_batching import head_chunk
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    weight, hidden, targets, transform = vocab_parallel_inputs()
+    head = torch.nn.Linear(64, 449, bias=False)
+    head.weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+    logprobs, entropy = head_chunk(head, hidden, targets, TEMPERATURE, transform)
+    torch.save((logprobs, entropy), out_dir / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def vocab_parallel_inputs():
+    from reinforge.training.logit_transform import LogitTransform
+
+    gen = torch.Generator().manual_seed(4)
+    weight, hidden = torch.randn(449, 64, generator=gen), torch.randn(10, 64, generator=gen)
+    return weight, hidden, torch.randint(0, 449, (10, 3), generator=gen), LogitTransform(divisor=0.5, softcap=3.0)
+
+
+def test_the_vocabulary_parallel_head_applies_the_models_logit_transform(tmp_path):
+    """Two tensor-parallel ranks, each with its rows of the vocabulary, give the one-process head's logprobs and
+    entropies under a soft-cap (Gemma) and a divisor (Granite), and those differ from the untransformed ones."""
+    from test_fsdp2_worker import launch
+
+    from reinforge.training.micro_batching import head_chunk
+
+    weight, hidden, targets, transform = vocab_parallel_inputs()
+    head = torch.nn.Linear(64, 449, bias=False)
+    head.weight = torch.nn.Parameter(weight)
+    expected = head_chunk(head, hidden, targets, TEMPERATURE, transform)
+    assert (head_chunk(head, hidden, targets, TEMPERATURE)[0] - expected[0]).abs().max() > 1e-1
+    for logprobs, entropy in launch(2, None, tmp_path, target=vocab_parallel_rank):
+        torch.testing.assert_close(logprobs, expected[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, expected[1], atol=1e-5, rtol=0)
