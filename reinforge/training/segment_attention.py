@@ -7,6 +7,8 @@ mask over the row, attention would cost the square of the row's width, mostly on
 (a whole sequence, or an answer with its prompt as prefix) is gathered on its own: queries [N, Q], keys
 [N, K] with K = prefix + own length, and one `scaled_dot_product_attention` per bucket of segments of
 similar length. The cost is what the sequences would cost one per row unpadded, minus the prompt's repeats.
+Each layer's attention is the model's own: the window, scaling, soft-cap and sinks its attention layer passes
+(`segment_attention`), so every layout gives a plain transformers forward's logprobs (docs/architecture.md).
 
 `forward_layout` runs the model on a layout: a packed one through `segment_attention` (registered with
 transformers' attention interface under `SEGMENT_ATTENTION`, the segments passed as the
