@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 from reinforge.algorithms import consistency
 from reinforge.data.batch import Trajectory, collate
 from reinforge.data.prompts import Prompt
-from reinforge.errors import ConfigError
+from reinforge.errors import ConfigError, ReinforgeError
 from reinforge.generation.base import SamplingParams
 from reinforge.generation.hf import HFGenerationBackend
 from reinforge.model_config import ModelConfig
-from reinforge.modeling import load_model, load_tokenizer, shortest_window
+from reinforge.modeling import check_rope_scaling, load_model, load_tokenizer, shortest_window
 from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
 from reinforge.training.heads import LogprobHead
@@ -30,10 +30,10 @@ from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 from tests.model_families import FAMILIES, build
 
 TEMPERATURE = 0.7
-LAYOUTS = {
-    "padded": dict(sequence_packing=False, share_prompts=False),
-    "packed": dict(sequence_packing=True, share_prompts=False),
-    "shared_prompt": dict(sequence_packing=True, share_prompts=True),
+LAYOUTS = {  # on the CPU, as the references are, also on a machine with a GPU
+    "padded": dict(sequence_packing=False, share_prompts=False, device="cpu"),
+    "packed": dict(sequence_packing=True, share_prompts=False, device="cpu"),
+    "shared_prompt": dict(sequence_packing=True, share_prompts=True, device="cpu"),
 }
 
 
@@ -178,7 +178,7 @@ def test_the_probe_reaches_past_the_window_and_the_hf_engine_agrees_in_every_lay
     windowless = ModelConfig(name_or_path=str(models(family, full_attention, tag="windowless")))
     trainer = Backend(
         windowless,
-        TrainingConfig(global_batch_size=8, micro_batch_size=8),
+        TrainingConfig(global_batch_size=8, micro_batch_size=8, device="cpu"),
         OptimizerConfig(lr=1e-3),
         SchedulerConfig(),
         num_optimizer_steps=1,
@@ -228,3 +228,17 @@ def test_the_vocabulary_parallel_head_applies_the_models_logit_transform(tmp_pat
     for logprobs, entropy in launch(2, None, tmp_path, target=vocab_parallel_rank):
         torch.testing.assert_close(logprobs, expected[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(entropy, expected[1], atol=1e-5, rtol=0)
+
+
+def test_longrope_past_its_original_length_is_one_line_and_dynamic_ntk_within_the_context_passes(models):
+    """longrope's factors follow the batch's longest sequence (transformers), so a run that can pass
+    original_max_position_embeddings is refused; dynamic NTK is plain RoPE up to max_position_embeddings."""
+    longrope = dict(rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.5)
+    longrope |= dict(short_factor=[1.0] * 8, long_factor=[2.0] * 8)  # rotary dims 32 x 0.5: 8 frequencies
+    path = models("phi3", setting(rope_parameters=longrope, original_max_position_embeddings=64), tag="longrope")
+    check_rope_scaling(ModelConfig(name_or_path=str(path)), 64, "data.max_seq_len=64")
+    with pytest.raises(ReinforgeError, match="data.max_seq_len=65: sequences past the model's longrope original_max"):
+        check_rope_scaling(ModelConfig(name_or_path=str(path)), 65, "data.max_seq_len=65")
+    dynamic = dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)
+    path = models("llama", setting(rope_parameters=dynamic), tag="dynamic")
+    check_rope_scaling(ModelConfig(name_or_path=str(path)), 512, "data.max_seq_len=512")
