@@ -26,9 +26,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from reinforge.data.packing import RowLayout, SegmentBucket
+from reinforge.errors import ConfigError
 from reinforge.modeling import attention_implementation, say_once
 
 SEGMENT_ATTENTION = "reinforge_segments"
+# attention-function arguments of transformers' layers that change what attention computes and that segment
+# attention does not do (a relative position bias, sparse attention's selected keys): a one-line error, not ignored
+UNKNOWN_VARIANTS = ("position_bias", "indices", "block_indices")
 
 
 @torch.compiler.disable  # a Python loop over buckets of varying count and shape: a graph break, not recompiles
@@ -53,6 +57,12 @@ def segment_attention(
     (Gemma 2's attn_logit_softcapping) and `s_aux` (gpt-oss' per-head sinks); the last two through `exact_attention`."""
     assert attention_segments is not None, "segment attention needs the layout's attention_segments (forward_layout)"
     assert dropout == 0.0, "segment attention has no dropout"
+    unknown = [name for name in UNKNOWN_VARIANTS if kwargs.get(name) is not None]
+    if kwargs.get("is_causal") is False or unknown:
+        raise ConfigError(
+            f"{type(module).__name__} asks its attention for {', '.join(unknown) or 'is_causal=False'}, which the "
+            "packed layouts do not do; set training.sequence_packing=false (and training.parallel.cp=1)"
+        )
     rows, heads, width, head_dim = query.shape
     kv_heads, value_dim = key.shape[1], value.shape[-1]
     repeats = heads // kv_heads  # grouped-query attention: each key/value head serves `repeats` query heads

@@ -242,3 +242,17 @@ def test_longrope_past_its_original_length_is_one_line_and_dynamic_ntk_within_th
     dynamic = dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)
     path = models("llama", setting(rope_parameters=dynamic), tag="dynamic")
     check_rope_scaling(ModelConfig(name_or_path=str(path)), 512, "data.max_seq_len=512")
+
+
+def test_an_attention_variant_the_packed_layouts_do_not_do_is_one_line():
+    from reinforge.data.packing import row_layout
+    from reinforge.training.segment_attention import segment_attention
+
+    layout = row_layout(torch.arange(6).view(1, 6), [6], [[0]], 0).to(torch.device("cpu"))
+    q = torch.randn(1, 2, 6, 4)
+    with pytest.raises(ConfigError, match="Linear asks its attention for is_causal=False, which the packed layouts"):
+        segment_attention(torch.nn.Linear(1, 1), q, q, q, None, attention_segments=layout.segments, is_causal=False)
+    with pytest.raises(ConfigError, match="asks its attention for position_bias"):
+        segment_attention(torch.nn.Linear(1, 1), q, q, q, None, attention_segments=layout.segments, position_bias=q)
+    output, _ = segment_attention(torch.nn.Linear(1, 1), q, q, q, None, attention_segments=layout.segments)
+    assert output.shape == (1, 6, 2, 4)
