@@ -21,12 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
 
-from _matrix import CELLS, MISMATCH, SFT_LOSS_TOLERANCE  # noqa: E402
+from _matrix import CELLS, DOC_BEGIN, DOC_END, MISMATCH, SFT_LOSS_TOLERANCE  # noqa: E402
 from model_families import FAMILIES  # noqa: E402
 
 DOC = ROOT / "docs" / "models.md"
-BEGIN = "<!-- matrix: begin (scripts/model_matrix.py writes what follows, up to the end marker) -->"
-END = "<!-- matrix: end -->"
 HEADINGS = {
     "sft": "SFT",
     "grpo_hf": "GRPO, HF engine, prompts shared",
@@ -45,6 +43,7 @@ def run_matrix(results: Path) -> int:
     results.unlink(missing_ok=True)
     env = {**os.environ, "REINFORGE_MATRIX_OUT": str(results), "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "pytest", "tests/e2e/test_model_matrix.py", "-n", "2", "--dist", "loadgroup"]
+    command += ["-k", "not test_docs_models_table"]  # the table this run is about to write
     return subprocess.run([*command, "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env).returncode
 
 
@@ -54,18 +53,19 @@ def read_results(results: Path) -> dict[tuple[str, str], dict]:
 
 
 def cell_text(row: dict | None, notes: list[str]) -> str:
-    """A cell's entry: its number when it passes, else a mark and the number of the note that quotes it."""
+    """A cell's entry: its number when it passes; else a mark and the number of the note that quotes the run's line
+    and, for a known failure, why it fails (the test's EXPECTED)."""
     if row is None:
         return "not run"
     if row["kind"] == "pass":
         return f"Δ {row['mismatch']:.0e}" if row["cell"] == "sft" else f"{row['mismatch']:.6f}"
-    line = f"{row['kind']}: {row['detail']}".replace("|", "/").replace("`", "'")
+    refused = row["kind"] == "refused" and row["expected"].startswith("refused")
+    why = "" if refused or row["expected"] == "pass" else f" ({row['expected'].removeprefix('fails: ')})"
+    line = f"{row['kind']}: {row['detail']}{why}".replace("|", "/").replace("`", "'")
     if line not in notes:
         notes.append(line)
-    number = notes.index(line) + 1
-    mark = {"refused": "refused", "mismatch": "✗"}.get(row["kind"], "✗ error")
-    value = f" {row['mismatch']:.3g}" if row["kind"] == "mismatch" else ""
-    return f"{mark}{value} [{number}]"
+    value = f" {row['mismatch']:.3g}" if row["kind"] == "mismatch" else f" {row['kind']}"
+    return f"{'refused' if refused else '✗' + value} [{notes.index(line) + 1}]"
 
 
 def table(rows: dict[tuple[str, str], dict]) -> str:
@@ -77,22 +77,24 @@ def table(rows: dict[tuple[str, str], dict]) -> str:
     for name, family in FAMILIES.items():
         cells = [cell_text(rows.get((name, cell)), notes) for cell in CELLS]
         lines.append(f"| {name} | {family.variants or '-'} | " + " | ".join(cells) + " |")
-    lines += ["", "Notes (each refusal's line and each failure, as the run reported it):", ""]
+    lines += ["", "Notes: each refusal's and each failure's line as the run reported it, and why it fails today:", ""]
     lines += [f"{number}. {note}" for number, note in enumerate(notes, 1)]
     legend = (
         f"A number is the cell's start-up mismatch (`train/token_mult_prob_error` of the first step), at most "
         f"{MISMATCH['hf']} against the HF engine and {MISMATCH['vllm']} against vLLM to pass; SFT's is the "
         f"difference of its validation loss from transformers' own forward (at most {SFT_LOSS_TOLERANCE:g}). "
-        "✗: above the threshold, or an error; refused: a one-line error before any run directory."
+        "✗: above the threshold, an error, or a refusal that is not one line before any run directory (the layout "
+        "cells' refusals are the ranks' own, which `reinforge grpo` reports after its run directory); refused: a "
+        "one-line error before any run directory."
     )
     return "\n".join([legend, "", *lines])
 
 
 def write_doc(text: str) -> None:
     doc = DOC.read_text()
-    head, rest = doc.split(BEGIN)
-    _, tail = rest.split(END)
-    DOC.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    head, rest = doc.split(DOC_BEGIN)
+    _, tail = rest.split(DOC_END)
+    DOC.write_text(f"{head}{DOC_BEGIN}\n{text}\n{DOC_END}{tail}")
 
 
 def main() -> int:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# tests/model_families.py, and tests/unit/test_fsdp2_worker.py's `launch` for the layout cells
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "unit")]
 
 
@@ -44,6 +45,9 @@ MISMATCH = {"hf": 1.001, "vllm": 1.01}  # the start-up mismatch a cell may have 
 SFT_LOSS_TOLERANCE = 1e-4  # SFT's validation loss against transformers' (float32 sums over ~100 tokens)
 REFIT_MISMATCH = 1.05  # every later step's, after a refit (generation.max_logprob_error's default)
 WORLD_LAYOUTS = {"fsdp2": dict(dp_shard=2), "tp2": dict(tp=2), "cp2": dict(cp=2)}
+# docs/models.md's table lies between these (scripts/model_matrix.py writes it)
+DOC_BEGIN = "<!-- matrix: begin (scripts/model_matrix.py writes what follows, up to the end marker) -->"
+DOC_END = "<!-- matrix: end -->"
 
 RL = [
     "loop.max_steps=2",

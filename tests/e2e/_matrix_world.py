@@ -15,8 +15,9 @@ import math
 import time
 from pathlib import Path
 
+import model_families
 import torch
-from _matrix import MISMATCH, ROOT, WORLD_LAYOUTS, Outcome, exception_line, model_families
+from _matrix import MISMATCH, ROOT, WORLD_LAYOUTS, Outcome, exception_line
 from test_fsdp2_worker import launch
 
 from reinforge.algorithms.consistency import mismatch_metrics
