@@ -62,6 +62,10 @@ RL = [
     "generation.num_probe_prompts=4",
     "generation.max_logprob_error=1000",  # the cell reads the number instead of stopping at the gate
     "checkpoint.save_final=false",
+    # a random model's rewards are all 0, so its advantages and gradients are too: AdamW's decoupled weight decay
+    # (lr x decay = 0.1) then shrinks every weight by 10% a step, so that the refit has new weights to deliver
+    "optimizer.lr=0.01",
+    "optimizer.weight_decay=10",
 ]
 COMMANDS = {  # cell: (recipe, config, overrides)
     "sft": (
