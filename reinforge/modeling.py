@@ -172,6 +172,9 @@ SOFTMAX_TOPK_ROUTERS = frozenset(
 def num_experts(config: PretrainedConfig) -> int:
     """Routed experts per MoE layer of a transformers config (0: a dense model)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    blocks = getattr(text, "layers_block_type", None)  # a hybrid's kinds of block (Nemotron-H): maybe no MoE block
+    if blocks is not None and "moe" not in blocks:
+        return 0
     return int(next((getattr(text, name) for name in EXPERT_COUNTS if getattr(text, name, None)), 0))
 
 
@@ -295,13 +298,24 @@ def linear_names(model: torch.nn.Module) -> set[str]:
     }
 
 
+# Leaf names of a Mamba mixer that PEFT refuses to adapt (its `_check_lora_target_modules_mamba`: the output
+# projection and the convolution, which the fused selective-scan kernels read as plain weights).
+MAMBA_PROJECTIONS = frozenset({"out_proj", "conv1d"})
+
+
+def has_mamba(model: torch.nn.Module) -> bool:
+    """Whether the model has Mamba (state-space) mixers, e.g. Nemotron-H, Falcon-H1, Mamba 2."""
+    return any("Mamba" in type(module).__name__ for module in model.modules())
+
+
 def adapted_modules(model: torch.nn.Module, target_modules: list[str] | str) -> list[str] | str:
     """What PEFT is asked to adapt: `target_modules` as given, but `all-linear` of an MoE model resolved to its
     linear layers' names without the experts' and the router's (training/lora.py's docstring), e.g. Qwen3-MoE's
-    q/k/v/o_proj."""
-    if target_modules != LINEAR_TARGETS or not is_moe(model.config):
+    q/k/v/o_proj, and of a model with Mamba mixers without their output projection (`MAMBA_PROJECTIONS`)."""
+    if target_modules != LINEAR_TARGETS:
         return target_modules
-    return sorted(linear_names(model) - MOE_PROJECTIONS)
+    excluded = (MOE_PROJECTIONS if is_moe(model.config) else set()) | (MAMBA_PROJECTIONS if has_mamba(model) else set())
+    return sorted(linear_names(model) - excluded) if excluded else target_modules
 
 
 def moe_lora_targets(model_config: ModelConfig) -> list[str] | None:

@@ -35,8 +35,10 @@ import torch
 from reinforge.errors import ConfigError
 from reinforge.model_config import LINEAR_TARGETS, LoraConfig
 from reinforge.modeling import (
+    MAMBA_PROJECTIONS,
     adapted_modules,
     adapter_base,
+    has_mamba,
     is_vision_language,
     linear_names,
     model_location,
@@ -62,18 +64,20 @@ def check_lora(model_config) -> None:
         )
     if lora.target_modules == LINEAR_TARGETS:
         return
-    names = linear_module_names(model_config)
+    model = skeleton(model_config)
+    names = linear_names(model)
+    refused = sorted(set(lora.target_modules) & MAMBA_PROJECTIONS) if has_mamba(model) else []
+    if refused:
+        raise ConfigError(
+            f"model.lora.target_modules: {refused[0]!r} is a Mamba mixer's, which PEFT does not adapt in "
+            f"{model.config.model_type}; remove it (all-linear leaves it out)"
+        )
     missing = [name for name in lora.target_modules if name not in names]
     if missing:
         raise ConfigError(
             f"model.lora.target_modules: {missing[0]!r} is not a linear module of {model_config.name_or_path}; "
             f"its linear modules are {', '.join(sorted(names))} (or use all-linear)"
         )
-
-
-def linear_module_names(model_config) -> set[str]:
-    """The last name part of every linear layer but the LM head, from the model's config (no weights)."""
-    return linear_names(skeleton(model_config))
 
 
 def add_lora(model: torch.nn.Module, lora: LoraConfig, base_name: str, task_type: str = "CAUSAL_LM"):

@@ -191,7 +191,7 @@ def reference_nll(model_dir: Path, val_path: Path) -> float:
 
     from reinforge.data.chat import render_chat
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     total, count = 0.0, 0
     with torch.no_grad():

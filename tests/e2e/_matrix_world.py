@@ -51,7 +51,7 @@ def demo_batch(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     lines = (ROOT / "data" / "demo" / "train.jsonl").read_text().splitlines()[:NUM_PROMPTS]
     generator = torch.Generator().manual_seed(0)
     trajectories = []

@@ -39,21 +39,12 @@ from _matrix import (
 FAMILIES = list(model_families.FAMILIES)
 # What fails today, and which part of issue 42 changes it (items 1-3: the trainer's attention, vLLM's refit, tensor
 # parallelism); after a fix lands, its cells pass and their entries go.
-WINDOW = "fails: the trainer's packed and shared-prompt passes ignore the sliding window (and sinks) (item 1)"
-LOGITS = "fails: the chunked LM head's refusal of logit transforms comes after the run directory (item 1)"
-MAMBA = "fails: the packed and shared-prompt passes run Mamba layers across sequences (item 1)"
 VLLM = "fails: vLLM's load or refit ends in a traceback, not a one-line error (item 2)"
 # the ranks refuse tp=2 in one line, but `reinforge grpo` says it only once Ray and the ranks are up, after the run
 # directory (47 s for phi3): not the refusal a cell may end in
 TP = "fails: tp=2 is refused outside TP_FAMILIES, by the ranks, after the run directory (item 3)"
-TRAINER_CELLS = ("sft", "grpo_hf", "grpo_hf_packed", "lora", "grpo_vllm", "fsdp2", "tp2", "cp2")
 EXPECTED: dict[tuple[str, str], str] = {
-    **{(family, cell): WINDOW for family in ("mistral", "qwen2", "gpt_oss") for cell in TRAINER_CELLS},
-    **{(family, cell): LOGITS for family in ("gemma2", "gemma3", "granite") for cell in CELLS},
     **{(family, "tp2"): TP for family in FAMILIES if family not in ("llama", "mistral", "qwen2", "qwen3")},
-    **{("nemotron_h", cell): MAMBA for cell in ("sft", "grpo_hf", "fsdp2", "cp2")},
-    ("nemotron_h", "lora"): "fails: LoRA's all-linear targets take Mamba's out_proj, which PEFT refuses after the run "
-    "directory (no part of issue 42 names it)",
     ("qwen2", "grpo_vllm"): VLLM + ": vLLM asserts on max_window_layers < num_hidden_layers",
     ("mixtral", "grpo_vllm"): VLLM + ": no module 'layers.0.mlp' in MixtralModel",
     ("olmoe", "grpo_vllm"): "fails: start-up mismatch against vLLM far above 1.01, and not the same twice (2.3, "
@@ -62,6 +53,7 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("gpt_oss", "grpo_vllm"): "fails: vLLM's logprobs are NaN at start-up, or the refit check finds no counterpart "
     "of vLLM's model.embedding.weight; either after the run directory (item 2)",
     ("deepseek_v3", "grpo_vllm"): VLLM + ": KeyError 'layers.1.mlp.gate.e_score_correction_bias'",
+    ("nemotron_h", "cp2"): "refused: recurrent (state-space) layers, which context parallelism would cut",
     ("nemotron_h", "grpo_vllm"): VLLM + ": a pydantic validation error in vLLM's config",
 }
 

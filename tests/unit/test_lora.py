@@ -179,3 +179,23 @@ def test_lora_settings_are_checked():
         LoraConfig(rank=0)
     with pytest.raises(ValueError):
         LoraConfig(dropout=1.0)
+
+
+def test_a_mamba_hybrid_adapts_every_linear_layer_but_its_mixers_output_projection(tmp_path):
+    """PEFT refuses LoRA on a Mamba mixer's out_proj (and conv1d): all-linear leaves them out of Nemotron-H and adapts
+    the rest (the mixer's in_proj, attention, the dense MLP: its up/down_proj are no MoE experts, for no block is
+    "moe"); naming out_proj is one line before anything runs."""
+    from model_families import build
+
+    from reinforge.errors import ConfigError
+    from reinforge.modeling import is_moe
+    from reinforge.training.lora import check_lora, load_policy
+
+    model_config = ModelConfig(name_or_path=str(build("nemotron_h", tmp_path)), lora=LoraConfig(rank=4))
+    check_lora(model_config)
+    model, _ = load_policy(model_config)
+    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if ".lora_A" in name}
+    assert adapted == {"in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
+    assert not is_moe(model.config)
+    with pytest.raises(ConfigError, match="'out_proj' is a Mamba mixer's"):
+        check_lora(model_config.model_copy(update={"lora": LoraConfig(rank=4, target_modules=["out_proj", "q_proj"])}))
