@@ -37,8 +37,8 @@ replay (`model.moe.router_replay=rollout`, `route_experts`) vLLM records every t
 `Completion` carries them (GPU only: Model Runner V2).
 
 Logprobs are vLLM's `processed_logprobs`: after temperature and top-k/top-p, i.e. of the
-distribution it sampled from, like the HF backend's. Prefix caching is on: the G samples of a prompt
-share its KV blocks.
+distribution it sampled from, like the HF backend's. Prefix caching is on (the G samples of a prompt
+share its KV blocks), but on CPU for a model with Mamba layers (vllm_support.py `keeps_state`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from reinforge.generation.vllm_moe import (
     repack_experts,
     route_array,
 )
-from reinforge.generation.vllm_support import engine_failure
+from reinforge.generation.vllm_support import engine_failure, keeps_state
 from reinforge.generation.weight_digest import WeightDigests, report
 from reinforge.model_config import vllm_max_lora_rank
 
@@ -243,7 +243,8 @@ class VLLMGenerationBackend:
                 dtype=dtype,
                 seed=seed,
                 max_model_len=max_model_len,
-                enable_prefix_caching=True,
+                # on CPU, where chunked prefill is off, not for a model with Mamba layers (vllm_support.py)
+                enable_prefix_caching=on_gpu or not keeps_state(model_path),
                 logprobs_mode="processed_logprobs",
                 # CPU: torch.compile costs ~35 s of start-up and buys little for small models.
                 enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,

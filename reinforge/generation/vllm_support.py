@@ -38,13 +38,25 @@ def serving_module(architecture: str) -> str | None:
     return None if registered is None else getattr(registered, "module_name", type(registered).__name__)
 
 
+def keeps_state(model_path: str) -> bool:
+    """Whether vLLM's model of `model_path` keeps a recurrent state (Mamba layers, a hybrid such as Nemotron-H): its
+    prefix caching then needs chunked prefill (its mamba cache mode 'align'), which the CPU engine leaves off."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    architecture = (AutoConfig.from_pretrained(model_path).architectures or [""])[0]
+    registered = ModelRegistry.models.get(architecture)
+    return registered is not None and registered.inspect_model_cls().has_inner_state
+
+
 def partial_sliding_window(config) -> str | None:
     """Qwen2's sliding window on some layers only (`max_window_layers` below the layer count): vLLM's Qwen2 asserts
     it away at load (vllm/model_executor/models/qwen2.py)."""
     if config.model_type == "qwen2" and len(set(getattr(config, "layer_types", None) or [])) > 1:
         return (
             f"a sliding window on some layers only (max_window_layers={config.max_window_layers} of "
-            f"{config.num_hidden_layers} layers), which its Qwen2 model refuses"
+            f"{config.num_hidden_layers} layers), which its Qwen2 model refuses; give every layer the window "
+            "(max_window_layers=0) or none (use_sliding_window=false)"
         )
     return None
 
@@ -76,7 +88,7 @@ def check_vllm_serves(model_path: str, in_process: bool) -> None:
     family = family_of(config)
     for limit in KNOWN_LIMITS:
         if (why := limit(config)) is not None:
-            raise ConfigError(f"{vllm_version()} cannot serve {family}: {why}; set generation.backend=hf")
+            raise ConfigError(f"{vllm_version()} cannot serve {family}: {why}; or set generation.backend=hf")
     module = serving_module((config.architectures or [""])[0])
     if in_process and (module is None or module.rpartition(".")[2] == "transformers"):
         raise ConfigError(
