@@ -74,10 +74,14 @@ def engine_names(model: torch.nn.Module, sent_names: list[str]) -> tuple[dict[st
 
 
 def engine_tensors(sent: dict[str, torch.Tensor], renames: dict[str, str], experts: dict[str, dict]):
-    """The checkpoint tensors `sent` under the engine's names (`engine_names`), with each MoE layer's experts
-    also stacked the way transformers holds them (`X.gate_up_proj` [E, 2I, H], gate rows then up; `X.down_proj`
-    [E, H, I]), which the refit check takes apart per tensor-parallel worker (weight_digest.expert_tensor)."""
+    """The checkpoint tensors `sent` under the engine's names (`engine_names`), Mamba's A as vLLM stores it, with
+    each MoE layer's experts also stacked the way transformers holds them (`X.gate_up_proj` [E, 2I, H], gate rows
+    then up; `X.down_proj` [E, H, I]), which the refit check takes apart per tensor-parallel worker
+    (weight_digest.expert_tensor)."""
     named = {renames.get(name, name): tensor for name, tensor in sent.items()}
+    for name, tensor in sent.items():  # vLLM's Mamba mixers load A_log as A = -exp(A_log) (mamba_mixer2.py)
+        if name.endswith(".A_log") and renames.get(name, "").endswith(".A"):
+            named[renames[name]] = -torch.exp(tensor.float())
     for param, shards in experts.items():
         layer = param.rpartition(".")[0].removesuffix(".routed_experts")
         parts = {shard: [named.get(name) for name in names] for shard, names in shards.items()}

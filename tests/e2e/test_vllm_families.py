@@ -114,3 +114,26 @@ def test_an_engine_that_fails_at_start_up_is_one_line_naming_the_family_and_the_
         "window for some but all layers is not supported."
     )
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "family, why",
+    [
+        ("qwen2", "a sliding window on some layers only (max_window_layers=1 of 2 layers)"),
+        ("olmoe", "tie_word_embeddings=true, which its model ignores"),
+        ("deepseek_v3", "multi-head latent attention on the CPU"),
+    ],
+)
+def test_what_vllm_loads_but_cannot_serve_is_refused_before_it_starts(family, why, tmp_path):
+    """Each of these starts (or starts and then fails at its first generate, MLA): scripts/vllm_families.py."""
+    import vllm
+
+    from reinforge.errors import ConfigError
+    from reinforge.generation.vllm_support import check_vllm_serves
+
+    if family == "deepseek_v3" and torch.cuda.is_available():
+        pytest.skip("a limit of vLLM's CPU build")
+    with pytest.raises(ConfigError) as error:
+        check_vllm_serves(str(build(family, tmp_path / family)), in_process=False)
+    assert str(error.value).startswith(f"vLLM {vllm.__version__} cannot serve {family} ("), str(error.value)
+    assert why in str(error.value) and str(error.value).endswith("set generation.backend=hf")
