@@ -69,6 +69,16 @@ def test_mixtral_refits_into_vllm_verified_and_its_logprobs_match_transformers(t
     assert outcomes["after 1"] > 1.01, outcomes
 
 
+def window_on_layer_1(config) -> None:
+    """Qwen2's sliding window on its second layer only (`max_window_layers=1`)."""
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 1
+    config.layer_types = ["full_attention", "sliding_attention"]
+
+
+def tie(config) -> None:
+    config.tie_word_embeddings = True
+
+
 def grpo_on_vllm(model_path, run_dir, capsys) -> str:
     """A GRPO run on vLLM of the model at `model_path`: its one error line (exit status 2, no traceback)."""
     config = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
@@ -104,7 +114,7 @@ def test_an_engine_that_fails_at_start_up_is_one_line_naming_the_family_and_the_
     from reinforge.errors import ConfigError
     from reinforge.generation.vllm_backend import VLLMGenerationBackend
 
-    path = build("qwen2", tmp_path / "qwen2")
+    path = build("qwen2", tmp_path / "qwen2", edit=window_on_layer_1)
     with pytest.raises(ConfigError) as error:
         VLLMGenerationBackend(str(path), "float32", seed=0, max_model_len=64, block_size=32)
     import vllm
@@ -134,6 +144,7 @@ def test_what_vllm_loads_but_cannot_serve_is_refused_before_it_starts(family, wh
     if family == "deepseek_v3" and torch.cuda.is_available():
         pytest.skip("a limit of vLLM's CPU build")
     with pytest.raises(ConfigError) as error:
-        check_vllm_serves(str(build(family, tmp_path / family)), in_process=False)
+        edit = window_on_layer_1 if family == "qwen2" else tie if family == "olmoe" else None
+        check_vllm_serves(str(build(family, tmp_path / family, edit=edit)), in_process=False)
     assert str(error.value).startswith(f"vLLM {vllm.__version__} cannot serve {family} ("), str(error.value)
     assert why in str(error.value) and str(error.value).endswith("set generation.backend=hf")
