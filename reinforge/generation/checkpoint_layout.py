@@ -42,7 +42,8 @@ def checkpoint_layout(
     only when it is sent), but for the names in `drop` (tied names the engine has no parameter of: Gemma's)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    named = {name: tensor for name, tensor in named_tensors if name not in set(drop)}
+    dropped = set(drop)
+    named = {name: tensor for name, tensor in named_tensors if name not in dropped}
     return dict(revert_weight_conversion(skeleton(model_path), named))
 
 

@@ -233,11 +233,11 @@ class VLLMGenerationBackend:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if tensor_parallel_size > 1 and not on_gpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
-        # before the engine: vLLM's Transformers backend patches transformers' model class in place at start-up
-        skeleton(model_path)
         from vllm import LLM
 
         try:
+            # before the engine: vLLM's Transformers backend patches transformers' model class in place at start-up
+            skeleton(model_path)
             self.llm = LLM(
                 model=model_path,
                 dtype=dtype,
