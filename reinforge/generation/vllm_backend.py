@@ -26,15 +26,19 @@ computes with, inside its worker: on CPU vLLM frees a linear layer's parameter o
 those weights are read back through the layer's own kernel (`read_back`); vLLM's `compute_weight_checksums`
 would hash the empty parameters there.
 
-Mixture-of-experts models (generation/vllm_moe.py): the refit sends transformers' fused expert tensors as they
-are (vLLM's loader takes them), then re-prepacks the experts on CPU; with LoRA adapter sync (GPU only) the engine
+The refit sends the trainer's weights as the model's checkpoint holds them (generation/checkpoint_layout.py:
+transformers' own conversion between its in-memory and on-disk layouts, reverted), so vLLM's model definition maps
+them as it maps the checkpoint at start-up; a family vLLM cannot serve is one line (generation/vllm_support.py).
+
+Mixture-of-experts models (generation/vllm_moe.py): the refit re-prepacks the experts on CPU after loading them;
+with LoRA adapter sync (GPU only) the engine
 adapts only the modules the trainer's adapter has (`lora_targets`: attention, not the experts); with router
 replay (`model.moe.router_replay=rollout`, `route_experts`) vLLM records every token's experts and each
 `Completion` carries them (GPU only: Model Runner V2).
 
 Logprobs are vLLM's `processed_logprobs`: after temperature and top-k/top-p, i.e. of the
-distribution it sampled from, like the HF backend's. Prefix caching is on: the G samples of a prompt
-share its KV blocks.
+distribution it sampled from, like the HF backend's. Prefix caching is on (the G samples of a prompt
+share its KV blocks), but on CPU for a model with Mamba layers (vllm_support.py `keeps_state`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 
 from reinforge.data.images import ImageInputs
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
+from reinforge.generation.checkpoint_layout import checkpoint_layout, engine_names, has_modules, skeleton, tied_names
 from reinforge.generation.vllm_images import check_expansion, vllm_prompt
 from reinforge.generation.vllm_moe import (
     check_lora_supported,
@@ -56,6 +61,7 @@ from reinforge.generation.vllm_moe import (
     repack_experts,
     route_array,
 )
+from reinforge.generation.vllm_support import engine_failure, keeps_state
 from reinforge.generation.weight_digest import WeightDigests, report
 from reinforge.model_config import vllm_max_lora_rank
 
@@ -113,9 +119,11 @@ def read_back(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([module.cpu_linear(eye[i : i + 1024], weight, None) for i in range(0, k, 1024)]).T
 
 
-def served_weights(worker) -> WeightDigests:
+def served_weights(worker, sent_names: list[str] = (), checkpoint_model: str | None = None) -> WeightDigests:
     """Run inside vLLM's worker: the digest of every weight as the engine computes with it, in vLLM's names
-    (fused qkv_proj/gate_up_proj, the padded vocabulary; a tied lm_head under its own name)."""
+    (fused qkv_proj/gate_up_proj, the padded vocabulary; a tied lm_head under its own name), with what the refit
+    check needs to build them from `sent_names` (the checkpoint names of `checkpoint_model` the refit sent; names
+    the model's own mapping renames, `engine_names`)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     model = worker.model_runner.get_model()
@@ -132,8 +140,11 @@ def served_weights(worker) -> WeightDigests:
 
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     engine = "vllm engine" if size == 1 else f"vllm engine (tensor-parallel worker {rank} of {size})"
-    packed = getattr(type(model), "packed_modules_mapping", {})
-    return report(engine, weights, packed, rank, size, expert_prepack_isa(model))
+    packed = getattr(model, "packed_modules_mapping", {})
+    digests = report(engine, weights, packed, rank, size, expert_prepack_isa(model))
+    digests.checkpoint_model = checkpoint_model
+    digests.renames, digests.expert_names = engine_names(model, sent_names)
+    return digests
 
 
 def served_adapter(worker, adapter_id: int) -> WeightDigests:
@@ -209,6 +220,8 @@ class VLLMGenerationBackend:
             check_routes_supported(on_gpu)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM returns routes from Model Runner V2 only
         self.route_experts = route_experts
+        self.model_path = model_path
+        self.sent_names: list[str] = []  # the checkpoint names the last refit sent
         self.sleep_mode = check_engine_settings(on_gpu, sleep_mode, block_size)
         self.asleep_tags: set[str] = set()  # what `sleep` released: "weights", "kv_cache"
         self.lora_enabled = lora_rank is not None
@@ -222,31 +235,42 @@ class VLLMGenerationBackend:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
         from vllm import LLM
 
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
-            # CPU: torch.compile costs ~35 s of start-up and buys little for small models.
-            enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
-            # A partially prefilled request "un-samples" its token by rewinding its seeded generator,
-            # which CPU generators cannot do; whole-prompt prefills never need the rewind.
-            enable_chunked_prefill=on_gpu,
-            enable_sleep_mode=self.sleep_mode,
-            tensor_parallel_size=tensor_parallel_size,
-            # its workers are this process's children, in a Ray actor too (vLLM would pick its Ray executor there,
-            # which its CPU platform lacks)
-            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
-            **({} if block_size is None else {"block_size": block_size}),
-            **({"enable_return_routed_experts": True} if route_experts else {}),
-            **lora,
-        )
+        try:
+            # before the engine: vLLM's Transformers backend patches transformers' model class in place at start-up
+            skeleton(model_path)
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                # on CPU, where chunked prefill is off, not for a model with Mamba layers (vllm_support.py)
+                enable_prefix_caching=on_gpu or not keeps_state(model_path),
+                logprobs_mode="processed_logprobs",
+                # CPU: torch.compile costs ~35 s of start-up and buys little for small models.
+                enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+                gpu_memory_utilization=gpu_memory_utilization,
+                # A partially prefilled request "un-samples" its token by rewinding its seeded generator,
+                # which CPU generators cannot do; whole-prompt prefills never need the rewind.
+                enable_chunked_prefill=on_gpu,
+                enable_sleep_mode=self.sleep_mode,
+                tensor_parallel_size=tensor_parallel_size,
+                # its workers are this process's children, in a Ray actor too (vLLM would pick its Ray executor there,
+                # which its CPU platform lacks)
+                distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+                **({} if block_size is None else {"block_size": block_size}),
+                **({"enable_return_routed_experts": True} if route_experts else {}),
+                **lora,
+            )
+        except Exception as error:  # one line naming the family and the engine (vllm_support.py)
+            raise engine_failure(model_path, error) from error
         self.llm.llm_engine.set_weight_version("0")  # tokens carry the version they were sampled by
         self._params: dict[str, tuple] = {}  # the requests `add_request` started, by id: (params, index, ids, images)
         self.padded_experts = self.llm.collective_rpc(padded_expert_width)[0]
+        # tied names the engine's model has no module of (Gemma's LM head is the embedding): never sent
+        tied = list(tied_names(model_path))
+        self.untied_names = [
+            n for n, has in zip(tied, self.llm.collective_rpc(has_modules, args=(tied,))[0]) if not has
+        ]
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.image_token = getattr(hf_config, "image_token_id", getattr(hf_config, "image_token_index", None))
         text_config = self.llm.llm_engine.model_config.hf_text_config
@@ -363,9 +387,12 @@ class VLLMGenerationBackend:
         computed them, or with `recompute` dropped: vLLM preempts the requests, and refills their prompts and
         tokens so far with the new weights when it schedules them next."""
         check_refit_supported(self.padded_experts)
-        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        # as the checkpoint holds them: vLLM's model definition maps those (checkpoint_layout.py)
+        pairs = ((name, tensor.detach()) for name, tensor in named_tensors)
+        weights = checkpoint_layout(self.model_path, pairs, drop=self.untied_names)
+        self.sent_names = list(weights)
         self._wake("weights")  # the KV cache stays free until the next rollout
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         self.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts (vllm_moe.py)
         # cached KV blocks were computed with the old weights; with requests running, only `recompute` drops theirs
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=recompute)
@@ -376,7 +403,7 @@ class VLLMGenerationBackend:
     def weight_digests(self) -> list[WeightDigests]:
         """The digest of every weight the engine serves (refit verification, weight_digest.py)."""
         self._wake("weights")
-        return self.llm.collective_rpc(served_weights)
+        return self.llm.collective_rpc(served_weights, args=(self.sent_names, self.model_path))
 
     def adapter_digests(self) -> list[WeightDigests]:
         """The digests of the LoRA adapter the engine generates with; none when no adapter is loaded."""

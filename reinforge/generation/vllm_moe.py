@@ -1,11 +1,9 @@
 """Mixture-of-experts models in the vLLM engine (docs/moe.md): what the engine needs beyond a dense model's.
 
-- Refit names: the trainer sends transformers 5's fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H],
-  gate rows first, then up; `mlp.experts.down_proj` [E, H, I]). vLLM 0.32's `FusedMoE` loader takes them as they
-  are (`RoutedExperts.load_weights`, `get_expert_mapping(include_fused=True)`: a 3-D tensor under a fused name is
-  split into w1 = gate and w3 = up along dim 1 and loaded into `w13_weight` [E, 2I, H]; `down_proj` into
-  `w2_weight` [E, H, I]), so the refit sends `named_weights()` unchanged; no renaming to per-expert checkpoint
-  names (`experts.{e}.gate_proj.weight`, which save_pretrained writes) is needed.
+- Refit names: the refit sends the checkpoint's per-expert tensors (`experts.{e}.gate_proj.weight`, Mixtral's
+  `block_sparse_moe.experts.{e}.w1.weight`; generation/checkpoint_layout.py reverts transformers 5's fused
+  `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I]), which vLLM's `FusedMoE` loader takes into
+  `w13_weight` [E, 2I, H] (gate rows, then up) and `w2_weight` [E, H, I] by the layer's own expert mapping.
 - CPU repack: vLLM-CPU's fused-MoE kernel computes with expert weights prepacked for its instruction set
   (`cpu_prepack_moe_weight`, a permutation of the elements, after zero-padding the intermediate size to the
   kernel's alignment). vLLM 0.32's in-place reload re-runs that step only on a layer's first load (the
@@ -15,7 +13,8 @@
   vLLM's reload fails outright on experts it padded (the width per tensor-parallel worker no multiple of the
   kernel's 32): `padded_expert_width` finds them at start-up, and the refit refuses them in one line.
 - Refit check: the engine reports its expert weights as it holds them (packed on CPU) with the ISA they were
-  packed for (`expert_prepack_isa`); weight_digest.py builds the expected tensors from the sent ones the same way.
+  packed for (`expert_prepack_isa`) and the checkpoint names of their experts (`engine_names`); weight_digest.py
+  stacks the sent experts and builds the expected tensors from them the same way.
 - LoRA: with LoRA on, vLLM 0.32 runs every fused-MoE layer through its Triton LoRA kernels (`is_lora_enabled`
   selects them whether or not the adapter has expert weights), which vLLM-CPU lacks: adapter sync of an MoE model
   needs a GPU (`check_lora_supported`); on CPU the merged weights are refitted whole (`model.lora.sync=merged`).

