@@ -104,8 +104,8 @@ FAMILIES: dict[str, Family] = {
             "olmoe",
             "OlmoeConfig",
             moe=True,
-            variants="QK-norm over all heads, 4 experts top-2",
-            settings=MOE | dict(num_experts=4),
+            variants="QK-norm over all heads, 4 experts top-2, untied LM head (as OLMoE's own)",
+            settings=MOE | dict(num_experts=4, tie_word_embeddings=False),
         ),
         Family(
             "gemma2",
@@ -188,6 +188,7 @@ FAMILIES: dict[str, Family] = {
                 qk_rope_head_dim=16,
                 qk_nope_head_dim=16,
                 v_head_dim=16,  # queries and keys 32 wide, values 16: MLA's unequal head sizes
+                topk_method="noaux_tc",  # DeepSeek-V3's own router (its e_score_correction_bias), as its config says
             ),
         ),
         Family(
