@@ -97,11 +97,13 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Module]:
-    """Each experts module's weights sharded Shard(0) over `ep_mesh` (every rank keeps its own slice of the weights
-    it loaded, the same on every rank: no communication) and its forward replaced by the dispatching one; the
-    modules, for FSDP2 to shard on their own mesh."""
+    """Each experts module's weights sharded Shard(0) over `ep_mesh`'s `ep` dimension (every rank keeps its own
+    slice of the weights it loaded, the same on every rank: no communication) and its forward replaced by the
+    dispatching one; the modules, for FSDP2 to shard on their own mesh. With tensor parallelism `ep_mesh` is the
+    (ep, tp) mesh and the weights are tensor-parallel already (parallel/tensor_plan.py): each keeps its tp
+    placement, the ep split on the experts' dimension beside it."""
     modules = expert_modules(model)
-    rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+    rank, size = ep_mesh.get_local_rank("ep"), ep_mesh.size(ep_mesh.mesh_dim_names.index("ep"))
     for module in modules:
         if module.is_transposed or module.has_bias or not module.has_gate or not module.is_concatenated:
             raise ConfigError(
@@ -110,10 +112,14 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.
             )
         for name in EXPERT_WEIGHTS:
             weight = getattr(module, name)
-            local = weight.detach().chunk(size, dim=0)[rank].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            tp_placements = list(weight.placements) if isinstance(weight, DTensor) else []
+            whole = weight.to_local() if isinstance(weight, DTensor) else weight
+            local = whole.detach().chunk(size, dim=0)[rank].clone()
+            sharded = DTensor.from_local(
+                local, ep_mesh, [Shard(0), *tp_placements], run_check=False, shape=weight.shape, stride=weight.stride()
+            )
             setattr(module, name, torch.nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        module.ep_group = ep_mesh.get_group()
+        module.ep_group = ep_mesh.get_group("ep")
         module.forward = types.MethodType(_dispatched_forward, module)
     return modules
 
