@@ -16,8 +16,8 @@ with sequence parallelism between the blocks (the residual stream holds W / tp p
   all-gathered, the attention itself computed whole on every rank (its norms and sinks replicated, their
   gradients equal on every rank), o_proj row-wise on this rank's columns. Exact for any attention; the
   projections' memory and FLOPs are split, the attention core is not;
-- the dense MLP: gate/up column-wise, down row-wise (reduce-scattered); a fused gate_up_proj (Phi-3) is split
-  gate and up halves each (`_StridedShard`, transformers' packed_colwise), computed on local weights;
+- the dense MLP: gate/up column-wise, down row-wise (reduce-scattered); a fused gate_up_proj (Phi-3) column-wise
+  with its output gathered, down row-wise on this rank's columns (transformers' plan for Phi-3);
 - a mixture-of-experts block runs on the gathered sequence: the router replicated; the experts' intermediate
   dimension split (gate_up_proj [E, 2I, H]: gate and up halves each; down_proj [E, H, I]: its columns;
   gpt-oss's interleaved, transposed layout and its biases likewise), their outputs all-reduced before the
@@ -211,34 +211,25 @@ def _mlp_plan(name: str, mlp: torch.nn.Module, family: str, tp_mesh: DeviceMesh)
 
 def _dense_mlp_plan(name: str, mlp: torch.nn.Module, family: str, tp_mesh: DeviceMesh, output) -> dict:
     """gate/up column-wise, down row-wise with its partial sums reduced to `output` (Shard(1): reduce-scattered
-    over the sequence; Replicate: all-reduced); a fused gate_up_proj split into its halves (`_packed_colwise`)."""
+    over the sequence; Replicate: all-reduced). A fused [gate; up] projection (Phi-3's gate_up_proj) is split
+    column-wise and its output gathered, [gate; up] whole on every rank, down row-wise on this rank's columns
+    (transformers' colwise_gather_output and rowwise_split_input): a split of gate and up halves each would put
+    the tensor-parallel and FSDP2 shards on one dimension, whose gathered value FSDP2 does not order back."""
     linears = _linears(mlp)
     if "down_proj" not in linears or not {"gate_proj", "up_proj", "gate_up_proj"} & set(linears):
         raise ConfigError(
             f"tensor parallelism does not know how to split {family}'s {type(mlp).__name__} ({name}); "
             f"set training.parallel.tp=1"
         )
+    if "gate_up_proj" in linears:
+        return {
+            f"{name}.gate_up_proj": ColwiseParallel(output_layouts=Replicate()),
+            f"{name}.down_proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=output),
+        }
     plan = {f"{name}.down_proj": RowwiseParallel(output_layouts=output)}
     for proj in [proj for proj in linears if proj != "down_proj"]:  # in module order: the same on every rank
-        if proj == "gate_up_proj":
-            _packed_colwise(linears[proj], tp_mesh)
-        else:
-            plan[f"{name}.{proj}"] = ColwiseParallel()
+        plan[f"{name}.{proj}"] = ColwiseParallel()
     return plan
-
-
-def _packed_colwise(linear: torch.nn.Linear, tp_mesh: DeviceMesh) -> None:
-    """A fused [gate; up] projection split gate and up halves each: this rank computes [gate_r; up_r] from local
-    weights (its input's gradient summed over the ranks, as a column-parallel layer's is)."""
-    for name in ("weight", "bias") if linear.bias is not None else ("weight",):
-        _distribute(linear, name, tp_mesh, _StridedShard(0, split_factor=2))
-    group = tp_mesh.get_group()
-
-    def forward(self, x):
-        bias = None if self.bias is None else self.bias.to_local()
-        return F.linear(copy_to_ranks(x, group), self.weight.to_local(), bias)
-
-    linear.forward = types.MethodType(forward, linear)
 
 
 def _moe_plan(name: str, block: torch.nn.Module, family: str, tp_mesh: DeviceMesh) -> dict:
