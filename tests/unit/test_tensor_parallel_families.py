@@ -1,11 +1,14 @@
 """Tensor parallelism (training/parallel/tensor_plan.py) equals one process for every family of the conformance
 matrix that it splits (tests/model_families.py's tiny models, MoE included), and refuses the others in one line.
 
-One world of 2 gloo ranks trains each family at tp=2 (GRPO's loss, padded rows, one optimizer step); one process
-trains the same. The logprobs before the step agree to 1e-5, and so do the weights after it: AdamW with an
-epsilon far above the gradients (lr = eps = 100, no clipping) moves each weight by -g (1 - |g| / 100), so the
-step compares every parameter's gradient, not only its sign. Most families keep the tiny models' single key/value
-head (each rank then keeps its query heads' kv head); Mixtral and Gemma 2 have two (split by heads).
+One world of 2 gloo ranks trains each family at tp=2 (GRPO's loss, padded rows, one optimizer step); a world of 4
+ranks trains the MoE families at dp_shard=2 x tp=2 x ep=2 (tp x ep) and four others at dp_shard=2 x tp=2 (their
+tensor-parallel weights FSDP2-sharded too); one process trains the same. The logprobs before the step agree to
+1e-5, and so do the weights after it, to 2e-5 of each tensor's largest step: AdamW with an epsilon far above the
+gradients (lr = eps = 100, no clipping) moves each weight by -g (1 - |g| / 100), so the step compares every
+parameter's gradient, not only its sign. Most families keep the tiny models' single key/value head (each rank
+then keeps its query heads' kv head); Mixtral and Gemma 2 have two (split by heads). Final-logit soft-caps and
+scalings are set neutral here: the chunked LM head refuses them until it applies them (another part of issue 42).
 """
 
 import sys
@@ -28,6 +31,7 @@ from reinforge.training.fsdp2 import FSDP2Strategy
 from reinforge.training.heads import LogprobHead
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 from reinforge.training.parallel.layout import ParallelConfig, check_layout
+from reinforge.training.parallel.planner import candidate_layouts, shape_of_config
 from reinforge.training.parallel.tensor_plan import TP_REFUSED
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,10 +40,15 @@ from model_families import FAMILIES, VOCAB, build  # noqa: E402
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 SPLIT = [name for name in FAMILIES if name not in TP_REFUSED]
 TWO_KV_HEADS = ("mixtral", "gemma2")  # split by heads; the others share their one kv head over the ranks
-# MoE families whose experts expert parallelism splits (not gpt-oss's: biases), at tp x ep on 4 ranks
+# MoE families whose experts expert parallelism splits (not gpt-oss's: biases) run at dp2 x tp2 x ep2 on 4 ranks,
+# some others at dp2 x tp2 (their tensor-parallel weights FSDP2-sharded as well)
 EXPERT_PARALLEL = [name for name in SPLIT if FAMILIES[name].moe and name != "gpt_oss"]
-# (ranks, training.parallel, families)
-LAYOUTS = {"tp2": (2, dict(tp=2), SPLIT), "dp2tp2ep2": (4, dict(dp_shard=2, tp=2, ep=2), EXPERT_PARALLEL)}
+FOUR_RANKS = {name: dict(dp_shard=2, tp=2, ep=2 if name in EXPERT_PARALLEL else 1) for name in SPLIT}
+# {layout: (ranks, {family: training.parallel})}
+LAYOUTS = {
+    "tp2": (2, {name: dict(tp=2) for name in SPLIT}),
+    "dp2tp2": (4, {name: FOUR_RANKS[name] for name in [*EXPERT_PARALLEL, "phi3", "olmo2", "gemma3", "gpt_oss"]}),
+}
 # an AdamW step that is a gradient step: -lr g / (|g| + eps) = -g (1 - |g| / eps) with lr = eps
 LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0}
 STEP = OptimizerConfig(lr=100.0, adam_eps=100.0, max_grad_norm=0.0)
@@ -82,8 +91,8 @@ def run_family(strategy, model_dir, training):
 def run_rank(rank, world_size, ports, model_dirs, out_dir, layout):
     torch.set_num_threads(1)
     results = {}
-    _, parallel, families = LAYOUTS[layout]
-    for port, name in zip(ports, families, strict=True):
+    _, families = LAYOUTS[layout]
+    for port, (name, parallel) in zip(ports, families.items(), strict=True):
         strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port)
         training = dict(
             parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=world_size, collective_timeout_s=60
@@ -114,7 +123,7 @@ def runs(tmp_path_factory):
     model_dirs = {name: build(name, base / name, edit=_edit(name)) for name in SPLIT}
     one = {name: run_family(None, model_dirs[name], {}) for name in SPLIT}
     ranks = {}
-    for layout, (world_size, _, families) in LAYOUTS.items():
+    for layout, (world_size, families) in LAYOUTS.items():
         out_dir = base / layout
         out_dir.mkdir()
         ranks[layout] = launch(
@@ -127,7 +136,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("layout, family", [(key, name) for key, (_, _, names) in LAYOUTS.items() for name in names])
+@pytest.mark.parametrize("layout, family", [(key, name) for key, (_, names) in LAYOUTS.items() for name in names])
 def test_tensor_parallel_equals_one_process(runs, layout, family):
     one, ranks = runs
     reference = one[family]
@@ -156,5 +165,9 @@ def test_a_family_tensor_parallelism_cannot_split_is_refused_in_one_line():
     moe = FAMILIES["qwen3_moe"].config()  # moe_intermediate_size 32: tp=3 divides neither it nor the 2 heads
     with pytest.raises(ConfigError, match=r"moe_intermediate_size \(MLP columns\) \(32\); the nearest valid tp is 2"):
         check_layout(ParallelConfig(tp=3), moe)
+    nemotron = shape_of_config(config.to_dict() | dict(num_hidden_layers=3))  # parallel=auto: no tp for it
+    assert {layout.tp for layout in candidate_layouts(nemotron, 8)} == {1}
+    llama = shape_of_config(FAMILIES["llama"].config().to_dict() | dict(num_key_value_heads=2))
+    assert {layout.tp for layout in candidate_layouts(llama, 8)} == {1, 2}
     kv_one = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=1, intermediate_size=96)
     check_layout(ParallelConfig(tp=2), kv_one)  # one kv head, shared by each rank's query heads

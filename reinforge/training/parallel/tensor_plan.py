@@ -47,13 +47,9 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from reinforge.errors import ConfigError
+from reinforge.training.parallel.model_shape import TP_REFUSED
 from reinforge.training.parallel.tensor import copy_to_ranks, sum_over_ranks
 
-# families whose layers have no exact split here, with the reason (one line each)
-TP_REFUSED = {
-    "nemotron_h": "its Mamba-2 mixer layers (the SSM scan over a sequence-sharded stream) have no tensor-parallel "
-    "split here",
-}
 # families transformers gives no `base_model_tp_plan` that the layer reading below splits exactly
 OWN_PLANS = ("gpt_oss",)
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
