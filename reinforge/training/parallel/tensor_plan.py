@@ -18,11 +18,13 @@ with sequence parallelism between the blocks (the residual stream holds W / tp p
   projections' memory and FLOPs are split, the attention core is not;
 - the dense MLP: gate/up column-wise, down row-wise (reduce-scattered); a fused gate_up_proj (Phi-3) column-wise
   with its output gathered, down row-wise on this rank's columns (transformers' plan for Phi-3);
-- a mixture-of-experts block runs on the gathered sequence: the router replicated; the experts' intermediate
-  dimension split (gate_up_proj [E, 2I, H]: gate and up halves each; down_proj [E, H, I]: its columns;
-  gpt-oss's interleaved, transposed layout and its biases likewise), their outputs all-reduced before the
-  block's output is cut back to this rank's positions; shared experts column/row-wise with the output
-  all-reduced. With expert parallelism the same split holds on each `ep` rank's experts (parallel/expert.py).
+- a mixture-of-experts block runs on the gathered sequence: the router replicated; the experts' weights split
+  in contiguous blocks (gate_up_proj [E, 2I, H] on 2I, its outputs all-gathered per layer so each rank applies
+  the activation to its own units of the intermediate dimension; down_proj [E, H, I] on I; gpt-oss's
+  interleaved, transposed layout, whose blocks hold whole gate/up pairs, and its biases without a gather), the
+  partial outputs all-reduced before the block's output is cut back to this rank's positions; shared experts
+  column/row-wise with the output all-reduced. With expert parallelism the same split holds on each `ep` rank's
+  experts (parallel/expert.py).
 
 Every weight stays a parameter under one process's name, a DTensor whose full value (`full_tensor()`, what
 state dicts, checkpoints and the refit gather) is one process's weight. A family whose layers cannot be split
@@ -34,7 +36,6 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -44,9 +45,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from reinforge.errors import ConfigError
+from reinforge.training.parallel.expert import expert_layout, expert_mlps
 from reinforge.training.parallel.model_shape import TP_REFUSED
 from reinforge.training.parallel.tensor import copy_to_ranks, sum_over_ranks
 
@@ -254,32 +255,15 @@ def _to_own_positions(tp_mesh: DeviceMesh):
     return hook
 
 
-def expert_layout(experts: torch.nn.Module) -> tuple[bool, bool, bool]:
-    """(transposed, concatenated, has_bias) of transformers' fused experts; a one-line error for a layout without a
-    gate (up_proj only)."""
-    if not getattr(experts, "has_gate", True):
-        raise ConfigError(
-            f"tensor parallelism supports gated experts (gate_up_proj), not {type(experts).__name__}'s; "
-            f"set training.parallel.tp=1"
-        )
-    return (
-        getattr(experts, "is_transposed", False),
-        getattr(experts, "is_concatenated", True),
-        getattr(experts, "has_bias", False),
-    )
-
-
 def expert_placements(experts: torch.nn.Module) -> dict[str, object]:
-    """Each fused expert weight's tensor-parallel placement: the intermediate dimension split, a concatenated
-    [gate; up] dimension gate and up halves each, interleaved [g0, u0, g1, u1, ..] pairs in contiguous blocks."""
-    transposed, concatenated, has_bias = expert_layout(experts)
-    gate_up_dim = 2 if transposed else 1
-    placements = {
-        "gate_up_proj": _StridedShard(gate_up_dim, split_factor=2) if concatenated else Shard(gate_up_dim),
-        "down_proj": Shard(1 if transposed else 2),
-    }
-    if has_bias:  # the down projection's bias is added once, on tp rank 0 (`_local_experts_forward`)
-        placements["gate_up_proj_bias"] = _StridedShard(1, split_factor=2) if concatenated else Shard(1)
+    """Each fused expert weight's tensor-parallel placement: contiguous blocks of the [gate; up] (or interleaved
+    [g0, u0, g1, u1, ..]) dimension and of the intermediate one. Contiguous, so checkpoints (DCP: one chunk per
+    rank) and gathers see plain shards; a concatenated [gate; up] block is gathered in the forward
+    (`expert_mlps`)."""
+    transposed, _, has_bias = expert_layout(experts)
+    placements = {"gate_up_proj": Shard(2 if transposed else 1), "down_proj": Shard(1 if transposed else 2)}
+    if has_bias:  # the down projection's bias is added once, on tp rank 0 (`expert_mlps`)
+        placements["gate_up_proj_bias"] = Shard(1)
     return placements
 
 
@@ -308,29 +292,12 @@ def _distribute(module: torch.nn.Module, name: str, tp_mesh: DeviceMesh, placeme
     setattr(module, name, torch.nn.Parameter(sharded, requires_grad=weight.requires_grad))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _local_experts_forward(self, hidden_NH: torch.Tensor, index_NK: torch.Tensor, weights_NK: torch.Tensor):
-    """transformers' eager experts loop on this rank's slice of each expert's intermediate dimension: a partial
-    sum of the output (all-reduced by the hook). The down projection's bias joins on tp rank 0 only."""
-    transposed, _, has_bias = expert_layout(self)
-    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    """transformers' eager experts loop on this rank's slice of each expert's intermediate dimension (`expert_mlps`):
+    a partial sum of the output, all-reduced by the hook."""
     out_NH = torch.zeros_like(hidden_NH)
-    for expert in range(gate_up.shape[0]):
-        token, slot = torch.where(index_NK == expert)
-        x = hidden_NH[token]
-        h = x @ gate_up[expert] if transposed else F.linear(x, gate_up[expert])
-        if has_bias:
-            h = h + _local(self.gate_up_proj_bias)[expert]
-        if hasattr(self, "_apply_gate"):
-            h = self._apply_gate(h)
-        else:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act_fn(gate) * up
-        y = h @ down[expert] if transposed else F.linear(h, down[expert])
-        if has_bias:  # every rank's gradient of the bias is its sum over the ranks' (rank 0's alone)
-            y = y + copy_to_ranks(self.down_proj_bias, self.tp_group)[expert] * (self.tp_rank == 0)
+    routes = [torch.where(index_NK == expert) for expert in range(self.gate_up_proj.shape[0])]
+    outputs = expert_mlps(self, [hidden_NH[token] for token, _ in routes])
+    for (token, slot), y in zip(routes, outputs, strict=True):
         out_NH.index_add_(0, token, (y * weights_NK[token, slot, None]).to(out_NH.dtype))
     return out_NH
