@@ -67,9 +67,9 @@ def make_batch():
     return batch, 0.3 * torch.randn(batch.loss_mask.shape, generator=gen) * batch.loss_mask
 
 
-def run_family(strategy, model_dir, training):
+def make_backend(strategy, model_dir, training):
     torch.manual_seed(0)
-    backend = Backend(
+    return Backend(
         ModelConfig(name_or_path=str(model_dir)),
         TrainingConfig(micro_batch_size=2, global_batch_size=4, sequence_packing=False, **training),
         STEP,
@@ -78,14 +78,23 @@ def run_family(strategy, model_dir, training):
         head=LogprobHead(temperature=0.7),
         strategy=strategy,
     )
+
+
+def run_family(strategy, model_dir, training, checkpoint=None):
+    """Logprobs, metrics and each weight's step of one optimizer step; with `checkpoint`, the state after it
+    saved there (and the weights returned)."""
+    backend = make_backend(strategy, model_dir, training)
     batch, noise = make_batch()
     before = {name: weight.clone() for name, weight in backend.named_weights()}
     logprobs = backend.logprobs(batch)
     batch.old_logprobs = logprobs + noise  # near the policy's: the clip is active on some tokens only
     metrics = backend.train_step(batch, lambda *args: loss_fn(token_mean, 0.0, *args))
-    steps = {name: weight - before[name] for name, weight in backend.named_weights()}
+    after = dict(backend.named_weights())
+    if checkpoint is not None:
+        backend.save_state(checkpoint)
     backend.shutdown()
-    return {"logprobs": logprobs, "metrics": metrics, "steps": steps}
+    steps = {name: weight - before[name] for name, weight in after.items()}
+    return {"logprobs": logprobs, "metrics": metrics, "steps": steps} | ({"after": after} if checkpoint else {})
 
 
 def run_rank(rank, world_size, ports, model_dirs, out_dir, layout):
@@ -98,7 +107,8 @@ def run_rank(rank, world_size, ports, model_dirs, out_dir, layout):
             parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=world_size, collective_timeout_s=60
         )
         try:  # one family's failure is its own test's, not the others'
-            results[name] = run_family(strategy, model_dirs[name], training)
+            checkpoint = out_dir / f"checkpoint_{name}" if layout == "tp2" else None
+            results[name] = run_family(strategy, model_dirs[name], training, checkpoint)
         except Exception:
             results[name] = traceback.format_exc()
             if torch.distributed.is_initialized():
@@ -129,7 +139,7 @@ def runs(tmp_path_factory):
         ranks[layout] = launch(
             world_size, model_dirs, out_dir, layout, target=run_rank, timeout_s=600, num_ports=len(families)
         )
-    return one, ranks
+    return one, ranks, model_dirs, base
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -138,7 +148,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("layout, family", [(key, name) for key, (_, names) in LAYOUTS.items() for name in names])
 def test_tensor_parallel_equals_one_process(runs, layout, family):
-    one, ranks = runs
+    one, ranks, _, _ = runs
     reference = one[family]
     for rank, result in enumerate(ranks[layout]):
         ranked = result[family]
@@ -154,6 +164,21 @@ def test_tensor_parallel_equals_one_process(runs, layout, family):
             torch.testing.assert_close(ranked["steps"][name], step, atol=2e-5 * step.abs().max(), rtol=0, msg=name)
     moved = [name for name, step in reference["steps"].items() if step.abs().max() > 0]
     assert len(moved) >= 0.9 * len(reference["steps"]), "most weights get a gradient"
+
+
+@pytest.mark.parametrize("family", SPLIT)
+def test_a_tp2_checkpoint_resumes_in_one_process_with_its_weights(runs, family):
+    """DCP's checkpoint of the tp=2 ranks (their DTensors) loads into one process as the same full weights."""
+    _, ranks, model_dirs, base = runs
+    tp2 = ranks["tp2"][0][family]
+    assert not isinstance(tp2, str), tp2
+    backend = make_backend(None, model_dirs[family], {})
+    backend.load_state(base / "tp2" / f"checkpoint_{family}")
+    loaded = dict(backend.named_weights())
+    backend.shutdown()
+    assert loaded.keys() == tp2["after"].keys()
+    for name, weight in tp2["after"].items():
+        torch.testing.assert_close(loaded[name], weight, atol=0, rtol=0, msg=name)
 
 
 def test_a_family_tensor_parallelism_cannot_split_is_refused_in_one_line():
