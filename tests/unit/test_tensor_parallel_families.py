@@ -3,7 +3,8 @@ matrix that it splits (tests/model_families.py's tiny models, MoE included), and
 
 One world of 2 gloo ranks trains each family at tp=2 (GRPO's loss, padded rows, one optimizer step); a world of 4
 ranks trains the MoE families at dp_shard=2 x tp=2 x ep=2 (tp x ep) and four others at dp_shard=2 x tp=2 (their
-tensor-parallel weights FSDP2-sharded too); one process trains the same. The logprobs before the step agree to
+tensor-parallel weights FSDP2-sharded too), with activation checkpointing; one process trains the same. A tp=2
+checkpoint of each family loads into one process as the same weights. The logprobs before the step agree to
 1e-5, and so do the weights after it, to 2e-5 of each tensor's largest step: AdamW with an epsilon far above the
 gradients (lr = eps = 100, no clipping) moves each weight by -g (1 - |g| / 100), so the step compares every
 parameter's gradient, not only its sign. Most families keep the tiny models' single key/value head (each rank
@@ -106,6 +107,7 @@ def run_rank(rank, world_size, ports, model_dirs, out_dir, layout):
         training = dict(
             parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=world_size, collective_timeout_s=60
         )
+        training["activation_checkpointing"] = layout == "dp2tp2"  # the recompute runs the plan's hooks again
         try:  # one family's failure is its own test's, not the others'
             checkpoint = out_dir / f"checkpoint_{name}" if layout == "tp2" else None
             results[name] = run_family(strategy, model_dirs[name], training, checkpoint)
