@@ -165,7 +165,7 @@ def _attention_plan(name: str, attention: torch.nn.Module, family: str, tp_mesh:
     head_dim = getattr(attention, "head_dim", None)
     others = {n: p for n, p in attention.named_parameters() if n.split(".")[0] not in HEAD_PROJECTIONS}
     per_head_norms = all(n.split(".")[0] in ("q_norm", "k_norm") and p.numel() == head_dim for n, p in others.items())
-    if set(linears) == HEAD_PROJECTIONS and per_head_norms:  # split by heads
+    if head_dim and set(linears) == HEAD_PROJECTIONS and per_head_norms:  # split by heads
         plan |= {f"{name}.{proj}": ColwiseParallel() for proj in ("q_proj", "k_proj", "v_proj")}
         plan[f"{name}.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
         for norm in ("q_norm", "k_norm"):  # per-head norms over [.., heads, head_dim]: this rank's heads
