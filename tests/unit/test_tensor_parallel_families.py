@@ -1,7 +1,8 @@
 """Tensor parallelism (training/parallel/tensor_plan.py) equals one process for every family of the conformance
 matrix that it splits (tests/model_families.py's tiny models, MoE included), and refuses the others in one line.
 
-One world of 2 gloo ranks trains each family at tp=2 (GRPO's loss, padded rows, one optimizer step); a world of 4
+One world of 2 gloo ranks trains each family at tp=2 (GRPO's loss, one optimizer step; half of the families on
+packed rows with shared prompts, the others on padded rows); a world of 4
 ranks trains the MoE families at dp_shard=2 x tp=2 x ep=2 (tp x ep) and four others at dp_shard=2 x tp=2 (their
 tensor-parallel weights FSDP2-sharded too), with activation checkpointing; one process trains the same. A tp=2
 checkpoint of each family loads into one process as the same weights. The logprobs before the step agree to
@@ -45,6 +46,13 @@ TWO_KV_HEADS = ("mixtral", "gemma2")  # split by heads; the others share their o
 # some others at dp2 x tp2 (their tensor-parallel weights FSDP2-sharded as well)
 EXPERT_PARALLEL = [name for name in SPLIT if FAMILIES[name].moe and name != "gpt_oss"]
 FOUR_RANKS = {name: dict(dp_shard=2, tp=2, ep=2 if name in EXPERT_PARALLEL else 1) for name in SPLIT}
+# the rows' layout: packed with shared prompts for six families (segment attention), padded for the others (gpt-oss:
+# its sinks get no gradient in packed rows yet, and a checkpoint then lacks their AdamW state)
+PACKED = ("qwen3", "mixtral", "gemma3", "phi3", "olmo2", "deepseek_v3")
+ROWS = {
+    name: dict(sequence_packing=True, share_prompts=True) if name in PACKED else dict(sequence_packing=False)
+    for name in FAMILIES
+}
 # {layout: (ranks, {family: training.parallel})}
 LAYOUTS = {
     "tp2": (2, {name: dict(tp=2) for name in SPLIT}),
@@ -69,10 +77,11 @@ def make_batch():
 
 
 def make_backend(strategy, model_dir, training):
+    family = Path(model_dir).name
     torch.manual_seed(0)
     return Backend(
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(micro_batch_size=2, global_batch_size=4, sequence_packing=False, **training),
+        TrainingConfig(micro_batch_size=2, global_batch_size=4, **(ROWS[family] | training)),
         STEP,
         SchedulerConfig(),
         num_optimizer_steps=1,
