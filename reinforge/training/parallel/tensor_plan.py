@@ -210,8 +210,8 @@ def _dense_mlp_plan(name: str, mlp: torch.nn.Module, family: str, tp_mesh: Devic
     """gate/up column-wise, down row-wise with its partial sums reduced to `output` (Shard(1): reduce-scattered
     over the sequence; Replicate: all-reduced). A fused [gate; up] projection (Phi-3's gate_up_proj) is split
     column-wise and its output gathered, [gate; up] whole on every rank, down row-wise on this rank's columns
-    (transformers' colwise_gather_output and rowwise_split_input): a split of gate and up halves each would put
-    the tensor-parallel and FSDP2 shards on one dimension, whose gathered value FSDP2 does not order back."""
+    (transformers' colwise_gather_output and rowwise_split_input): a split of gate and up halves each
+    (`_StridedShard`) is neither gathered in order under FSDP2's shards of the same dimension nor written by DCP."""
     linears = _linears(mlp)
     if "down_proj" not in linears or not {"gate_proj", "up_proj", "gate_up_proj"} & set(linears):
         raise ConfigError(
