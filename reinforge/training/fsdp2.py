@@ -47,7 +47,7 @@ from reinforge.training.micro_batching import Prompts, select_micro_batch, split
 from reinforge.training.parallel.context import split_context
 from reinforge.training.parallel.expert import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
 from reinforge.training.parallel.layout import ParallelConfig, build_mesh, check_layout, clip_gradients, fsdp_mesh
-from reinforge.training.parallel.tensor import tensor_parallelize
+from reinforge.training.parallel.tensor_plan import tensor_parallelize
 from reinforge.training.strategy import Compute, MicroBatch, Plan, batch_to
 
 
@@ -188,7 +188,8 @@ class FSDP2Strategy:
             split_context(placed, self.mesh["cp"].get_group())
         experts_mesh = None
         if self.expert_mesh is not None:  # each rank's experts, tokens sent to them (training/parallel/expert.py)
-            shard_experts(placed, self.expert_mesh["ep"])
+            tensor_parallel = self.parallel.tp > 1  # the experts split over (ep, tp) then
+            shard_experts(placed, self.expert_mesh["ep", "tp"] if tensor_parallel else self.expert_mesh["ep"])
             experts_mesh = expert_fsdp_mesh(self.expert_mesh, self.parallel)
         mesh = fsdp_mesh(self.mesh, self.parallel)
         return shard_model(placed, mesh, self.mp_policy, self.offload_policy, experts_mesh)

@@ -187,7 +187,7 @@ def test_a_layout_the_model_cannot_take_is_a_one_line_error_naming_the_nearest()
         check_layout(ParallelConfig(tp=3), config)
     with pytest.raises(ConfigError, match="nearest valid cp is 2"):
         check_layout(ParallelConfig(tp=1, cp=3), config)
-    with pytest.raises(ConfigError, match="supports the model families"):
+    with pytest.raises(ConfigError, match="and gpt2 has none; set training.parallel.tp=1"):
         gpt2 = SimpleNamespace(model_type="gpt2", num_attention_heads=4, intermediate_size=96)
         check_layout(ParallelConfig(tp=2), gpt2)
     with pytest.raises(ConfigError, match="must multiply to training.num_workers=4"):

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from reinforge.errors import ConfigError
+from reinforge.training.parallel.tensor import copy_to_ranks
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 EXPERT_MESH_DIMS = ("dp_replicate", "edp_shard", "ep", "tp")
@@ -97,11 +98,13 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Module]:
-    """Each experts module's weights sharded Shard(0) over `ep_mesh` (every rank keeps its own slice of the weights
-    it loaded, the same on every rank: no communication) and its forward replaced by the dispatching one; the
-    modules, for FSDP2 to shard on their own mesh."""
+    """Each experts module's weights sharded Shard(0) over `ep_mesh`'s `ep` dimension (every rank keeps its own
+    slice of the weights it loaded, the same on every rank: no communication) and its forward replaced by the
+    dispatching one; the modules, for FSDP2 to shard on their own mesh. With tensor parallelism `ep_mesh` is the
+    (ep, tp) mesh and the weights are tensor-parallel already (parallel/tensor_plan.py): each keeps its tp
+    placement, the ep split on the experts' dimension beside it."""
     modules = expert_modules(model)
-    rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+    rank, size = ep_mesh.get_local_rank("ep"), ep_mesh.size(ep_mesh.mesh_dim_names.index("ep"))
     for module in modules:
         if module.is_transposed or module.has_bias or not module.has_gate or not module.is_concatenated:
             raise ConfigError(
@@ -110,10 +113,14 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.
             )
         for name in EXPERT_WEIGHTS:
             weight = getattr(module, name)
-            local = weight.detach().chunk(size, dim=0)[rank].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            tp_placements = list(weight.placements) if isinstance(weight, DTensor) else []
+            whole = weight.to_local() if isinstance(weight, DTensor) else weight
+            local = whole.detach().chunk(size, dim=0)[rank].clone()
+            sharded = DTensor.from_local(
+                local, ep_mesh, [Shard(0), *tp_placements], run_check=False, shape=weight.shape, stride=weight.stride()
+            )
             setattr(module, name, torch.nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        module.ep_group = ep_mesh.get_group()
+        module.ep_group = ep_mesh.get_group("ep")
         module.forward = types.MethodType(_dispatched_forward, module)
     return modules
 
@@ -161,12 +168,80 @@ def _dispatched_forward(
         by_expert_M = torch.argsort(local_expert_M.repeat_interleave(received_RL.reshape(-1)), stable=True)
     token_S = order_S // top_k_index_NK.shape[1]
     routed_MH = _AllToAll.apply(hidden_NH[token_S], receive_sizes, send_sizes, group)[by_expert_M]
-    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
-    outputs = []
-    for expert, x_TH in enumerate(routed_MH.split(received_RL.sum(dim=0).tolist())):
-        gate, up = F.linear(x_TH, gate_up[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+    outputs = expert_mlps(self, list(routed_MH.split(received_RL.sum(dim=0).tolist())))
     computed_MH = torch.empty_like(routed_MH).index_copy(0, by_expert_M, torch.cat(outputs))  # back by source
     returned_SH = _AllToAll.apply(computed_MH, send_sizes, receive_sizes, group)
     weighted_SH = returned_SH * top_k_weights_NK.reshape(-1)[order_S, None]
     return torch.zeros_like(hidden_NH).index_add(0, token_S, weighted_SH.to(hidden_NH.dtype))
+
+
+def expert_layout(experts: torch.nn.Module) -> tuple[bool, bool, bool]:
+    """(transposed, concatenated, has_bias) of transformers' fused experts; a one-line error for a layout without a
+    gate (up_proj only)."""
+    if not getattr(experts, "has_gate", True):
+        raise ConfigError(
+            f"tensor and expert parallelism support gated experts (gate_up_proj), not {type(experts).__name__}'s; "
+            f"set training.parallel.tp=1 and ep=1"
+        )
+    return (
+        getattr(experts, "is_transposed", False),
+        getattr(experts, "is_concatenated", True),
+        getattr(experts, "has_bias", False),
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def expert_mlps(experts: torch.nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each local expert's MLP on its tokens (`inputs[e]` [T_e, H]), as transformers' eager loop computes it.
+
+    Under tensor parallelism (`experts.tp_group`, parallel/tensor_plan.py) each rank holds contiguous blocks of
+    the [gate; up] and intermediate dimensions: the gate_up outputs of every expert are all-gathered in one
+    collective (a concatenated layout: a block is part of the gate or of the up half), the activation taken on
+    this rank's units, and the outputs are partial sums (all-reduced by the caller's hook); the down
+    projection's bias joins on tp rank 0, its gradient summed over the ranks."""
+    transposed, concatenated, has_bias = expert_layout(experts)
+    gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+    group = getattr(experts, "tp_group", None)
+    rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    hiddens = []
+    for expert, x_TH in enumerate(inputs):
+        h = x_TH @ gate_up[expert] if transposed else F.linear(x_TH, gate_up[expert])
+        hiddens.append(h + _local(experts.gate_up_proj_bias)[expert] if has_bias else h)
+    gathered = size > 1 and concatenated
+    if gathered:
+        hiddens = _GatherColumns.apply(torch.cat(hiddens), group).split([len(x) for x in inputs])
+    outputs = []
+    for expert, h in enumerate(hiddens):
+        if hasattr(experts, "_apply_gate"):
+            a = experts._apply_gate(h)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            a = experts.act_fn(gate) * up
+        a = a.chunk(size, dim=-1)[rank] if gathered else a
+        y = a @ down[expert] if transposed else F.linear(a, down[expert])
+        if has_bias:
+            bias = experts.down_proj_bias if group is None else copy_to_ranks(experts.down_proj_bias, group)
+            y = y + bias[expert] * (rank == 0)
+        outputs.append(y)
+    return outputs
+
+
+class _GatherColumns(torch.autograd.Function):
+    """The ranks' [S, C] blocks side by side, [S, C x ranks]; the backward sums the gradients over the ranks and
+    returns this rank's block."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        blocks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(blocks, x.contiguous(), group=group)
+        return torch.cat(blocks, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), dim=-1)[dist.get_rank(ctx.group)], None

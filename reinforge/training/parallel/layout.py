@@ -28,7 +28,7 @@ from reinforge.config.section import Section
 from reinforge.errors import ConfigError
 from reinforge.modeling import model_location
 from reinforge.training.parallel.expert import check_expert_layout
-from reinforge.training.parallel.tensor import TP_FAMILIES
+from reinforge.training.parallel.tensor_plan import check_tensor_parallel
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -91,23 +91,9 @@ ParallelSetting = ParallelConfig | Literal["auto"]
 def check_layout(parallel: ParallelConfig, text_config) -> None:
     """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise."""
     check_expert_layout(parallel, text_config)
-    heads, kv_heads = text_config.num_attention_heads, getattr(text_config, "num_key_value_heads", None)
-    kv_heads = kv_heads or heads
+    heads = text_config.num_attention_heads
     if parallel.tp > 1:
-        if text_config.model_type not in TP_FAMILIES:
-            raise ConfigError(
-                f"tensor parallelism (training.parallel.tp={parallel.tp}) supports the model families "
-                f"{', '.join(TP_FAMILIES)}, not {text_config.model_type}; set training.parallel.tp=1"
-            )
-        sizes = {"attention heads": heads, "key/value heads": kv_heads, "MLP columns": text_config.intermediate_size}
-        valid = [t for t in range(1, parallel.tp * 2 + 1) if all(size % t == 0 for size in sizes.values())]
-        bad = [f"{name} ({size})" for name, size in sizes.items() if size % parallel.tp]
-        if bad:
-            nearest = min(valid, key=lambda t: (abs(t - parallel.tp), t))
-            raise ConfigError(
-                f"training.parallel.tp={parallel.tp} does not divide the model's {', '.join(bad)}; "
-                f"the nearest valid tp is {nearest}"
-            )
+        check_tensor_parallel(parallel.tp, text_config)
     if parallel.cp > 1:
         local_heads = heads // parallel.tp
         if local_heads % parallel.cp:

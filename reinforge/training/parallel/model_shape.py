@@ -16,6 +16,12 @@ from pathlib import Path
 
 from reinforge.errors import ConfigError
 
+# families whose layers tensor parallelism cannot split exactly (parallel/tensor_plan.py), with the reason
+TP_REFUSED = {
+    "nemotron_h": "its Mamba-2 mixer layers (the SSM scan over a sequence-sharded stream) have no tensor-parallel "
+    "split here",
+}
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -36,6 +42,7 @@ class ModelShape:
     num_experts_per_tok: int = 0  # top_k: the experts each token is sent to
     moe_intermediate_size: int = 0  # I_moe: one expert's MLP width
     qk_norm: bool = False  # Qwen3: an RMSNorm weight on each head's queries and keys (head_dim each)
+    tensor_parallel: bool = True  # tensor parallelism can split it (not a family of TP_REFUSED)
 
     @property
     def moe(self) -> bool:
@@ -141,6 +148,7 @@ def shape_of_config(config: dict) -> ModelShape:
         num_experts_per_tok=config.get("num_experts_per_tok") or 0 if experts else 0,
         moe_intermediate_size=(config.get("moe_intermediate_size") or config["intermediate_size"]) if experts else 0,
         qk_norm=config.get("model_type", "").startswith("qwen3"),
+        tensor_parallel=config.get("model_type") not in TP_REFUSED,
     )
 
 

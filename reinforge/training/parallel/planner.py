@@ -5,7 +5,8 @@ A layout is `Layout(dp_replicate, dp_shard, tp, cp)` as training/parallel/ runs 
 gradients and AdamW state over dp_shard x cp x tp ranks (cp ranks shard like data-parallel ones, tp ranks hold
 a 1/tp slice of every matrix and of the vocabulary) and replicates them over dp_replicate (HSDP). The candidates
 (`candidate_layouts`): tp a power of two up to the GPUs of one node that divides the attention heads, the
-key/value heads and the MLP's columns (parallel/tensor.py replicates no key/value head); cp (Ulysses) a
+key/value heads and the MLP's columns (not one sharing kv heads over ranks, which tensor_plan.py can), for a
+family tensor parallelism splits (`ModelShape.tensor_parallel`); cp (Ulysses) a
 divisor of the heads per tp rank, tp x cp within one node (their collectives run every layer); dp the rest,
 either one FSDP2 group over all of it (dp_replicate 1) or HSDP with copies of whole nodes (dp_replicate a
 divisor of the node count).
@@ -119,7 +120,8 @@ def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int = 8) -> l
     node = min(gpus_per_node, gpus)
     sizes = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
     layouts = []
-    for tp in (t for t in _divisors(node) if t & (t - 1) == 0 and all(size % t == 0 for size in sizes)):
+    splits = (t for t in _divisors(node) if t & (t - 1) == 0 and all(size % t == 0 for size in sizes))
+    for tp in splits if shape.tensor_parallel else (1,):
         local_heads = shape.num_attention_heads // tp
         for cp in (c for c in _divisors(node // tp) if local_heads % c == 0 and gpus % (tp * c) == 0):
             dp = gpus // (tp * cp)

@@ -1,7 +1,7 @@
 """Tensor parallelism of the model (`training.parallel.tp`), with sequence parallelism between its layers.
 
-Tensor parallelism (`tensor_parallelize`) follows Megatron's layout with PyTorch's styles, for the decoder
-families listed in `TP_FAMILIES` (Qwen2, Qwen3, Llama, Mistral: the same module names):
+Tensor parallelism (`tensor_parallelize`, parallel/tensor_plan.py: the plan read from each layer's modules, for
+every family it can split exactly) follows Megatron's layout with PyTorch's styles:
 - the attention's q/k/v and the MLP's gate/up projections column-wise (each rank computes its heads and its
   slice of the intermediate dimension), the o and down projections row-wise, whose partial sums are
   reduce-scattered over the sequence;
@@ -26,75 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
-
-TP_FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
-
-
-def _layer_plan(model_type: str) -> dict:
-    gathered = dict(desired_input_layouts=(Replicate(),), use_local_output=True)
-    plan = {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
-        ),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), **gathered),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    if model_type == "qwen3":  # per-head norms over [.., heads, head_dim]: this rank's heads, weights shared
-        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    return plan
-
-
-def tensor_parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
-    """Megatron's tensor and sequence parallelism of a causal LM of `TP_FAMILIES` on `tp_mesh`, in place.
-
-    The decoder's output (after its final norm) is gathered whole on every rank, so the heads (the chunked LM
-    head, a value or score head) see the same [R, W, H] hidden states as in one process."""
-    model_type = model.config.get_text_config().model_type
-    for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, _layer_plan(model_type))
-    # The embedding's output is all-reduced whole (not reduce-scattered): the model builds its attention masks and
-    # rotary embeddings from it, for all W positions. The first layer takes its rows' share of the positions.
-    parallelize_module(
-        model.model.layers[0],
-        tp_mesh,
-        PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
-    )
-    root_plan = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "model.norm": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
-    }
-    tied = model.get_output_embeddings() is not None and (
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    )
-    if model.get_output_embeddings() is not None:
-        root_plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # the model's own call: one position
-    parallelize_module(model, tp_mesh, root_plan)
-    if tied:  # each style distributed its own copy of the shared weight: tie them again (both Shard(0))
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
-
+from torch.distributed.tensor import DTensor, Shard
 
 # --- the vocabulary-parallel LM head --------------------------------------------------------------------
 
@@ -178,3 +110,9 @@ def vocab_parallel_logprobs(
 def sum_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
     """`x` summed over a group's ranks, the gradient of each rank's term the sum's own (see `_SumOverRanks`)."""
     return _SumOverRanks.apply(x, group)
+
+
+def copy_to_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` as it is, its gradient summed over a group's ranks (see `_CopyToRanks`): a replicated input of partial
+    computations."""
+    return _CopyToRanks.apply(x, group)
