@@ -34,6 +34,7 @@ from reinforge.modeling import (
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
 from reinforge.training.base import BackendConfig
 from reinforge.training.lora import check_lora
+from reinforge.training.parallel.layout import check_model_layout
 
 
 @dataclass
@@ -71,6 +72,7 @@ def read_inputs(config: RLRunConfig) -> Inputs:
     check_tasks(tasks, config.env)
     check_backends(config.logging.loggers)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
+    check_model_layout(config.training.parallel, config.model)  # tp/cp/ep the model cannot split: one line
     check_run_inputs(config, train_prompts + val_prompts)  # no weights, too long for the model, agents not importable
     return Inputs(config, tokenizer, train_prompts, val_prompts, benchmarks, tasks, stream)
 

@@ -50,6 +50,7 @@ from reinforge.run_dir import atomic_directory
 from reinforge.training.base import LossFn
 from reinforge.training.checkpoint import load_driver_state, rng_state, set_rng_state
 from reinforge.training.lora import check_lora
+from reinforge.training.parallel.layout import check_model_layout
 
 MakeRecipe = Callable[[Any, Any], SupervisedRecipe]  # (the recipe's root config, the tokenizer) -> the recipe
 
@@ -72,6 +73,7 @@ def run(config: SupervisedRunConfig, make_recipe: MakeRecipe, cleanup: ExitStack
     if config.cluster.num_threads:
         torch.set_num_threads(config.cluster.num_threads)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
+    check_model_layout(config.training.parallel, config.model)  # tp/cp/ep the model cannot split: one line
     check_backends(config.logging.loggers)
     print(f"devices: training on {trainer_device(config.training, config.cluster.num_gpus_per_worker)}", flush=True)
     tokenizer = load_tokenizer(config.model)

@@ -171,17 +171,9 @@ class FSDP2Strategy:
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         # with offload FSDP2 moves the shards to CPU itself and unshards onto the GPU for compute
         placed = model if self.offload_policy else model.to(self.device)
-        check_layout(self.parallel, model.config.get_text_config())
-        if self.parallel.tp > 1 and any(is_adapter_key(name) for name, _ in model.named_parameters()):
-            raise ConfigError(
-                "model.lora with training.parallel.tp > 1 is not supported yet (the adapters would need their own "
-                "tensor-parallel split); set training.parallel.tp=1: FSDP2 shards the frozen base over the ranks"
-            )
-        if self.parallel.tp > 1 and is_vision_language(model.config):
-            raise ConfigError(
-                "tensor parallelism of a vision-language model is not supported yet; set training.parallel.tp=1: "
-                "FSDP2 shards its decoder and vision layers over the ranks"
-            )
+        lora = any(is_adapter_key(name) for name, _ in model.named_parameters())
+        stateful = getattr(model, "_is_stateful", False)
+        check_layout(self.parallel, model.config.get_text_config(), stateful, lora, is_vision_language(model.config))
         if self.parallel.tp > 1:
             tensor_parallelize(placed, self.mesh["tp"])
         if self.parallel.cp > 1:  # its forward passes run on this rank's chunk of each row (parallel/context.py)

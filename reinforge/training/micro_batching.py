@@ -51,7 +51,7 @@ from reinforge.training.base import TrainingConfig
 from reinforge.training.logit_transform import IDENTITY, LogitTransform, logit_transform
 from reinforge.training.moe import model_routing
 from reinforge.training.parallel.context import context_group, sequence_chunk, sum_over_group, ulysses_forward
-from reinforge.training.parallel.layout import ParallelConfig
+from reinforge.training.parallel.layout import ParallelConfig, check_layout
 from reinforge.training.parallel.tensor import is_vocab_parallel, vocab_parallel_logprobs
 from reinforge.training.segment_attention import forward_layout
 
@@ -91,11 +91,8 @@ def model_layouts(model: torch.nn.Module, config: TrainingConfig) -> TrainingCon
     cp rank's chunk of a row would start from no state, so context parallelism is a one-line error."""
     if not getattr(model, "_is_stateful", False):
         return config
-    if isinstance(config.parallel, ParallelConfig) and config.parallel.cp > 1:
-        raise ConfigError(
-            f"{model.config.model_type} has recurrent (state-space) layers, which context parallelism would cut "
-            "mid-sequence; set training.parallel.cp=1"
-        )
+    if isinstance(config.parallel, ParallelConfig):
+        check_layout(config.parallel, model.config.get_text_config(), stateful=True)
     if config.sequence_packing:
         say_once(
             f"{model.config.model_type} has recurrent layers: one sequence per row (no packing, no shared prompts)"

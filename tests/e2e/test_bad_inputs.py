@@ -62,6 +62,7 @@ def grpo(*overrides):
     return ["grpo", "--config", str(CONFIGS / "grpo_demo.yaml"), *overrides]
 
 
+TWO_RANKS_TP = ["training.backend=fsdp2", "training.num_workers=2", "training.parallel.tp=2"]
 CASES = {
     "grpo: a prompt file that is not UTF-8": (
         lambda d: grpo(f"data.train_path={d}/latin1.jsonl"),
@@ -215,6 +216,21 @@ CASES = {
     ),
     "report: metrics that are not UTF-8": (lambda d: ["report", f"{d}/run_latin1"], "metrics.jsonl:1: not UTF-8 text"),
     "report: a directory without a run": (lambda d: ["report", f"{d}/a_file"], "metrics.jsonl does not exist"),
+    "grpo: LoRA under tensor parallelism (the ranks' refusal, before them)": (
+        lambda d: grpo(*TWO_RANKS_TP, "model.lora.rank=4"),
+        "model.lora with training.parallel.tp > 1 is not supported yet",
+    ),
+    "sft: LoRA under tensor parallelism": (
+        lambda d: [
+            "sft",
+            "--config",
+            str(CONFIGS / "sft_demo.yaml"),
+            *TWO_RANKS_TP,
+            "model.lora.rank=4",
+            "sft.random_init=false",
+        ],
+        "model.lora with training.parallel.tp > 1 is not supported yet",
+    ),
     "convert: a directory that is no checkpoint": (
         lambda d: ["convert", f"{d}/run_latin1", "--output", f"{d}/run"],
         "is not a complete reinforge checkpoint",

@@ -88,9 +88,28 @@ class ParallelConfig(Section):
 ParallelSetting = ParallelConfig | Literal["auto"]
 
 
-def check_layout(parallel: ParallelConfig, text_config) -> None:
-    """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise."""
+def check_layout(
+    parallel: ParallelConfig, text_config, stateful: bool = False, lora: bool = False, vision: bool = False
+) -> None:
+    """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise, or what
+    the layout cannot split: recurrent layers (`stateful`, transformers' `_is_stateful`) under context parallelism,
+    LoRA adapters or a vision-language model under tensor parallelism."""
     check_expert_layout(parallel, text_config)
+    if parallel.cp > 1 and stateful:
+        raise ConfigError(
+            f"{text_config.model_type} has recurrent (state-space) layers, which context parallelism would cut "
+            "mid-sequence; set training.parallel.cp=1"
+        )
+    if parallel.tp > 1 and lora:
+        raise ConfigError(
+            "model.lora with training.parallel.tp > 1 is not supported yet (the adapters would need their own "
+            "tensor-parallel split); set training.parallel.tp=1: FSDP2 shards the frozen base over the ranks"
+        )
+    if parallel.tp > 1 and vision:
+        raise ConfigError(
+            "tensor parallelism of a vision-language model is not supported yet; set training.parallel.tp=1: "
+            "FSDP2 shards its decoder and vision layers over the ranks"
+        )
     heads = text_config.num_attention_heads
     if parallel.tp > 1:
         check_tensor_parallel(parallel.tp, text_config)
@@ -104,6 +123,20 @@ def check_layout(parallel: ParallelConfig, text_config) -> None:
                 f"({heads} / tp {parallel.tp} = {local_heads}) for Ulysses' head scatter; "
                 f"the nearest valid cp is {nearest}"
             )
+
+
+def check_model_layout(parallel: ParallelSetting, model_config) -> None:
+    """`check_layout` from the model's config alone (no weights), before the run directory: the ranks check again
+    on the loaded model. `auto` is planned to fit (planner.py)."""
+    if not isinstance(parallel, ParallelConfig) or (parallel.is_plain() and parallel.ep == 1):
+        return
+    from transformers import AutoConfig
+
+    from reinforge.modeling import is_vision_language, model_class
+
+    config = AutoConfig.from_pretrained(model_location(model_config), trust_remote_code=model_config.trust_remote_code)
+    stateful, lora = getattr(model_class(config), "_is_stateful", False), model_config.lora is not None
+    check_layout(parallel, config.get_text_config(), stateful, lora, is_vision_language(config))
 
 
 def build_mesh(device_type: str, parallel: ParallelConfig) -> DeviceMesh:
