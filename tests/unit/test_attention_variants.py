@@ -11,6 +11,7 @@ prompts reach past the window.
 
 import pytest
 import torch
+from model_families import FAMILIES, build
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms import consistency
@@ -27,7 +28,6 @@ from reinforge.training.heads import LogprobHead
 from reinforge.training.logit_transform import logit_transform
 from reinforge.training.micro_batching import token_logprobs
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
-from tests.model_families import FAMILIES, build
 
 TEMPERATURE = 0.7
 LAYOUTS = {  # on the CPU, as the references are, also on a machine with a GPU

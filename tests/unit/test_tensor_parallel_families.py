@@ -46,9 +46,9 @@ TWO_KV_HEADS = ("mixtral", "gemma2")  # split by heads; the others share their o
 # some others at dp2 x tp2 (their tensor-parallel weights FSDP2-sharded as well)
 EXPERT_PARALLEL = [name for name in SPLIT if FAMILIES[name].moe and name != "gpt_oss"]
 FOUR_RANKS = {name: dict(dp_shard=2, tp=2, ep=2 if name in EXPERT_PARALLEL else 1) for name in SPLIT}
-# the rows' layout: packed with shared prompts for six families (segment attention), padded for the others (gpt-oss:
-# its sinks get no gradient in packed rows yet, and a checkpoint then lacks their AdamW state)
-PACKED = ("qwen3", "mixtral", "gemma3", "phi3", "olmo2", "deepseek_v3")
+# the rows' layout: packed with shared prompts for eight families (segment attention: windows, soft-caps, sinks), padded
+# for the others
+PACKED = ("qwen3", "mixtral", "gemma2", "gemma3", "phi3", "olmo2", "gpt_oss", "deepseek_v3")
 ROWS = {
     name: dict(sequence_packing=True, share_prompts=True) if name in PACKED else dict(sequence_packing=False)
     for name in FAMILIES
@@ -59,7 +59,6 @@ LAYOUTS = {
     "dp2tp2": (4, {name: FOUR_RANKS[name] for name in [*EXPERT_PARALLEL, "phi3", "olmo2", "gemma3", "gpt_oss"]}),
 }
 # an AdamW step that is a gradient step: -lr g / (|g| + eps) = -g (1 - |g| / eps) with lr = eps
-LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0}
 STEP = OptimizerConfig(lr=100.0, adam_eps=100.0, max_grad_norm=0.0)
 
 
@@ -131,9 +130,6 @@ def _edit(name):
     def edit(config):
         if name in TWO_KV_HEADS:
             config.num_key_value_heads = 2
-        for transform, neutral in LOGIT_TRANSFORMS.items():  # the chunked LM head refuses them (another part)
-            if getattr(config, transform, None) is not None:
-                setattr(config, transform, neutral)
 
     return edit
 

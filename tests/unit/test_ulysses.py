@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from model_families import FAMILIES
 from test_fsdp2_worker import launch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -26,7 +27,6 @@ from reinforge.training.parallel.context import (
     ulysses_forward,
 )
 from reinforge.training.segment_attention import forward_layout
-from tests.model_families import FAMILIES
 
 pytestmark = pytest.mark.xdist_group("ulysses")
 
