@@ -79,15 +79,16 @@ def table(rows: dict[tuple[str, str], dict]) -> str:
     for name, family in FAMILIES.items():
         cells = [cell_text(rows.get((name, cell)), notes) for cell in CELLS]
         lines.append(f"| {name} | {family.variants or '-'} | " + " | ".join(cells) + " |")
-    lines += ["", "Notes: each refusal's and each failure's line as the run reported it, and why it fails today:", ""]
+    lines += ["", "Notes: each refusal's line (and each known failure's, with why) as the run reported it:", ""]
     lines += [f"{number}. {note}" for number, note in enumerate(notes, 1)]
     legend = (
         f"A number is the cell's start-up mismatch (`train/token_mult_prob_error` of the first step), at most "
         f"{MISMATCH['hf']} against the HF engine and {MISMATCH['vllm']} against vLLM to pass; SFT's is the "
         f"difference of its validation loss from transformers' own forward (at most {SFT_LOSS_TOLERANCE:g}). "
-        "✗: above the threshold, an error, or a refusal that is not one line before any run directory (the layout "
-        "cells' refusals are the ranks' own, which `reinforge grpo` reports after its run directory); refused: a "
-        "one-line error before any run directory."
+        "✗: above the threshold, an error, or a refusal that is not one line before any run directory; refused: a "
+        "one-line error before any run directory (the layout cells' are the ranks' own line, which `reinforge grpo` "
+        "and `reinforge sft` give from the model's config before their run directory: training/parallel/layout.py, "
+        "`check_model_layout`)."
     )
     return "\n".join([legend, "", *lines])
 
