@@ -2,6 +2,7 @@
 never killed."""
 
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -24,6 +25,39 @@ def kill_once_step_checkpointed(command: list[str], run_dir, step: int, timeout_
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=60) == -9, f"the run ended before it could be killed after step {step}"
+
+
+def json_rows(path: Path) -> list[dict]:
+    """A JSONL file's rows, without a last line still being written."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+
+
+def kill_at_random_moments(command: list[str], run_dir: Path, reference: Path, seed: int, attempts: int = 5) -> int:
+    """Start `command` (a run in `run_dir`, resuming) up to `attempts` times, SIGKILLing each at a moment of the run's
+    own, not the wall clock's (another test may slow either run): the first in its start-up, once its run directory
+    exists; each later one at a random fraction (0-0.5) of the `reference` run's mean step after it logs a step of
+    its own (generating ahead, training, a refit or a save). Stops when a run finishes first. Returns the kills: at
+    least 3 of 5, whatever the machine's load, since an attempt advances at most about two steps."""
+    step_s = sum(rows := [r["timing/step_s"] for r in json_rows(reference / "metrics.jsonl") if "timing/step_s" in r])
+    step_s /= max(len(rows), 1)
+    rng, kills = random.Random(seed), 0
+    for attempt in range(attempts):
+        seen = len(json_rows(run_dir / "prompts.jsonl"))
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while process.poll() is None and time.time() < deadline:
+            started = (run_dir / "config.yaml").exists()
+            if (attempt == 0 and started) or (attempt > 0 and len(json_rows(run_dir / "prompts.jsonl")) > seen):
+                break
+            time.sleep(0.01)
+        try:
+            process.wait(timeout=rng.uniform(0.0, 0.5) * step_s)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            kills += process.wait(timeout=60) == -signal.SIGKILL
+        if process.returncode == 0:
+            break  # it finished before the moment came
+    return kills
 
 
 def comparable_metrics(run_dir) -> list[dict]:

@@ -2,15 +2,11 @@
 random moments and resumed each time trains on exactly the prompts of a run never killed: the same prompt ordinals
 step by step (RUN_DIR/prompts.jsonl), none missing, none twice, with the same metrics."""
 
-import json
-import random
-import signal
 import subprocess
-import time
 from collections import Counter
 
 import pytest
-from _kill import cli_command
+from _kill import cli_command, json_rows, kill_at_random_moments
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -41,39 +37,27 @@ def command(run_dir):
 
 
 def trained_prompts(run_dir) -> list[tuple[int, list[int]]]:
-    rows = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
-    return [(row["step"], row["ordinals"]) for row in rows]
+    return [(row["step"], row["ordinals"]) for row in json_rows(run_dir / "prompts.jsonl")]
 
 
 def comparable(run_dir) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
+    return [
+        {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))}
+        for row in json_rows(run_dir / "metrics.jsonl")
+    ]
 
 
 def test_an_async_run_killed_at_five_random_moments_trains_on_exactly_the_prompts_of_a_run_never_killed(tmp_path):
     reference = tmp_path / "uninterrupted"
-    began = time.time()
     result = subprocess.run(command(reference), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    duration = time.time() - began
     expected = trained_prompts(reference)
     assert [step for step, _ in expected] == [1, 2, 3, 4, 5, 6]
     assert all(len(ordinals) == 4 for _, ordinals in expected)
     assert sorted(o for _, ordinals in expected for o in ordinals) == list(range(24))  # the stream, in draws
 
     run = tmp_path / "killed"
-    rng, kills = random.Random(26), 0
-    for _ in range(5):
-        # a moment of start-up, generation ahead, training, a refit or a save: a fraction of a whole run's time
-        delay = rng.uniform(0.35, 0.9) * duration
-        process = subprocess.Popen(command(run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            process.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGKILL)
-            kills += process.wait(timeout=60) == -signal.SIGKILL
-        if process.returncode == 0:
-            break  # it finished before the moment came
+    kills = kill_at_random_moments(command(run), run, reference, seed=26)
     final = subprocess.run(command(run), capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stderr[-3000:]
     assert kills >= 3, kills

@@ -5,14 +5,11 @@ twice; the token metrics are logged each step; and the engine's logprobs still a
 `rollout.version_check`, each token's with the weights of the version that sampled it)."""
 
 import json
-import random
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from _kill import cli_command
+from _kill import cli_command, kill_at_random_moments
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -103,20 +100,9 @@ def test_an_in_flight_run_killed_at_five_random_moments_loses_no_prompt_and_trai
     args += ["training.micro_batch_size=32", "checkpoint.save_every=1", "checkpoint.resume=auto"]
     args += ["cluster.max_restarts=0", "generation.max_new_tokens=24"]
     command = cli_command("grpo", PROJECT_ROOT / "configs" / "grpo_demo.yaml", *args, f"logging.run_dir={run_dir}")
-    began = time.time()
     reference = subprocess.run([*command[:-1], f"logging.run_dir={tmp_path / 'uninterrupted'}"], timeout=600)
     assert reference.returncode == 0
-    duration = time.time() - began
-    rng, kills = random.Random(29), 0
-    for _ in range(5):
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            process.wait(timeout=rng.uniform(0.35, 0.9) * duration)  # start-up, generation, training, a save
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGKILL)
-            kills += process.wait(timeout=60) == -signal.SIGKILL
-        if process.returncode == 0:
-            break
+    kills = kill_at_random_moments(command, run_dir, tmp_path / "uninterrupted", seed=29)
     final = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stderr[-3000:]
     assert kills >= 3, kills
