@@ -231,9 +231,11 @@ class VLLMGenerationBackend:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        if tensor_parallel_size > 1 and not on_gpu:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
+        if tensor_parallel_size > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel_size)
         from vllm import LLM
+
+        from reinforge.generation.vllm_transfer import transfer_config
 
         try:
             # before the engine: vLLM's Transformers backend patches transformers' model class in place at start-up
@@ -259,6 +261,7 @@ class VLLMGenerationBackend:
                 distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
                 **({} if block_size is None else {"block_size": block_size}),
                 **({"enable_return_routed_experts": True} if route_experts else {}),
+                weight_transfer_config=transfer_config(),  # the refit's wire (vllm_transfer.py)
                 **lora,
             )
         except Exception as error:  # one line naming the family and the engine (vllm_support.py)
@@ -393,12 +396,40 @@ class VLLMGenerationBackend:
         self.sent_names = list(weights)
         self._wake("weights")  # the KV cache stays free until the next rollout
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        self._after_load(recompute)
+        if version is not None:
+            self.llm.llm_engine.set_weight_version(str(version))
+
+    def _after_load(self, recompute: bool) -> None:
         self.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts (vllm_moe.py)
         # cached KV blocks were computed with the old weights; with requests running, only `recompute` drops theirs
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=recompute)
         self._reset_image_features()
-        if version is not None:
-            self.llm.llm_engine.set_weight_version(str(version))
+
+    def init_weight_transfer(self, info: dict) -> None:
+        """Join the refit's transfer group (generation/weight_transfer.py; returns once every member has)."""
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def receive_weights(self, version: int | None = None) -> None:
+        """`update_weights` through the transfer: what the sender broadcasts (in the checkpoint's layout)."""
+        from reinforge.generation.vllm_transfer import received_names
+
+        check_refit_supported(self.padded_experts)
+        self._wake("weights")
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {}})
+        self.llm.finish_weight_update(None if version is None else str(version))
+        self.sent_names = self.llm.collective_rpc(received_names)[0]
+        self._after_load(recompute=False)
+
+    def transfer_ranks(self) -> int:
+        """The engine's members of the transfer group: its tensor-parallel workers."""
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def refit_layout(self) -> tuple[str | None, list[str]]:
+        """What a sender does to the trainer's weights for this engine: the model whose checkpoint layout it sends
+        (checkpoint_layout.py), and the tied names it leaves out."""
+        return self.model_path, self.untied_names
 
     def weight_digests(self) -> list[WeightDigests]:
         """The digest of every weight the engine serves (refit verification, weight_digest.py)."""

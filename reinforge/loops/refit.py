@@ -49,6 +49,13 @@ def refit(
     due = verify_due(config.generation.verify_refit_every, step)
     timed = timers.time("refit_verify") if timers else nullcontext()
     if not config.adapter_sync:
+        if getattr(engine, "wire", None) is not None:  # engines in Ray: straight from the training ranks
+            engine.wire.refit(trainer, config.generation.refit_bucket_mb << 20)
+            if due:
+                with timed:
+                    weights = list(trainer.named_weights())  # FIXME streamed expectation
+                    verify(engine.weight_digests(), dict(weights))
+            return
         weights = list(trainer.named_weights())
         engine.update_weights(weights)
         if due:
