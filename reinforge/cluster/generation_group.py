@@ -3,8 +3,8 @@
 Each engine gets a contiguous slice of the prompts (engine 0 with the step's seed, so one engine
 samples exactly what an in-process engine would; the others with seed streams of their own) and the results are
 merged in prompt order. A refit sends the weights from the training ranks to every engine (`wire`,
-cluster/weight_sync.py); a LoRA adapter sync hands every engine the adapter's path instead (in the run directory: on several nodes
-it must be on a shared filesystem).
+cluster/weight_sync.py); a LoRA adapter sync hands every engine the adapter's path instead (in the run directory:
+on several nodes it must be on a shared filesystem).
 `InFlightGroup` is the same for in-flight generation (`rollout.mode=in_flight`): engines that keep generating
 while their weights are updated, each call of the rollout workers sent whole to one engine.
 With `cluster.colocate=true` engine i shares training rank i's placement bundle (they take turns on
