@@ -160,7 +160,8 @@ def send(group, groups: Iterable[Named], bucket_bytes: int) -> SendStats:
             shapes=[list(t.shape) for t in tensors],
             group_end=group_end,
         )
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else None
+        # on the host: gloo's wire (a GPU sender's bucket is copied down once)
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]).cpu() if tensors else None
         while len(in_flight) >= 2:
             for work in in_flight.pop(0)[0]:
                 work.wait()
