@@ -47,7 +47,7 @@ def refit(
 ) -> dict[str, float]:
     """Give `engine` the trainer's current policy, the way `model.lora.sync` says, and verify it when due
     (`step`: the step just trained, None at resume; the check's time is `timing/refit_verify_s`). Its metrics: what
-    the wire moved to engines in Ray (`refit/bytes`, `refit/buckets`), and how far the driver's resident memory
+    the wire moved to engines in Ray (`perf/refit_bytes`, `perf/refit_buckets`), and how far the driver's resident memory
     rose meanwhile (`perf/refit_driver_growth_mb`, where Linux tells)."""
     with PeakGrowth() as driver:
         metrics = _refit(engine, trainer, config, run_dir, step, timers)
@@ -65,7 +65,7 @@ def _refit(engine, trainer, config: RLRunConfig, run_dir: Path, step: int | None
             with timed:
                 weights = list(trainer.named_weights())  # FIXME streamed expectation
                 verify(engine.weight_digests(), dict(weights))
-        return {"refit/bytes": stats["bytes"], "refit/buckets": stats["buckets"]}
+        return {"perf/refit_bytes": stats["bytes"], "perf/refit_buckets": stats["buckets"]}
     if not config.adapter_sync:
         weights = list(trainer.named_weights())
         engine.update_weights(weights)
