@@ -46,9 +46,9 @@ def refit(
     timers: Timers | None = None,
 ) -> dict[str, float]:
     """Give `engine` the trainer's current policy, the way `model.lora.sync` says, and verify it when due
-    (`step`: the step just trained, None at resume; the check's time is `timing/refit_verify_s`). Its metrics: what
-    the wire moved to engines in Ray (`perf/refit_bytes`, `perf/refit_buckets`), and how far the driver's resident memory
-    rose meanwhile (`perf/refit_driver_growth_mb`, where Linux tells)."""
+    (`step`: the step just trained, None at resume; the check's time is `timing/refit_verify_s`). Its metrics:
+    what the wire moved to engines in Ray (`perf/refit_bytes`, `perf/refit_buckets`), and how far the driver's
+    resident memory rose meanwhile (`perf/refit_driver_growth_mb`, where Linux tells)."""
     with PeakGrowth() as driver:
         metrics = _refit(engine, trainer, config, run_dir, step, timers)
     if driver.growth_mb is not None:
