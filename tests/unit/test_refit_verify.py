@@ -10,15 +10,8 @@ from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.batch import Trajectory, collate
 from reinforge.errors import ConfigError
 from reinforge.generation.hf import HFGenerationBackend
-from reinforge.generation.weight_digest import (
-    RefitMismatch,
-    WeightDigests,
-    in_engine_layout,
-    report,
-    source_tensor,
-    tensor_digest,
-    verify,
-)
+from reinforge.generation.weight_digest import RefitMismatch, WeightDigests, report, tensor_digest, verify
+from reinforge.generation.weight_sources import in_engine_layout, source_tensor
 from reinforge.logging.metrics import Timers
 from reinforge.loops.builders import build_trainer
 from reinforge.loops.refit import refit, verify_due
