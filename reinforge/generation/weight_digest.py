@@ -113,7 +113,7 @@ def report(
         tp_size=tp_size,
         expert_prepack_isa=expert_prepack_isa,
         columns=columns,
-        step=step,
+        step=step if columns else 0,  # whole weights: the same at every step
     )
 
 
@@ -179,7 +179,7 @@ class Expectation:
     `WeightDigests` (digests empty: `weight_layout()`); `columns`, `step`: the sample (`column_sample`)."""
 
     def __init__(self, layouts: list[WeightDigests], columns: int = 0, step: int = 0, what: str = "weights"):
-        self.columns, self.step, self.what = columns, step, what
+        self.columns, self.step, self.what = columns, step if columns else 0, what
         self.layouts = {layout_key(layout): layout for layout in layouts}
         self.expected: dict[tuple, dict[str, str]] = {key: {} for key in self.layouts}
         self.origins: dict[tuple, dict[str, str]] = {key: {} for key in self.layouts}
