@@ -9,20 +9,11 @@ import os
 import pytest
 
 from reinforge.algorithms.grpo_config import load_config
-from reinforge.generation.weight_digest import RefitMismatch
 from reinforge.paths import PROJECT_ROOT
 from tests.e2e._fresh import run_in_fresh_process
-from tests.e2e.test_refit_verify_vllm import SMALL, VLLM, one_step
+from tests.e2e.test_refit_verify_vllm import SMALL, VLLM, attempt, one_step
 
 DEMO = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
-
-
-def outcome(check) -> str:
-    try:
-        check()
-        return "ok"
-    except RefitMismatch as error:
-        return str(error)
 
 
 def streamed(engine, trainer, layouts, step: int) -> str:
@@ -33,13 +24,13 @@ def streamed(engine, trainer, layouts, step: int) -> str:
     expectation = Expectation(layouts, columns=32, step=step)
     for part in range(len(trainer.weight_parts())):
         expectation.add(checkpoint_layout(engine.model_path, trainer.named_weights(part), drop=engine.untied_names))
-    return outcome(lambda: check(engine.weight_digests(32, step), expectation))
+    return attempt(lambda: check(engine.weight_digests(32, step), expectation))
 
 
 def whole(engine, trainer) -> str:
     from reinforge.generation.weight_digest import verify
 
-    return outcome(lambda: verify(engine.weight_digests(), dict(trainer.named_weights())))
+    return attempt(lambda: verify(engine.weight_digests(), dict(trainer.named_weights())))
 
 
 def keep_stale_embedding(worker, stash: bool) -> None:
