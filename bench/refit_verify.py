@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--columns", type=int, default=32, help="generation.verify_refit_columns of the new check")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="the scaling part's model sizes, comma-separated")
+    parser.add_argument("--no-runs", action="store_true", help="the scaling part only (no demo GRPO runs)")
     parser.add_argument("--scaling-only", metavar="SIZE", help=argparse.SUPPRESS)  # the child process mode
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -182,10 +184,10 @@ def main() -> None:
         "demo": [],
         "scaling": [],
     }
-    for backend in ("hf", "vllm"):
+    for backend in () if args.no_runs else ("hf", "vllm"):
         results["demo"].append(demo_run(backend, args.steps))
         print(json.dumps(results["demo"][-1]))
-    for size in SIZES:
+    for size in args.sizes.split(","):
         child = subprocess.run(
             [
                 sys.executable,

@@ -181,7 +181,9 @@ class Expectation:
     def __init__(self, layouts: list[WeightDigests], columns: int = 0, step: int = 0, what: str = "weights"):
         self.columns, self.step, self.what = columns, step if columns else 0, what
         self.failure: RefitMismatch | None = None  # a weight whose sources came but do not fit its layout
-        self.layouts = {layout_key(layout): layout for layout in layouts}
+        self.layouts: dict[tuple, WeightDigests] = {}  # the first engine of each layout names it in errors
+        for layout in layouts:
+            self.layouts.setdefault(layout_key(layout), layout)
         self.expected: dict[tuple, dict[str, str]] = {key: {} for key in self.layouts}
         self.origins: dict[tuple, dict[str, str]] = {key: {} for key in self.layouts}
         self.wanted: dict[tuple, dict[str, list[str]]] = {}  # by layout: sent name -> engine weights it may build
