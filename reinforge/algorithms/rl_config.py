@@ -207,6 +207,7 @@ class RLRunConfig(Section):
             ),
             (gen.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
             (gen.verify_refit_every >= 0, "generation.verify_refit_every must be >= 0 (0 turns the check off)"),
+            (gen.verify_refit_columns >= 0, "generation.verify_refit_columns must be >= 0 (0: every column)"),
             (
                 not (rollout.mode != "sync" and gen.vllm.sleep_mode),
                 f"rollout.mode={rollout.mode} keeps the engine generating while the trainer works, so it never "

@@ -97,9 +97,13 @@ class GenerationGroup:
 
         return ray.util.get_node_ip_address()
 
-    def weight_digests(self) -> list[WeightDigests]:
-        """Every engine's `weight_digests`, each named as its worker (`generation[i]`)."""
-        return self._named(self.group.call("weight_digests"))
+    def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
+        """Every engine's `weight_digests` (of the sampled columns), each named as its worker (`generation[i]`)."""
+        return self._named(self.group.call("weight_digests", columns, step))
+
+    def weight_layouts(self) -> list[WeightDigests]:
+        """Every engine's `weight_layout` (nothing hashed), each named as its worker: the refit check's layouts."""
+        return self._named(self.group.call("weight_layout"))
 
     def adapter_digests(self) -> list[WeightDigests]:
         """Every engine's `adapter_digests`, each named as its worker."""
