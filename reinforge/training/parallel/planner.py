@@ -328,7 +328,7 @@ def plan(
     """Every candidate layout, without and with activation checkpointing (those of `checkpointing`), and the
     fastest that fits in each GPU's memory less the `margin` (a share of it)."""
     if not 0 <= margin < 1:
-        raise ConfigError(f"the margin must be a share of a GPU's memory in [0, 1), got {margin:g}")
+        raise ConfigError(f"the margin must be 0% or more and under 100% of a GPU's memory, got {margin:.0%}")
     gpu_bytes = gpu_memory_gb * GIB * (1 - margin)
     estimates = [
         estimate(shape, layout, workload, ac, gpu_bytes, gpus_per_node)
