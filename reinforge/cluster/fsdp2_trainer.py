@@ -48,6 +48,7 @@ class FSDP2Ranks:
             num_gpus_per_worker=cluster.num_gpus_per_worker,
             timeout_s=cluster.worker_timeout_s,
             actor_fraction=actor_fraction,
+            resources=cluster.training_resources,
         )
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:

@@ -205,6 +205,8 @@ class Backend:
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
+        # freed now, not at the next step: a colocated engine generates in their memory (planner.py, PERSISTENT)
+        self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
