@@ -76,7 +76,8 @@ class GenerationGroup:
 
     def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
         """Every engine's `weight_digests` (of the sampled columns), each named as its worker (`generation[i]`)."""
-        return self._named(self.group.call("weight_digests", columns, step))
+        # whole weights (columns 0): no arguments, which every engine's weight_digests takes
+        return self._named(self.group.call("weight_digests", *((columns, step) if columns else ())))
 
     def weight_layouts(self) -> list[WeightDigests]:
         """Every engine's `weight_layout` (nothing hashed), each named as its worker: the refit check's layouts."""
