@@ -21,7 +21,7 @@ import torch
 
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.generation.base import GenerationResult, SamplingParams
-from reinforge.generation.weight_digest import WeightDigests
+from reinforge.generation.weight_digest import WeightDigests, tp_worker
 
 
 class GenerationGroup:
@@ -88,8 +88,11 @@ class GenerationGroup:
         return self._named(self.group.call("adapter_digests"))
 
     def _named(self, per_engine: list[list[WeightDigests]]) -> list[WeightDigests]:
+        """Each report named as its engine's worker, and its tensor-parallel worker where the engine has several."""
         return [
-            replace(report, engine=name) for name, reports in zip(self.group.names, per_engine) for report in reports
+            replace(report, engine=name if report.tp_size == 1 else f"{name} {tp_worker(report)}")
+            for name, reports in zip(self.group.names, per_engine)
+            for report in reports
         ]
 
     def sleep(self) -> None:
