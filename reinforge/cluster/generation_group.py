@@ -27,7 +27,7 @@ from reinforge.cluster.weight_sync import WeightWire
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.errors import ConfigError
 from reinforge.generation.base import GenerationResult, SamplingParams
-from reinforge.generation.weight_digest import WeightDigests
+from reinforge.generation.weight_digest import WeightDigests, tp_worker
 
 
 class GenerationGroup:
@@ -104,7 +104,8 @@ class GenerationGroup:
 
     def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
         """Every engine's `weight_digests` (of the sampled columns), each named as its worker (`generation[i]`)."""
-        return self._named(self.group.call("weight_digests", columns, step))
+        # whole weights (columns 0): no arguments, which every engine's weight_digests takes
+        return self._named(self.group.call("weight_digests", *((columns, step) if columns else ())))
 
     def weight_layouts(self) -> list[WeightDigests]:
         """Every engine's `weight_layout` (nothing hashed), each named as its worker: the refit check's layouts."""
@@ -115,8 +116,11 @@ class GenerationGroup:
         return self._named(self.group.call("adapter_digests"))
 
     def _named(self, per_engine: list[list[WeightDigests]]) -> list[WeightDigests]:
+        """Each report named as its engine's worker, and its tensor-parallel worker where the engine has several."""
         return [
-            replace(report, engine=name) for name, reports in zip(self.group.names, per_engine) for report in reports
+            replace(report, engine=name if report.tp_size == 1 else f"{name} {tp_worker(report)}")
+            for name, reports in zip(self.group.names, per_engine)
+            for report in reports
         ]
 
     def sleep(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from reinforge.generation.checkpoint_layout import engine_names, tied_names
 from reinforge.generation.vllm_moe import expert_prepack_isa
-from reinforge.generation.weight_digest import WeightDigests, column_sample, report
+from reinforge.generation.weight_digest import WeightDigests, column_sample, report, tp_worker
 
 
 def input_size(module: torch.nn.Module) -> int:
@@ -71,11 +71,11 @@ def served_weights(
                 param, presampled[name] = read_back(module, sample)
             weights.append((name, param))
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    engine = "vllm engine" if size == 1 else f"vllm engine (tensor-parallel worker {rank} of {size})"
     packed = getattr(model, "packed_modules_mapping", {})
     served = report(
-        engine, weights, packed, rank, size, expert_prepack_isa(model), columns, step, presampled, digests
+        "vllm engine", weights, packed, rank, size, expert_prepack_isa(model), columns, step, presampled, digests
     )  # fmt: skip
+    served.engine = "vllm engine" if size == 1 else f"vllm engine {tp_worker(served)}"
     served.checkpoint_model = checkpoint_model
     served.renames, served.expert_names = engine_names(model, sent_names)
     return served

@@ -61,6 +61,11 @@ class WeightDigests:
     step: int = 0
 
 
+def tp_worker(engine: WeightDigests) -> str:
+    """How an error names one of an engine's several tensor-parallel workers."""
+    return f"(tensor-parallel worker {engine.tp_rank} of {engine.tp_size})"
+
+
 def column_sample(shape: tuple[int, ...], columns: int, step: int) -> slice | None:
     """The columns of the last dimension a digest of a weight of `shape` covers: every `stride`-th from `step` mod
     `stride`, `stride` = ceil(width / `columns`) (at most `columns` of them; successive steps cover every column);
