@@ -111,20 +111,26 @@ def local_shards(actor) -> tuple[int, int]:
 
 def measured_refits(refit, actors: dict, repeats: int) -> dict:
     """A warm-up `refit()`, then `repeats` timed ones, each with every process's peak growth (driver and `actors`):
-    the median seconds, the largest growth per process, and what the last refit returned."""
+    the median seconds, the largest growth per process, and what the last refit returned. A refit that fails (the
+    old path at the largest size: Ray's memory monitor kills a worker) ends the measurement: its error's first line
+    and how far the driver had grown in it."""
     import ray
 
-    refit()
     seconds, growth = [], {name: [] for name in ("driver", *actors)}
-    for _ in range(repeats):
-        starts = {name: ray.get(actor.__ray_call__.remote(reset_peak)) for name, actor in actors.items()}
-        starts["driver"] = reset_peak()
-        begin = time.perf_counter()
-        result = refit()
-        seconds.append(time.perf_counter() - begin)
-        growth["driver"].append(read_peak() - starts["driver"])
-        for name, actor in actors.items():
-            growth[name].append(ray.get(actor.__ray_call__.remote(read_peak)) - starts[name])
+    driver_start = reset_peak()
+    try:
+        refit()
+        for _ in range(repeats):
+            starts = {name: ray.get(actor.__ray_call__.remote(reset_peak)) for name, actor in actors.items()}
+            starts["driver"] = driver_start = reset_peak()
+            begin = time.perf_counter()
+            result = refit()
+            seconds.append(time.perf_counter() - begin)
+            growth["driver"].append(read_peak() - starts["driver"])
+            for name, actor in actors.items():
+                growth[name].append(ray.get(actor.__ray_call__.remote(read_peak)) - starts[name])
+    except Exception as error:  # noqa: BLE001 - a measurement, reported as it failed
+        return {"failed": str(error).strip().splitlines()[0][:400], "driver_growth_mb": read_peak() - driver_start}
     return {
         "refit_s_median": statistics.median(seconds),
         "refit_s": seconds,
@@ -172,9 +178,11 @@ def refit_paths(model_dir: Path, dtype: str, repeats: int) -> dict:
 
         new = measured_refits(lambda: engine.wire.refit(trainer, bucket_bytes), actors, repeats)
         old = measured_refits(old_refit, actors, repeats)
-        stats = new.pop("result")
-        new |= dict(bytes=stats["bytes"], buckets=stats["buckets"], largest_bucket_mb=stats["largest_bucket"] / MIB)
-        old |= {"bytes": old.pop("result"), "buckets": None}
+        if "result" in new:
+            stats = new.pop("result")
+            new |= dict(bytes=stats["bytes"], buckets=stats["buckets"], largest_bucket_mb=stats["largest_bucket"] / MIB)
+        if "result" in old:
+            old |= {"bytes": old.pop("result"), "buckets": None}
         result = {
             "num_params": sum(numel for numel, _ in per_rank),
             "trainer_param_bytes": sum(nbytes for _, nbytes in per_rank),  # FSDP2 keeps fp32 master weights
@@ -186,7 +194,7 @@ def refit_paths(model_dir: Path, dtype: str, repeats: int) -> dict:
         }
         result["targets"] = {
             "driver_growth_below_64mb": new["driver_growth_mb"] < 64,
-            "rank_growth_within_bound": new["rank0_growth_mb"] <= result["rank_bound_mb"],
+            "rank_growth_within_bound": new.get("rank0_growth_mb", float("inf")) <= result["rank_bound_mb"],
         }
     return result
 
@@ -218,14 +226,18 @@ def verification_share(model_dir: Path, dtype: str, steps: int = 2) -> dict:
 
 
 def print_row(row: dict) -> None:
-    new, old = row["new"], row["old"]
+    def path(name: str) -> str:
+        measured = row[name]
+        if "failed" in measured:
+            return f"{name}: FAILED ({measured['failed'][:120]}; driver +{measured['driver_growth_mb']:.0f} MB)"
+        return (
+            f"{name}: {measured['refit_s_median']:.2f} s, driver +{measured['driver_growth_mb']:.1f} MB, "
+            f"rank0 +{measured['rank0_growth_mb']:.1f} MB, engine +{measured['engine_growth_mb']:.1f} MB"
+        )
+
     print(
-        f"{row['size']:>5} {row['num_params'] / 1e6:7.1f}M  "
-        f"refit s old {old['refit_s_median']:6.2f} new {new['refit_s_median']:6.2f}  "
-        f"driver MB old {old['driver_growth_mb']:7.1f} new {new['driver_growth_mb']:6.1f} (< 64)  "
-        f"rank0 MB old {old['rank0_growth_mb']:7.1f} new {new['rank0_growth_mb']:7.1f} "
-        f"(bound {row['rank_bound_mb']:.1f})  "
-        f"engine MB old {old['engine_growth_mb']:7.1f} new {new['engine_growth_mb']:7.1f}",
+        f"{row['size']:>5} {row['num_params'] / 1e6:.1f}M | {path('old')} | {path('new')} | targets: driver < 64 MB, "
+        f"rank0 <= {row['rank_bound_mb']:.1f} MB (shards + 2 buckets): {row['targets']}",
         flush=True,
     )
 
@@ -240,12 +252,16 @@ def plot(results: dict, out: Path) -> None:
 
     rows = results["sizes"]
     params = [row["num_params"] / 1e6 for row in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 4.2))
     for path, style in (("old", "--"), ("new", "-")):
-        left.plot(params, [row[path]["refit_s_median"] for row in rows], style + "o", label=f"{path} path")
+        done = [(p, row[path]) for p, row in zip(params, rows) if "failed" not in row[path]]
+        left.plot([p for p, _ in done], [m["refit_s_median"] for _, m in done], style + "o", label=f"{path} path")
         for process, color in (("driver", "C3"), ("rank0", "C0"), ("engine", "C2")):
-            growth = [max(row[path][f"{process}_growth_mb"], 0.1) for row in rows]
-            right.plot(params, growth, style + "o", color=color, label=f"{process}, {path}")
+            growth = [max(m[f"{process}_growth_mb"], 0.1) for _, m in done]  # 0.1: a floor for the log scale
+            right.plot([p for p, _ in done], growth, style + "o", color=color, label=f"{process}, {path}")
+    failed = [(p, row["old"]["driver_growth_mb"]) for p, row in zip(params, rows) if "failed" in row["old"]]
+    if failed:
+        right.plot(*zip(*failed), "x", color="C3", markersize=10, label="driver, old: until a worker was OOM-killed")
     right.plot(params, [row["rank_bound_mb"] for row in rows], ":", color="C0", label="rank bound: shards + 2 buckets")
     right.axhline(64, color="C3", linestyle=":", label="driver target: 64 MB")
     left.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="seconds per refit (median)")
@@ -253,7 +269,7 @@ def plot(results: dict, out: Path) -> None:
     left.set_title("refit time")
     right.set_title("resident memory growth")
     left.legend()
-    right.legend(fontsize=7)
+    right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle(f"refit: old path (driver gathers) vs the wire; 2 FSDP2 ranks, 1 vLLM-CPU engine, {results['date']}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -266,6 +282,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--merge", action="store_true", help="keep the other sizes already in --json")
     parser.add_argument("--verify-share", action="store_true", help="also the verification's share of a GRPO step")
     parser.add_argument(
         "--verify-only", action="store_true", help="only the verification's share, added to the sizes in --json"
@@ -287,6 +304,9 @@ def main() -> None:
         results["verify_run"] = {**machine, "date": time.strftime("%Y-%m-%d"), "command": command}
     else:
         results = {**machine, "date": time.strftime("%Y-%m-%d"), "command": command, "sizes": []}
+        if args.merge and args.json.exists():
+            kept = json.loads(args.json.read_text())["sizes"]
+            results["sizes"] = [row for row in kept if row["size"] not in args.sizes]
     for size in args.sizes:
         child = [sys.executable, __file__, "--one", size, "--dtype", args.dtype, "--repeats", str(args.repeats)]
         child += ["--verify-share"] if args.verify_share or args.verify_only else []
@@ -299,7 +319,9 @@ def main() -> None:
             next(r for r in results["sizes"] if r["size"] == size)["verify"] = row["verify"]
             print(size, json.dumps(row["verify"]), flush=True)
         else:
+            row["date"] = time.strftime("%Y-%m-%d %H:%M")
             results["sizes"].append(row)
+            results["sizes"].sort(key=lambda r: list(SIZES).index(r["size"]))
             print_row(row)
             plot(results, args.plot)
         write_result(args.json, results)  # after every size: a size that does not finish keeps the others
