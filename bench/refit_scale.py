@@ -19,7 +19,11 @@ measured, plus 2 x `generation.refit_bucket_mb`).
 
 `--verify-share` also runs, per size, a 2-step `reinforge grpo` with the same settings and reads the share of a
 step the refit's verification takes (`timing/refit_verify_s` / `timing/step_s` of step 2; step 1 also runs the
-consistency probe). Verification is being reworked (sampled, streamed digests); rerun with it after that lands.
+consistency probe); `--verify-only` adds just that to the sizes already in `--json`. The step is the demo config's
+own (32 prompts x 8, 48 new tokens) or, with `--verify-step small`, a quick one (4 x 4, 16 tokens). Verification
+is being reworked (sampled, streamed digests): rerun `--verify-only` after that lands.
+
+`--sizes 500M --merge` reruns one size and keeps the others; `--plot-only` redraws docs/refit_scale.png.
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ def build_model(size: str, dtype: str, out_dir: Path) -> Path:
     return out_dir
 
 
-def overrides(model_dir: Path, dtype: str) -> list[str]:
+def overrides(model_dir: Path, dtype: str, bucket_mb: int) -> list[str]:
     """The demo's GRPO config with 2 FSDP2 ranks, one vLLM engine in Ray, this model, no reference model."""
     return [
+        f"generation.refit_bucket_mb={bucket_mb}",
         "training.backend=fsdp2",
         "training.num_workers=2",
         "generation.backend=vllm",
@@ -139,20 +144,20 @@ def measured_refits(refit, actors: dict, repeats: int) -> dict:
     }
 
 
-def scale_one(size: str, dtype: str, repeats: int, refits: bool, verify_share: bool) -> dict:
-    """Runs in a child process: build the model; with `refits` time and measure both paths, with `verify_share`
-    the verification's share of a GRPO step."""
+def scale_one(size: str, dtype: str, bucket_mb: int, repeats: int, refits: bool, verify_step: str | None) -> dict:
+    """Runs in a child process: build the model; with `refits` time and measure both paths, with `verify_step` the
+    verification's share of a GRPO step of that shape."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(size, dtype, Path(tmp))
         result = {"size": size, "dtype": dtype}
         if refits:
-            result |= refit_paths(model_dir, dtype, repeats)
-        if verify_share:
-            result["verify"] = verification_share(model_dir, dtype)
+            result |= refit_paths(model_dir, dtype, bucket_mb, repeats)
+        if verify_step:
+            result[f"verify_{verify_step}"] = verification_share(model_dir, dtype, bucket_mb, verify_step)
     return result
 
 
-def refit_paths(model_dir: Path, dtype: str, repeats: int) -> dict:
+def refit_paths(model_dir: Path, dtype: str, bucket_mb: int, repeats: int) -> dict:
     """Start Ray, the trainer and the engine; measure both paths (stopped again on return)."""
     import ray
 
@@ -160,7 +165,7 @@ def refit_paths(model_dir: Path, dtype: str, repeats: int) -> dict:
     from reinforge.loops.builders import build_trainer, engine_group, start_ray_if_needed
 
     with ExitStack() as cleanup:
-        config = load_config(DEMO_CONFIG, overrides(model_dir, dtype))
+        config = load_config(DEMO_CONFIG, overrides(model_dir, dtype, bucket_mb))
         bucket_bytes = config.generation.refit_bucket_mb * MIB
         start_ray_if_needed(config, cleanup)
         trainer = build_trainer(config, cleanup)
@@ -201,22 +206,27 @@ def refit_paths(model_dir: Path, dtype: str, repeats: int) -> dict:
 
 # --- The verification's share of a GRPO step (issue 43's "at most 2%"). Verification is being reworked (sampled,
 # streamed digests): this measures whatever `timing/refit_verify_s` the code on this branch reports.
-def verification_share(model_dir: Path, dtype: str, steps: int = 2) -> dict:
-    """A `steps`-step `reinforge grpo` with this size's model (small rollouts, verification every step): the last
-    step's `timing/refit_verify_s` against its `timing/step_s` (RUN_DIR/metrics.jsonl)."""
-    small = [
+STEP_SHAPES = {  # the GRPO step the verification's share is of: the demo config's own, or a quick small one
+    "demo": [],
+    "small": [
         "rollout.num_prompts_per_step=4",
         "rollout.num_generations_per_prompt=4",
         "generation.max_new_tokens=16",
-        "generation.num_probe_prompts=2",
         "training.micro_batch_size=16",
         "training.global_batch_size=16",
-        "generation.verify_refit_every=1",
-    ]
-    arguments = ["grpo", "--config", str(DEMO_CONFIG), *overrides(model_dir, dtype), *small]
+    ],
+}
+
+
+def verification_share(model_dir: Path, dtype: str, bucket_mb: int, step_shape: str, steps: int = 2) -> dict:
+    """A `steps`-step `reinforge grpo` with this size's model (the step of `STEP_SHAPES[step_shape]`, verification
+    every step): the last step's `timing/refit_verify_s` against its `timing/step_s` (RUN_DIR/metrics.jsonl)."""
+    settings = [*overrides(model_dir, dtype, bucket_mb), *STEP_SHAPES[step_shape], "generation.verify_refit_every=1"]
+    arguments = ["grpo", "--config", str(DEMO_CONFIG), "generation.num_probe_prompts=2", *settings]
     rows, _ = run_cli(arguments, steps, val_every=0)
     last = [row for row in rows if "timing/refit_verify_s" in row][-1]
     return {
+        "step_shape": step_shape,
         "step": last["step"],
         "step_s": last["timing/step_s"],
         "refit_s": last.get("timing/refit_s"),
@@ -282,8 +292,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=64, help="generation.refit_bucket_mb (its default: 64)")
     parser.add_argument("--merge", action="store_true", help="keep the other sizes already in --json")
     parser.add_argument("--verify-share", action="store_true", help="also the verification's share of a GRPO step")
+    parser.add_argument("--verify-step", choices=list(STEP_SHAPES), default="demo", help="that step's shape")
     parser.add_argument(
         "--verify-only", action="store_true", help="only the verification's share, added to the sizes in --json"
     )
@@ -293,7 +305,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if args.one:
-        print(json.dumps(scale_one(args.one, args.dtype, args.repeats, not args.verify_only, args.verify_share)))
+        step = args.verify_step if args.verify_share or args.verify_only else None
+        print(json.dumps(scale_one(args.one, args.dtype, args.bucket_mb, args.repeats, not args.verify_only, step)))
         return
     if args.plot_only:
         return plot(json.loads(args.json.read_text()), args.plot)
@@ -301,7 +314,7 @@ def main() -> None:
     command = " ".join(["python", "bench/refit_scale.py", *sys.argv[1:]])
     if args.verify_only:  # the refit numbers stay; each size gets its verification share (and this run's details)
         results = json.loads(args.json.read_text())
-        results["verify_run"] = {**machine, "date": time.strftime("%Y-%m-%d"), "command": command}
+        results[f"verify_run_{args.verify_step}"] = {**machine, "date": time.strftime("%Y-%m-%d"), "command": command}
     else:
         results = {**machine, "date": time.strftime("%Y-%m-%d"), "command": command, "sizes": []}
         if args.merge and args.json.exists():
@@ -309,6 +322,7 @@ def main() -> None:
             results["sizes"] = [row for row in kept if row["size"] not in args.sizes]
     for size in args.sizes:
         child = [sys.executable, __file__, "--one", size, "--dtype", args.dtype, "--repeats", str(args.repeats)]
+        child += ["--bucket-mb", str(args.bucket_mb), "--verify-step", args.verify_step]
         child += ["--verify-share"] if args.verify_share or args.verify_only else []
         child += ["--verify-only"] if args.verify_only else []
         done = subprocess.run(child, capture_output=True, text=True)
@@ -316,8 +330,9 @@ def main() -> None:
             raise SystemExit(f"{size} failed:\n{done.stderr[-3000:]}")
         row = json.loads(done.stdout.strip().splitlines()[-1])
         if args.verify_only:
-            next(r for r in results["sizes"] if r["size"] == size)["verify"] = row["verify"]
-            print(size, json.dumps(row["verify"]), flush=True)
+            key = f"verify_{args.verify_step}"
+            next(r for r in results["sizes"] if r["size"] == size)[key] = row[key]
+            print(size, json.dumps(row[key]), flush=True)
         else:
             row["date"] = time.strftime("%Y-%m-%d %H:%M")
             results["sizes"].append(row)
