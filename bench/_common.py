@@ -61,6 +61,12 @@ QWEN25_1_5B = dict(
 
 def build_30m_model(out_dir: Path) -> Path:
     """A randomly initialised ~30M-parameter Qwen2 with the demo model's tokenizer (seed 0), saved."""
+    return build_random_qwen2(out_dir, MODEL_30M)
+
+
+def build_random_qwen2(out_dir: Path, shape: dict, dtype: torch.dtype = torch.float32) -> Path:
+    """A randomly initialised Qwen2 of `shape` (config overrides) with the demo model's vocabulary and tokenizer
+    (seed 0), saved in `dtype`."""
     from transformers import AutoConfig, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     base = AutoConfig.from_pretrained(ROOT / "models" / "demo")
@@ -72,9 +78,9 @@ def build_30m_model(out_dir: Path) -> Path:
         bos_token_id=None,
         tie_word_embeddings=True,
         max_position_embeddings=2048,
-        **MODEL_30M,
+        **shape,
     )
-    Qwen2ForCausalLM(config).save_pretrained(out_dir)
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(ROOT / "models" / "demo").save_pretrained(out_dir)
     return out_dir
 
