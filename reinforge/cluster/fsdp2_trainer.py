@@ -126,9 +126,9 @@ class FSDP2Trainer(FSDP2Ranks):
     def join_weight_transfer(self) -> None:
         self.group.call_rank(0, "join_weight_transfer")
 
-    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int, expect=None) -> dict:
+    def send_weights(self, layout, bucket_bytes: int, expect=None) -> dict:
         """Every rank gathers, rank 0 sends (training/backend.py `send_weights`): its `SendStats` and expectation."""
-        return self.group.call("send_weights", checkpoint_model, list(drop), bucket_bytes, expect)[0]
+        return self.group.call("send_weights", layout, bucket_bytes, expect)[0]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights one decoder layer at a time (`Backend.weight_parts`): the ranks gather a layer from their

@@ -92,7 +92,7 @@ class GenerationGroup:
     def receive_weights(self, version: int | None = None) -> None:
         self.group.call("receive_weights", version)
 
-    def refit_layout(self) -> tuple[str | None, list[str]]:
+    def refit_layout(self):
         return self.group.call_rank(0, "refit_layout")
 
     @staticmethod

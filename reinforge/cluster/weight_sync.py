@@ -31,7 +31,7 @@ class WeightWire:
 
     def __init__(self, engines, timeout_s: float):
         self.engines, self.timeout_s = engines, timeout_s
-        self.layout: tuple[str | None, list[str]] | None = None
+        self.layout = None  # the engines' WireLayout (generation/weight_transfer.py), known once the wire is open
         self.weight_layouts: list | None = None
 
     def open(self, trainer) -> None:
@@ -54,10 +54,9 @@ class WeightWire:
         `layouts()`), it back with the digests the engines must report, computed by the sender as it sent."""
         if self.layout is None:
             self.open(trainer)
-        checkpoint_model, drop = self.layout
         _, stats = at_once(
             lambda: self.engines.receive_weights(version),
-            lambda: trainer.send_weights(checkpoint_model, drop, bucket_bytes, expect),
+            lambda: trainer.send_weights(self.layout, bucket_bytes, expect),
         )
         return stats
 

@@ -202,9 +202,11 @@ class HFGenerationBackend:
     def transfer_ranks(self) -> int:
         return 1
 
-    def refit_layout(self) -> tuple[str | None, list[str]]:
-        """The sender sends this engine the trainer's own names and layout (no checkpoint to match)."""
-        return None, []
+    def refit_layout(self):
+        """The sender sends this engine the trainer's own names and layout (no checkpoint to match), in its dtype."""
+        from reinforge.generation.weight_transfer import WireLayout
+
+        return WireLayout(dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
 
     def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
         """The digest of every weight the engine computes with (its state_dict, Hugging Face names), of its sampled

@@ -353,10 +353,13 @@ class VLLMGenerationBackend:
         """The engine's members of the transfer group: its tensor-parallel workers."""
         return self.llm.llm_engine.vllm_config.parallel_config.world_size
 
-    def refit_layout(self) -> tuple[str | None, list[str]]:
-        """What a sender does to the trainer's weights for this engine: the model whose checkpoint layout it sends
-        (checkpoint_layout.py), and the tied names it leaves out."""
-        return self.model_path, self.untied_names
+    def refit_layout(self):
+        """What a sender makes of the trainer's weights for this engine (a `WireLayout`): the checkpoint's layout
+        (checkpoint_layout.py), without the tied names it has no parameter of, in the dtype it computes in."""
+        from reinforge.generation.weight_transfer import WireLayout
+
+        dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        return WireLayout(self.model_path, tuple(self.untied_names), dtype)
 
     def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
         """Each worker's digest of every weight it serves, its sampled columns (`column_sample`, weight_digest.py)."""

@@ -13,8 +13,8 @@ The stream is a sequence of buckets, each a header and a payload broadcast from 
   outside the layers), as JSON; an empty header ends the stream;
 - the payload: the bucket's tensors' bytes, one flat buffer.
 Every engine worker receives every bucket (a tensor-parallel worker takes its own slice as it loads, as it does
-from a checkpoint). The sender keeps up to two buckets in flight, so gathering the next layer overlaps sending
-this one.
+from a checkpoint). The sender holds at most two buckets, one on the wire while the next layer is gathered and its
+bucket built, and sends floating weights in the engine's dtype (`WireLayout`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Sender:
         self.group, self.store = open_group(self.info, 0, self.store)
 
     def send(
-        self, parts: Iterable[Named], checkpoint_model: str | None, drop: list[str], bucket_bytes: int,
+        self, parts: Iterable[Named], layout: "WireLayout", bucket_bytes: int,
         on_group: Callable[[dict], None] | None = None,
     ) -> SendStats:  # fmt: skip
         """`parts` (the trainer's weights, a decoder layer at a time) as the engines load them (`in_layout`), each
@@ -87,7 +87,7 @@ class Sender:
 
         def laid_out():
             for part in parts:
-                group = in_layout(part, checkpoint_model, drop)
+                group = in_layout(part, layout)
                 if on_group is not None:
                     on_group(dict(group))
                 yield group
@@ -95,15 +95,28 @@ class Sender:
         return send(self.group, laid_out(), bucket_bytes)
 
 
-def in_layout(part: Named, checkpoint_model: str | None, drop: list[str]) -> Named:
-    """One part of the trainer's weights as an engine loads them: in the checkpoint's layout of `checkpoint_model`
-    (an engine that loads checkpoints: vLLM; checkpoint_layout.py), or as they are (the HF engine), without the
-    names in `drop` (tied names the engine has no parameter of)."""
-    if checkpoint_model is None:
-        return [(name, tensor) for name, tensor in part if name not in drop]
-    from reinforge.generation.checkpoint_layout import checkpoint_layout
+@dataclass(frozen=True)
+class WireLayout:
+    """What the sender makes of the trainer's weights for an engine (its `refit_layout()`): the model whose
+    checkpoint layout it loads (vLLM; None: the trainer's own names, the HF engine), the tied names it has no
+    parameter of, and the dtype it computes in (floating weights are sent in it: fp32 master weights to a bf16
+    engine cross the wire at half the bytes; None: as they are)."""
 
-    return list(checkpoint_layout(checkpoint_model, part, drop).items())
+    checkpoint_model: str | None = None
+    drop: tuple[str, ...] = ()
+    dtype: str | None = None
+
+
+def in_layout(part: Named, layout: WireLayout) -> Named:
+    """One part of the trainer's weights as an engine loads them (`WireLayout`)."""
+    if layout.checkpoint_model is None:
+        named = [(name, tensor) for name, tensor in part if name not in layout.drop]
+    else:
+        from reinforge.generation.checkpoint_layout import checkpoint_layout
+
+        named = list(checkpoint_layout(layout.checkpoint_model, part, layout.drop).items())
+    dtype = getattr(torch, layout.dtype) if layout.dtype else None
+    return [(n, t.to(dtype) if dtype is not None and t.is_floating_point() else t) for n, t in named]
 
 
 def _broadcast(group, tensor: torch.Tensor):
@@ -162,7 +175,8 @@ class SendStats:
 
 def send(group, groups: Iterable[Named], bucket_bytes: int) -> SendStats:
     """Broadcast `groups` (lists of (name, tensor), one decoder layer each) to every receiver, then the end header.
-    At most two buckets are in flight: the next group is produced (gathered) while the last one is on the wire."""
+    At most two buckets exist at once: the next group is produced (gathered) and its bucket built while the last one is
+    on the wire."""
     stats, in_flight = SendStats(), []
     for bucket, group_end in buckets(groups, bucket_bytes):
         tensors = [t.detach().contiguous() for _, t in bucket]
@@ -174,7 +188,7 @@ def send(group, groups: Iterable[Named], bucket_bytes: int) -> SendStats:
         )
         # on the host: gloo's wire (a GPU sender's bucket is copied down once)
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]).cpu() if tensors else None
-        while len(in_flight) >= 2:
+        while in_flight:  # this bucket built, the last one still on the wire: two buckets at most
             for work in in_flight.pop(0)[0]:
                 work.wait()
         in_flight.append(_start(group, header, flat))

@@ -309,15 +309,16 @@ class Backend:
         if self.strategy.is_main:
             self.sender.join()
 
-    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int, expect=None):
+    def send_weights(self, layout, bucket_bytes: int, expect=None):
         """Send the full weights to every engine, a decoder layer at a time (a collective: every rank gathers each
-        layer; the main rank sends it while the next is gathered). The main rank's `SendStats` as a dict, with
+        layer; the main rank sends it while the next is gathered), as `layout` (the engines' `WireLayout`) says.
+        The main rank's `SendStats` as a dict, with
         `expectation`: `expect` (a refit check's `Expectation`, generation/weight_digest.py) given each layer as
         it is sent."""
         parts = (list(self.named_weights(part)) for part in range(self.num_weight_parts()))
         if not self.strategy.is_main:
             return sum(1 for _ in parts) and None
-        stats = self.sender.send(parts, checkpoint_model, drop, bucket_bytes, expect.add if expect else None)
+        stats = self.sender.send(parts, layout, bucket_bytes, expect.add if expect else None)
         return {**vars(stats), "expectation": expect}
 
     def save_pretrained(self, path: Path) -> None:

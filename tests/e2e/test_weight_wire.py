@@ -25,7 +25,7 @@ def refit(engine, sender, weights: dict, version: int, expectation) -> None:
     builds the refit check's expected digests as it sends."""
     receiving = threading.Thread(target=engine.receive_weights, args=(version,))
     receiving.start()
-    sender.send([list(weights.items())], *engine.refit_layout(), bucket_bytes=1 << 20, on_group=expectation.add)
+    sender.send([list(weights.items())], engine.refit_layout(), bucket_bytes=1 << 20, on_group=expectation.add)
     receiving.join(timeout=120)
 
 

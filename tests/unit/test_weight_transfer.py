@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from reinforge.generation.weight_transfer import Sender, TransferInfo, buckets, open_group, receive
+from reinforge.generation.weight_transfer import Sender, TransferInfo, WireLayout, buckets, open_group, receive
 
 
 def test_buckets_hold_at_most_their_size_a_larger_tensor_alone_and_end_each_group():
@@ -36,7 +36,7 @@ def test_every_receiver_gets_every_tensor_bit_for_bit_refit_after_refit():
     for worker in workers:
         worker.start()
     sender.join()
-    stats = [sender.send(parts, None, drop=["norm"], bucket_bytes=4096) for _ in range(2)]
+    stats = [sender.send(parts, WireLayout(drop=("norm",)), bucket_bytes=4096) for _ in range(2)]
     for worker in workers:
         worker.join(timeout=60)
     sent = {name: t for part in parts for name, t in part if name != "norm"}
@@ -49,3 +49,13 @@ def test_every_receiver_gets_every_tensor_bit_for_bit_refit_after_refit():
                 assert torch.equal(loaded[name][0], tensor) and loaded[name][0].dtype == tensor.dtype, name
             assert [loaded[n][1] for n in ("embed", "layers.0.i", "layers.1.w")] == [True, True, True]
             assert loaded["layers.0.w"][1] is False
+
+
+def test_floating_weights_go_in_the_engines_dtype_without_its_missing_names():
+    from reinforge.generation.weight_transfer import in_layout
+
+    part = [("w", torch.tensor([1.0, 1 + 2**-9])), ("ids", torch.arange(3)), ("lm_head.weight", torch.ones(2))]
+    out = dict(in_layout(part, WireLayout(drop=("lm_head.weight",), dtype="bfloat16")))
+    assert list(out) == ["w", "ids"]
+    assert out["w"].dtype == torch.bfloat16 and out["w"].tolist() == [1.0, 1.0]  # rounded as the engine would
+    assert out["ids"].dtype == torch.int64
