@@ -12,7 +12,9 @@
 #   2. bench/moe_replay.py on the MoE demo (models/moe_demo) in bfloat16: router replay off and on with the HF
 #      engine, and with vLLM where the image has it (vLLM records routes on a GPU only: Model Runner V2);
 #   3. where the image has vLLM: tests/e2e/test_refit_verify_vllm.py (the refit verification against vLLM's GPU
-#      parameters) and tests/e2e/test_in_flight_engine.py (weights updated between two decoding steps);
+#      parameters), tests/e2e/test_in_flight_engine.py (weights updated between two decoding steps) and
+#      bench/refit_gpu.py (the refit's wire into a 1.5B bf16 engine on the GPU: seconds, GB/s, the sampled check;
+#      must pass the check every time and take <= 5 s);
 #   --- `gpu_checks.sh quick` stops here ---
 #   4. bench/gpu_training_mfu.py on the 1.5B Qwen2.5-architecture model: compiled layers (with a kernel
 #      profile), eager; bench/lora_memory.py: full fine-tuning against LoRA rank 16;
@@ -54,6 +56,8 @@ if python3 -c "import vllm" 2>/dev/null; then
   echo "refit verify exit $?"; grep -E "passed|failed|PASSED|FAILED" "$OUT/refit_verify.log" | tail -6
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/e2e/test_in_flight_engine.py >"$OUT/in_flight.log" 2>&1
   echo "in-flight engine exit $?"; grep -E "passed|failed|PASSED|FAILED" "$OUT/in_flight.log" | tail -6
+  timeout 300 python3 bench/refit_gpu.py --json "$OUT/refit_gpu.json" >"$OUT/refit_gpu.log" 2>&1
+  echo "refit wire exit $?"; tail -c 600 "$OUT/refit_gpu.log"
 else
   echo "vLLM checks: no vllm in this image, skipped"
 fi
