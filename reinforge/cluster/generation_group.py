@@ -95,21 +95,18 @@ class GenerationGroup:
 
 
 class InFlightGroup(GenerationGroup):
-    """In-flight engines (generation/in_flight.py's `InFlightWorker`, each wrapping `engine_cls(**engine_kwargs)`)
-    as Ray actors that take up to `max_concurrency` calls at once: the rollout workers, the endpoint and the refit
-    call from threads of their own. A `generate` call goes whole to the engine with the fewest calls running (a
-    group's samples stay on one engine, where they share the prompt's cache); new weights go to every engine."""
+    """In-flight engines (`actor_cls(**actor_kwargs)`: generation/vllm_async.py's `AsyncVLLMEngine`, or
+    generation/in_flight.py's `InFlightWorker` around an HF engine) as Ray actors that take up to `max_concurrency`
+    calls at once: the rollout workers, the endpoint and the refit call from threads of their own. A `generate` call
+    goes whole to the engine with the fewest calls running (a group's samples stay on one engine, where they share
+    the prompt's cache); new weights go to every engine."""
 
-    def __init__(self, engine_cls: type, engine_kwargs: dict, kv_cache: str, max_concurrency: int, **group_kwargs):
-        worker_kwargs = dict(engine_cls=engine_cls, engine_kwargs=engine_kwargs, kv_cache=kv_cache,
-                             wait_timeout_s=group_kwargs["timeout_s"])  # fmt: skip
-        from reinforge.generation.in_flight import InFlightWorker
-
+    def __init__(self, actor_cls: type, actor_kwargs: dict, max_concurrency: int, **group_kwargs):
         self.group = WorkerGroup(
             "generation",
-            InFlightWorker,
+            actor_cls,
             group_kwargs["num_engines"],
-            lambda rank, _: worker_kwargs,
+            lambda rank, _: actor_kwargs,
             num_cpus_per_worker=group_kwargs["num_cpus_per_engine"],
             num_gpus_per_worker=group_kwargs["num_gpus_per_engine"],
             timeout_s=group_kwargs["timeout_s"],
