@@ -91,7 +91,6 @@ class AsyncVLLMEngine:
         self.decoding_steps = 0  # scheduler steps of the engine core that ran requests, since the start
         self._lock = threading.Lock()  # the counts, read by `metrics` from any thread
         self._counts = {"busy_s": 0.0, "steps": 0, "sequences": 0, "updates": 0}
-        self._since = self._marked = time.perf_counter()
         self._sequences, self._paused, self._next_id = 0, False, 0
         arguments = engine_arguments(**engine_kwargs, own_process=True)
         # our own functions run in the engine's workers (collective_rpc), and their results come back
@@ -100,33 +99,18 @@ class AsyncVLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="reinforge-async-vllm", daemon=True)
         self._thread.start()
         try:
-            self._call(self._start(arguments), "the engine to start")
+            self._call(_start(self, arguments), "the engine to start")
         except Exception as error:  # one line naming the family and the engine (vllm_support.py)
             self._stop_loop()
             raise engine_failure(self.model_path, error) from error
-
-    async def _start(self, arguments: dict) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.llm = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**arguments, disable_log_stats=True), stat_loggers=[step_counter(self)]
-        )
-        self._update_lock = asyncio.Lock()
-        await self.llm.update_weight_version(str(self.version))  # tokens carry the version they were sampled by
-        self.padded_experts = (await self.llm.collective_rpc(padded_expert_width))[0]
-        # tied names the engine's model has no module of (Gemma's LM head is the embedding): never sent
-        tied = list(tied_names(self.model_path))
-        has = (await self.llm.collective_rpc(has_modules, args=(tied,)))[0]
-        self.untied_names = [name for name, present in zip(tied, has) if not present]
-        self.image_token, self.num_experts = model_facts(self.llm.model_config)
+        self._since = self._marked = time.perf_counter()  # the start-up is no idle time of the engine's
 
     # -- the GenerationBackend interface, callable from any thread --
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, images=None) -> GenerationResult:
         """`images`: each prompt's (a vision-language model's image prompts), or None."""
         images = images or [None] * len(prompt_token_ids)
-        return GenerationResult(self._call(self._generate(prompt_token_ids, params, images), "the engine to answer"))
+        return GenerationResult(self._call(_generate(self, prompt_token_ids, params, images), "the engine to answer"))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Load new weights with the requests in flight kept (default version: the current one + 1); returns once
@@ -139,7 +123,7 @@ class AsyncVLLMEngine:
         payload = io.BytesIO()
         torch.save([(name, tensor.cpu().contiguous()) for name, tensor in weights.items()], payload)
         version = self.version + 1 if version is None else version
-        self._call(self._update(payload.getvalue(), version), "the engine to load new weights")
+        self._call(_update(self, payload.getvalue(), version), "the engine to load new weights")
 
     def set_version(self, version: int) -> None:
         """The version of the weights the engine computes with (the start-up or resume refit's): its tokens' label."""
@@ -166,7 +150,7 @@ class AsyncVLLMEngine:
         request = LoRARequest(f"policy-{number}", number, path)
         assert self._call(self.llm.add_lora(request), "the engine to load an adapter"), f"vLLM did not load {path}"
         self.adapter = request
-        self._call(self._reset_caches(), "the engine to reset its caches")
+        self._call(_reset_caches(self), "the engine to reset its caches")
 
     def sleep(self) -> None:
         """Never: the engine keeps generating while the trainer works."""
@@ -193,50 +177,7 @@ class AsyncVLLMEngine:
             self._counts["steps"] += 1
             self._counts["sequences"] += sequences
 
-    # -- on the loop --
-
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams, images: list) -> list:
-        requests = [self._request(ids, params, i, inputs) for i, (ids, inputs) in enumerate(zip(prompts, images))]
-        return list(await asyncio.gather(*requests))
-
-    async def _request(self, prompt_ids: list[int], params: SamplingParams, index: int, images) -> list:
-        request_id = f"inflight-{self._next_id}"
-        self._next_id += 1
-        sampling = vllm_sampling_params(params, index, images, self.image_token, self.route_experts)
-        self._busy(sequences=params.num_samples)
-        try:
-            async for output in self.llm.generate(
-                vllm_prompt(prompt_ids, images), sampling, request_id, lora_request=self.adapter
-            ):
-                final = output
-        finally:
-            self._busy(sequences=-params.num_samples)
-        check_expansion(prompt_ids, images, final)
-        return vllm_completions(final, index, params, self.num_experts)
-
-    async def _update(self, payload: bytes, version: int) -> None:
-        async with self._update_lock:
-            recompute = self.kv_cache == "recompute"
-            # "recompute": the pause clears every cache, the running requests' KV too (vLLM preempts them)
-            await self.llm.pause_generation(mode="keep", clear_cache=recompute)
-            self._busy(paused=True)
-            try:
-                await self.llm.collective_rpc(reload_weights, args=(payload,))
-                await self.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts
-                if not recompute:  # the prefix cache's blocks were computed with the old weights (running ones kept)
-                    await self._reset_caches()
-                await self.llm.update_weight_version(str(version))
-                self.version = version
-                with self._lock:
-                    self._counts["updates"] += 1
-            finally:
-                await self.llm.resume_generation()
-                self._busy(paused=False)
-
-    async def _reset_caches(self) -> None:
-        await self.llm.reset_prefix_cache()
-        if self.image_token is not None:  # image features the old weights computed (vllm_backend.py)
-            await self.llm.reset_encoder_cache()
+    # -- the counts (on the loop, and `metrics` from any thread) --
 
     def _busy(self, sequences: int = 0, paused: bool | None = None) -> None:
         """The engine computes while a sequence runs and it is not paused: count the time until this change."""
@@ -270,3 +211,74 @@ class AsyncVLLMEngine:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=60)
+
+
+# The engine's coroutines, on its loop. Not methods: Ray makes an actor with a coroutine method an asyncio actor,
+# whose plain methods would then run on its event loop one at a time (the rollout workers' calls must not wait
+# for each other).
+
+
+async def _start(engine: "AsyncVLLMEngine", arguments: dict) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine.llm = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(**arguments, disable_log_stats=True), stat_loggers=[step_counter(engine)]
+    )
+    engine._update_lock = asyncio.Lock()
+    await engine.llm.update_weight_version(str(engine.version))  # tokens carry the version they were sampled by
+    engine.padded_experts = (await engine.llm.collective_rpc(padded_expert_width))[0]
+    # tied names the engine's model has no module of (Gemma's LM head is the embedding): never sent
+    tied = list(tied_names(engine.model_path))
+    has = (await engine.llm.collective_rpc(has_modules, args=(tied,)))[0]
+    engine.untied_names = [name for name, present in zip(tied, has) if not present]
+    engine.image_token, engine.num_experts = model_facts(engine.llm.model_config)
+
+
+async def _generate(engine: "AsyncVLLMEngine", prompts: list[list[int]], params: SamplingParams, images: list) -> list:
+    requests = [_request(engine, ids, params, i, inputs) for i, (ids, inputs) in enumerate(zip(prompts, images))]
+    return list(await asyncio.gather(*requests))
+
+
+async def _request(
+    engine: "AsyncVLLMEngine", prompt_ids: list[int], params: SamplingParams, index: int, images
+) -> list:
+    request_id = f"inflight-{engine._next_id}"
+    engine._next_id += 1
+    sampling = vllm_sampling_params(params, index, images, engine.image_token, engine.route_experts)
+    engine._busy(sequences=params.num_samples)
+    try:
+        async for output in engine.llm.generate(
+            vllm_prompt(prompt_ids, images), sampling, request_id, lora_request=engine.adapter
+        ):
+            final = output
+    finally:
+        engine._busy(sequences=-params.num_samples)
+    check_expansion(prompt_ids, images, final)
+    return vllm_completions(final, index, params, engine.num_experts)
+
+
+async def _update(engine: "AsyncVLLMEngine", payload: bytes, version: int) -> None:
+    async with engine._update_lock:
+        recompute = engine.kv_cache == "recompute"
+        # "recompute": the pause clears every cache, the running requests' KV too (vLLM preempts them)
+        await engine.llm.pause_generation(mode="keep", clear_cache=recompute)
+        engine._busy(paused=True)
+        try:
+            await engine.llm.collective_rpc(reload_weights, args=(payload,))
+            await engine.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts
+            if not recompute:  # the prefix cache's blocks were computed with the old weights (running ones kept)
+                await _reset_caches(engine)
+            await engine.llm.update_weight_version(str(version))
+            engine.version = version
+            with engine._lock:
+                engine._counts["updates"] += 1
+        finally:
+            await engine.llm.resume_generation()
+            engine._busy(paused=False)
+
+
+async def _reset_caches(engine: "AsyncVLLMEngine") -> None:
+    await engine.llm.reset_prefix_cache()
+    if engine.image_token is not None:  # image features the old weights computed (vllm_backend.py)
+        await engine.llm.reset_encoder_cache()
