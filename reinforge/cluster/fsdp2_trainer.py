@@ -115,6 +115,20 @@ class FSDP2Trainer(FSDP2Ranks):
     def keep_version(self, version: int, depth: int) -> list[int]:
         return self.group.call("keep_version", version, depth)[0]
 
+    def transfer_host(self) -> str:
+        """The address of the main rank's node, where the refit's transfer group meets."""
+        return self.group._bundle_ip(0)
+
+    def host_weight_transfer(self, world_size: int, timeout_s: float) -> int:
+        return self.group.call_rank(0, "host_weight_transfer", world_size, timeout_s)
+
+    def join_weight_transfer(self) -> None:
+        self.group.call_rank(0, "join_weight_transfer")
+
+    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int) -> dict:
+        """Every rank gathers, rank 0 sends (training/backend.py `send_weights`): its `SendStats`."""
+        return self.group.call("send_weights", checkpoint_model, list(drop), bucket_bytes)[0]
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights one decoder layer at a time (`Backend.weight_parts`): the ranks gather a layer from their
         shards and rank 0 hands it over before the next is gathered."""

@@ -2,9 +2,9 @@
 
 Each engine gets a contiguous slice of the prompts (engine 0 with the step's seed, so one engine
 samples exactly what an in-process engine would; the others with seed streams of their own) and the results are
-merged in prompt order. A refit puts the weights in the object store once and every engine loads them;
-a LoRA adapter sync hands every engine the adapter's path instead (in the run directory: on several nodes
-it must be on a shared filesystem).
+merged in prompt order. A refit sends the weights from the training ranks to every engine (`wire`,
+cluster/weight_sync.py); a LoRA adapter sync hands every engine the adapter's path instead (in the run directory:
+on several nodes it must be on a shared filesystem).
 `InFlightGroup` is the same for in-flight generation (`rollout.mode=in_flight`): engines that keep generating
 while their weights are updated, each call of the rollout workers sent whole to one engine.
 With `cluster.colocate=true` engine i shares training rank i's placement bundle (they take turns on
@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from reinforge.cluster.weight_sync import WeightWire
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.generation.base import GenerationResult, SamplingParams
 from reinforge.generation.weight_digest import WeightDigests
@@ -48,6 +49,7 @@ class GenerationGroup:
             timeout_s=timeout_s,
             share_with=share_with,
         )
+        self.wire = WeightWire(self, timeout_s)  # the refit's, opened at the first (cluster/weight_sync.py)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, images=None) -> GenerationResult:
         """`images`: each prompt's (a vision-language model's image prompts), sent with its slice."""
@@ -74,6 +76,27 @@ class GenerationGroup:
     def load_adapter(self, path: str) -> None:
         self.group.call("load_adapter", path)
 
+    def transfer_ranks(self) -> list[int]:
+        """Each engine's workers in the refit's transfer group (its tensor-parallel size)."""
+        return self.group.call("transfer_ranks")
+
+    def init_weight_transfer(self, infos: list[dict]) -> None:
+        """Engine i joins the transfer group with `infos[i]` (its own rank offset); returns once all members have."""
+        self.group.call_each("init_weight_transfer", [(info,) for info in infos])
+
+    def receive_weights(self, version: int | None = None) -> None:
+        self.group.call("receive_weights", version)
+
+    def refit_layout(self) -> tuple[str | None, list[str]]:
+        return self.group.call_rank(0, "refit_layout")
+
+    @staticmethod
+    def driver_host() -> str:
+        """This process's node address (a sender in the driver's process hosts the group here)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
     def weight_digests(self) -> list[WeightDigests]:
         """Every engine's `weight_digests`, each named as its worker (`generation[i]`)."""
         return self._named(self.group.call("weight_digests"))
@@ -99,7 +122,7 @@ class InFlightGroup(GenerationGroup):
     generation/in_flight.py's `InFlightWorker` around an HF engine) as Ray actors that take up to `max_concurrency`
     calls at once: the rollout workers, the endpoint and the refit call from threads of their own. A `generate` call
     goes whole to the engine with the fewest calls running (a group's samples stay on one engine, where they share
-    the prompt's cache); new weights go to every engine."""
+    the prompt's cache); new weights go to every engine, over the refit's wire while it generates."""
 
     def __init__(self, actor_cls: type, actor_kwargs: dict, max_concurrency: int, **group_kwargs):
         self.group = WorkerGroup(
@@ -112,6 +135,7 @@ class InFlightGroup(GenerationGroup):
             timeout_s=group_kwargs["timeout_s"],
             max_concurrency=max_concurrency,
         )
+        self.wire = WeightWire(self, group_kwargs["timeout_s"])  # the refit's, opened at the first
         self._lock = threading.Lock()
         self._calls = [0] * len(self.group.workers)
         self._version = 0

@@ -43,6 +43,10 @@ class GenerationConfig(Section):
     """Most sequences the HF backend decodes at once; larger requests are split."""
     num_workers: int = 1
     """Generation engines, data-parallel over prompts, when the run uses Ray (training.backend=fsdp2)."""
+    refit_bucket_mb: int = Field(default=64, ge=1)
+    """The refit's wire (generation/weight_transfer.py): engines in Ray get the trainer's weights in buckets of at
+    most this many MiB (a larger tensor alone), a decoder layer at a time, straight from the training ranks; no
+    process holds more than its own weights and two buckets."""
     max_logprob_error: float = 1.05
     """Consistency gate: stop the run when the engine's and the trainer's logprobs of the same tokens
     differ by more than this token_mult_prob_error (checked at start-up and after the first refit)."""

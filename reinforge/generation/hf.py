@@ -175,6 +175,37 @@ class HFGenerationBackend:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=True)
 
+    def init_weight_transfer(self, info: dict) -> None:
+        """Join the refit's transfer group as its member `info["rank_offset"]` (generation/weight_transfer.py)."""
+        from reinforge.generation.weight_transfer import TransferInfo, open_group
+
+        info = TransferInfo(**info)
+        self.transfer = open_group(info, info.rank_offset)
+
+    def receive_weights(self, version: int | None = None) -> None:
+        """`update_weights` through the transfer, bucket by bucket (Hugging Face names); every weight must come."""
+        from reinforge.generation.weight_transfer import receive
+
+        expected, loaded = set(self.model.state_dict()), set()
+        params = self.model.state_dict(keep_vars=True)
+
+        def load(named, group_end: bool) -> None:
+            with torch.no_grad():
+                for name, tensor in named:
+                    params[name].copy_(tensor)
+                    loaded.add(name)
+
+        receive(self.transfer[0], load)
+        if missing := sorted(expected - loaded):
+            raise RuntimeError(f"the refit sent no {missing[0]} (and {len(missing) - 1} more)")
+
+    def transfer_ranks(self) -> int:
+        return 1
+
+    def refit_layout(self) -> tuple[str | None, list[str]]:
+        """The sender sends this engine the trainer's own names and layout (no checkpoint to match)."""
+        return None, []
+
     def weight_digests(self) -> list[WeightDigests]:
         """The digest of every weight the engine computes with (its state_dict, Hugging Face names)."""
         return [report("hf engine", self.model.state_dict().items())]

@@ -9,7 +9,8 @@ thread:
 - `generate` queues its prompts and waits for their completions. The HF engine has no scheduler: the driver
   generates the waiting requests of one sampling setting together (a wave), and requests that arrive meanwhile
   wait for the next wave.
-- `update_weights(weights, version)` is applied by the driver between two decoding steps of the wave, the requests
+- `update_weights(weights, version)` (or `receive_weights(version)`, the same through the refit's wire) is applied
+  by the driver between two decoding steps of the wave, the requests
   in flight kept, and returns once the engine computes with them. Tokens sampled from then on carry the new version;
   a sequence may span several (`Completion.token_versions`: the version of each decoding step). The KV cache of the
   tokens generated so far is kept as the old weights computed it (`kv_cache="keep"`, as PipelineRL does; dropping
@@ -108,7 +109,23 @@ class InFlightEngine:
         engine computes with them."""
         weights = list(named_tensors)  # gathered on the caller's thread
         version = self.version + 1 if version is None else version
-        self._call(lambda: self._load(weights, version), "the engine to load new weights")
+        self._call(lambda: self._load(lambda: self.engine.update_weights(weights), version), "new weights")
+
+    def receive_weights(self, version: int | None = None) -> None:
+        """`update_weights` through the refit's wire (generation/weight_transfer.py): the driver receives between two
+        decoding steps while the sender sends."""
+        version = self.version + 1 if version is None else version
+        self._call(lambda: self._load(self.engine.receive_weights, version), "the engine to receive new weights")
+
+    def init_weight_transfer(self, info: dict) -> None:
+        """Join the refit's transfer group (the engine's weights are not touched: the driver keeps generating)."""
+        self.engine.init_weight_transfer(info)
+
+    def transfer_ranks(self) -> int:
+        return self.engine.transfer_ranks()
+
+    def refit_layout(self) -> tuple[str | None, list[str]]:
+        return self.engine.refit_layout()
 
     def weight_digests(self):
         return self._call(self.engine.weight_digests, "the engine's weight digests")
@@ -163,8 +180,8 @@ class InFlightEngine:
 
     # -- the driver --
 
-    def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
-        self.engine.update_weights(weights)
+    def _load(self, load: Callable[[], None], version: int) -> None:
+        load()
         self.version = version
         self._counts["updates"] += 1
 

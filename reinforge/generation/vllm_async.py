@@ -7,8 +7,10 @@ workers, the agents' endpoint, validation, the refit) calls it from any thread a
 - `generate` sends each prompt as a request of its own (`AsyncLLM.generate`, FINAL_ONLY: a request's samples once
   all are done). vLLM's engine core batches every running request continuously: a request joins the batch at the
   next scheduler step and a finished one frees its slot at once.
-- `update_weights(weights, version)` is vLLM's in-flight update: `pause_generation(mode="keep")` freezes the
-  requests where they are, the weights are loaded, the version labels the tokens sampled from then on
+- `receive_weights(version)` is vLLM's in-flight update: `pause_generation(mode="keep")` freezes the requests where
+  they are, the weights come over the refit's wire (vLLM's weight-transfer protocol with reinforge's
+  `reinforge_gloo` backend, generation/vllm_transfer.py: `start_weight_update`, `update_weights` until the sender's
+  end header), the version labels the tokens sampled from then on
   (`finish_weight_update(version)`, vLLM's per-token `weight_versions` spans: `Completion.token_versions`), and
   `resume_generation` lets the same requests go on. Their KV cache is kept as the old weights computed it
   (`kv_cache="keep"`, as PipelineRL does), or with `"recompute"` dropped by the pause (`clear_cache=True`: vLLM
@@ -25,17 +27,14 @@ the engine core is that actor's child process.
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import pickle
 import threading
 import time
-from typing import Any, Callable, Iterable
-
-import torch
+from typing import Any, Callable
 
 from reinforge.generation.base import GenerationResult, SamplingParams
-from reinforge.generation.checkpoint_layout import checkpoint_layout, has_modules, tied_names
+from reinforge.generation.checkpoint_layout import has_modules, tied_names
 from reinforge.generation.in_flight import KvCachePolicy, usage_metrics
 from reinforge.generation.vllm_backend import served_adapter, served_weights
 from reinforge.generation.vllm_engine_args import engine_arguments, model_facts
@@ -50,11 +49,6 @@ from reinforge.hang import HangError
 def pickled(worker, function: Callable, *args) -> bytes:
     """Run inside vLLM's worker: `function(worker, *args)`, pickled (a result of any type crosses vLLM's msgpack)."""
     return pickle.dumps(function(worker, *args))
-
-
-def reload_weights(worker, payload: bytes) -> None:
-    """Run inside vLLM's worker: load the (name, tensor) pairs `torch.save` wrote to `payload` in place."""
-    worker.reload_weights(weights_iterator=torch.load(io.BytesIO(payload), weights_only=True))
 
 
 def step_counter(engine: "AsyncVLLMEngine"):
@@ -112,18 +106,28 @@ class AsyncVLLMEngine:
         images = images or [None] * len(prompt_token_ids)
         return GenerationResult(self._call(_generate(self, prompt_token_ids, params, images), "the engine to answer"))
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """Load new weights with the requests in flight kept (default version: the current one + 1); returns once
-        the engine computes with them."""
+    def init_weight_transfer(self, info: dict) -> None:
+        """Join the refit's transfer group (generation/weight_transfer.py; returns once every member has)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        request = WeightTransferInitRequest(init_info=info)
+        self._call(self.llm.init_weight_transfer_engine(request), "the engine to join the refit's wire")
+
+    def receive_weights(self, version: int | None = None) -> None:
+        """Take what the refit's sender broadcasts (in the checkpoint's layout) with the requests in flight kept,
+        labelled `version` (default: the current one + 1); returns once the engine computes with them."""
         check_refit_supported(self.padded_experts)
-        # as the checkpoint holds them: vLLM's model definition maps those (checkpoint_layout.py)
-        pairs = ((name, tensor.detach()) for name, tensor in named_tensors)
-        weights = checkpoint_layout(self.model_path, pairs, drop=self.untied_names)
-        self.sent_names = list(weights)
-        payload = io.BytesIO()
-        torch.save([(name, tensor.cpu().contiguous()) for name, tensor in weights.items()], payload)
         version = self.version + 1 if version is None else version
-        self._call(_update(self, payload.getvalue(), version), "the engine to load new weights")
+        self._call(_receive(self, version), "the engine to receive new weights")
+
+    def transfer_ranks(self) -> int:
+        """The engine's members of the transfer group: its tensor-parallel workers."""
+        return self.llm.vllm_config.parallel_config.world_size
+
+    def refit_layout(self) -> tuple[str | None, list[str]]:
+        """What a sender does to the trainer's weights for this engine: the model whose checkpoint layout it sends
+        (checkpoint_layout.py), and the tied names it leaves out."""
+        return self.model_path, self.untied_names
 
     def set_version(self, version: int) -> None:
         """The version of the weights the engine computes with (the start-up or resume refit's): its tokens' label."""
@@ -258,18 +262,25 @@ async def _request(
     return vllm_completions(final, index, params, engine.num_experts)
 
 
-async def _update(engine: "AsyncVLLMEngine", payload: bytes, version: int) -> None:
+async def _receive(engine: "AsyncVLLMEngine", version: int) -> None:
+    """vLLM's in-flight update: pause with the requests kept, the weights over the wire, the version, resume."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    from reinforge.generation.vllm_transfer import received_names
+
     async with engine._update_lock:
         recompute = engine.kv_cache == "recompute"
         # "recompute": the pause clears every cache, the running requests' KV too (vLLM preempts them)
         await engine.llm.pause_generation(mode="keep", clear_cache=recompute)
         engine._busy(paused=True)
         try:
-            await engine.llm.collective_rpc(reload_weights, args=(payload,))
+            await engine.llm.start_weight_update()
+            await engine.llm.update_weights(WeightTransferUpdateRequest(update_info={}))  # until the sender's end
+            await engine.llm.finish_weight_update(str(version))  # labels the tokens sampled from now on
+            engine.sent_names = (await engine.llm.collective_rpc(received_names))[0]
             await engine.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts
             if not recompute:  # the prefix cache's blocks were computed with the old weights (running ones kept)
                 await _reset_caches(engine)
-            await engine.llm.update_weight_version(str(version))
             engine.version = version
             with engine._lock:
                 engine._counts["updates"] += 1

@@ -201,9 +201,37 @@ class VLLMGenerationBackend:
         self.sent_names = list(weights)
         self._wake("weights")  # the KV cache stays free until the next rollout
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        self._after_load()
+
+    def _after_load(self) -> None:
         self.llm.collective_rpc(repack_experts)  # vLLM-CPU's MoE kernel reads prepacked experts (vllm_moe.py)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._reset_image_features()
+
+    def init_weight_transfer(self, info: dict) -> None:
+        """Join the refit's transfer group (generation/weight_transfer.py; returns once every member has)."""
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def receive_weights(self, version: int | None = None) -> None:
+        """`update_weights` through the transfer: what the sender broadcasts (in the checkpoint's layout)."""
+        from reinforge.generation.vllm_transfer import received_names
+
+        check_refit_supported(self.padded_experts)
+        self._wake("weights")
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {}})
+        self.llm.finish_weight_update(None if version is None else str(version))
+        self.sent_names = self.llm.collective_rpc(received_names)[0]
+        self._after_load()
+
+    def transfer_ranks(self) -> int:
+        """The engine's members of the transfer group: its tensor-parallel workers."""
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def refit_layout(self) -> tuple[str | None, list[str]]:
+        """What a sender does to the trainer's weights for this engine: the model whose checkpoint layout it sends
+        (checkpoint_layout.py), and the tied names it leaves out."""
+        return self.model_path, self.untied_names
 
     def weight_digests(self) -> list[WeightDigests]:
         """The digest of every weight the engine serves (refit verification, weight_digest.py)."""

@@ -83,8 +83,10 @@ def engine_arguments(
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gb))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if tensor_parallel_size > 1 and not on_gpu:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
+    if tensor_parallel_size > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel_size)
+    from reinforge.generation.vllm_transfer import transfer_config  # imports vllm
+
     # before the engine: vLLM's Transformers backend patches transformers' model class in place at start-up
     skeleton(model_path)
     return dict(
@@ -108,6 +110,7 @@ def engine_arguments(
         distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
         **({} if block_size is None else {"block_size": block_size}),
         **({"enable_return_routed_experts": True} if route_experts else {}),
+        weight_transfer_config=transfer_config(),  # the refit's wire (vllm_transfer.py)
         **lora,
     )
 

@@ -31,3 +31,37 @@ def memory_metrics(prefix: str = "perf/", children: bool = False) -> dict[str, f
 def _max_rss_bytes(who: int) -> int:
     max_rss = resource.getrusage(who).ru_maxrss
     return max_rss if sys.platform == "darwin" else max_rss * 1024  # bytes on macOS, KiB on Linux
+
+
+class PeakGrowth:
+    """How far this process's resident memory rose above where it stood at the start, MiB (`growth_mb` once the
+    block is done): Linux's high-water mark (VmHWM) reset at the start (/proc/self/clear_refs), read at the end.
+    None where the kernel offers neither."""
+
+    def __init__(self) -> None:
+        self.growth_mb: float | None = None
+
+    def __enter__(self) -> "PeakGrowth":
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # resets VmHWM to the current RSS
+            self._start = _status_kib("VmRSS")
+        except OSError:
+            self._start = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._start is not None and (peak := _status_kib("VmHWM")) is not None:
+            self.growth_mb = (peak - self._start) / 1024
+
+
+def _status_kib(field: str) -> int | None:
+    """A `KiB` field of /proc/self/status (VmRSS, VmHWM), None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None

@@ -229,7 +229,7 @@ def engine_turn(
     with rollouts.engine_turn(step, timers):
         if result.trained:
             with timers.time("step"), timers.time("refit"):
-                refit(parts.engine, parts.trainer, config, parts.run_dir, step, timers)  # weights or adapter, verified
+                metrics.update(refit(parts.engine, parts.trainer, config, parts.run_dir, step, timers))  # verified
         if step == 1:  # the first refit must really have moved the engine to the trainer's weights
             check_consistency(parts, "after the first refit")
         val_every = config.loop.val_every

@@ -292,6 +292,29 @@ class Backend:
         weights = list(self.named_weights(part))
         return weights if self.strategy.is_main else []
 
+    def host_weight_transfer(self, world_size: int, timeout_s: float) -> int | None:
+        """The main rank hosts the refit's transfer group (generation/weight_transfer.py) on a free port, returned;
+        the other ranks have no part in the group: they only gather the weights with it."""
+        if not self.strategy.is_main:
+            return None
+        from reinforge.generation.weight_transfer import Sender
+
+        self.sender = Sender()
+        return self.sender.host(world_size, timeout_s)
+
+    def join_weight_transfer(self) -> None:
+        """Returns once every engine worker has joined the group the main rank hosts."""
+        if self.strategy.is_main:
+            self.sender.join()
+
+    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int) -> dict | None:
+        """Send the full weights to every engine, a decoder layer at a time (a collective: every rank gathers each
+        layer; the main rank sends it while the next is gathered); the main rank's `SendStats`."""
+        parts = (list(self.named_weights(part)) for part in range(self.num_weight_parts()))
+        if not self.strategy.is_main:
+            return sum(1 for _ in parts) and None
+        return vars(self.sender.send(parts, checkpoint_model, drop, bucket_bytes))
+
     def save_pretrained(self, path: Path) -> None:
         """The model as a Hugging Face directory, written by the main rank; with LoRA, its adapter in PEFT's format."""
         if self.peft is not None:
