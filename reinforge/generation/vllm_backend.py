@@ -148,6 +148,7 @@ class VLLMGenerationBackend:
             self.llm = LLM(**arguments)
         except Exception as error:  # one line naming the family and the engine (vllm_support.py)
             raise engine_failure(model_path, error) from error
+        self.llm.llm_engine.set_weight_version("0")  # tokens carry the version they were sampled by
         self.padded_experts = self.llm.collective_rpc(padded_expert_width)[0]
         # tied names the engine's model has no module of (Gemma's LM head is the embedding): never sent
         tied = list(tied_names(model_path))
