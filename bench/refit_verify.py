@@ -8,7 +8,10 @@
 2. Scaling: for three model sizes (the demo model, ~30M and ~155M parameters, random weights, fp32), each
    in its own process because a process holds one vLLM engine: the trainer side's digests of the state
    dict (sha256 of every tensor, on all cores), the HF engine's, and the vLLM engine's (on CPU its linear
-   weights are read back through vLLM's own GEMM kernel first); seconds and GB/s of parameter bytes.
+   weights are read back through vLLM's own GEMM kernel first); seconds and GB/s of parameter bytes. These are
+   the whole-weight digests (`generation.verify_refit_columns=0`, the check before it sampled columns). Then the
+   check as a refit runs it now (`*_stream_*`): the expected digests built decoder layer by decoder layer
+   (`Expectation.add`) and each engine's digests, of `--columns` sampled columns per weight, and the comparison.
 """
 
 from __future__ import annotations
@@ -71,10 +74,38 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def scaling_one(size: str, repeats: int) -> dict:
+def by_layer(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The weights in the groups a refit sends: one decoder layer each, what lies outside the layers first."""
+    import re
+
+    groups: dict[int, dict] = {}
+    for name, tensor in weights.items():
+        layer = re.search(r"\.layers\.(\d+)\.", name)
+        groups.setdefault(-1 if layer is None else int(layer[1]), {})[name] = tensor
+    return [groups[key] for key in sorted(groups)]
+
+
+def streamed_expectation(layouts, groups, columns: int, step: int):
+    """The expected digests as a refit builds them while it sends: group by group."""
+    from reinforge.generation.weight_digest import Expectation
+
+    expectation = Expectation(layouts, columns, step)
+    for group in groups:
+        expectation.add(group)
+    return expectation
+
+
+def streamed_check(engine, layouts, groups, columns: int, step: int) -> None:
+    from reinforge.generation.weight_digest import check
+
+    check(engine.weight_digests(columns, step), streamed_expectation(layouts, groups, columns, step))
+
+
+def scaling_one(size: str, repeats: int, columns: int = 32) -> dict:
     """Runs in a child process: build the model, start a vLLM engine, time each side's digests."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
+    from reinforge.generation.checkpoint_layout import checkpoint_layout
     from reinforge.generation.hf import HFGenerationBackend
     from reinforge.generation.vllm_backend import VLLMGenerationBackend
     from reinforge.generation.weight_digest import digest_all, verify
@@ -109,6 +140,17 @@ def scaling_one(size: str, repeats: int) -> dict:
             "hf_engine_digests_s": timed(hf.weight_digests, repeats),
             "vllm_engine_digests_s": timed(vllm.weight_digests, repeats),
             "vllm_verify_s": timed(lambda: verify(vllm.weight_digests(), weights), repeats),
+            "hf_verify_s": timed(lambda: verify(hf.weight_digests(), weights), repeats),
+        }
+        hf.update_weights(weights.items())
+        hf_layouts, vllm_layouts = hf.weight_layout(), vllm.weight_layout()
+        sent = by_layer(checkpoint_layout(str(path), weights.items(), drop=vllm.untied_names))
+        seconds |= {
+            "trainer_stream_expected_s": timed(lambda: streamed_expectation(vllm_layouts, sent, columns, 1), repeats),
+            "hf_engine_stream_digests_s": timed(lambda: hf.weight_digests(columns, 1), repeats),
+            "vllm_engine_stream_digests_s": timed(lambda: vllm.weight_digests(columns, 1), repeats),
+            "hf_stream_verify_s": timed(lambda: streamed_check(hf, hf_layouts, by_layer(weights), columns, 1), repeats),
+            "vllm_stream_verify_s": timed(lambda: streamed_check(vllm, vllm_layouts, sent, columns, 1), repeats),
         }
     return {
         "size": size,
@@ -118,6 +160,7 @@ def scaling_one(size: str, repeats: int) -> dict:
         "trainer_digest_gb_per_s": num_bytes / seconds["trainer_digests_s"] / 1e9,
         "vllm_engine_digest_gb_per_s": num_bytes / seconds["vllm_engine_digests_s"] / 1e9,
         "repeats": repeats,
+        "columns": columns,
     }
 
 
@@ -126,11 +169,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "refit_verify.json")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--columns", type=int, default=32, help="generation.verify_refit_columns of the new check")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="the scaling part's model sizes, comma-separated")
+    parser.add_argument("--no-runs", action="store_true", help="the scaling part only (no demo GRPO runs)")
     parser.add_argument("--scaling-only", metavar="SIZE", help=argparse.SUPPRESS)  # the child process mode
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if args.scaling_only:
-        print(json.dumps(scaling_one(args.scaling_only, args.repeats)))
+        print(json.dumps(scaling_one(args.scaling_only, args.repeats, args.columns)))
         return
     results = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
@@ -138,12 +184,21 @@ def main() -> None:
         "demo": [],
         "scaling": [],
     }
-    for backend in ("hf", "vllm"):
+    for backend in () if args.no_runs else ("hf", "vllm"):
         results["demo"].append(demo_run(backend, args.steps))
         print(json.dumps(results["demo"][-1]))
-    for size in SIZES:
+    for size in args.sizes.split(","):
         child = subprocess.run(
-            [sys.executable, __file__, "--scaling-only", size, "--repeats", str(args.repeats)],
+            [
+                sys.executable,
+                __file__,
+                "--scaling-only",
+                size,
+                "--repeats",
+                str(args.repeats),
+                "--columns",
+                str(args.columns),
+            ],
             capture_output=True,
             text=True,
             check=True,

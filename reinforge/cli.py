@@ -17,6 +17,7 @@ from reinforge.training.parallel.plan_cli import add_plan_command
 
 DEMO_CONFIG = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
 CONFIG_HELP = "YAML config file (may inherit with `defaults:`)"
+RL_COMMANDS = ("grpo", "ppo", "distill")  # the runs with generation engines: `--validate` checks their layout
 RECIPE_COMMANDS = ("grpo", "ppo", "distill", "sft", "dpo", "rm", "demo")  # checkpointed, so restartable (supervisor.py)
 
 # name: (summary, description, an override of its own for the help's example); each trains with its recipe
@@ -93,6 +94,15 @@ def add_training_parsers(commands: argparse._SubParsersAction) -> None:
         parser = commands.add_parser(name, help=summary, description=description)
         parser.add_argument("--config", required=True, help=CONFIG_HELP)
         parser.add_argument("overrides", nargs="*", help=overrides_help(name, example))
+        if name in RL_COMMANDS:
+            parser.add_argument(
+                "--validate",
+                "--dry-run",
+                dest="validate",
+                action="store_true",
+                help="check the config, the training ranks' layout and the engines' (count, tensor-parallel size, "
+                "placement) against the model's sizes, and print where each runs; load no weights, start no Ray",
+            )
         parser.set_defaults(run=run_training)
     demo = commands.add_parser(
         "demo",
@@ -110,7 +120,13 @@ def run_training(args: argparse.Namespace) -> None:
 
     recipe = RECIPES["grpo" if args.command == "demo" else args.command]
     path = DEMO_CONFIG if args.command == "demo" else args.config
-    recipe.train(load_recipe_config(recipe.config_class, path, args.overrides))
+    config = load_recipe_config(recipe.config_class, path, args.overrides)
+    if getattr(args, "validate", False):
+        from reinforge.loops.dry_run import validate_run
+
+        print("\n".join(validate_run(config)))
+        return
+    recipe.train(config)
 
 
 def add_recipe_parser(commands: argparse._SubParsersAction) -> None:

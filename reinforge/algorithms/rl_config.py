@@ -28,6 +28,7 @@ from reinforge.rollout.rollout import RolloutConfig
 from reinforge.training.base import TrainingConfig
 from reinforge.training.checkpoint import CheckpointConfig
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
+from reinforge.training.parallel.engine_layout import EngineLayout, engine_layout_problem
 
 # Keys of earlier versions (before each recipe had its own tree) and where they are now, for the unknown-key error.
 MOVED_KEYS = {
@@ -137,12 +138,8 @@ class RLRunConfig(Section):
                 f"training.num_workers={training.num_workers} does not divide training.global_batch_size="
                 f"{training.global_batch_size}; every rank trains on an equal share, so set it to a divisor"
             )
-        if self.cluster.colocate and training.backend == "fsdp2" and self.generation.num_workers > training.num_workers:
-            raise ValueError(
-                f"generation.num_workers={self.generation.num_workers} > training.num_workers="
-                f"{training.num_workers} with cluster.colocate=true: each engine shares one training rank's "
-                "resources; lower generation.num_workers or set cluster.colocate=false"
-            )
+        if problem := self._engine_layout_problem():
+            raise ValueError(problem)
         if rollout.mode != "sync" and training.backend == "fsdp2" and self.cluster.colocate:
             raise ValueError(
                 f"rollout.mode={rollout.mode} with training.backend=fsdp2 needs cluster.colocate=false: the engines "
@@ -165,6 +162,20 @@ class RLRunConfig(Section):
                 f"{training.global_batch_size}; set it to a divisor of {training.global_batch_size}"
             )
         return self
+
+    def _engine_layout_problem(self) -> str | None:
+        """The engines' placement (training/parallel/engine_layout.py, the rules the planner proposes by)."""
+        cluster, shared = self.cluster, self.cluster.colocate and self.training.backend == "fsdp2"
+        if shared and cluster.generation_resources:
+            return (
+                "cluster.generation_resources with cluster.colocate=true: colocated engines sit in the training "
+                "ranks' resources; set cluster.colocate=false, or place them with cluster.training_resources"
+            )
+        tp = self.generation.vllm.tensor_parallel_size
+        layout = EngineLayout(self.generation.num_workers, tp, shared)
+        return engine_layout_problem(
+            layout, self.training.num_workers, cluster.gpus_per_node, on_gpu=cluster.num_gpus_per_worker > 0
+        )
 
     @model_validator(mode="after")
     def _check_lora(self) -> "RLRunConfig":
@@ -207,6 +218,7 @@ class RLRunConfig(Section):
             ),
             (gen.max_logprob_error >= 1, "generation.max_logprob_error must be >= 1 (1 means exact agreement)"),
             (gen.verify_refit_every >= 0, "generation.verify_refit_every must be >= 0 (0 turns the check off)"),
+            (gen.verify_refit_columns >= 0, "generation.verify_refit_columns must be >= 0 (0: every column)"),
             (
                 not (rollout.mode != "sync" and gen.vllm.sleep_mode),
                 f"rollout.mode={rollout.mode} keeps the engine generating while the trainer works, so it never "

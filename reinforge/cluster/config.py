@@ -6,9 +6,11 @@ worker groups so that reading a config never imports Ray."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from reinforge.config.section import Section
+
+RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # set by cluster.* of their own
 
 
 class TrainerClusterConfig(Section):
@@ -29,11 +31,36 @@ class TrainerClusterConfig(Section):
     (each restart is logged in RUN_DIR/restarts.jsonl with its cause); 0: the run stops at the first such failure."""
     worker_timeout_s: float = 600.0
     """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""
+    training_resources: dict[str, float] = {}
+    """Custom Ray resources every training rank requires, e.g. {node_a: 1} to keep the ranks on the nodes started
+    with `ray start --resources='{"node_a": 8}'` (docs/distributed.md); a node must offer the amount once per
+    rank it takes. Empty: any node."""
+    gpus_per_node: int = Field(default=8, ge=1)
+    """GPUs of one node of the cluster, for the checks made before Ray starts (the dry run `--validate`): an
+    engine's tensor-parallel workers and a colocated engine's training ranks must be on one node."""
+
+    @field_validator("training_resources", "generation_resources", check_fields=False)
+    @classmethod
+    def _check_resources(cls, resources: dict[str, float], info) -> dict[str, float]:
+        for name, amount in resources.items():
+            if not name or name in RAY_OWN_RESOURCES:
+                raise ValueError(
+                    f"cluster.{info.field_name} names Ray's own resource {name!r}; set cluster.num_cpus_per_worker "
+                    "or cluster.num_gpus_per_worker instead, and name only custom resources here"
+                )
+            if amount <= 0:
+                raise ValueError(f"cluster.{info.field_name}.{name}={amount:g} must be > 0")
+        return resources
 
 
 class ClusterConfig(TrainerClusterConfig):
     """`cluster:` of the RL runs: the trainer's, and where the generation engines go."""
 
     colocate: bool = True
-    """With Ray: true puts generation engine i in training rank i's resources (they take turns);
-    false gives the engines resources of their own (split placement)."""
+    """With Ray: true puts generation engine i's tensor-parallel workers in the resources of training ranks
+    i x N .. i x N + N - 1 (N = generation.vllm.tensor_parallel_size; they take turns); false gives each engine a
+    bundle of its own with N workers' resources (disaggregated; training/parallel/engine_layout.py has the rules)."""
+    generation_resources: dict[str, float] = {}
+    """Custom Ray resources every engine requires (once per engine, whatever its tensor-parallel size), e.g.
+    {node_b: 1} to put the engines on the node started with that resource; cluster.colocate=false only (colocated
+    engines sit in the training ranks' resources). Empty: any node."""

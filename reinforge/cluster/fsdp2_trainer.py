@@ -48,6 +48,7 @@ class FSDP2Ranks:
             num_gpus_per_worker=cluster.num_gpus_per_worker,
             timeout_s=cluster.worker_timeout_s,
             actor_fraction=actor_fraction,
+            resources=cluster.training_resources,
         )
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -125,9 +126,9 @@ class FSDP2Trainer(FSDP2Ranks):
     def join_weight_transfer(self) -> None:
         self.group.call_rank(0, "join_weight_transfer")
 
-    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int) -> dict:
-        """Every rank gathers, rank 0 sends (training/backend.py `send_weights`): its `SendStats`."""
-        return self.group.call("send_weights", checkpoint_model, list(drop), bucket_bytes)[0]
+    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int, expect=None) -> dict:
+        """Every rank gathers, rank 0 sends (training/backend.py `send_weights`): its `SendStats` and expectation."""
+        return self.group.call("send_weights", checkpoint_model, list(drop), bucket_bytes, expect)[0]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights one decoder layer at a time (`Backend.weight_parts`): the ranks gather a layer from their

@@ -7,8 +7,12 @@ cluster/weight_sync.py); a LoRA adapter sync hands every engine the adapter's pa
 on several nodes it must be on a shared filesystem).
 `InFlightGroup` is the same for in-flight generation (`rollout.mode=in_flight`): engines that keep generating
 while their weights are updated, each call of the rollout workers sent whole to one engine.
-With `cluster.colocate=true` engine i shares training rank i's placement bundle (they take turns on
-the same resources); otherwise the engines get bundles of their own.
+An engine of `tensor_parallel_size` N is one actor whose N vLLM workers are its own child processes (vLLM's
+multiprocessing executor; on CPU each bound to its share of the cores, `VLLM_CPU_OMP_THREADS_BIND`). With
+`cluster.colocate=true` engine i sits in training rank i x N's placement bundle with its workers on the GPUs of
+ranks i x N .. i x N + N - 1 (they take turns on the same resources; those ranks must share a node); otherwise
+each engine gets a bundle of its own holding N workers' resources and `cluster.generation_resources`
+(disaggregated). The rules of both: training/parallel/engine_layout.py.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import torch
 
 from reinforge.cluster.weight_sync import WeightWire
 from reinforge.cluster.worker_group import WorkerGroup
+from reinforge.errors import ConfigError
 from reinforge.generation.base import GenerationResult, SamplingParams
-from reinforge.generation.weight_digest import WeightDigests
+from reinforge.generation.weight_digest import WeightDigests, tp_worker
 
 
 class GenerationGroup:
@@ -34,21 +39,21 @@ class GenerationGroup:
         worker_cls: type,
         worker_kwargs: dict,
         num_engines: int,
-        num_cpus_per_engine: float,
-        num_gpus_per_engine: float,
+        num_cpus_per_worker: float,
+        num_gpus_per_worker: float,
         timeout_s: float,
         share_with: WorkerGroup | None,
+        tensor_parallel_size: int = 1,
+        resources: dict[str, float] | None = None,
     ):
+        """`num_cpus_per_worker`/`num_gpus_per_worker`: one engine worker's (a training rank's) resources; an
+        engine holds `tensor_parallel_size` times them, or colocated half of one rank's bundle (the training rank
+        takes the other half) with its workers on the GPUs of its ranks."""
         self.group = WorkerGroup(
-            "generation",
-            worker_cls,
-            num_engines,
-            lambda rank, _: worker_kwargs,
-            num_cpus_per_worker=num_cpus_per_engine,
-            num_gpus_per_worker=num_gpus_per_engine,
-            timeout_s=timeout_s,
-            share_with=share_with,
-        )
+            "generation", worker_cls, num_engines, lambda rank, _: worker_kwargs, timeout_s=timeout_s,
+            **engine_placement(num_engines, tensor_parallel_size, num_cpus_per_worker, num_gpus_per_worker,
+                               share_with, resources),
+        )  # fmt: skip
         self.wire = WeightWire(self, timeout_s)  # the refit's, opened at the first (cluster/weight_sync.py)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, images=None) -> GenerationResult:
@@ -97,17 +102,25 @@ class GenerationGroup:
 
         return ray.util.get_node_ip_address()
 
-    def weight_digests(self) -> list[WeightDigests]:
-        """Every engine's `weight_digests`, each named as its worker (`generation[i]`)."""
-        return self._named(self.group.call("weight_digests"))
+    def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
+        """Every engine's `weight_digests` (of the sampled columns), each named as its worker (`generation[i]`)."""
+        # whole weights (columns 0): no arguments, which every engine's weight_digests takes
+        return self._named(self.group.call("weight_digests", *((columns, step) if columns else ())))
+
+    def weight_layouts(self) -> list[WeightDigests]:
+        """Every engine's `weight_layout` (nothing hashed), each named as its worker: the refit check's layouts."""
+        return self._named(self.group.call("weight_layout"))
 
     def adapter_digests(self) -> list[WeightDigests]:
         """Every engine's `adapter_digests`, each named as its worker."""
         return self._named(self.group.call("adapter_digests"))
 
     def _named(self, per_engine: list[list[WeightDigests]]) -> list[WeightDigests]:
+        """Each report named as its engine's worker, and its tensor-parallel worker where the engine has several."""
         return [
-            replace(report, engine=name) for name, reports in zip(self.group.names, per_engine) for report in reports
+            replace(report, engine=name if report.tp_size == 1 else f"{name} {tp_worker(report)}")
+            for name, reports in zip(self.group.names, per_engine)
+            for report in reports
         ]
 
     def sleep(self) -> None:
@@ -115,6 +128,37 @@ class GenerationGroup:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+def engine_placement(
+    num_engines: int, tp: int, num_cpus: float, num_gpus: float, share_with: WorkerGroup | None,
+    resources: dict[str, float] | None,
+) -> dict:  # fmt: skip
+    """`WorkerGroup` arguments that place `num_engines` engines of `tp` workers (module docstring): a bundle of
+    `tp` workers' resources each, or colocated (`share_with`, the trainer's group) every `tp`-th training rank's
+    bundle, half of it, and each engine's CUDA_VISIBLE_DEVICES the GPUs of its `tp` ranks."""
+    if share_with is None:
+        return dict(num_cpus_per_worker=num_cpus * tp, num_gpus_per_worker=num_gpus * tp, resources=resources)
+    placement = dict(
+        num_cpus_per_worker=num_cpus * 0.5, num_gpus_per_worker=num_gpus * 0.5, share_with=share_with,
+        bundle_stride=tp,
+    )  # fmt: skip
+    if tp == 1:
+        return placement
+    nodes = share_with.node_ids()
+    for engine in range(num_engines):
+        ranks = range(engine * tp, (engine + 1) * tp)
+        if len({nodes[rank] for rank in ranks}) > 1:
+            raise ConfigError(
+                f"cluster.colocate=true: engine {engine}'s {tp} tensor-parallel workers share training ranks "
+                f"{ranks.start}..{ranks.stop - 1}, which Ray placed on different nodes; set cluster.colocate=false, "
+                "or a tensor_parallel_size that divides the ranks of a node"
+            )
+    if num_gpus:
+        gpus = share_with.gpu_ids()
+        devices = [",".join(g for rank in range(e * tp, (e + 1) * tp) for g in gpus[rank]) for e in range(num_engines)]
+        placement["env_for_rank"] = lambda engine: {"CUDA_VISIBLE_DEVICES": devices[engine]}
+    return placement
 
 
 class InFlightGroup(GenerationGroup):
@@ -130,11 +174,14 @@ class InFlightGroup(GenerationGroup):
             actor_cls,
             group_kwargs["num_engines"],
             lambda rank, _: actor_kwargs,
-            num_cpus_per_worker=group_kwargs["num_cpus_per_engine"],
-            num_gpus_per_worker=group_kwargs["num_gpus_per_engine"],
             timeout_s=group_kwargs["timeout_s"],
             max_concurrency=max_concurrency,
-        )
+            **engine_placement(
+                group_kwargs["num_engines"], group_kwargs.get("tensor_parallel_size", 1),
+                group_kwargs["num_cpus_per_worker"], group_kwargs["num_gpus_per_worker"], None,
+                group_kwargs.get("resources"),
+            ),
+        )  # fmt: skip
         self.wire = WeightWire(self, group_kwargs["timeout_s"])  # the refit's, opened at the first
         self._lock = threading.Lock()
         self._calls = [0] * len(self.group.workers)

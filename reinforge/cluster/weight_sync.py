@@ -32,6 +32,7 @@ class WeightWire:
     def __init__(self, engines, timeout_s: float):
         self.engines, self.timeout_s = engines, timeout_s
         self.layout: tuple[str | None, list[str]] | None = None
+        self.weight_layouts: list | None = None
 
     def open(self, trainer) -> None:
         """The trainer's main rank hosts the group; every engine worker joins it."""
@@ -47,14 +48,21 @@ class WeightWire:
         at_once(lambda: self.engines.init_weight_transfer(infos), trainer.join_weight_transfer)
         self.layout = self.engines.refit_layout()
 
-    def refit(self, trainer, bucket_bytes: int, version: int | None = None) -> dict:
+    def refit(self, trainer, bucket_bytes: int, version: int | None = None, expect=None) -> dict:
         """Every engine takes the trainer's current weights (labelled `version` where it labels tokens); what the
-        sender moved (`SendStats` as a dict)."""
+        sender moved (`SendStats` as a dict) and, given `expect` (a refit check's `Expectation` of the engines'
+        `layouts()`), it back with the digests the engines must report, computed by the sender as it sent."""
         if self.layout is None:
             self.open(trainer)
         checkpoint_model, drop = self.layout
         _, stats = at_once(
             lambda: self.engines.receive_weights(version),
-            lambda: trainer.send_weights(checkpoint_model, drop, bucket_bytes),
+            lambda: trainer.send_weights(checkpoint_model, drop, bucket_bytes, expect),
         )
         return stats
+
+    def layouts(self) -> list:
+        """Every engine worker's weight layout (names, shapes, dtypes, shards), fetched once: a refit check's."""
+        if self.weight_layouts is None:
+            self.weight_layouts = self.engines.weight_layouts()
+        return self.weight_layouts

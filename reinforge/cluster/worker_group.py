@@ -79,16 +79,26 @@ class WorkerGroup:
         share_with: "WorkerGroup | None" = None,
         actor_fraction: float = 1.0,
         max_concurrency: int = 1,
+        resources: dict[str, float] | None = None,
+        bundle_stride: int = 1,
+        env_for_rank: Callable[[int], dict[str, str]] | None = None,
     ):
-        """With `share_with`, the workers go into that group's bundles (worker i into bundle i) instead
-        of bundles of their own: colocation. `actor_fraction` of a bundle is what each actor asks for,
+        """With `share_with`, the workers go into that group's bundles (worker i into bundle i x `bundle_stride`)
+        instead of bundles of their own: colocation. `actor_fraction` of a bundle is what each actor asks for,
         leaving the rest to the group that will share it. `max_concurrency` > 1: each worker runs up to that
-        many calls at once, each on a thread of its own (Ray's threaded actors), for a worker that is thread-safe."""
+        many calls at once, each on a thread of its own (Ray's threaded actors), for a worker that is thread-safe.
+        `resources`: custom Ray resources each worker's bundle requires (cluster.training_resources, ...), which
+        place the group on the nodes that offer them; `env_for_rank(i)`: environment variables set in worker i's
+        process before its `setup`. GPU bundles are packed node by node (PACK), so that neighbouring ranks
+        (a tensor-parallel group, a colocated engine's) share a node; CPU bundles are spread over the nodes."""
         self.name, self.timeout_s = name, timeout_s
         bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
+        bundle |= resources or {}
         self.owns_placement_group = share_with is None
+        self.bundle_indices = [rank * bundle_stride for rank in range(num_workers)]
         if share_with is None:
-            self.placement_group = placement_group([bundle] * num_workers, strategy="SPREAD")
+            strategy = "PACK" if num_gpus_per_worker else "SPREAD"
+            self.placement_group = placement_group([bundle] * num_workers, strategy=strategy)
             try:
                 ray.get(self.placement_group.ready(), timeout=min(timeout_s, PLACEMENT_TIMEOUT_S))
             except ray.exceptions.GetTimeoutError:
@@ -108,10 +118,10 @@ class WorkerGroup:
                 num_gpus=num_gpus_per_worker * actor_fraction,
                 max_concurrency=max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank
+                    self.placement_group, placement_group_bundle_index=index
                 ),
             ).remote()
-            for rank in range(num_workers)
+            for index in self.bundle_indices
         ]
         self.names = [f"{name}[{rank}]" for rank in range(num_workers)]
         try:
@@ -120,6 +130,8 @@ class WorkerGroup:
             self.shutdown()
             raise WorkerFailed(f"{name}: a worker failed to start: {_first_line(exc)}") from None
         register_workers(dict(zip(self.names, self.pids)))
+        if env_for_rank is not None:
+            self.call_each("__ray_call__", [(_set_environment, env_for_rank(rank)) for rank in range(num_workers)])
         self.call_each(
             "setup", [(kwargs_for_rank(rank, rank0_ip),) for rank in range(num_workers)]
         )  # all ranks at once
@@ -127,7 +139,11 @@ class WorkerGroup:
     def node_ids(self) -> list[str]:
         """The Ray node of each worker's bundle, in rank order."""
         table = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"]
-        return [table[rank] for rank in range(len(self.workers))]
+        return [table[index] for index in self.bundle_indices[: len(self.workers)]]
+
+    def gpu_ids(self) -> list[list[str]]:
+        """The GPUs Ray gave each worker (its CUDA_VISIBLE_DEVICES), in rank order."""
+        return self.call_each("__ray_call__", [(_gpu_ids,)] * len(self.workers))
 
     def _bundle_ip(self, index: int) -> str:
         node_id = ray.util.placement_group_table(self.placement_group)["bundles_to_node_id"][index]
@@ -188,6 +204,14 @@ class WorkerGroup:
         if self.placement_group is not None and self.owns_placement_group:
             remove_placement_group(self.placement_group)
         self.placement_group = None
+
+
+def _set_environment(_, env: dict[str, str]) -> None:
+    os.environ.update(env)
+
+
+def _gpu_ids(_) -> list[str]:
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
 
 
 def set_up_later(worker_cls: type) -> type:

@@ -52,9 +52,14 @@ class GenerationConfig(Section):
     differ by more than this token_mult_prob_error (checked at start-up and after the first refit)."""
     verify_refit_every: int = 1
     """Refit verification: after every Nth step's refit (and at resume) each engine proves it serves the
-    weights just sent, or the LoRA adapter just written: a sha256 digest of every weight where the engine
-    holds it equals the digest of the tensor the trainer sent; a mismatch stops the run naming the engine
-    and the first weight that differs. 1: every refit; 0: never (docs/algorithms.md)."""
+    weights just sent, or the LoRA adapter just written: a sha256 digest of every weight where each engine worker
+    holds it (all its rows and a sample of its last dimension's columns, `verify_refit_columns`) equals the digest
+    of the same bytes of the tensor the trainer sent; a mismatch stops the run naming the engine, its
+    tensor-parallel worker and the first weight that differs. 1: every refit; 0: never (docs/algorithms.md)."""
+    verify_refit_columns: int = 32
+    """Columns of each weight's last dimension that the refit check's digests cover: about this many, evenly
+    spaced, their offset rotating with the step so that successive refits cover every column (a weight no wider is
+    hashed whole); exact on the bytes covered. 0: every column (the check then costs a hash of the whole model)."""
     num_probe_prompts: int = 8
     """Training prompts sampled by the consistency probe."""
     vllm: VLLMConfig = VLLMConfig()

@@ -206,9 +206,14 @@ class HFGenerationBackend:
         """The sender sends this engine the trainer's own names and layout (no checkpoint to match)."""
         return None, []
 
-    def weight_digests(self) -> list[WeightDigests]:
-        """The digest of every weight the engine computes with (its state_dict, Hugging Face names)."""
-        return [report("hf engine", self.model.state_dict().items())]
+    def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
+        """The digest of every weight the engine computes with (its state_dict, Hugging Face names), of its sampled
+        columns (weight_digest.column_sample)."""
+        return [report("hf engine", self.model.state_dict().items(), columns=columns, step=step)]
+
+    def weight_layout(self) -> list[WeightDigests]:
+        """The engine's weights' names, shapes and dtypes, nothing hashed (the refit check's expected side)."""
+        return [report("hf engine", self.model.state_dict().items(), digests=False)]
 
     def sleep(self) -> None:
         """Nothing to release: the HF engine holds only the weights, which it needs for the refit."""

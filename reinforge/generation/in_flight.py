@@ -127,8 +127,11 @@ class InFlightEngine:
     def refit_layout(self) -> tuple[str | None, list[str]]:
         return self.engine.refit_layout()
 
-    def weight_digests(self):
-        return self._call(self.engine.weight_digests, "the engine's weight digests")
+    def weight_digests(self, columns: int = 0, step: int = 0):
+        return self._call(lambda: self.engine.weight_digests(columns, step), "the engine's weight digests")
+
+    def weight_layout(self):
+        return self._call(self.engine.weight_layout, "the engine's weight layout")
 
     def adapter_digests(self):
         return self._call(self.engine.adapter_digests, "the engine's adapter digests")

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from reinforge.generation.base import GenerationResult, SamplingParams
 from reinforge.generation.checkpoint_layout import has_modules, tied_names
 from reinforge.generation.in_flight import KvCachePolicy, usage_metrics
-from reinforge.generation.vllm_backend import served_adapter, served_weights
+from reinforge.generation.vllm_digests import checkpoint_names, served_adapter, served_weights
 from reinforge.generation.vllm_engine_args import engine_arguments, model_facts
 from reinforge.generation.vllm_images import check_expansion, vllm_prompt
 from reinforge.generation.vllm_moe import check_refit_supported, padded_expert_width, repack_experts
@@ -134,9 +134,15 @@ class AsyncVLLMEngine:
         self._call(self.llm.update_weight_version(str(version)), "the engine's weight version")
         self.version = version
 
-    def weight_digests(self) -> list[WeightDigests]:
-        """The digest of every weight the engine serves (refit verification, weight_digest.py)."""
-        return self._worker_call(served_weights, self.sent_names, self.model_path)
+    def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
+        """Each worker's digest of every weight it serves, its sampled columns (`column_sample`, weight_digest.py)."""
+        names = self.sent_names or checkpoint_names(self.model_path, self.untied_names)
+        return self._worker_call(served_weights, names, self.model_path, columns, step)
+
+    def weight_layout(self) -> list[WeightDigests]:
+        """Each worker's weights' names, shapes and dtypes, nothing hashed: what the expected side needs (once)."""
+        names = checkpoint_names(self.model_path, self.untied_names)
+        return self._worker_call(served_weights, names, self.model_path, 0, 0, False)
 
     def adapter_digests(self) -> list[WeightDigests]:
         """The digests of the LoRA adapter the engine generates with; none when no adapter is loaded."""

@@ -22,10 +22,9 @@ adapter's name) cannot reuse KV blocks computed with it. (vLLM's `load_inplace=T
 would reload the adapter from disk at every scheduler step.) Before the first load, e.g. the start-up
 probe, the engine samples from the base model, which a fresh adapter (B = 0) leaves unchanged.
 
-Refit verification (`weight_digests`, `adapter_digests`; generation/weight_digest.py) hashes what the engine
-computes with, inside its worker: on CPU vLLM frees a linear layer's parameter once oneDNN has packed it, so
-those weights are read back through the layer's own kernel (`read_back`); vLLM's `compute_weight_checksums`
-would hash the empty parameters there.
+Refit verification (`weight_digests`, `weight_layout`, `adapter_digests`; generation/weight_digest.py) hashes
+what the engine computes with, inside its worker, a sample of each weight's columns (generation/vllm_digests.py:
+on CPU, linear weights are read back through the layer's own kernel).
 
 The refit sends the trainer's weights as the model's checkpoint holds them (generation/checkpoint_layout.py:
 transformers' own conversion between its in-memory and on-disk layouts, reverted), so vLLM's model definition maps
@@ -50,85 +49,14 @@ import torch
 
 from reinforge.data.images import ImageInputs
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
-from reinforge.generation.checkpoint_layout import checkpoint_layout, engine_names, has_modules, tied_names
+from reinforge.generation.checkpoint_layout import checkpoint_layout, has_modules, tied_names
+from reinforge.generation.vllm_digests import checkpoint_names, served_adapter, served_weights
 from reinforge.generation.vllm_engine_args import engine_arguments, model_facts
 from reinforge.generation.vllm_images import check_expansion, vllm_prompt
-from reinforge.generation.vllm_moe import check_refit_supported, expert_prepack_isa, padded_expert_width, repack_experts
+from reinforge.generation.vllm_moe import check_refit_supported, padded_expert_width, repack_experts
 from reinforge.generation.vllm_requests import vllm_completions, vllm_sampling_params
 from reinforge.generation.vllm_support import engine_failure
-from reinforge.generation.weight_digest import WeightDigests, report
-
-
-def input_size(module: torch.nn.Module) -> int:
-    """K of a vLLM layer whose weight is freed: a tensor-parallel shard's, a replicated layer's (a MoE router), an
-    LM head's."""
-    return (
-        getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None) or module.embedding_dim
-    )
-
-
-def read_back(module: torch.nn.Module) -> torch.Tensor:
-    """The [N, K] weight a vLLM-CPU linear layer computes with, read back through its own GEMM kernel
-    (`cpu_linear`, oneDNN's packed copy; the parameter itself is freed): identity rows in, W^T out, exact
-    because each output is one weight times 1 plus zeros."""
-    weight = module.weight
-    k = weight.shape[1] if weight.numel() else input_size(module)
-    eye = torch.eye(k, dtype=weight.dtype)
-    return torch.cat([module.cpu_linear(eye[i : i + 1024], weight, None) for i in range(0, k, 1024)]).T
-
-
-def served_weights(worker, sent_names: list[str] = (), checkpoint_model: str | None = None) -> WeightDigests:
-    """Run inside vLLM's worker: the digest of every weight as the engine computes with it, in vLLM's names
-    (fused qkv_proj/gate_up_proj, the padded vocabulary; a tied lm_head under its own name), with what the refit
-    check needs to build them from `sent_names` (the checkpoint names of `checkpoint_model` the refit sent; names
-    the model's own mapping renames, `engine_names`)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    model = worker.model_runner.get_model()
-    weights = []
-    for module_name, module in model.named_modules():
-        # On CPU, linear layers and the LM head compute through `cpu_linear`; an embedding looks its weight up.
-        gemm = hasattr(module, "cpu_linear") and (
-            isinstance(module, ParallelLMHead) or not isinstance(module, VocabParallelEmbedding)
-        )
-        for leaf, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{leaf}".replace(".base_layer.", ".")
-            weights.append((name, read_back(module) if gemm and leaf == "weight" else param))
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    engine = "vllm engine" if size == 1 else f"vllm engine (tensor-parallel worker {rank} of {size})"
-    packed = getattr(model, "packed_modules_mapping", {})
-    digests = report(engine, weights, packed, rank, size, expert_prepack_isa(model))
-    digests.checkpoint_model = checkpoint_model
-    digests.renames, digests.expert_names = engine_names(model, sent_names)
-    return digests
-
-
-def served_adapter(worker, adapter_id: int) -> WeightDigests:
-    """Run inside vLLM's worker: the digests of the LoRA tensors vLLM holds for adapter `adapter_id` (none when
-    it is not loaded), as `MODULE.lora_a` / `MODULE.lora_b` per target module (a packed qkv_proj's parts under
-    their own names), B with its scaling applied as vLLM computes with it."""
-    manager = worker.model_runner.lora_manager._adapter_manager
-    lora = manager.get_adapter(adapter_id)
-    tensors = []
-    for module, weights in (lora.loras if lora is not None else {}).items():
-        parent, _, last = module.rpartition(".")
-        packed = isinstance(weights.lora_a, list)
-        names = [f"{parent}.{part}" for part in manager.packed_modules_mapping[last]] if packed else [module]
-        parts = zip(
-            names,
-            weights.lora_a if packed else [weights.lora_a],
-            weights.lora_b if packed else [weights.lora_b],
-            weights.scaling if packed else [weights.scaling],
-        )
-        for name, lora_a, lora_b, scaling in parts:
-            if lora_a is not None:
-                tensors += [
-                    (f"{name}.lora_a", lora_a),
-                    (f"{name}.lora_b", lora_b if scaling == 1 else lora_b * scaling),
-                ]
-    return report("vllm engine", tensors)
+from reinforge.generation.weight_digest import WeightDigests
 
 
 class VLLMGenerationBackend:
@@ -234,10 +162,17 @@ class VLLMGenerationBackend:
         (checkpoint_layout.py), and the tied names it leaves out."""
         return self.model_path, self.untied_names
 
-    def weight_digests(self) -> list[WeightDigests]:
-        """The digest of every weight the engine serves (refit verification, weight_digest.py)."""
+    def weight_digests(self, columns: int = 0, step: int = 0) -> list[WeightDigests]:
+        """Each worker's digest of every weight it serves, its sampled columns (`column_sample`, weight_digest.py)."""
         self._wake("weights")
-        return self.llm.collective_rpc(served_weights, args=(self.sent_names, self.model_path))
+        names = self.sent_names or checkpoint_names(self.model_path, self.untied_names)
+        return self.llm.collective_rpc(served_weights, args=(names, self.model_path, columns, step))
+
+    def weight_layout(self) -> list[WeightDigests]:
+        """Each worker's weights' names, shapes and dtypes, nothing hashed: what the expected side needs (once)."""
+        self._wake("weights")
+        names = checkpoint_names(self.model_path, self.untied_names)
+        return self.llm.collective_rpc(served_weights, args=(names, self.model_path, 0, 0, False))
 
     def adapter_digests(self) -> list[WeightDigests]:
         """The digests of the LoRA adapter the engine generates with; none when no adapter is loaded."""

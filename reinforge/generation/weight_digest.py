@@ -1,26 +1,28 @@
 """Refit verification: does the engine serve the weights just sent? (`generation.verify_refit_every`)
 
-Each engine reports a sha256 digest of every weight where it holds it, in its own names and layout
+Each engine worker reports a sha256 digest of every weight where it holds it, in its own names and layout
 (`WeightDigests`): the HF engine of its state_dict; vLLM of each parameter of its model, with the weights
 of its CPU linear layers read back through the layer's own GEMM kernel (vLLM-CPU repacks them into
-oneDNN's layout after loading and frees the parameter, so the parameter says nothing there). The expected
-digests come from the very tensors the refit sent, mapped into that layout: fused parameters (vLLM's
-`packed_modules_mapping`, e.g. q/k/v -> qkv_proj) are their parts concatenated along dim 0 in mapping
-order, cast to the engine's dtype, a padded vocabulary dimension zero-padded to the engine's shape. vLLM's names
-come from the sent weights in the checkpoint's layout (checkpoint_layout.py), renamed by its model's own mapping.
-A mixture-of-experts layer's experts (vLLM's `w13_weight` [E, 2I, H] / `w2_weight` [E, H, I]) come from the sent
-experts stacked as transformers holds them (`gate_up_proj` / `down_proj`; `expert_tensor`: each tensor-parallel
-worker's slice of the gate and of the up half, the intermediate size zero-padded to the engine's), prepacked as
-vLLM-CPU holds them (generation/vllm_moe.py). Equal digests are equal bytes: the check is exact, never a
-tolerance. For a LoRA adapter sync the engine reports the digests of the adapter tensors it loaded and serves
-(none when no adapter is loaded), and the expected ones are those of the adapter file the trainer wrote.
+oneDNN's layout after loading and frees the parameter, so the parameter says nothing there; vllm_digests.py).
+A digest covers every row and a deterministic sample of the last dimension's columns (`column_sample`, about
+`generation.verify_refit_columns` of them, evenly spaced, their offset rotating with the step so successive refits
+cover every column); a weight no wider than that is hashed whole. Equal digests are equal bytes of what they cover:
+the check is exact, never a tolerance.
+
+The expected digests come from the very tensors the refit sent, mapped into each worker's layout
+(weight_sources.py), group by group as the refit sends them (`Expectation`: one decoder layer at a time, keeping
+only digests), from the engine's layout without its digests (`weight_layout()`, fetched once). vLLM's names come
+from the sent weights in the checkpoint's layout (checkpoint_layout.py), renamed by its model's own mapping.
+`verify` is the check of a whole dict at once (in-process engines). For a LoRA adapter sync the engine reports the
+digests of the adapter tensors it loaded and serves (none when no adapter is loaded), and the expected ones are
+those of the adapter file the trainer wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ import torch
 
 from reinforge.errors import ReinforgeError
 from reinforge.generation.checkpoint_layout import checkpoint_layout, engine_tensors
+from reinforge.generation.weight_sources import EXPERT_WEIGHT, engine_tensor, expert_source, fused_parts
 
 
 class RefitMismatch(ReinforgeError):
@@ -38,7 +41,8 @@ class RefitMismatch(ReinforgeError):
 
 @dataclass
 class WeightDigests:
-    """What one engine serves: a digest, shape and dtype per weight, in the engine's names."""
+    """What one engine serves: a digest, shape and dtype per weight, in the engine's names (its layout alone:
+    digests empty)."""
 
     engine: str  # e.g. "vllm engine", "generation[1]"
     digests: dict[str, str] = field(default_factory=dict)
@@ -53,6 +57,29 @@ class WeightDigests:
     checkpoint_model: str | None = None
     renames: dict[str, str] = field(default_factory=dict)
     expert_names: dict[str, dict] = field(default_factory=dict)
+    columns: int = 0  # the digests' column sample (`column_sample`): 0 whole
+    step: int = 0
+
+
+def tp_worker(engine: WeightDigests) -> str:
+    """How an error names one of an engine's several tensor-parallel workers."""
+    return f"(tensor-parallel worker {engine.tp_rank} of {engine.tp_size})"
+
+
+def column_sample(shape: tuple[int, ...], columns: int, step: int) -> slice | None:
+    """The columns of the last dimension a digest of a weight of `shape` covers: every `stride`-th from `step` mod
+    `stride`, `stride` = ceil(width / `columns`) (at most `columns` of them; successive steps cover every column);
+    None (all of it) when `columns` is 0, the weight a scalar, or no wider than `columns`."""
+    if columns <= 0 or not shape or shape[-1] <= columns:
+        return None
+    stride = -(-shape[-1] // columns)
+    return slice(step % stride, None, stride)
+
+
+def sampled(tensor: torch.Tensor, columns: int, step: int) -> torch.Tensor:
+    """`tensor`'s sampled columns (`column_sample`), all of it when none are sampled."""
+    sample = column_sample(tuple(tensor.shape), columns, step)
+    return tensor if sample is None else tensor[..., sample]
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -72,148 +99,60 @@ def digest_all(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, s
 
 def report(
     engine: str, named_tensors: Iterable[tuple[str, torch.Tensor]], packed=None, tp_rank: int = 0, tp_size: int = 1,
-    expert_prepack_isa: str | None = None,
+    expert_prepack_isa: str | None = None, columns: int = 0, step: int = 0,
+    presampled: dict[str, tuple[int, ...]] | None = None, digests: bool = True,
 ) -> WeightDigests:  # fmt: skip
-    """An engine's (or one of its tensor-parallel workers') `WeightDigests` of the tensors it serves."""
+    """An engine's (or one of its tensor-parallel workers') `WeightDigests` of the tensors it serves, each of its
+    sampled columns (`columns`, `step`); `presampled`: the whole shapes of tensors given already sampled (read back
+    that way); `digests` False: the layout alone."""
+    presampled = presampled or {}
     named = [(name, tensor.detach()) for name, tensor in named_tensors]
+    covered = [(n, t if n in presampled else sampled(t, columns, step)) for n, t in named] if digests else []
     return WeightDigests(
         engine=engine,
-        digests=digest_all(named),
-        shapes={name: tuple(t.shape) for name, t in named},
+        digests=digest_all(covered),
+        shapes={name: presampled.get(name, tuple(t.shape)) for name, t in named},
         dtypes={name: str(t.dtype).removeprefix("torch.") for name, t in named},
         packed_modules=dict(packed or {}),
         tp_rank=tp_rank,
         tp_size=tp_size,
         expert_prepack_isa=expert_prepack_isa,
+        columns=columns,
+        step=step if columns else 0,  # whole weights: the same at every step
     )
 
 
-def shard(tensor: torch.Tensor, shape: tuple[int, ...], rank: int, size: int) -> torch.Tensor | None:
-    """Tensor-parallel worker `rank`'s piece of a whole `tensor` that it holds as `shape`: the tensor itself where
-    they match (replicated), else its `rank`-th of `size` equal slices along the one dimension that differs, the
-    tensor zero-padded there first to `size` x the slice (a padded vocabulary)."""
-    if size == 1 or tuple(tensor.shape) == tuple(shape):
-        return tensor
-    if tensor.dim() != len(shape):
-        return None
-    differ = [d for d in range(tensor.dim()) if tensor.shape[d] != shape[d]]
-    if len(differ) != 1 or shape[differ[0]] * size < tensor.shape[differ[0]]:
-        return None
-    dim = differ[0]
-    padding = [0, 0] * (tensor.dim() - 1 - dim) + [0, shape[dim] * size - tensor.shape[dim]]
-    return torch.nn.functional.pad(tensor, padding).narrow(dim, rank * shape[dim], shape[dim])
-
-
-def column_shards(pieces: list[torch.Tensor], rows: int | None, rank: int, size: int) -> list[torch.Tensor] | None:
-    """Worker `rank`'s rows of each part of a column-parallel fused weight it holds `rows` of: its 1/size of each; or,
-    where it holds more (vLLM replicates key/value heads when there are fewer than workers), its 1/size of the first
-    part (the queries) and of each later part the one head of `rows` per part that worker `rank` gets, rank x heads
-    // size (vLLM's `num_kv_head_replicas`)."""
-    if all(p.shape[0] % size == 0 for p in pieces) and rows in (None, sum(p.shape[0] // size for p in pieces)):
-        return [piece.chunk(size)[rank] for piece in pieces]
-    first, rest = pieces[0], pieces[1:]
-    if rows is None or not rest or first.shape[0] % size:
-        return None
-    per_part, remainder = divmod(rows - first.shape[0] // size, len(rest))
-    if remainder or per_part <= 0 or any(p.shape[0] != rest[0].shape[0] or p.shape[0] % per_part for p in rest):
-        return None
-    head = rank * (rest[0].shape[0] // per_part) // size
-    return [first.chunk(size)[rank]] + [piece[head * per_part : (head + 1) * per_part] for piece in rest]
-
-
-def source_tensor(
-    name: str, sent: dict[str, torch.Tensor], packed: dict[str, list[str]], rank: int = 0, size: int = 1,
-    rows: int | None = None,
-) -> torch.Tensor | None:  # fmt: skip
-    """The sent tensor behind engine weight `name`: itself, or a fused weight's parts concatenated (dim 0); of an
-    engine of `size` tensor-parallel workers, worker `rank`'s shard of it (a fused weight: each part's, in order,
-    `column_shards` of the `rows` it holds)."""
-    if name in sent:
-        return sent[name]
-    module, _, leaf = name.rpartition(".")
-    parent, _, last = module.rpartition(".")
-    if last in packed:
-        parts = [f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}" for part in packed[last]]
-        if all(part in sent for part in parts):
-            pieces = [sent[part].detach() for part in parts]
-            if size > 1:  # column-parallel: each part split over the workers
-                pieces = column_shards(pieces, rows, rank, size)
-            return None if pieces is None else torch.cat(pieces)
-    return None
-
-
-EXPERT_WEIGHT = re.compile(r"^(?P<experts>.*\.experts)(?:\.routed_experts)?\.(?P<kind>w13|w2)_weight$")
-
-
-def expert_tensor(name: str, sent: dict[str, torch.Tensor], shape: tuple[int, ...], rank: int, size: int):
-    """The tensor behind a vLLM fused-MoE weight (`X.experts[.routed_experts].w13_weight` [E, 2P, H] or
-    `w2_weight` [E, H, P]) from the sent fused `X.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) or
-    `X.experts.down_proj` [E, H, I]: worker `rank` of `size` holds the rank-th 1/size of the intermediate size of
-    each part, zero-padded to the engine's P; None when `name` is no expert weight or nothing fits."""
-    match = EXPERT_WEIGHT.match(name)
-    if match is None:
-        return None
-    fused = sent.get(f"{match['experts']}.{'gate_up_proj' if match['kind'] == 'w13' else 'down_proj'}")
-    if fused is None or fused.dim() != 3 or fused.shape[0] != shape[0]:
-        return None
-    fused = fused.detach()
-    if match["kind"] == "w13":
-        parts, dim, padded = fused.chunk(2, dim=1), 1, shape[1] // 2
-    else:
-        parts, dim, padded = (fused,), 2, shape[2]
-    if any(part.shape[dim] % size or part.shape[dim] // size > padded for part in parts):
-        return None
-    pieces = [part.chunk(size, dim=dim)[rank] for part in parts]
-    padding = [[0, 0, 0, padded - piece.shape[1]] if dim == 1 else [0, padded - piece.shape[2]] for piece in pieces]
-    return torch.cat([torch.nn.functional.pad(piece, pad) for piece, pad in zip(pieces, padding)], dim=dim)
-
-
-def prepacked(tensor: torch.Tensor, isa: str | None) -> torch.Tensor:
-    """An expert weight as vLLM-CPU's fused-MoE kernel holds it: prepacked for `isa` by vLLM's own op; as it is
-    when `isa` is None (plain weights)."""
-    if isa is None:
-        return tensor
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    return cpu_prepack_moe_weight(tensor.contiguous(), isa)
-
-
-def in_engine_layout(tensor: torch.Tensor, shape: tuple[int, ...], dtype: str) -> torch.Tensor | None:
-    """`tensor` as the engine stores it: its dtype, a shorter dim 0 (a padded vocabulary) zero-padded."""
-    tensor = tensor.detach().to(getattr(torch, dtype))
-    if tuple(tensor.shape) != shape and tensor.dim() == len(shape) and tuple(tensor.shape[1:]) == shape[1:]:
-        if tensor.shape[0] < shape[0]:
-            tensor = torch.cat([tensor, tensor.new_zeros((shape[0] - tensor.shape[0], *shape[1:]))])
-    return tensor if tuple(tensor.shape) == shape else None
-
-
-def expected_digests(engine: WeightDigests, sent: dict[str, torch.Tensor], what: str) -> dict[str, str]:
-    """The digests `engine` must report: each of its weights built from the sent tensors in its layout, hashed
-    on all cores (each task builds its own tensor, so at most one per core is alive at a time)."""
+def expected_digests(
+    engine: WeightDigests, sent: Mapping[str, torch.Tensor], what: str, columns: int = 0, step: int = 0,
+    names: Iterable[str] | None = None,
+) -> dict[str, str]:  # fmt: skip
+    """The digests `engine` must report of its weights `names` (all of them by default), each built from the sent
+    tensors in its layout (weight_sources.py), its sampled columns only, hashed on all cores (each task builds its
+    own tensor, so at most one per core is alive at a time)."""
 
     def expected(name: str) -> str:
-        rank, size, shape = engine.tp_rank, engine.tp_size, engine.shapes[name]
-        expert = None if name in sent else expert_tensor(name, sent, shape, rank, size)
-        source = (
-            expert if expert is not None else source_tensor(name, sent, engine.packed_modules, rank, size, shape[0])
-        )
-        if source is not None and name in sent:  # a whole sent tensor: the worker's slice of it
-            source = shard(source, shape, rank, size)
-        tensor = None if source is None else in_engine_layout(source, shape, engine.dtypes[name])
-        if tensor is not None and expert is not None:
-            tensor = prepacked(tensor, engine.expert_prepack_isa)
+        shape = engine.shapes[name]
+        tensor = engine_tensor(
+            name, sent, shape, engine.dtypes[name], engine.packed_modules, engine.tp_rank, engine.tp_size,
+            engine.expert_prepack_isa, column_sample(shape, columns, step),
+        )  # fmt: skip
         if tensor is None:
-            raise RefitMismatch(
-                f"refit check: cannot verify {engine.engine}: its {name} {list(engine.shapes[name])} has no "
-                f"counterpart among the {what} sent; set generation.verify_refit_every=0 to run unverified"
-            )
+            raise no_counterpart(engine, name, what)
         return tensor_digest(tensor)
 
+    names = list(engine.shapes if names is None else names)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return dict(zip(engine.digests, pool.map(expected, list(engine.digests))))
+        return dict(zip(names, pool.map(expected, names)))
 
 
-def origin(name: str, engine: WeightDigests, sent: dict[str, torch.Tensor]) -> str:
+def no_counterpart(engine: WeightDigests, name: str, what: str) -> RefitMismatch:
+    return RefitMismatch(
+        f"refit check: cannot verify {engine.engine}: its {name} {list(engine.shapes[name])} has no "
+        f"counterpart among the {what} sent; set generation.verify_refit_every=0 to run unverified"
+    )
+
+
+def origin(name: str, engine: WeightDigests, sent: Mapping[str, torch.Tensor]) -> str:
     """Where an engine weight comes from, when not from the sent tensor of its name, for an error message."""
     if name in sent:
         return ""
@@ -223,31 +162,131 @@ def origin(name: str, engine: WeightDigests, sent: dict[str, torch.Tensor]) -> s
     return f" (fused from {', '.join(engine.packed_modules.get(name.rpartition('.')[0].rpartition('.')[2], []))})"
 
 
-def as_sent_to(engine: WeightDigests, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The trainer's tensors `sent` as the refit handed them to `engine`: in the checkpoint's layout for an engine
-    that loads checkpoints, under the names its model definition gives them (checkpoint_layout.py)."""
-    if engine.checkpoint_model is None:
-        return sent
-    return engine_tensors(checkpoint_layout(engine.checkpoint_model, sent.items()), engine.renames, engine.expert_names)
+def source_names(name: str, engine: WeightDigests) -> list[str]:
+    """The sent names engine weight `name` could be built from: its own, a fused weight's first part, the experts'."""
+    parts = fused_parts(name, engine.packed_modules)
+    expert = expert_source(name)
+    return [name, *parts[:1], *([expert] if expert else [])]
 
 
-def verify(reports: list[WeightDigests], sent: dict[str, torch.Tensor], what: str = "weights") -> None:
-    """Raise `RefitMismatch` naming the first engine and weight whose digest differs from the sent tensor's."""
-    by_layout: dict[tuple, dict[str, str]] = {}  # the engines of a group share one layout: hash it once
+def layout_key(engine: WeightDigests) -> tuple:
+    """What makes two engines' expected digests equal: the engines of a group share one layout (per worker)."""
+    return (
+        tuple(engine.shapes.items()), tuple(engine.dtypes.items()), engine.tp_rank, engine.tp_size,
+        engine.expert_prepack_isa, engine.checkpoint_model,
+    )  # fmt: skip
+
+
+class Expectation:
+    """The digests each engine worker must report, computed group by group as the refit sends its weights (`add`,
+    once per decoder layer, or for what lies outside the layers, in the checkpoint's layout for an engine that
+    loads checkpoints), keeping only digests: no process needs the whole model. `layouts`: each engine worker's
+    `WeightDigests` (digests empty: `weight_layout()`); `columns`, `step`: the sample (`column_sample`)."""
+
+    def __init__(self, layouts: list[WeightDigests], columns: int = 0, step: int = 0, what: str = "weights"):
+        self.columns, self.step, self.what = columns, step if columns else 0, what
+        self.failure: RefitMismatch | None = None  # a weight whose sources came but do not fit its layout
+        self.layouts: dict[tuple, WeightDigests] = {}  # the first engine of each layout names it in errors
+        for layout in layouts:
+            self.layouts.setdefault(layout_key(layout), layout)
+        self.expected: dict[tuple, dict[str, str]] = {key: {} for key in self.layouts}
+        self.origins: dict[tuple, dict[str, str]] = {key: {} for key in self.layouts}
+        self.wanted: dict[tuple, dict[str, list[str]]] = {}  # by layout: sent name -> engine weights it may build
+        for key, layout in self.layouts.items():
+            wanted = self.wanted[key] = {}
+            for name in layout.shapes:
+                for source in source_names(name, layout):
+                    wanted.setdefault(source, []).append(name)
+
+    def add(self, group: Mapping[str, torch.Tensor]) -> None:
+        """The digests of every engine weight whose sources are in `group` (one decoder layer's tensors, or those
+        outside the layers; every engine weight's sources lie in one group)."""
+        renamed: dict[tuple, Mapping[str, torch.Tensor]] = {}  # the engine's names, per distinct mapping
+        for key, layout in self.layouts.items():
+            mapping = (layout.checkpoint_model, tuple(layout.renames.items()), repr(layout.expert_names))
+            if mapping not in renamed:
+                renamed[mapping] = (
+                    group if layout.checkpoint_model is None
+                    else engine_tensors(dict(group), layout.renames, layout.expert_names)
+                )  # fmt: skip
+            sent, done = renamed[mapping], self.expected[key]
+            names = {n for source in sent for n in self.wanted[key].get(source, []) if n not in done}
+            names = [name for name in layout.shapes if name in names and buildable(name, layout, sent)]
+            try:
+                done.update(expected_digests(layout, sent, self.what, self.columns, self.step, names))
+            except RefitMismatch as error:  # said by `digests`: the refit's sending goes on undisturbed
+                self.failure = self.failure or error
+            self.origins[key].update((name, origin(name, layout, sent)) for name in names)
+
+    def digests(self) -> dict[tuple, dict[str, str]]:
+        """The expected {name: digest} of each distinct layout (`layout_key`); a `RefitMismatch` for an engine
+        weight no group provided."""
+        if self.failure is not None:
+            raise self.failure
+        for key, layout in self.layouts.items():
+            for name in layout.shapes:
+                if name not in self.expected[key]:
+                    raise no_counterpart(layout, name, self.what)
+        return self.expected
+
+
+def buildable(name: str, engine: WeightDigests, sent: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every sent tensor engine weight `name` is made of is in `sent` (its own, its fused parts or its
+    experts): a fused weight whose parts a group has only some of waits for none, and says "no counterpart"."""
+    if name in sent:
+        return True
+    parts = fused_parts(name, engine.packed_modules)
+    return (bool(parts) and all(part in sent for part in parts)) or expert_source(name) in sent
+
+
+def check(reports: list[WeightDigests], expectation: Expectation) -> None:
+    """Raise `RefitMismatch` naming the first engine (and tensor-parallel worker) and weight whose digest differs
+    from the expected one, or an engine that serves nothing."""
+    what = expectation.what
+    expected = None
     for engine in reports:
         if not engine.digests:
             raise RefitMismatch(f"refit check: {engine.engine} serves no {what}: it was never loaded")
-        layout = (tuple(engine.shapes.items()), tuple(engine.dtypes.items()), engine.tp_rank, engine.tp_size)
-        if layout not in by_layout:
-            by_layout[layout] = expected_digests(engine, as_sent_to(engine, sent), what)
-        expected = by_layout[layout]
+        if (engine.columns, engine.step) != (expectation.columns, expectation.step):
+            raise ValueError(
+                f"{engine.engine} digested columns={engine.columns} step={engine.step}, the check expects "
+                f"columns={expectation.columns} step={expectation.step}"
+            )
+        expected = expected or expectation.digests()
+        key = layout_key(engine)
+        if key not in expected:
+            name = next(iter(engine.shapes))
+            raise no_counterpart(engine, name, what)
         for name, digest in engine.digests.items():
-            if digest != expected[name]:
-                source = origin(name, engine, as_sent_to(engine, sent))
+            if digest != expected[key].get(name):
                 raise RefitMismatch(
-                    f"refit check: {engine.engine} does not serve the {what} just sent: {name}{source} differs "
-                    "(stale or wrongly loaded); the run stops rather than train off-policy"
+                    f"refit check: {engine.engine} does not serve the {what} just sent: "
+                    f"{name}{expectation.origins[key].get(name, '')} differs (stale or wrongly loaded); the run stops "
+                    "rather than train off-policy"
                 )
+
+
+def as_sent_to(engine: WeightDigests, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainer's tensors `sent` as the refit hands them to `engine`: in the checkpoint's layout for an engine
+    that loads checkpoints (checkpoint_layout.py); `Expectation.add` renames them as its model does."""
+    if engine.checkpoint_model is None:
+        return sent
+    return checkpoint_layout(engine.checkpoint_model, sent.items())
+
+
+def verify(
+    reports: list[WeightDigests], sent: dict[str, torch.Tensor], what: str = "weights", columns: int = 0,
+    step: int = 0,
+) -> None:  # fmt: skip
+    """Raise `RefitMismatch` naming the first engine and weight whose digest differs from the sent tensor's: the
+    whole of `sent` (the trainer's in-memory layout) as one group of an `Expectation` of the reports' layouts."""
+    by_model: dict[str | None, list[WeightDigests]] = {}
+    for engine in reports:
+        by_model.setdefault(engine.checkpoint_model, []).append(engine)
+    for engines in by_model.values():
+        expectation = Expectation(engines, columns, step, what)
+        expectation.add(as_sent_to(engines[0], sent))
+        check(engines, expectation)
 
 
 def adapter_tensors(path: str | Path, dtype: str) -> dict[str, torch.Tensor]:

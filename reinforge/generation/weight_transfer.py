@@ -78,9 +78,21 @@ class Sender:
     def join(self) -> None:
         self.group, self.store = open_group(self.info, 0, self.store)
 
-    def send(self, parts: Iterable[Named], checkpoint_model: str | None, drop: list[str], bucket_bytes: int):
-        """`parts` (the trainer's weights, a decoder layer at a time) as the engines load them (`in_layout`)."""
-        return send(self.group, (in_layout(part, checkpoint_model, drop) for part in parts), bucket_bytes)
+    def send(
+        self, parts: Iterable[Named], checkpoint_model: str | None, drop: list[str], bucket_bytes: int,
+        on_group: Callable[[dict], None] | None = None,
+    ) -> SendStats:  # fmt: skip
+        """`parts` (the trainer's weights, a decoder layer at a time) as the engines load them (`in_layout`), each
+        also handed to `on_group` (the refit check's expected side) while the one before is on the wire."""
+
+        def laid_out():
+            for part in parts:
+                group = in_layout(part, checkpoint_model, drop)
+                if on_group is not None:
+                    on_group(dict(group))
+                yield group
+
+        return send(self.group, laid_out(), bucket_bytes)
 
 
 def in_layout(part: Named, checkpoint_model: str | None, drop: list[str]) -> Named:

@@ -44,13 +44,14 @@ def start_ray_if_needed(config: RLRunConfig, cleanup: ExitStack) -> None:
 
     cluster = config.cluster
     num_cpus = 0.0
+    engine_workers = config.generation.num_workers * config.generation.vllm.tensor_parallel_size
     if config.training.backend == "fsdp2":
-        num_engine_bundles = 0 if cluster.colocate else config.generation.num_workers
+        num_engine_workers = 0 if cluster.colocate else engine_workers
         num_cpus += (
-            config.training.num_workers * config.num_trained_models + num_engine_bundles
+            config.training.num_workers * config.num_trained_models + num_engine_workers
         ) * cluster.num_cpus_per_worker
     elif engines_on_ray(config):
-        num_cpus += config.generation.num_workers * cluster.num_cpus_per_worker
+        num_cpus += engine_workers * cluster.num_cpus_per_worker
     num_cpus += config.env.num_workers * config.env.num_cpus_per_worker
     cleanup.callback(worker_group.ensure_ray(cluster, num_cpus))
 
@@ -216,17 +217,12 @@ def vllm_engine_kwargs(config: RLRunConfig) -> dict:
 
 
 def engine_group(config: RLRunConfig, share_with=None):
-    """`generation.num_workers` engines as Ray actors (cluster/generation_group.py), each with a Ray worker's
-    resources, or half of them where it shares a training rank's bundle (`share_with`: the trainer's group)."""
+    """`generation.num_workers` engines as Ray actors (cluster/generation_group.py), each holding
+    `generation.vllm.tensor_parallel_size` Ray workers' resources and `cluster.generation_resources`, or colocated
+    half of a training rank's bundle with its workers on its ranks' GPUs (`share_with`: the trainer's group)."""
     from reinforge.cluster.generation_group import GenerationGroup
 
-    gen, fraction = config.generation, 0.5 if share_with is not None else 1.0
-    if gen.backend == "vllm" and gen.vllm.tensor_parallel_size > 1 and config.cluster.num_gpus_per_worker > 0:
-        raise ReinforgeError(
-            f"generation.vllm.tensor_parallel_size={gen.vllm.tensor_parallel_size} with GPU workers in Ray is not "
-            "supported yet (an engine's actor holds one worker's GPUs); set it to 1, or run the engine in the "
-            "driver's process with training.backend=torch"
-        )
+    gen, cluster = config.generation, config.cluster
     if gen.backend == "vllm":
         from reinforge.generation.vllm_backend import VLLMGenerationBackend
 
@@ -238,11 +234,19 @@ def engine_group(config: RLRunConfig, share_with=None):
             HFGenerationWorker,
             dict(model_config=config.model, max_batch_size=gen.max_batch_size, device=gen.device),
         )
+    placement = dict(
+        num_engines=gen.num_workers,
+        tensor_parallel_size=gen.vllm.tensor_parallel_size,
+        num_cpus_per_worker=cluster.num_cpus_per_worker,
+        num_gpus_per_worker=cluster.num_gpus_per_worker,
+        resources=cluster.generation_resources,
+        timeout_s=cluster.worker_timeout_s,
+    )
     if config.rollout.mode == "in_flight":  # engines that take concurrent calls; weights land while they generate
         from reinforge.cluster.generation_group import InFlightGroup
 
-        rollout, timeout = config.rollout, config.cluster.worker_timeout_s
-        actor_kwargs = dict(kv_cache=rollout.in_flight_kv_cache, wait_timeout_s=timeout)
+        rollout = config.rollout
+        actor_kwargs = dict(kv_cache=rollout.in_flight_kv_cache, wait_timeout_s=cluster.worker_timeout_s)
         if gen.backend == "vllm":  # vLLM's AsyncLLM, its engine core in a process of its own
             from reinforge.generation.vllm_async import AsyncVLLMEngine as actor_cls
         else:  # waves of the HF engine, driven on a thread of the actor
@@ -253,20 +257,9 @@ def engine_group(config: RLRunConfig, share_with=None):
             actor_cls,
             dict(actor_kwargs, engine_kwargs=kwargs),
             max_concurrency=rollout.pool_groups * rollout.num_generations_per_prompt + 16,  # per episode, and refit's
-            num_engines=gen.num_workers,
-            num_cpus_per_engine=config.cluster.num_cpus_per_worker,
-            num_gpus_per_engine=config.cluster.num_gpus_per_worker,
-            timeout_s=timeout,
+            **placement,
         )
-    return GenerationGroup(
-        worker_cls,
-        kwargs,
-        gen.num_workers,
-        num_cpus_per_engine=config.cluster.num_cpus_per_worker * fraction,
-        num_gpus_per_engine=config.cluster.num_gpus_per_worker * fraction,
-        timeout_s=config.cluster.worker_timeout_s,
-        share_with=share_with,
-    )
+    return GenerationGroup(worker_cls, kwargs, share_with=share_with, **placement)
 
 
 def write_placement(run_dir: Path, trainer, engine, envs: dict[str, Environment]) -> None:

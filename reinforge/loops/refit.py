@@ -23,7 +23,7 @@ from pathlib import Path
 
 from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.generation.base import GenerationBackend
-from reinforge.generation.weight_digest import adapter_tensors, verify
+from reinforge.generation.weight_digest import Expectation, adapter_tensors, check, verify
 from reinforge.logging.memory import PeakGrowth
 from reinforge.logging.metrics import Timers
 from reinforge.run_dir import atomic_directory
@@ -46,9 +46,9 @@ def refit(
     timers: Timers | None = None,
 ) -> dict[str, float]:
     """Give `engine` the trainer's current policy, the way `model.lora.sync` says, and verify it when due
-    (`step`: the step just trained, None at resume; the check's time is `timing/refit_verify_s`). Its metrics: what
-    the wire moved to engines in Ray (`refit/bytes`, `refit/buckets`), and how far the driver's resident memory
-    rose meanwhile (`perf/refit_driver_growth_mb`, where Linux tells)."""
+    (`step`: the step just trained, None at resume; the check's time is `timing/refit_verify_s`). Its metrics:
+    what the wire moved to engines in Ray (`perf/refit_bytes`, `perf/refit_buckets`), and how far the driver's
+    resident memory rose meanwhile (`perf/refit_driver_growth_mb`, where Linux tells)."""
     with PeakGrowth() as driver:
         metrics = _refit(engine, trainer, config, run_dir, step, timers)
     if driver.growth_mb is not None:
@@ -59,19 +59,20 @@ def refit(
 def _refit(engine, trainer, config: RLRunConfig, run_dir: Path, step: int | None, timers: Timers | None) -> dict:
     due = verify_due(config.generation.verify_refit_every, step)
     timed = timers.time("refit_verify") if timers else nullcontext()
+    sample = dict(columns=config.generation.verify_refit_columns, step=step or 0)
     if not config.adapter_sync and getattr(engine, "wire", None) is not None:  # engines in Ray: from the ranks
-        stats = engine.wire.refit(trainer, config.generation.refit_bucket_mb << 20)
+        expect = Expectation(engine.wire.layouts(), **sample) if due else None
+        stats = engine.wire.refit(trainer, config.generation.refit_bucket_mb << 20, expect=expect)
         if due:
             with timed:
-                weights = list(trainer.named_weights())  # FIXME streamed expectation
-                verify(engine.weight_digests(), dict(weights))
-        return {"refit/bytes": stats["bytes"], "refit/buckets": stats["buckets"]}
+                check(engine.weight_digests(**sample), stats["expectation"])
+        return {"perf/refit_bytes": stats["bytes"], "perf/refit_buckets": stats["buckets"]}
     if not config.adapter_sync:
         weights = list(trainer.named_weights())
         engine.update_weights(weights)
         if due:
             with timed:
-                verify(engine.weight_digests(), dict(weights))
+                verify(engine.weight_digests(**sample), dict(weights), **sample)
         return {}
     adapter = (run_dir / ADAPTER_DIR).resolve()  # absolute: engine processes may run elsewhere
     with atomic_directory(adapter) as tmp:

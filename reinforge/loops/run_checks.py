@@ -21,6 +21,7 @@ from reinforge.evaluation.evaluate import ValidationBenchmark, prepare_validatio
 from reinforge.generation.vllm_support import check_vllm_serves
 from reinforge.logging.loggers import check_backends
 from reinforge.loops.builders import engines_on_ray
+from reinforge.loops.dry_run import check_run_layout, model_text_config
 from reinforge.modeling import (
     check_rope_scaling,
     check_weights,
@@ -73,6 +74,8 @@ def read_inputs(config: RLRunConfig) -> Inputs:
     check_backends(config.logging.loggers)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     check_model_layout(config.training.parallel, config.model)  # tp/cp/ep the model cannot split: one line
+    if config.generation.backend == "vllm":  # engines the model's heads cannot split (the dry run's rules)
+        check_run_layout(config, model_text_config(config.model))
     check_run_inputs(config, train_prompts + val_prompts)  # no weights, too long for the model, agents not importable
     return Inputs(config, tokenizer, train_prompts, val_prompts, benchmarks, tasks, stream)
 

@@ -205,6 +205,8 @@ class Backend:
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
+        # freed now, not at the next step: a colocated engine generates in their memory (planner.py, PERSISTENT)
+        self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
@@ -307,13 +309,16 @@ class Backend:
         if self.strategy.is_main:
             self.sender.join()
 
-    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int) -> dict | None:
+    def send_weights(self, checkpoint_model: str | None, drop: list[str], bucket_bytes: int, expect=None):
         """Send the full weights to every engine, a decoder layer at a time (a collective: every rank gathers each
-        layer; the main rank sends it while the next is gathered); the main rank's `SendStats`."""
+        layer; the main rank sends it while the next is gathered). The main rank's `SendStats` as a dict, with
+        `expectation`: `expect` (a refit check's `Expectation`, generation/weight_digest.py) given each layer as
+        it is sent."""
         parts = (list(self.named_weights(part)) for part in range(self.num_weight_parts()))
         if not self.strategy.is_main:
             return sum(1 for _ in parts) and None
-        return vars(self.sender.send(parts, checkpoint_model, drop, bucket_bytes))
+        stats = self.sender.send(parts, checkpoint_model, drop, bucket_bytes, expect.add if expect else None)
+        return {**vars(stats), "expectation": expect}
 
     def save_pretrained(self, path: Path) -> None:
         """The model as a Hugging Face directory, written by the main rank; with LoRA, its adapter in PEFT's format."""

@@ -65,6 +65,7 @@ RESUMABLE_CHANGES = (
     *("training.backend", "training.num_workers", "training.parallel.", "training.cpu_offload"),
     *("deadlines.", "training.collective_timeout_s", "agent.endpoint.request_timeout_s"),  # how long waits may take
     *("agent.first_call_timeout_s", "generation.verify_refit_every"),  # a check's deadline and frequency
+    "generation.verify_refit_columns",  # and its sample
 )
 
 

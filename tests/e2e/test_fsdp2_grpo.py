@@ -176,13 +176,13 @@ def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_no
     assert_first_step_matches(one_process_first_step, rows[1])
 
 
-@pytest.mark.parametrize("colocate", ["false", "true"])
-def test_fsdp2_ranks_refit_a_vllm_engine_split_or_colocated(tmp_path, colocate):
-    """The issue's command at a smaller size: two FSDP2 ranks train, a vLLM engine in its own Ray actor
-    (with its own resources, or sharing rank 0's) generates, and every refit reaches it."""
+def test_fsdp2_ranks_refit_a_vllm_engine_split_or_colocated(tmp_path):
+    """The issue's command at a smaller size: two FSDP2 ranks train, a vLLM engine in its own Ray actor sharing
+    rank 0's resources generates, and every refit reaches it (the disaggregated layout, an engine of its own on
+    a node of its own: test_two_node_engines.py)."""
     command = COMMAND + [
         "generation.backend=vllm",
-        f"cluster.colocate={colocate}",
+        "cluster.colocate=true",
         "loop.max_steps=2",
         "cluster.num_threads=1",  # the driver's torch threads: it only scores here
         "data.max_val_prompts=16",

@@ -104,6 +104,13 @@ def attempt(call) -> str:
         return str(error)
 
 
+def sampled_check(engine, weights) -> str:
+    """The check on about 8 columns of each weight (the prepacked experts: of their prepacked layout)."""
+    from reinforge.generation.weight_digest import verify
+
+    return attempt(lambda: verify(engine.weight_digests(8, 3), dict(weights), columns=8, step=3))
+
+
 def moe_engine_run(model_dir, work, out_path) -> None:
     """In a fresh process: everything the tests check, in order, with one engine; outcomes to JSON."""
     from reinforge.generation.weight_digest import verify
@@ -133,6 +140,7 @@ def moe_engine_run(model_dir, work, out_path) -> None:
     out["sent expert names"] = sorted(n for n, _ in weights if ".layers.0.mlp.experts" in n)
     engine.update_weights(weights)
     out["refit: verified"] = attempt(lambda: verify(engine.weight_digests(), dict(weights)))
+    out["refit: verified on 8 columns"] = sampled_check(engine, weights)
     out["refit: greedy agrees"] = greedy_agrees(engine, full.model)
     out["refit: mismatch"] = mismatch(engine, full, seed=4)
     stale = backend(model_dir)  # the weights before the step
@@ -143,6 +151,7 @@ def moe_engine_run(model_dir, work, out_path) -> None:
     weights = list(full.named_weights())
     engine.update_weights([(n, t) for n, t in weights if n != "model.layers.1.mlp.experts.down_proj"])
     out["planted: verified"] = attempt(lambda: verify(engine.weight_digests(), dict(weights)))
+    out["planted: verified on 8 columns"] = sampled_check(engine, weights)
     engine.shutdown()
     out_path.write_text(json.dumps(out))
 
@@ -160,6 +169,7 @@ def tensor_parallel_run(model_dir, work, out_path) -> None:
     weights = list(trainer.named_weights())
     engine.update_weights(weights)
     out["refit: verified"] = attempt(lambda: verify(engine.weight_digests(), dict(weights)))
+    out["refit: verified on 8 columns"] = sampled_check(engine, weights)
     out["refit: greedy agrees"] = greedy_agrees(engine, trainer.model)
     engine.shutdown()
     out_path.write_text(json.dumps(out))
@@ -181,7 +191,12 @@ def outcomes(tiny_moe_model_dir, tmp_path_factory):
 def test_a_two_worker_engine_serves_the_refitted_experts_shard_by_shard(tmp_path):
     build_tiny_moe(tmp_path / "model", moe_intermediate_size=64)
     outcomes = run_in_fresh_process(tensor_parallel_run, tmp_path / "model", tmp_path)
-    assert outcomes == {"start: verified": "ok", "refit: verified": "ok", "refit: greedy agrees": [True] * 4}
+    assert outcomes == {
+        "start: verified": "ok",
+        "refit: verified": "ok",
+        "refit: verified on 8 columns": "ok",
+        "refit: greedy agrees": [True] * 4,
+    }
 
 
 def test_the_moe_engine_samples_with_the_trainers_logprobs_and_greedy_tokens(outcomes):
@@ -194,17 +209,21 @@ def test_a_refit_of_fused_expert_weights_is_verified_and_changes_greedy_to_the_t
         "model.layers.0.mlp.experts.down_proj",
         "model.layers.0.mlp.experts.gate_up_proj",
     ]
-    assert outcomes["refit: verified"] == "ok"
+    assert outcomes["refit: verified"] == outcomes["refit: verified on 8 columns"] == "ok"
     assert all(outcomes["refit: greedy agrees"]), outcomes
     assert 1.0 <= outcomes["refit: mismatch"] <= 1.001, outcomes
     assert not all(outcomes["refit: greedy agrees with the old weights"]), "the step should change some greedy answer"
 
 
 def test_a_refit_that_skipped_an_expert_tensor_is_named(outcomes):
-    assert outcomes["planted: verified"] == (
-        "refit check: vllm engine does not serve the weights just sent: "
-        "model.layers.1.mlp.experts.routed_experts.w2_weight (from down_proj) differs (stale or wrongly loaded); "
-        "the run stops rather than train off-policy"
+    assert (
+        outcomes["planted: verified on 8 columns"]
+        == outcomes["planted: verified"]
+        == (
+            "refit check: vllm engine does not serve the weights just sent: "
+            "model.layers.1.mlp.experts.routed_experts.w2_weight (from down_proj) differs (stale or wrongly loaded); "
+            "the run stops rather than train off-policy"
+        )
     )
 
 

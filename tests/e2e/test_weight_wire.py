@@ -2,7 +2,8 @@
 process (vLLM sets up process-wide state): a training rank's sender on a thread of that process, the engine's
 workers receiving through vLLM's weight-transfer protocol (`reinforge_gloo`, loaded in each worker as a vLLM
 plugin). The engine serves exactly what was sent, shard by shard; a weight the second worker silently skips is
-named with that worker."""
+named with that worker, by the run's check (the sender's expected digests of sampled columns, built as it sends)
+and by a check of every byte alike."""
 
 import json
 import threading
@@ -19,11 +20,12 @@ DEMO = str(PROJECT_ROOT / "models" / "demo")
 SKIPPED = "model.layers.1.self_attn.k_proj.weight"
 
 
-def refit(engine, sender, weights: dict, version: int) -> None:
-    """One refit over the wire: the engine receives on a thread while the sender sends (one group: all of it)."""
+def refit(engine, sender, weights: dict, version: int, expectation) -> None:
+    """One refit over the wire: the engine receives on a thread while the sender sends (one group: all of it) and
+    builds the refit check's expected digests as it sends."""
     receiving = threading.Thread(target=engine.receive_weights, args=(version,))
     receiving.start()
-    sender.send([list(weights.items())], *engine.refit_layout(), bucket_bytes=1 << 20)
+    sender.send([list(weights.items())], *engine.refit_layout(), bucket_bytes=1 << 20, on_group=expectation.add)
     receiving.join(timeout=120)
 
 
@@ -32,7 +34,7 @@ def wire_refits(out_path) -> None:
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     from reinforge.generation.vllm_backend import VLLMGenerationBackend
-    from reinforge.generation.weight_digest import RefitMismatch, verify
+    from reinforge.generation.weight_digest import Expectation, RefitMismatch, check, verify
     from reinforge.generation.weight_transfer import Sender
     from reinforge.model_config import ModelConfig
     from reinforge.modeling import load_model
@@ -63,12 +65,18 @@ def wire_refits(out_path) -> None:
 
             engine.llm.collective_rpc(skip_on_worker_1)
         weights = dict(model.state_dict())
-        refit(engine, sender, weights, step)
-        try:
-            verify(engine.weight_digests(), weights)
-            outcomes[step] = "ok"
-        except RefitMismatch as error:
-            outcomes[step] = str(error)
+        expectation = Expectation(engine.weight_layout(), columns=32, step=step)  # the run's check: sampled
+        refit(engine, sender, weights, step, expectation)
+        outcomes[step] = []
+        for check_it in (
+            lambda: check(engine.weight_digests(32, step), expectation),
+            lambda: verify(engine.weight_digests(), weights),  # every byte: the same verdict
+        ):
+            try:
+                check_it()
+                outcomes[step].append("ok")
+            except RefitMismatch as error:
+                outcomes[step].append(str(error))
     out_path.write_text(json.dumps(outcomes))
 
 
@@ -79,9 +87,13 @@ def test_a_two_worker_engine_serves_each_shard_sent_and_names_the_worker_that_sk
     process.join(timeout=400)
     assert process.exitcode == 0
     outcomes = json.loads(out.read_text())
-    assert outcomes["1"] == "ok"
-    assert outcomes["2"] == (
-        "refit check: vllm engine (tensor-parallel worker 1 of 2) does not serve the weights just sent: "
-        "model.layers.1.self_attn.qkv_proj.weight (fused from q_proj, k_proj, v_proj) differs (stale or wrongly "
-        "loaded); the run stops rather than train off-policy"
+    assert outcomes["1"] == ["ok", "ok"]
+    assert (
+        outcomes["2"]
+        == [
+            "refit check: vllm engine (tensor-parallel worker 1 of 2) does not serve the weights just sent: "
+            "model.layers.1.self_attn.qkv_proj.weight (fused from q_proj, k_proj, v_proj) differs (stale or wrongly "
+            "loaded); the run stops rather than train off-policy"
+        ]
+        * 2
     )

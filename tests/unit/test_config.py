@@ -262,3 +262,37 @@ def test_missing_config_file_and_bad_yaml_are_one_line_errors(tmp_path):
 def test_router_replay_off_on_the_command_line_is_off_not_yaml_false():
     assert load_config(None, ["model.moe.router_replay=off"]).model.moe.router_replay == "off"
     assert load_config(None, ["model.moe.router_replay=rollout"]).model.moe.router_replay == "rollout"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cluster.training_resources={GPU: 1}"], "cluster.training_resources names Ray's own resource 'GPU'"),
+        (["cluster.colocate=false", "cluster.generation_resources={node_b: 0}"], "generation_resources.node_b=0 must"),
+        (
+            ["training.backend=fsdp2", "training.num_workers=2", "cluster.generation_resources={node_b: 1}"],
+            "cluster.generation_resources with cluster.colocate=true",
+        ),
+        (
+            ["generation.backend=vllm", "generation.vllm.tensor_parallel_size=16", "cluster.num_gpus_per_worker=1"],
+            "tensor_parallel_size=16 exceeds the 8 GPUs of a node (cluster.gpus_per_node)",
+        ),
+    ],
+)
+def test_placement_settings_the_run_cannot_honour_are_one_line_errors(overrides, message):
+    """Custom resources and engine layouts are checked as the config loads, before any run directory exists."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_placement_by_custom_resource_loads():
+    config = load_config(
+        None,
+        [
+            "cluster.colocate=false",
+            "cluster.training_resources={node_a: 1}",
+            "cluster.generation_resources={node_b: 1}",
+        ],
+    )
+    assert config.cluster.training_resources == {"node_a": 1.0} and config.cluster.generation_resources == {"node_b": 1}

@@ -7,7 +7,8 @@ prepacked CPU layout is checked against the real engine in tests/e2e/test_vllm_m
 import pytest
 import torch
 
-from reinforge.generation.weight_digest import RefitMismatch, column_shards, expert_tensor, report, verify
+from reinforge.generation.weight_digest import RefitMismatch, report, verify
+from reinforge.generation.weight_sources import column_shards, expert_tensor
 
 E, WIDTH, H = 2, 4, 3  # experts, intermediate size, hidden size
 GATE_UP = torch.arange(E * 2 * WIDTH * H, dtype=torch.float32).reshape(E, 2 * WIDTH, H)  # rows 0-3 gate, 4-7 up

@@ -55,7 +55,7 @@ def gradients_after_one_step(recipe, pairs, pad_token_id, micro_batch_size, pack
         loss_fn = dpo.make_loss_fn(pairs, dpo.DPOConfig(beta=0.3, sft_weight=0.7))
     else:
         batch, loss_fn = pair_batch(pairs, pad_token_id, last_token_only=True), rm.rm_loss
-    metrics = backend.train_step(batch, loss_fn)
+    metrics = backend.accumulate_gradients(batch, loss_fn)  # train_step would free the gradients after its step
     return [p.grad.clone() for p in backend.trainable], metrics
 
 

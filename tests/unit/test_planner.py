@@ -11,8 +11,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from reinforge.cli import main
 from reinforge.errors import ConfigError
+from reinforge.loops.dry_run import text_config_of
 from reinforge.model_config import LoraConfig, ModelConfig
 from reinforge.paths import PROJECT_ROOT
+from reinforge.training.parallel.engine_layout import check_engine_layout
+from reinforge.training.parallel.layout import ParallelConfig, check_layout
 from reinforge.training.parallel.planner import (
     GIB,
     KNOWN_MODELS,
@@ -217,3 +220,68 @@ def test_moe_memory_terms_with_expert_parallelism_by_hand():
     assert memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 1), workload, False)["gathered"] == 4800
     assert memory_terms(TINY_MOE, Layout(1, 2, 2, 1, 2), workload, False)["params"] == 2280
     assert auto_layout("Qwen3-30B-A3B", 8, 80, 4096)["ep"] == 8
+
+
+REFERENCE_CASES = [  # (the model as a run names it, GPUs, tokens): the issue's three
+    ("Qwen/Qwen2.5-1.5B", 1, 4096),
+    ("Qwen/Qwen2.5-32B", 8, 16384),
+    ("meta-llama/Llama-3.3-70B-Instruct", 128, 16384),
+]
+
+
+@pytest.mark.parametrize("generation", ["colocated", "separate"])
+def test_every_candidate_the_planner_prints_is_one_the_run_accepts(generation):
+    """Every row of `reinforge plan` (each model it knows, 1 to 128 GPUs of 8 per node): its training layout
+    passes the ranks' own check (layout.py `check_layout`, on a transformers config of the model's sizes) and its
+    engines the run's engine rules (engine_layout.py), with the engine count that `config_keys` would print."""
+    checked = 0
+    for name, shape in KNOWN_MODELS.items():
+        text_config = text_config_of(shape)
+        for gpus in (1, 2, 8, 16, 128):
+            for e in plan(shape, gpus, 80, Workload(4096, generation=generation)).estimates:
+                layout = e.layout
+                parallel = ParallelConfig(
+                    dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, cp=layout.cp,
+                    ep=layout.ep,
+                ).resolved(gpus)  # fmt: skip
+                check_layout(parallel, text_config)
+                heads = dict(heads=shape.num_attention_heads, kv_heads=shape.num_key_value_heads)
+                check_engine_layout(e.engine_layout, gpus, gpus_per_node=8, on_gpu=True, **heads)
+                assert e.engine_layout.colocate == (generation == "colocated")
+                checked += 1
+    assert checked > 500, checked
+
+
+@pytest.mark.parametrize("model, gpus, seq_len", REFERENCE_CASES)
+def test_the_reference_cases_keep_the_margin_and_their_printed_keys_pass_the_dry_run(capfd, model, gpus, seq_len):
+    """Each reference case's choice leaves 10% of every GPU free, and the config keys `reinforge plan` prints for
+    it are accepted by `reinforge grpo --validate` (the run's own layout checks, no weights, no Ray)."""
+    result = plan(model_shape(model), gpus, 80, Workload(seq_len))
+    assert result.margin == 0.10 and result.choice is not None
+    assert max(result.choice.total, result.choice.engine_total) <= 0.9 * 80 * GIB
+    argv = ["plan", "--model", model, "--gpus", str(gpus), "--gpu-memory", "80", "--seq-len", str(seq_len)]
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    assert "margin: 10% of each GPU kept free, so a layout fits in 72.0 of 80 GiB" in out
+    keys = next(line for line in out.splitlines() if line.startswith("config keys: ")).split()[2:]
+    assert f"training.num_workers={gpus}" in keys and "generation.backend=vllm" in keys
+    demo = str(PROJECT_ROOT / "configs" / "grpo_demo.yaml")
+    assert main(["grpo", "--config", demo, "--validate", f"model.name_or_path={model}", *keys]) == 0
+    out = capfd.readouterr().out
+    assert out.splitlines()[-1] == "valid: no weights loaded, Ray not started", out
+
+
+def test_the_dry_run_refuses_engines_the_run_would_refuse(capfd):
+    """An engine whose tensor-parallel size does not divide the demo model's 2 heads, and colocated engines with
+    more workers than training ranks: each a one-line error of `--validate`, as of the run."""
+    demo = str(PROJECT_ROOT / "configs" / "grpo_demo.yaml")
+    base = ["grpo", "--config", demo, "--validate", "training.backend=fsdp2", "training.num_workers=2"]
+    assert main([*base, "generation.backend=vllm", "generation.vllm.tensor_parallel_size=2"]) == 0
+    assert (
+        main([*base, "generation.backend=vllm", "generation.vllm.tensor_parallel_size=4", "cluster.colocate=false"])
+        == 2
+    )
+    assert "must divide the model's 2 attention heads" in capfd.readouterr().err
+    two = ["generation.num_workers=2", "generation.backend=vllm", "generation.vllm.tensor_parallel_size=2"]
+    assert main([*base, *two]) == 2
+    assert "= 4 engine workers > training.num_workers=2 with cluster.colocate=true" in capfd.readouterr().err

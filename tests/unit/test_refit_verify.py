@@ -11,14 +11,16 @@ from reinforge.data.batch import Trajectory, collate
 from reinforge.errors import ConfigError
 from reinforge.generation.hf import HFGenerationBackend
 from reinforge.generation.weight_digest import (
+    Expectation,
     RefitMismatch,
     WeightDigests,
-    in_engine_layout,
+    check,
+    column_sample,
     report,
-    source_tensor,
     tensor_digest,
     verify,
 )
+from reinforge.generation.weight_sources import in_engine_layout, source_tensor
 from reinforge.logging.metrics import Timers
 from reinforge.loops.builders import build_trainer
 from reinforge.loops.refit import refit, verify_due
@@ -139,18 +141,85 @@ def test_each_tensor_parallel_worker_is_checked_against_its_own_shards():
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     padded_vocab = torch.cat([sent["m.embed.weight"], torch.zeros(3, 6)])
 
-    def worker(rank, o_proj=None):
+    def worker(rank, o_proj=None, columns=0):
         q, k, v = (sent[f"m.attn.{p}_proj.weight"].chunk(2)[rank] for p in "qkv")
-        columns = sent["m.attn.o_proj.weight"][:, 2 * rank : 2 * rank + 2]
+        own = sent["m.attn.o_proj.weight"][:, 2 * rank : 2 * rank + 2]
         held = {
             "m.attn.qkv_proj.weight": torch.cat([q, k, v]),
-            "m.attn.o_proj.weight": columns if o_proj is None else o_proj,
+            "m.attn.o_proj.weight": own if o_proj is None else o_proj,
             "m.embed.weight": padded_vocab[4 * rank : 4 * rank + 4],
             "m.norm.weight": sent["m.norm.weight"],
         }
-        return report(f"vllm engine (tensor-parallel worker {rank} of 2)", held.items(), packed, rank, 2)
+        name = f"vllm engine (tensor-parallel worker {rank} of 2)"
+        return report(name, held.items(), packed, rank, 2, columns=columns, step=1)
 
     verify([worker(0), worker(1)], sent)
     wrong = sent["m.attn.o_proj.weight"][:, :2]  # worker 1 holding worker 0's columns
     with pytest.raises(RefitMismatch, match=r"worker 1 of 2\) does not serve the weights just sent: m.attn.o_proj"):
         verify([worker(0), worker(1, o_proj=wrong)], sent)
+    # one column each at step 1: column 1 of each worker's qkv, vocabulary and norm (6 wide) and of its o_proj (2
+    # wide: worker 1's is the sent column 3); the check takes the same columns of what it builds from the sent tensors
+    verify([worker(0, columns=1), worker(1, columns=1)], sent, columns=1, step=1)
+    swapped = sent["m.attn.o_proj.weight"][:, [3, 2]]  # the right columns in the wrong order: column 1 differs
+    with pytest.raises(RefitMismatch, match=r"worker 1 of 2\) does not serve the weights just sent: m.attn.o_proj"):
+        verify([worker(0, columns=1), worker(1, swapped, columns=1)], sent, columns=1, step=1)
+
+
+def test_the_column_sample_by_hand_rotates_with_the_step_and_leaves_narrow_weights_whole():
+    """100 columns, about 32 of them: every 4th (ceil(100 / 32)), from step mod 4; 4 steps cover all 100."""
+    assert column_sample((7, 100), 32, 0) == slice(0, None, 4)
+    assert list(range(100)[column_sample((7, 100), 32, 5)])[:3] == [1, 5, 9]
+    assert len(range(100)[column_sample((100,), 32, 3)]) == 25
+    covered = {c for step in range(4) for c in range(100)[column_sample((7, 100), 32, step)]}
+    assert covered == set(range(100))
+    assert (
+        column_sample((7, 32), 32, 1) is None
+        and column_sample((7, 100), 0, 1) is None
+        and column_sample((), 32, 1) is None
+    )
+    weight = torch.randn(3, 100)
+    touched = weight.clone()
+    touched[:, 2] += 1  # column 2: covered at steps 2, 6, ... only
+    digests = [
+        report("e", [("w", w)], columns=32, step=step).digests["w"] for w in (weight, touched) for step in (1, 2)
+    ]
+    assert digests[0] == digests[2] and digests[1] != digests[3]
+    assert report("e", [("w", weight)], columns=32, step=1).shapes["w"] == (3, 100)
+
+
+def streamed_check(engine, trainer, columns: int, step: int) -> str:
+    """The refit check as a refit streams it: the engine's layout once, the expected digests decoder layer by decoder
+    layer (the trainer's `weight_parts`); "ok" or the RefitMismatch's line."""
+    expectation = Expectation(engine.weight_layout(), columns, step)
+    for part in range(len(trainer.weight_parts())):
+        expectation.add(dict(trainer.named_weights(part)))
+    try:
+        check(engine.weight_digests(columns, step), expectation)
+        return "ok"
+    except RefitMismatch as error:
+        return str(error)
+
+
+def whole_check(engine, trainer) -> str:
+    try:
+        verify(engine.weight_digests(), dict(trainer.named_weights()))
+        return "ok"
+    except RefitMismatch as error:
+        return str(error)
+
+
+def test_the_streamed_sampled_check_agrees_with_the_whole_dict_check_on_the_hf_engine(setup):
+    config, trainer, engine, run_dir = setup
+    one_step(trainer)
+    engine.update_weights(trainer.named_weights())
+    assert streamed_check(engine, trainer, 8, step=3) == whole_check(engine, trainer) == "ok"
+    skip_one_parameter(engine, SKIPPED)
+    one_step(trainer)
+    engine.update_weights(trainer.named_weights())
+    message = whole_check(engine, trainer)
+    assert message.startswith(f"refit check: hf engine does not serve the weights just sent: {SKIPPED} ")
+    assert streamed_check(engine, trainer, 8, step=4) == message
+    without_layer_1 = Expectation(engine.weight_layout(), 8, 4)
+    without_layer_1.add({n: t for n, t in trainer.named_weights() if ".layers.1." not in n})
+    with pytest.raises(RefitMismatch, match=r"cannot verify hf engine: its model.layers.1.\S+ \[\d+(, \d+)*\] has no"):
+        check(engine.weight_digests(8, 4), without_layer_1)

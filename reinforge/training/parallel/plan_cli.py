@@ -10,6 +10,7 @@ from reinforge.errors import ConfigError
 from reinforge.training.parallel.planner import (
     GIB,
     LORA_TARGETS,
+    MARGIN,
     PERSISTENT,
     Estimate,
     ModelShape,
@@ -68,6 +69,13 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
         help="gpu (bf16 compute, fp32 master weights; the default) or cpu (fp32, one process per rank)",
     )
     plan_parser.add_argument("--runtime-gb", type=float, help="fixed overhead per GPU or process, GiB")
+    plan_parser.add_argument(
+        "--margin",
+        type=float,
+        default=MARGIN * 100,
+        metavar="PERCENT",
+        help=f"memory every GPU keeps free, percent of it (default: {MARGIN:.0%}); a layout fits within the rest",
+    )
     plan_parser.add_argument("--fitting-only", action="store_true", help="list only the layouts that fit")
     plan_parser.set_defaults(run=run_plan_command)
 
@@ -93,8 +101,10 @@ def run_plan_command(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--generation-tp {args.generation_tp} exceeds the {machine} GPU(s) one engine can use ({where})"
         )
-    result = plan(model_shape(args.model), args.gpus, args.gpu_memory, workload, args.gpus_per_node)
-    print(format_plan(args.model, result, args.fitting_only))
+    result = plan(
+        model_shape(args.model), args.gpus, args.gpu_memory, workload, args.gpus_per_node, margin=args.margin / 100
+    )
+    print(format_plan(args.model, result, args.fitting_only, args.gpus_per_node))
 
 
 def _gib(value: float) -> str:
@@ -105,15 +115,44 @@ def _gib_unit(value: float) -> str:
     return f"{value / GIB:.2f} GiB"
 
 
+def _engines(e: Estimate) -> str:
+    """The engine+kv column: GiB per engine GPU, engines@tensor-parallel size."""
+    return f"{_gib(sum(e.engine.values()))} {e.engine_layout.num_engines}@tp{e.engine_tp}" if e.engine else "-"
+
+
 def _numbers(layout, moe: bool) -> tuple[int, ...]:
     """A layout's R x S x T x C column, with ep (E) for an MoE model."""
     numbers = (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp)
     return numbers + ((layout.ep,) if moe else ())
 
 
-def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
+def config_keys(result: Plan, gpus_per_node: int = 8) -> dict[str, object]:
+    """The run's settings of the plan's choice, as `key=value` overrides of an RL run (GPU workers, FSDP2)."""
+    choice = result.choice
+    layout = choice.layout
+    keys: dict[str, object] = {
+        "training.backend": "fsdp2",
+        "training.num_workers": layout.gpus,
+        "cluster.num_gpus_per_worker": 1,
+        "cluster.gpus_per_node": gpus_per_node,
+        "training.activation_checkpointing": str(choice.activation_checkpointing).lower(),
+        "training.parallel.dp_replicate": layout.dp_replicate,
+        "training.parallel.dp_shard": layout.dp_shard,
+        "training.parallel.tp": layout.tp,
+        "training.parallel.cp": layout.cp,
+    }
+    if layout.ep > 1:
+        keys["training.parallel.ep"] = layout.ep
+    if result.workload.micro_batch_tokens:
+        keys["training.micro_batch_tokens"] = result.workload.micro_batch_tokens
+    if choice.engine_layout is not None:
+        keys |= {"generation.backend": "vllm", **choice.engine_layout.config_keys()}
+    return keys
+
+
+def format_plan(name: str, result: Plan, fitting_only: bool = False, gpus_per_node: int = 8) -> str:
     """The table (GiB per GPU; activations and totals without / with activation checkpointing), the choice."""
-    shape, workload, gpu_bytes = result.shape, result.workload, result.gpu_memory_gb * GIB
+    shape, workload = result.shape, result.workload
     active = f" ({shape.active_parameters():,} active: top-{shape.num_experts_per_tok} of {shape.num_experts} experts)"
     header = [
         "layout (R x S x T x C" + (" x E)" if shape.moe else ")"),
@@ -132,7 +171,7 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
         by_layout.setdefault(e.layout, {})[e.activation_checkpointing] = e
     for layout, pair in by_layout.items():
         off, on = pair.get(False, pair.get(True)), pair.get(True, pair.get(False))
-        fits = [label for label, e in (("no ckpt", off), ("ckpt", on)) if e.fits(gpu_bytes)]
+        fits = [label for label, e in (("no ckpt", off), ("ckpt", on)) if e.fits(result.usable_bytes)]
         if fitting_only and not fits:
             continue
         rows.append(
@@ -142,7 +181,7 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
                 f"{_gib(off.terms['activations'])} / {_gib(on.terms['activations'])}",
                 _gib(on.terms["logits"]),
                 _gib(on.terms["reference"]),
-                f"{_gib(sum(on.engine.values()))} @tp{on.engine_tp}" if on.engine else "-",
+                _engines(on),
                 _gib(on.terms["runtime"]),
                 f"{_gib(off.total)} / {_gib(on.total)}",
                 ", ".join(fits) or "no",
@@ -152,7 +191,9 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
         f"{name}: {shape.parameters():,} parameters{active if shape.moe else ''} on {result.gpus} x "
         f"{result.gpu_memory_gb:g} GiB, "
         f"{workload.tokens} tokens per micro-batch, generation {workload.generation}; GiB per GPU, "
-        "activations and total without / with activation checkpointing",
+        "activations and total without / with activation checkpointing; engine+kv: engines@tensor-parallel size",
+        f"margin: {result.margin:.0%} of each GPU kept free, so a layout fits in {result.usable_bytes / GIB:.1f} of "
+        f"{result.gpu_memory_gb:g} GiB",
         *_aligned(rows),
     ]
     if result.choice is None:
@@ -160,6 +201,12 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False) -> str:
     choice = result.choice
     checkpointing = "on" if choice.activation_checkpointing else "off"
     lines.append(f"choice: {choice.layout}, activation checkpointing {checkpointing}: {result.reason}")
+    if choice.engine_layout is not None:
+        engines = choice.engine_layout
+        where = "on the training GPUs (colocated)" if engines.colocate else "on GPUs of its own (disaggregated)"
+        lines.append(f"engines: {engines.num_engines} of tensor-parallel size {engines.tp}, {where}")
+    keys = " ".join(f"{key}={value}" for key, value in config_keys(result, gpus_per_node).items())
+    lines.append(f"config keys: {keys}")
     return "\n".join([*lines, "arithmetic of the choice:", *arithmetic(shape, workload, choice)])
 
 
@@ -221,7 +268,7 @@ def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
     if workload.generation == "colocated":
         generation = sum(t[name] for name in PERSISTENT) + sum(e.engine.values())
         lines.append(
-            f"  training phase {_gib_unit(training)}; generation phase (params, grads, optimizer, reference, "
+            f"  training phase {_gib_unit(training)}; generation phase (params, optimizer, reference, "
             f"runtime, engine, kv cache) {_gib_unit(generation)}; the larger: {_gib_unit(e.total)}"
         )
     else:

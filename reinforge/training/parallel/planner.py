@@ -20,7 +20,8 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
   to the backward) and one layer's and the root's gradient before the reduce-scatter (none with LoRA). None
   on CPU in one process: fp32 compute uses the weights in place;
 - grads 4 P_t / S and optimizer 8 P_t / S (AdamW's two fp32 moments), P_t the trained parameters: all of
-  them, or with LoRA the adapters' only;
+  them, or with LoRA the adapters' only; the gradients are freed after each optimizer step (training/backend.py),
+  so they are not resident while a colocated engine generates;
 - activations, what autograd keeps of each layer per token (`activation_bytes_per_token`, counted from
   transformers' Qwen2/Llama layer with reinforge's packed segment attention): each RMSNorm keeps its fp32
   input, its normalised value and its output, H (4 + 2b); attention keeps the gathered queries, keys and
@@ -35,12 +36,16 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
 - engine weights (2 P / engine tp, bf16) and KV cache (L x 2 x max(kv heads / engine tp, 1) x head dim x
   generation_sequences x seq_len x 2 B): colocated, the engine sleeps while the trainer works
   (`generation.vllm.sleep_mode`, on on GPU), so the GPU holds the larger of the training phase and the
-  generation phase (weights, grads, AdamW state and reference, which stay, plus the engine); separate, the
-  engine's GPUs are other GPUs and must hold it alone;
+  generation phase (weights, AdamW state and reference, which stay, plus the engine); separate, the
+  engine's GPUs are other GPUs and must hold it alone. The engine's tensor-parallel size is the smallest of the
+  candidates the run accepts (engine_layout.py, `engine_candidates`: the same rules as the run's checks) that
+  fits: colocated, one engine per tp training GPUs; separate, one engine on tp GPUs of its own;
 - runtime: a fixed overhead, `GPU_RUNTIME_GIB` on GPU (CUDA context, NCCL buffers, the caching allocator's
   fragmentation: estimated, not measured here), `CPU_PROCESS_GIB` on CPU (a process that imported torch,
   transformers and reinforge's training backend, measured by bench/plan_memory.py).
-Validated against measured peaks: docs/benchmarks.md ("Planner") and docs/distributed.md ("The planner").
+A layout fits when every GPU keeps the safety margin (`MARGIN`, `reinforge plan --margin`, 10% of its memory by
+default) free: the terms are estimates, and a GPU filled to the last estimated byte fails on the first larger
+allocation. Validated against measured peaks: docs/benchmarks.md ("Planner") and docs/distributed.md ("The planner").
 
 Mixture-of-experts models (model_shape.py; expert.py): the experts' P_e = L x E x 3 H
 I_moe parameters are sharded over dp_shard x cp ranks only, split over ep of them and FSDP2-sharded over the
@@ -68,6 +73,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from reinforge.errors import ConfigError
+from reinforge.training.parallel.engine_layout import EngineLayout, engine_candidates
 from reinforge.training.parallel.model_shape import (  # noqa: F401  (re-exported: the planner's API)
     KNOWN_MODELS,
     LORA_TARGETS,
@@ -77,6 +83,7 @@ from reinforge.training.parallel.model_shape import (  # noqa: F401  (re-exporte
 )
 
 GIB = 2**30
+MARGIN = 0.10  # the share of every GPU's memory a layout leaves free (module docstring)
 GPU_RUNTIME_GIB = 3.0
 CPU_PROCESS_GIB = 0.42  # bench/plan_memory.py: peak RSS of a process that imported torch + transformers + backend
 AC_COST, TP_COST, CP_COST, CROSS_NODE_FSDP_COST = 0.20, 0.10, 0.05, 0.10
@@ -228,7 +235,7 @@ def memory_terms(
     }
 
 
-PERSISTENT = ("params", "grads", "optimizer", "reference", "runtime")  # what stays while a colocated engine runs
+PERSISTENT = ("params", "optimizer", "reference", "runtime")  # what stays while a colocated engine runs
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,8 @@ class Estimate:
     terms: dict[str, float]
     engine: dict[str, float]
     engine_tp: int
+    engine_layout: EngineLayout | None
+    """The engines: how many, their tensor-parallel size, colocated or not (None: no engine)."""
     total: float
     """Bytes per training GPU: the training phase, or colocated the larger of it and the generation phase."""
     engine_total: float
@@ -256,22 +265,32 @@ def estimate(
     terms = memory_terms(shape, layout, workload, activation_checkpointing)
     training = sum(terms.values())
     if workload.generation == "none":
-        return Estimate(layout, activation_checkpointing, terms, {}, 0, training, 0.0)
+        return Estimate(layout, activation_checkpointing, terms, {}, 0, None, training, 0.0)
     persistent = sum(terms[name] for name in PERSISTENT)
     resident = terms["runtime"] if workload.generation == "separate" else persistent  # beside the engine
-    gpus = layout.dp_replicate * layout.dp_shard * layout.tp * layout.cp
-    machine = gpus_per_node if workload.generation == "separate" else min(gpus, gpus_per_node)  # tp's GPUs at most
-    fitting = [t for t in (1, 2, 4, 8, 16) if t <= machine and shape.num_attention_heads % t == 0]
-    engine_tp = workload.generation_tp or next(
-        (t for t in fitting if resident + sum(engine_terms(shape, workload, t).values()) <= gpu_bytes), fitting[-1]
+    colocated = workload.generation == "colocated"
+    candidates = engine_candidates(
+        layout.gpus, gpus_per_node, shape.num_attention_heads, shape.num_key_value_heads, colocated
     )
-    engine = engine_terms(shape, workload, engine_tp)
-    if workload.generation == "separate":
-        return Estimate(
-            layout, activation_checkpointing, terms, engine, engine_tp, training, resident + sum(engine.values())
+    if workload.generation_tp:
+        candidates = [c for c in candidates if c.tp == workload.generation_tp]
+    if not candidates:
+        raise ConfigError(
+            f"no engine of tensor-parallel size {workload.generation_tp or 'any'} runs beside {layout} "
+            f"({workload.generation}, {gpus_per_node} GPUs per node); see training/parallel/engine_layout.py's rules"
         )
+    engines = next(
+        (c for c in candidates if resident + sum(engine_terms(shape, workload, c.tp).values()) <= gpu_bytes),
+        candidates[-1],
+    )
+    engine = engine_terms(shape, workload, engines.tp)
+    if not colocated:
+        return Estimate(
+            layout, activation_checkpointing, terms, engine, engines.tp, engines, training,
+            resident + sum(engine.values()),
+        )  # fmt: skip
     total = max(training, persistent + sum(engine.values()))
-    return Estimate(layout, activation_checkpointing, terms, engine, engine_tp, total, 0.0)
+    return Estimate(layout, activation_checkpointing, terms, engine, engines.tp, engines, total, 0.0)
 
 
 def relative_step_time(layout: Layout, activation_checkpointing: bool, gpus_per_node: int = 8) -> float:
@@ -294,15 +313,23 @@ class Plan:
     estimates: list[Estimate]
     choice: Estimate | None
     reason: str
+    margin: float = MARGIN
+    """The share of every GPU's memory each layout that fits leaves free."""
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_gb * GIB * (1 - self.margin)
 
 
 def plan(
     shape: ModelShape, gpus: int, gpu_memory_gb: float, workload: Workload, gpus_per_node: int = 8,
-    checkpointing: tuple[bool, ...] = (False, True),
+    checkpointing: tuple[bool, ...] = (False, True), margin: float = MARGIN,
 ) -> Plan:  # fmt: skip
     """Every candidate layout, without and with activation checkpointing (those of `checkpointing`), and the
-    fastest that fits."""
-    gpu_bytes = gpu_memory_gb * GIB
+    fastest that fits in each GPU's memory less the `margin` (a share of it)."""
+    if not 0 <= margin < 1:
+        raise ConfigError(f"the margin must be 0% or more and under 100% of a GPU's memory, got {margin:.0%}")
+    gpu_bytes = gpu_memory_gb * GIB * (1 - margin)
     estimates = [
         estimate(shape, layout, workload, ac, gpu_bytes, gpus_per_node)
         for layout in candidate_layouts(shape, gpus, gpus_per_node)
@@ -310,7 +337,8 @@ def plan(
     ]
     fitting = [e for e in estimates if e.fits(gpu_bytes)]
     if not fitting:
-        return Plan(shape, gpus, gpu_memory_gb, workload, estimates, None, _nothing_fits(estimates, gpu_memory_gb))
+        reason = _nothing_fits(estimates, gpu_memory_gb, margin)
+        return Plan(shape, gpus, gpu_memory_gb, workload, estimates, None, reason, margin)
 
     def speed(e: Estimate):
         time = relative_step_time(e.layout, e.activation_checkpointing, gpus_per_node)
@@ -318,7 +346,7 @@ def plan(
 
     choice = min(fitting, key=speed)
     reason = _reason(choice, estimates, gpu_bytes, gpus_per_node)
-    return Plan(shape, gpus, gpu_memory_gb, workload, estimates, choice, reason)
+    return Plan(shape, gpus, gpu_memory_gb, workload, estimates, choice, reason, margin)
 
 
 def _reason(choice: Estimate, estimates: list[Estimate], gpu_bytes: float, gpus_per_node: int) -> str:
@@ -326,7 +354,7 @@ def _reason(choice: Estimate, estimates: list[Estimate], gpu_bytes: float, gpus_
         return relative_step_time(e.layout, e.activation_checkpointing, gpus_per_node)
 
     faster = [e for e in estimates if speed(e) < speed(choice)]
-    need = f"needs {choice.total / GIB:.1f} of {gpu_bytes / GIB:.0f} GiB"
+    need = f"needs {max(choice.total, choice.engine_total) / GIB:.1f} of the {gpu_bytes / GIB:.1f} GiB it may use"
     if not faster:
         return f"the fastest layout, and it fits ({need})"
     smallest = min(faster, key=lambda e: e.total)
@@ -337,23 +365,23 @@ def _reason(choice: Estimate, estimates: list[Estimate], gpu_bytes: float, gpus_
     )
 
 
-def _nothing_fits(estimates: list[Estimate], gpu_memory_gb: float) -> str:
+def _nothing_fits(estimates: list[Estimate], gpu_memory_gb: float, margin: float) -> str:
     best = min(estimates, key=lambda e: max(e.total, e.engine_total))
     need = max(best.total, best.engine_total) / GIB
     checkpointing = "with" if best.activation_checkpointing else "without"
     return (
-        f"no layout fits in {gpu_memory_gb:g} GiB per GPU: the smallest ({best.layout} {checkpointing} activation "
-        "checkpointing) "
+        f"no layout fits in {gpu_memory_gb:g} GiB per GPU less the {margin:.0%} margin: "
+        f"the smallest ({best.layout} {checkpointing} activation checkpointing) "
         f"needs {need:.1f} GiB; use more GPUs, fewer micro_batch_tokens, LoRA, or CPU offload"
     )
 
 
 def choose(
     shape: ModelShape, gpus: int, gpu_memory_gb: float, workload: Workload, gpus_per_node: int = 8,
-    checkpointing: tuple[bool, ...] = (False, True),
+    checkpointing: tuple[bool, ...] = (False, True), margin: float = MARGIN,
 ) -> tuple[Estimate, str]:  # fmt: skip
     """(the chosen Estimate, why); a one-line ConfigError naming what to change when nothing fits."""
-    result = plan(shape, gpus, gpu_memory_gb, workload, gpus_per_node, checkpointing)
+    result = plan(shape, gpus, gpu_memory_gb, workload, gpus_per_node, checkpointing, margin)
     if result.choice is None:
         raise ConfigError(result.reason)
     return result.choice, result.reason
