@@ -169,7 +169,7 @@ class AsyncVLLMEngine:
         """The engine stays up until `shutdown`."""
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        self.llm.shutdown(timeout=0)  # nothing to drain: the engine core process ends now
         self._stop_loop()
 
     def metrics(self) -> dict[str, float]:
