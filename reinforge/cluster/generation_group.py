@@ -162,21 +162,18 @@ def engine_placement(
 
 
 class InFlightGroup(GenerationGroup):
-    """In-flight engines (generation/in_flight.py's `InFlightWorker`, each wrapping `engine_cls(**engine_kwargs)`)
-    as Ray actors that take up to `max_concurrency` calls at once: the rollout workers, the endpoint and the refit
-    call from threads of their own. A `generate` call goes whole to the engine with the fewest calls running (a
-    group's samples stay on one engine, where they share the prompt's cache); new weights go to every engine."""
+    """In-flight engines (`actor_cls(**actor_kwargs)`: generation/vllm_async.py's `AsyncVLLMEngine`, or
+    generation/in_flight.py's `InFlightWorker` around an HF engine) as Ray actors that take up to `max_concurrency`
+    calls at once: the rollout workers, the endpoint and the refit call from threads of their own. A `generate` call
+    goes whole to the engine with the fewest calls running (a group's samples stay on one engine, where they share
+    the prompt's cache); new weights go to every engine, over the refit's wire while it generates."""
 
-    def __init__(self, engine_cls: type, engine_kwargs: dict, kv_cache: str, max_concurrency: int, **group_kwargs):
-        worker_kwargs = dict(engine_cls=engine_cls, engine_kwargs=engine_kwargs, kv_cache=kv_cache,
-                             wait_timeout_s=group_kwargs["timeout_s"])  # fmt: skip
-        from reinforge.generation.in_flight import InFlightWorker
-
+    def __init__(self, actor_cls: type, actor_kwargs: dict, max_concurrency: int, **group_kwargs):
         self.group = WorkerGroup(
             "generation",
-            InFlightWorker,
+            actor_cls,
             group_kwargs["num_engines"],
-            lambda rank, _: worker_kwargs,
+            lambda rank, _: actor_kwargs,
             timeout_s=group_kwargs["timeout_s"],
             max_concurrency=max_concurrency,
             **engine_placement(
@@ -185,6 +182,7 @@ class InFlightGroup(GenerationGroup):
                 group_kwargs.get("resources"),
             ),
         )  # fmt: skip
+        self.wire = WeightWire(self, group_kwargs["timeout_s"])  # the refit's, opened at the first
         self._lock = threading.Lock()
         self._calls = [0] * len(self.group.workers)
         self._version = 0

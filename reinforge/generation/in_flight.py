@@ -1,21 +1,21 @@
 """In-flight generation: an engine that never stops for training, its weights updated while requests run.
 
-`InFlightEngine` wraps a generation backend and owns it on one thread of its own, the driver. Every caller (the
-rollout workers, the agents' endpoint, validation, the refit) goes through it, from any thread:
+On vLLM it is `AsyncVLLMEngine` (generation/vllm_async.py: vLLM's `AsyncLLM` in a process of its own, updated
+through `pause_generation(mode="keep")`, the weight load, `finish_weight_update(version)` and `resume_generation`).
+Here is the HF engine's: `InFlightEngine` wraps an `HFGenerationBackend` and owns it on one thread of its own, the
+driver. Every caller (the rollout workers, the agents' endpoint, validation, the refit) goes through it, from any
+thread:
 
-- `generate` queues its prompts and waits for their completions. On vLLM the driver runs the engine one
-  scheduler step at a time (`add_request` / `step`: vLLM's continuous batching), so a request joins the running
-  batch at the next step and a finished one frees its slot at once: the slowest sequence holds back nobody. The
-  HF engine has no scheduler: the driver generates the waiting requests of one sampling setting together
-  (a wave), and requests that arrive meanwhile wait for the next wave.
-- `update_weights(weights, version)` is applied by the driver between two decoding steps, the requests in flight
-  kept (vLLM's "pause with requests kept": here the driver simply does not step while it loads the weights), and
-  returns once the engine computes with them. Tokens sampled from then on carry the new version; a sequence may
-  span several (`Completion.token_versions`, vLLM's per-token weight-version spans, and the HF engine's version
-  of each decoding step). The KV cache of the tokens generated so far is kept as the old weights computed it
-  (`kv_cache="keep"`, as PipelineRL does), or on vLLM dropped and recomputed with the new weights when the
-  requests are scheduled again (`"recompute"`: vLLM preempts them); the logprobs already reported stay those
-  of the version that sampled each token either way.
+- `generate` queues its prompts and waits for their completions. The HF engine has no scheduler: the driver
+  generates the waiting requests of one sampling setting together (a wave), and requests that arrive meanwhile
+  wait for the next wave.
+- `update_weights(weights, version)` (or `receive_weights(version)`, the same through the refit's wire) is applied
+  by the driver between two decoding steps of the wave, the requests
+  in flight kept, and returns once the engine computes with them. Tokens sampled from then on carry the new version;
+  a sequence may span several (`Completion.token_versions`: the version of each decoding step). The KV cache of the
+  tokens generated so far is kept as the old weights computed it (`kv_cache="keep"`, as PipelineRL does; dropping
+  and recomputing it, `"recompute"`, is vLLM's alone); the logprobs already reported stay those of the version that
+  sampled each token.
 - `weight_digests`, `adapter_digests`, `load_adapter` run on the driver between steps too.
 
 In a run, the engine is an `InFlightWorker` in a process of its own (a Ray actor that takes concurrent calls,
@@ -50,13 +50,22 @@ class _Request:
     images: Any = None  # its prompt's images (data/images.py `ImageInputs`), None: text only
 
 
+def usage_metrics(counts: dict, wall_s: float) -> dict[str, float]:
+    """An in-flight engine's `generation/*` metrics from its `counts` over `wall_s` seconds: the share of wall time
+    with nothing to compute, the updates applied, the mean number of sequences per decoding step."""
+    return {
+        "generation/idle_fraction": max(0.0, 1.0 - counts["busy_s"] / max(wall_s, 1e-9)),
+        "generation/weight_updates": float(counts["updates"]),
+        "generation/sequences_per_step": counts["sequences"] / max(counts["steps"], 1),
+    }
+
+
 class InFlightEngine:
     """A `GenerationBackend` whose engine keeps generating while its weights are updated (module docstring)."""
 
     def __init__(self, engine, kv_cache: KvCachePolicy = "keep", wait_timeout_s: float = 1800.0, version: int = 0):
         self.engine, self.kv_cache, self.wait_timeout_s = engine, kv_cache, wait_timeout_s
-        self.stepwise = hasattr(engine, "add_request")  # vLLM: continuous batching; else waves (HF)
-        if kv_cache == "recompute" and not self.stepwise:
+        if kv_cache == "recompute":
             from reinforge.errors import ConfigError
 
             raise ConfigError(
@@ -68,7 +77,7 @@ class InFlightEngine:
         self._cond = threading.Condition()
         self._requests: deque[_Request] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._running: dict[str, _Request] = {}  # the requests in the engine (vLLM's, by id; a wave's)
+        self._running: dict[str, _Request] = {}  # the requests of the wave in the engine
         self._next_id = 0
         self._stopping = False
         self._counts = {"busy_s": 0.0, "steps": 0, "sequences": 0, "updates": 0}
@@ -100,10 +109,29 @@ class InFlightEngine:
         engine computes with them."""
         weights = list(named_tensors)  # gathered on the caller's thread
         version = self.version + 1 if version is None else version
-        self._call(lambda: self._load(weights, version), "the engine to load new weights")
+        self._call(lambda: self._load(lambda: self.engine.update_weights(weights), version), "new weights")
 
-    def weight_digests(self):
-        return self._call(self.engine.weight_digests, "the engine's weight digests")
+    def receive_weights(self, version: int | None = None) -> None:
+        """`update_weights` through the refit's wire (generation/weight_transfer.py): the driver receives between two
+        decoding steps while the sender sends."""
+        version = self.version + 1 if version is None else version
+        self._call(lambda: self._load(self.engine.receive_weights, version), "the engine to receive new weights")
+
+    def init_weight_transfer(self, info: dict) -> None:
+        """Join the refit's transfer group (the engine's weights are not touched: the driver keeps generating)."""
+        self.engine.init_weight_transfer(info)
+
+    def transfer_ranks(self) -> int:
+        return self.engine.transfer_ranks()
+
+    def refit_layout(self) -> tuple[str | None, list[str]]:
+        return self.engine.refit_layout()
+
+    def weight_digests(self, columns: int = 0, step: int = 0):
+        return self._call(lambda: self.engine.weight_digests(columns, step), "the engine's weight digests")
+
+    def weight_layout(self):
+        return self._call(self.engine.weight_layout, "the engine's weight layout")
 
     def adapter_digests(self):
         return self._call(self.engine.adapter_digests, "the engine's adapter digests")
@@ -130,12 +158,7 @@ class InFlightEngine:
         with self._cond:
             counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
             now, since, self._since = time.perf_counter(), self._since, time.perf_counter()
-        wall = max(now - since, 1e-9)
-        return {
-            "generation/idle_fraction": max(0.0, 1.0 - counts["busy_s"] / wall),
-            "generation/weight_updates": float(counts["updates"]),
-            "generation/sequences_per_step": counts["sequences"] / max(counts["steps"], 1),
-        }
+        return usage_metrics(counts, now - since)
 
     # -- callers' side --
 
@@ -160,11 +183,8 @@ class InFlightEngine:
 
     # -- the driver --
 
-    def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
-        if self.stepwise:
-            self.engine.update_weights(weights, version=version, recompute=self.kv_cache == "recompute")
-        else:
-            self.engine.update_weights(weights)
+    def _load(self, load: Callable[[], None], version: int) -> None:
+        load()
         self.version = version
         self._counts["updates"] += 1
 
@@ -181,9 +201,6 @@ class InFlightEngine:
         return bool(self._stopping or self._requests or self._commands or self._running)
 
     def _run(self) -> None:
-        # torch's thread count (`cluster.num_threads`) for this thread's OpenMP team before the engine's first step:
-        # vLLM's CPU attention plans its work for the team size it sees when it builds a step's metadata
-        torch.get_num_threads()
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work)
@@ -192,7 +209,7 @@ class InFlightEngine:
                     return
             self._run_commands()
             try:
-                self._step() if self.stepwise else self._wave()
+                self._wave()
             except BaseException as error:  # every waiting caller learns why
                 with self._cond:
                     self._fail_all(error)
@@ -203,24 +220,6 @@ class InFlightEngine:
                 request.future.set_exception(error)
         self._requests.clear()
         self._running.clear()
-
-    def _step(self) -> None:
-        """vLLM: start the waiting requests, then one scheduler step of all that run."""
-        with self._cond:
-            new, self._requests = list(self._requests), deque()
-        for request in new:
-            request_id = f"inflight-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(request_id, request.prompt_ids, request.params, request.index, request.images)
-            self._running[request_id] = request
-        if not self._running:
-            return
-        started = time.perf_counter()
-        finished = self.engine.step()
-        self.decoding_steps += 1
-        self._count(time.perf_counter() - started, sum(r.params.num_samples for r in self._running.values()))
-        for request_id, completions in finished:
-            self._running.pop(request_id).future.set_result(completions)
 
     def _wave(self) -> None:
         """HF: the oldest waiting request and every other of its sampling settings, generated together; new

@@ -242,16 +242,21 @@ def engine_group(config: RLRunConfig, share_with=None):
         resources=cluster.generation_resources,
         timeout_s=cluster.worker_timeout_s,
     )
-    if config.rollout.mode == "in_flight":  # engines that take concurrent calls; weights land between their steps
+    if config.rollout.mode == "in_flight":  # engines that take concurrent calls; weights land while they generate
         from reinforge.cluster.generation_group import InFlightGroup
 
         rollout = config.rollout
-        pool = rollout.pool_groups
+        actor_kwargs = dict(kv_cache=rollout.in_flight_kv_cache, wait_timeout_s=cluster.worker_timeout_s)
+        if gen.backend == "vllm":  # vLLM's AsyncLLM, its engine core in a process of its own
+            from reinforge.generation.vllm_async import AsyncVLLMEngine as actor_cls
+        else:  # waves of the HF engine, driven on a thread of the actor
+            from reinforge.generation.in_flight import InFlightWorker as actor_cls
+
+            actor_kwargs["engine_cls"] = worker_cls
         return InFlightGroup(
-            worker_cls,
-            kwargs,
-            rollout.in_flight_kv_cache,
-            max_concurrency=pool * rollout.num_generations_per_prompt + 16,  # a call per episode, and the refit's
+            actor_cls,
+            dict(actor_kwargs, engine_kwargs=kwargs),
+            max_concurrency=rollout.pool_groups * rollout.num_generations_per_prompt + 16,  # per episode, and refit's
             **placement,
         )
     return GenerationGroup(worker_cls, kwargs, share_with=share_with, **placement)

@@ -4,7 +4,9 @@ from two policy versions (the demo model, then the demo's teacher: same architec
 token's logprob is what its version gives it, to 1e-5, against a hand-built reference that runs the two models
 token by token: with the KV cache kept, each forward continues from the keys and values that the weights of their
 own time computed; with vLLM's recompute, each token's logits are a fresh forward of its version over everything
-before it. vLLM's engine runs in a fresh process (it sets up process-wide state)."""
+before it. vLLM's engine is its `AsyncLLM` (generation/vllm_async.py), started from a fresh process (it sets up
+process-wide state), its engine core in a process of its own, its weights sent over the refit's wire by a sender on
+a thread of the test's process."""
 
 import json
 import threading
@@ -40,16 +42,18 @@ def load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def generate_with_an_update(engine: InFlightEngine, update_after_steps: int) -> list[dict]:
-    """`PARAMS`' samples of `prompts()` while the teacher's weights are loaded as version 1, once the engine has
-    taken `update_after_steps` decoding steps."""
-    result = {}
+def generate_with_an_update(engine, update, update_after_steps: int) -> list[dict]:
+    """`PARAMS`' samples of `prompts()` while the teacher's weights are loaded as version 1 (`update(weights,
+    version)`), once the engine (an `InFlightEngine` or an `AsyncVLLMEngine`) has taken `update_after_steps` more
+    decoding steps."""
+    teacher = load(MODELS[1]).state_dict()  # ready before the generation starts: the update lands mid-sequence
+    result, start = {}, engine.decoding_steps
     worker = threading.Thread(target=lambda: result.update(out=engine.generate(prompts(), PARAMS)))
     worker.start()
     deadline = time.monotonic() + 60
-    while engine.decoding_steps < update_after_steps and worker.is_alive() and time.monotonic() < deadline:
+    while engine.decoding_steps < start + update_after_steps and worker.is_alive() and time.monotonic() < deadline:
         time.sleep(0.001)
-    engine.update_weights(load(MODELS[1]).state_dict().items(), version=1)
+    update(teacher, 1)
     worker.join(timeout=120)
     assert "out" in result, "the generation failed or did not end"
     return [
@@ -102,7 +106,8 @@ def test_hf_engine_loads_new_weights_between_decoding_steps():
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(MODELS[0])))
     engine = InFlightEngine(HFGenerationBackend(load(MODELS[0]), tokenizer, max_batch_size=64))
     try:
-        samples = generate_with_an_update(engine, update_after_steps=4)
+        update = lambda weights, version: engine.update_weights(weights.items(), version=version)  # noqa: E731
+        samples = generate_with_an_update(engine, update, update_after_steps=4)
         assert engine.version == 1 and engine.metrics()["generation/weight_updates"] == 1
     finally:
         engine.shutdown()
@@ -110,16 +115,30 @@ def test_hf_engine_loads_new_weights_between_decoding_steps():
 
 
 def vllm_run(out_path) -> None:
-    from reinforge.generation.vllm_backend import VLLMGenerationBackend
+    from reinforge.cluster.weight_sync import at_once
+    from reinforge.generation.vllm_async import AsyncVLLMEngine
+    from reinforge.generation.weight_transfer import Sender
 
-    backend = VLLMGenerationBackend(str(MODELS[0]), dtype="float32", seed=0, max_model_len=256, block_size=32)
+    kwargs = dict(model_path=str(MODELS[0]), dtype="float32", seed=0, max_model_len=256, block_size=32)
+    engine = AsyncVLLMEngine(kwargs)  # vLLM's AsyncLLM, its engine core in a process of its own
+    sender = Sender()  # a training rank's, on this process's thread: the refit's wire
+    port = sender.host(1 + engine.transfer_ranks(), timeout_s=120)
+    info = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, timeout_s=120)
+    at_once(lambda: engine.init_weight_transfer(info), sender.join)
+
+    def update(weights: dict, version: int) -> None:  # the engine receives while the sender sends
+        send = lambda: sender.send([list(weights.items())], *engine.refit_layout(), bucket_bytes=1 << 20)  # noqa: E731
+        at_once(lambda: engine.receive_weights(version), send)
+
     out = {}
-    for kv_cache in ("keep", "recompute"):
-        backend.update_weights(load(MODELS[0]).state_dict().items(), version=0)
-        engine = InFlightEngine(backend, kv_cache=kv_cache)
-        out[kv_cache] = generate_with_an_update(engine, update_after_steps=4)
-        engine.close()
-    backend.shutdown()
+    try:
+        for kv_cache in ("keep", "recompute"):
+            update(load(MODELS[0]).state_dict(), 0)
+            engine.kv_cache = kv_cache
+            out[kv_cache] = generate_with_an_update(engine, update, update_after_steps=4)
+            assert engine.version == 1 and engine.metrics()["generation/weight_updates"] == 2
+    finally:
+        engine.shutdown()
     out_path.write_text(json.dumps(out))
 
 
