@@ -124,7 +124,7 @@ class InFlightEngine:
     def transfer_ranks(self) -> int:
         return self.engine.transfer_ranks()
 
-    def refit_layout(self) -> tuple[str | None, list[str]]:
+    def refit_layout(self):
         return self.engine.refit_layout()
 
     def weight_digests(self, columns: int = 0, step: int = 0):

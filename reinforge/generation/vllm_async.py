@@ -124,10 +124,13 @@ class AsyncVLLMEngine:
         """The engine's members of the transfer group: its tensor-parallel workers."""
         return self.llm.vllm_config.parallel_config.world_size
 
-    def refit_layout(self) -> tuple[str | None, list[str]]:
-        """What a sender does to the trainer's weights for this engine: the model whose checkpoint layout it sends
-        (checkpoint_layout.py), and the tied names it leaves out."""
-        return self.model_path, self.untied_names
+    def refit_layout(self):
+        """What a sender makes of the trainer's weights for this engine (a `WireLayout`): the checkpoint's layout
+        (checkpoint_layout.py), without the tied names it has no parameter of, in the dtype it computes in."""
+        from reinforge.generation.weight_transfer import WireLayout
+
+        dtype = str(self.llm.vllm_config.model_config.dtype).removeprefix("torch.")
+        return WireLayout(self.model_path, tuple(self.untied_names), dtype)
 
     def set_version(self, version: int) -> None:
         """The version of the weights the engine computes with (the start-up or resume refit's): its tokens' label."""
