@@ -127,7 +127,7 @@ def vllm_run(out_path) -> None:
     at_once(lambda: engine.init_weight_transfer(info), sender.join)
 
     def update(weights: dict, version: int) -> None:  # the engine receives while the sender sends
-        send = lambda: sender.send([list(weights.items())], *engine.refit_layout(), bucket_bytes=1 << 20)  # noqa: E731
+        send = lambda: sender.send([list(weights.items())], engine.refit_layout(), bucket_bytes=1 << 20)  # noqa: E731
         at_once(lambda: engine.receive_weights(version), send)
 
     out = {}
