@@ -20,7 +20,7 @@ bucket built, and sends floating weights in the engine's dtype (`WireLayout`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator
 
@@ -170,7 +170,6 @@ class SendStats:
     bytes: int = 0
     buckets: int = 0
     largest_bucket: int = 0
-    names: list[str] = field(default_factory=list)
 
 
 def send(group, groups: Iterable[Named], bucket_bytes: int) -> SendStats:
@@ -195,7 +194,6 @@ def send(group, groups: Iterable[Named], bucket_bytes: int) -> SendStats:
         size = 0 if flat is None else flat.numel()
         stats.bytes, stats.buckets = stats.bytes + size, stats.buckets + 1
         stats.largest_bucket = max(stats.largest_bucket, size)
-        stats.names += header["names"]
     in_flight.append(_start(group, None))
     for works, _ in in_flight:
         for work in works:

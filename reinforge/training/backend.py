@@ -317,7 +317,9 @@ class Backend:
         it is sent."""
         parts = (list(self.named_weights(part)) for part in range(self.num_weight_parts()))
         if not self.strategy.is_main:
-            return sum(1 for _ in parts) and None
+            for _ in parts:  # gather each layer with the main rank, which alone sends it
+                pass
+            return None
         stats = self.sender.send(parts, layout, bucket_bytes, expect.add if expect else None)
         return {**vars(stats), "expectation": expect}
 
