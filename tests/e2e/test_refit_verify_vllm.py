@@ -45,42 +45,35 @@ def attempt(refit_call) -> str:
         return str(error)
 
 
-def vllm_refits(lora: bool, run_dir, out_path) -> None:
-    """In a fresh process: refits of a vLLM engine, correct and with a planted fault, their outcomes to JSON."""
+def adapter_refits(run_dir, out_path) -> None:
+    """In a fresh process: LoRA adapter syncs of a vLLM engine, correct and with planted faults, outcomes to JSON."""
     from contextlib import ExitStack
 
     from reinforge.generation.vllm_backend import VLLMGenerationBackend
     from reinforge.loops.builders import build_trainer, vllm_engine_kwargs
     from reinforge.loops.refit import refit
 
-    config = load_config(DEMO, [*SMALL, *VLLM, *(["model.lora.rank=16"] if lora else [])])
+    config = load_config(DEMO, [*SMALL, *VLLM, "model.lora.rank=16"])
     outcomes = {}
     with ExitStack() as cleanup:
         trainer = build_trainer(config, cleanup)
         engine = VLLMGenerationBackend(**vllm_engine_kwargs(config))
-        if lora:
-            load = engine.load_adapter
-            engine.load_adapter = lambda path: None  # fault: the adapter is never loaded
-            outcomes["never loaded"] = attempt(lambda: refit(engine, trainer, config, run_dir, step=1))
-            engine.load_adapter = load
+        load = engine.load_adapter
+        engine.load_adapter = lambda path: None  # fault: the adapter is never loaded
+        outcomes["never loaded"] = attempt(lambda: refit(engine, trainer, config, run_dir, step=1))
+        engine.load_adapter = load
         one_step(trainer, seed=1)
         outcomes["correct"] = attempt(lambda: refit(engine, trainer, config, run_dir, step=1))
-        if lora:
-            engine.load_adapter = lambda path: None  # fault: the engine keeps the previous adapter
-        else:
-            update = engine.update_weights  # fault: the refit silently drops one tensor
-            engine.update_weights = lambda named: update(
-                [(n, t) for n, t in named if n != "model.layers.1.self_attn.k_proj.weight"]
-            )
+        engine.load_adapter = lambda path: None  # fault: the engine keeps the previous adapter
         one_step(trainer, seed=2)
         outcomes["planted"] = attempt(lambda: refit(engine, trainer, config, run_dir, step=2))
         engine.shutdown()
     out_path.write_text(json.dumps(outcomes))
 
 
-def run_in_fresh_process(lora: bool, tmp_path) -> dict[str, str]:
+def run_in_fresh_process(tmp_path) -> dict[str, str]:
     out = tmp_path / "outcomes.json"
-    process = mp.get_context("spawn").Process(target=vllm_refits, args=(lora, tmp_path, out))
+    process = mp.get_context("spawn").Process(target=adapter_refits, args=(tmp_path, out))
     process.start()
     process.join(timeout=300)
     assert process.exitcode == 0
@@ -89,7 +82,7 @@ def run_in_fresh_process(lora: bool, tmp_path) -> dict[str, str]:
 
 @pytest.mark.xdist_group("ray")
 def test_vllm_serves_the_adapter_written_and_one_not_loaded_is_caught(tmp_path):
-    outcomes = run_in_fresh_process(True, tmp_path)
+    outcomes = run_in_fresh_process(tmp_path)
     assert outcomes["never loaded"] == "refit check: vllm engine serves no LoRA adapter: it was never loaded"
     assert outcomes["correct"] == "ok"
     assert outcomes["planted"].startswith("refit check: vllm engine does not serve the LoRA adapter just sent: ")
