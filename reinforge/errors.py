@@ -22,3 +22,33 @@ class DataError(ReinforgeError):
 
 class InfrastructureError(ReinforgeError):
     """A component of the run died or stopped answering; running again from the last checkpoint may succeed."""
+
+
+class NumericalError(ReinforgeError):
+    """Training produced a non-finite loss, gradient or parameter too many steps in a row. Not restarted: exact
+    resume would meet the same numbers again; the fix is the user's (a lower learning rate, a data row), and a run
+    started again resumes from its last checkpoint, which is always finite."""
+
+
+# errno values of an operating-system failure that a later attempt may not meet: a stale NFS handle, a full disk (space
+# may come back), an I/O error, a connection reset or refused, a timeout. Anything else an OSError says (no such file,
+# permission denied, not a directory) is the input's and repeats.
+TRANSIENT_ERRNOS = frozenset(
+    getattr(__import__("errno"), name)
+    for name in (
+        "ESTALE", "ENOSPC", "EIO", "EAGAIN", "EBUSY", "EDQUOT", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED",
+        "ECONNABORTED", "EPIPE", "ENETUNREACH", "EHOSTUNREACH", "ENETDOWN", "EHOSTDOWN",
+    )
+)  # fmt: skip
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an exception raised by a component is one a restart from the last checkpoint can fix (an infrastructure
+    failure, a transient OS or network error) rather than a bug or bad input that would repeat at the same step."""
+    if isinstance(exc, InfrastructureError):
+        return True
+    if isinstance(exc, ReinforgeError):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
