@@ -68,7 +68,7 @@ from pydantic import model_validator
 
 from reinforge.config.section import Section
 from reinforge.envs.base import EnvRequest, EnvResponse
-from reinforge.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from reinforge.envs.sandbox import SandboxLimits, SandboxResult, check_sandbox_available, run_python
 from reinforge.errors import DataError
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
@@ -118,6 +118,7 @@ class CodeEnv:
     """Scores programs by running the record's tests in the sandbox; see the module doc."""
 
     def __init__(self, config: CodeEnvConfig) -> None:
+        check_sandbox_available(config.sandbox, "env.code.sandbox")  # on this node too (an env worker's)
         self.config = config
         self._pool = ThreadPoolExecutor(config.num_parallel, thread_name_prefix="code-env")
         self._lock = threading.Lock()

@@ -125,6 +125,20 @@ def check_tasks(tasks: set[str], config: EnvConfig) -> None:
         )
 
 
+def check_sandboxes(tasks: set[str], config: EnvConfig) -> None:
+    """One line before the run directory when an environment that runs model-written code here (`code`,
+    `tool_use`'s python tool) cannot isolate it; plain isolation runs only when configured (envs/sandbox.py)."""
+    from reinforge.envs.sandbox import check_sandbox_available
+
+    local = tasks - set(config.remote) - set(config.custom) - set(config.gym)
+    if "tool_use" in local:
+        local.add(config.tool_use.answer_env)
+    if "code" in local:
+        check_sandbox_available(config.code.sandbox, "env.code.sandbox")
+    if "tool_use" in local and "python" in config.tool_use.tools:
+        check_sandbox_available(config.tool_use.sandbox, "env.tool_use.sandbox")
+
+
 def build_envs(config: EnvConfig, tasks: set[str] | None = None) -> dict[str, Environment]:
     """Environments by task name (records pick one with their `task` field); default: the default task."""
     return {task: build_env(task, config) for task in sorted(tasks or {config.default_task})}

@@ -1,92 +1,54 @@
 """Run untrusted Python (a model's program) so that, whatever it does, the host and the caller survive.
 
 `run_python(source, limits, stdin)` runs `source` as `main.py` in a fresh interpreter and returns a
-`SandboxResult`. Three processes take part:
+`SandboxResult`. Three processes take part: the caller's thread starts the *supervisor* (`python -I -S
+-c BOOTSTRAP`: an empty environment, a session of its own) and pumps its pipes with `select`; the
+supervisor (`sandbox_supervisor.py`, with the caller's privileges) builds the isolation and forks the
+*program*, which sets its rlimits, drops its privileges and execs `python -I -B main.py`.
 
-- the caller's thread starts the *supervisor* (`python -I -S -c _BOOTSTRAP`: an empty environment,
-  a session and process group of its own), sends it its code, the job and the program's stdin
-  through one pipe, and reads stdout, stderr and a status pipe with `select`, never blocking;
-- the supervisor, with the caller's privileges, builds the isolation and forks
-- the *program*, which sets its rlimits, drops its privileges and execs `python -I -B main.py`.
+The sandbox fails closed. `isolation` (see `SandboxLimits`) is one of
 
-Protections, and how each is achieved ("ns": namespace isolation, the default where it works;
-"plain": the fallback, see below):
+- `namespaces` (the default): new mount, pid, network, IPC and UTS namespaces. As root with
+  CAP_SYS_ADMIN the program runs as a random uid of its own (2^30 and up); otherwise (a non-root
+  trainer, or root in a container without CAP_SYS_ADMIN) the namespaces are made under a new *user*
+  namespace, which needs no privilege where the kernel allows unprivileged user namespaces. Where
+  neither works, `check_sandbox_available` (called at start-up, before the run directory) and every
+  run raise one line saying what failed; nothing ever falls back to plain on its own.
+- `user_namespaces`: only the user-namespace variant.
+- `plain`: no namespaces, asked for explicitly: rlimits, a random uid when the caller is root, and a
+  process-group or uid kill. Without root the program runs as the trainer's uid: it can read the
+  trainer's files and `/proc/<pid>/environ`, signal its processes, and reach the network through a
+  subprocess or ctypes (only `socket` is taken away). docs/environments.md lists every protection.
 
-- Runaway CPU: RLIMIT_CPU per process (`cpu_time_s`; SIGXCPU, then SIGKILL a second later).
-- Hanging, sleeping, waiting on stdin: `wall_time_s` for the whole run, then every process of the
-  sandbox is killed.
-- Memory bomb: RLIMIT_AS per process (`memory_mb`); allocations past it raise MemoryError.
-- Fork bomb, thread bomb: every run gets a random uid of its own (2^30 to 2^31-1: no account, no
-  file), so RLIMIT_NPROC (`max_processes`) counts this run's processes and threads only.
-- Leftover processes (daemons, `setsid` escapes): ns: the program lives in a new pid namespace
-  whose init is the supervisor's child; when the program's main process exits, or on timeout, the
-  init exits and the kernel kills every process of the namespace before the run returns. plain:
-  the supervisor kills everything the run's uid owns (`kill(-1, SIGKILL)` as that uid, until /proc
-  shows none alive).
-- The caller dying mid-run (a crashed actor): PR_SET_PDEATHSIG sends the supervisor SIGTERM, on
-  which it empties the sandbox as on a timeout (the namespace's init has PDEATHSIG SIGKILL on the
-  supervisor in turn). A timer in the supervisor does the same at `wall_time_s` + 10 s, should the
-  caller be alive but stuck.
-- Killing the caller (`os.kill(os.getppid())`, `kill -9 -1`): the program's uid may signal only its
-  own processes; ns: it does not even see any other.
-- Reading the caller's environment: the supervisor and the program start with a scrubbed
-  environment (PATH, HOME, TMPDIR, LANG, BLAS thread counts); `/proc/<pid>/environ` of the caller
-  and the supervisor are root's, mode 0400; ns: no process outside the sandbox is in the program's
-  /proc (a new proc, mounted `hidepid=2`).
-- Writing outside the working directory, /tmp included: ns: in a new mount namespace every mount
-  is remounted read-only and nosuid, then fresh tmpfs are mounted on /tmp (`workdir_mb`; root's,
-  mode 0755, holding the working directory /tmp/work, the only directory the program's uid owns)
-  and, empty and read-only, on /dev/shm and /run (a unix socket can be connected to on a read-only
-  mount, so daemons' sockets there are hidden; /tmp's are too). The tmpfs vanish with the namespace: the working
-  directory is deleted with the run, and nothing written reaches the host. plain: the program's uid owns only
-  its working directory (a fresh `mkdtemp`, deleted afterwards), so it can write only there and in
-  world-writable directories: **/tmp and /dev/shm stay writable in plain mode**.
-- Big files: RLIMIT_FSIZE (`file_size_mb`) per file; ns: the tmpfs size caps the directory.
-- File-descriptor exhaustion: RLIMIT_NOFILE (`max_open_files`).
-- Network: ns: a new network namespace with no interface up (not even loopback): every connect
-  fails. plain: `socket.socket` and friends are replaced by a function raising PermissionError
-  before the program runs; a program reaching the kernel another way (ctypes, a subprocess) is not
-  stopped.
-- Output flood: stdout and stderr are read as they come; past `max_output_bytes` on either, the run
-  is stopped (status `output_limit`), keeping what was read.
-- setuid binaries: PR_SET_NO_NEW_PRIVS before exec; ns: every mount is nosuid as well.
-- Core dumps: RLIMIT_CORE = 0.
+What isolation gives (docs/environments.md, "The sandbox", has the full list and how each is checked):
+the program sees only its namespace's processes (it cannot signal the caller or read its environment),
+has no network interface, writes only its private /tmp and /dev/shm (tmpfs that vanish with the
+namespace: nothing is left to clean), finds the rest of the filesystem read-only (and, when it keeps
+the trainer's uid, the trainer's home hidden), and every process it leaves behind (a `setsid` daemon)
+dies with the namespace's init. Memory is bounded per process by RLIMIT_AS (`memory_mb`): past it the
+program gets a MemoryError, its own failure. A program SIGKILLed while the kernel's out-of-memory killer
+ran (`/proc/vmstat` oom_kill rose during the run) was killed for the host's shortage, not for its own
+limit: status `error`, an infrastructure failure, never a reward of 0.
 
-Isolation and interpreter are chosen once per process (`isolation="auto"`, `python=""`) by probe
-runs: namespaces first (unshare of the mount, pid, network, IPC and UTS namespaces, which needs root,
-i.e. CAP_SYS_ADMIN), then plain; the caller's interpreter first, then the system's python3 (an
-interpreter inside /root, like a pyenv or a venv there, cannot be executed by an unprivileged uid).
-Anything but the first choice logs a warning saying what failed. The uid drop needs root too
-(CAP_SETUID): without it the program runs as the caller, with no RLIMIT_NPROC (it would count the
-caller's processes) and no uid sweep (only the process group is killed), so plain mode as an
-unprivileged user is a weak sandbox, and the warning says so. Needs Linux >= 5.3 (pidfd).
+Isolation and interpreter are chosen once per process by probe runs, which also check that the
+caller's /proc entry is out of sight: root's namespaces, then user namespaces; the caller's
+interpreter, then the system's python3 (one under /root, or under a home directory that a user
+namespace hides, cannot be run by the program's uid). Needs Linux >= 5.3 (pidfd); RLIMIT_NPROC counts
+a user namespace's own processes only from Linux 5.14.
 
-Not covered: the total memory of a run is bounded only by `max_processes` x `memory_mb` (plus the
-tmpfs), since no memory cgroup is used; the program can read the host's world-readable files and
-connect to world-writable unix sockets outside /tmp, /run and /dev/shm; it can create user
-namespaces if the kernel allows unprivileged ones (more kernel surface, no host privilege; set
-`user.max_user_namespaces=0` on a dedicated host); there is no seccomp filter and no CPU share.
-
-Cost per run, measured on a 2-core VM (Linux 6.18, Python 3.11; other jobs kept its load at 3 to
-10, hence the ranges) as CPU time of the child processes: for `pass`, namespaces 31 to 38 ms (the
-supervisor 20 to 25 ms, half of it starting Python and importing ctypes, the rest forks, mounts and
-namespaces; the program's interpreter 11 to 13 ms) and 40 to 70 ms of wall time; plain 48 to 60 ms
-(the uid sweep scans /proc; the socket hook imports runpy and socket). A HumanEval sample through
-`CodeEnv` costs 42 to 49 ms of CPU, and 8 threads score the 164 HumanEval references in 4 to 6 s.
-The supervisor's code is compiled once, in the caller, and sent marshalled (compiling it costs
-more than starting Python), and it imports neither `json`, `re` nor `signal` (`signal` imports
-enum: 6 ms).
+Cost per run (2-core VM, Linux 6.18, Python 3.11) as the children's CPU time, for `pass`: namespaces 31 to
+38 ms (40 to 70 ms of wall time), plain 48 to 60 ms; a HumanEval sample through `CodeEnv` 42 to 49 ms.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import marshal
 import math
 import os
+import pwd
 import secrets
 import selectors
 import shutil
@@ -99,10 +61,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from reinforge.config.section import Section
-from reinforge.envs.sandbox_supervisor import supervise
+from reinforge.envs.sandbox_supervisor import BOOTSTRAP, SUPERVISOR_CODE
 from reinforge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -111,10 +73,12 @@ _UID_BASE, _UID_SPAN = 1 << 30, 1 << 30  # a random uid per run, far above any r
 _KILL_GRACE_S = 5.0  # how long the supervisor may take to empty the sandbox after it is told to
 _STATUS_ERROR, _STATUS_OK = "error", "ok"
 _SETUP_LOCK = threading.Lock()
-_PROBE = (
+_PROBE = (  # no network, and (isolated) no sight of the caller: prints ok, the uid, whether the caller is visible
     "import os, socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), 1)\n"
-    "except OSError:\n    print('ok', os.getuid())\n"
+    "except OSError:\n    print('ok', os.getuid(), os.path.exists('/proc/{caller}'))\n"
 )
+_MODES = {"namespaces": ["namespaces", "user_namespaces"], "user_namespaces": ["user_namespaces"], "plain": ["plain"]}
+_HOST_OOM = "the host's out-of-memory killer killed the program (the machine or the trainer's cgroup ran short)"
 
 
 class SandboxLimits(Section):
@@ -137,13 +101,25 @@ class SandboxLimits(Section):
     max_output_bytes: int = 1 << 20
     """stdout and stderr are each kept up to this many bytes; a run that writes more to either is
     stopped with status `output_limit`."""
-    isolation: Literal["auto", "namespaces", "plain"] = "auto"
-    """`namespaces`: new mount, pid, network, IPC and UTS namespaces (needs root); `plain`: rlimits,
-    uid drop and process-group kill only (/tmp stays writable, see the module doc); `auto`:
-    namespaces where a probe run shows they work, else plain with a warning."""
+    isolation: Literal["namespaces", "user_namespaces", "plain"] = "namespaces"
+    """`namespaces`: the program gets mount, pid, network, IPC and UTS namespaces of its own (as root, and a
+    random uid; otherwise under a user namespace); where none can be made, the run refuses to start.
+    `user_namespaces`: only the unprivileged variant. `plain`: no isolation, only rlimits and a process
+    kill; the program can read what the trainer reads (its environment too, unless root), signal its
+    processes and reach the network through a subprocess (see envs/sandbox.py)."""
     python: str = ""
     """Interpreter that runs the programs; empty: the one running reinforge if an unprivileged uid
     may run it (one inside /root may not), else the system's python3."""
+
+    @field_validator("isolation", mode="before")
+    @classmethod
+    def _no_auto(cls, value: object) -> object:
+        if value == "auto":
+            raise ValueError(
+                "sandbox isolation=auto is gone (it fell back to plain isolation with only a log warning): use "
+                "namespaces, the default, which refuses to run without isolation, or plain, to run without it"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "SandboxLimits":
@@ -168,6 +144,7 @@ class SandboxLimits(Section):
 
 
 @dataclass
+@dataclass
 class SandboxResult:
     """What one run did."""
 
@@ -182,39 +159,57 @@ class SandboxResult:
 
 def run_python(source: str, limits: SandboxLimits, stdin: str = "") -> SandboxResult:
     """Run `source` as `main.py` in a fresh sandbox; see the module doc. Safe to call from many threads."""
+    python, mode = _chosen(limits)
+    return _run(source, limits, stdin, python, mode)
+
+
+def check_sandbox_available(limits: SandboxLimits, key: str = "sandbox") -> str:
+    """One line at start-up (a ConfigError) when programs cannot run with the isolation `limits` asks
+    for; else the isolation chosen. `key` names the settings in the message (`env.code.sandbox`)."""
+    try:
+        _, mode = _chosen(limits)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    return mode
+
+
+def _chosen(limits: SandboxLimits) -> tuple[str, str]:
     with _SETUP_LOCK:  # one probe, not one per thread
-        python, namespaces = _setup(limits.isolation, limits.python)
-    return _run(source, limits, stdin, python, namespaces)
+        return _setup(limits.isolation, limits.python)
 
 
 @functools.cache
-def _setup(isolation: str, python: str) -> tuple[str, bool]:
-    """The interpreter and whether to use namespaces, for these settings: the first that a probe
-    run accepts, namespaces first, the caller's interpreter first. Probed once per process."""
+def _setup(isolation: str, python: str) -> tuple[str, str]:
+    """The interpreter and the isolation mode for these settings: the first that a probe run accepts,
+    root's namespaces first, the caller's interpreter first. Probed once per process."""
     interpreters = [python] if python else _default_interpreters()
-    modes = {"auto": [True, False], "namespaces": [True], "plain": [False]}[isolation]
     failures = []
-    for namespaces in modes:
+    for mode in _MODES[isolation]:
         for interpreter in interpreters:
-            result = _run(_PROBE, SandboxLimits(wall_time_s=30.0), "", interpreter, namespaces)
-            if result.status == _STATUS_OK and result.stdout.startswith("ok"):
-                if failures:
-                    weak = "" if namespaces or os.geteuid() == 0 else " (not root: no uid of its own, no process limit)"
-                    logger.warning(
-                        "sandbox: using %s with %s isolation%s; failed before: %s",
-                        interpreter,
-                        "namespace" if namespaces else "plain",
-                        weak,
-                        "; ".join(failures),
-                    )
-                return interpreter, namespaces
-            failures.append(
-                f"{interpreter} with {'namespaces' if namespaces else 'plain isolation'}: {_describe_failure(result)}"
-            )
-    raise ConfigError(
-        f"the sandbox cannot run programs here ({'; '.join(failures)}); namespaces need root, and the "
-        "sandbox's python must be an interpreter an unprivileged user may run, e.g. /usr/bin/python3"
-    )
+            result = _run(_PROBE.format(caller=os.getpid()), SandboxLimits(wall_time_s=30.0), "", interpreter, mode)
+            words = result.stdout.split()
+            if result.status == _STATUS_OK and words[:1] == ["ok"] and (mode == "plain" or words[2:] == ["False"]):
+                if mode == "plain":
+                    logger.warning("sandbox: plain isolation, as configured: %s", _PLAIN_GAPS)
+                elif failures:
+                    logger.info("sandbox: %s with %s; before: %s", interpreter, mode, "; ".join(failures))
+                return interpreter, mode
+            visible = result.status == _STATUS_OK and words[:1] == ["ok"]
+            why = "the caller's process is visible to the program" if visible else _describe_failure(result)
+            failures.append(f"{interpreter} with {mode}: {why}")
+    allow = "" if isolation == "plain" else f"; {_ALLOW_PLAIN}"
+    raise ConfigError(f"model-written programs cannot run isolated here ({'; '.join(failures)}){allow}")
+
+
+_PLAIN_GAPS = (
+    "programs are not isolated: without root they run as the trainer's uid, so they can read its files "
+    "and its processes' environments, signal them, and reach the network through a subprocess"
+)
+_ALLOW_PLAIN = (
+    "namespaces need root (CAP_SYS_ADMIN) or unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+    "and kernel.apparmor_restrict_unprivileged_userns=0 where that exists); to run programs without isolation, "
+    "set the sandbox's isolation=plain (e.g. env.code.sandbox.isolation=plain): " + _PLAIN_GAPS
+)
 
 
 def _default_interpreters() -> list[str]:
@@ -229,27 +224,46 @@ def _describe_failure(result: SandboxResult) -> str:
     return f"status {result.status}: {lines[-1] if lines else 'no output'}"
 
 
-def _run(source: str, limits: SandboxLimits, stdin: str, python: str, namespaces: bool) -> SandboxResult:
+def _hidden_directories(mode: str) -> list[str]:
+    """What a user namespace hides from a program that keeps the caller's uid: the caller's home."""
+    if mode != "user_namespaces" or os.geteuid() == 0:
+        return []
+    homes = {os.path.realpath(pwd.getpwuid(os.geteuid()).pw_dir), os.path.realpath(os.path.expanduser("~"))}
+    return sorted(home for home in homes if home not in ("/", "/tmp"))
+
+
+def _oom_kills() -> int:
+    """How many processes the kernel's out-of-memory killer has killed since boot (-1: unknown)."""
+    try:
+        with open("/proc/vmstat") as vmstat:
+            return next((int(line.split()[1]) for line in vmstat if line.startswith("oom_kill ")), -1)
+    except OSError:
+        return -1
+
+
+def _run(source: str, limits: SandboxLimits, stdin: str, python: str, mode: str) -> SandboxResult:
     uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if os.geteuid() == 0 else None
-    host_workdir = None if namespaces else tempfile.mkdtemp(prefix="reinforge-sandbox-")
+    host_workdir = tempfile.mkdtemp(prefix="reinforge-sandbox-") if mode == "plain" else None
     job = {
         "source": source,
         "python": python,
         "uid": uid,
-        "namespaces": namespaces,
-        "workdir": "/tmp/work" if namespaces else host_workdir,
+        "mode": mode,
+        "hide": _hidden_directories(mode),
+        "workdir": host_workdir or "/tmp/work",
         "workdir_mb": limits.workdir_mb,
-        "rlimits": _rlimits(limits, own_uid=uid is not None),
+        # RLIMIT_NPROC counts every process of the uid: meaningful for a uid of its own, or per user namespace
+        "rlimits": _rlimits(limits, own_uid=uid is not None or mode == "user_namespaces"),
         "caller_pid": os.getpid(),
         "backstop_s": limits.wall_time_s + 2 * _KILL_GRACE_S,
     }
-    blob = marshal.dumps((_SUPERVISOR_CODE, job))
+    blob = marshal.dumps((SUPERVISOR_CODE, job))
     status_read, status_write = os.pipe()
-    start = time.monotonic()
+    start, oom_before = time.monotonic(), _oom_kills()
     try:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(status_write)],
+                [sys.executable, "-I", "-S", "-c", BOOTSTRAP, str(status_write)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -270,10 +284,13 @@ def _run(source: str, limits: SandboxLimits, stdin: str, python: str, namespaces
         os.close(status_read)
         if host_workdir is not None:
             shutil.rmtree(host_workdir, ignore_errors=True)
-    return _result(io, stopped, proc.returncode, time.monotonic() - start)
+    host_oom = oom_before >= 0 and _oom_kills() > oom_before
+    return _result(io, stopped, proc.returncode, time.monotonic() - start, host_oom)
 
 
-def _result(io: "_Pump", stopped: str | None, supervisor_code: int, wall_s: float) -> SandboxResult:
+def _result(io: "_Pump", stopped: str | None, supervisor_code: int, wall_s: float, host_oom: bool) -> SandboxResult:
+    """The verdict. A program that failed while the kernel's OOM killer ran (RLIMIT_AS keeps the program's own
+    excess a MemoryError, so every OOM kill is the host's shortage) gets no verdict: a sandbox error."""
     stdout, stderr = (bytes(buffer).decode("utf-8", "replace") for buffer in (io.stdout, io.stderr))
     if stopped:
         return SandboxResult(stopped, None, stdout, stderr, wall_s)
@@ -282,13 +299,21 @@ def _result(io: "_Pump", stopped: str | None, supervisor_code: int, wall_s: floa
         error = report.get("error") or f"the supervisor exited with {supervisor_code} and no report"
         return SandboxResult(_STATUS_ERROR, None, stdout, stderr + f"\nsandbox error: {error}\n", wall_s)
     code = int(report["returncode"])
-    if code == 0:
-        status = _STATUS_OK
-    elif code == -signal.SIGXCPU:
-        status = "timeout"
-    else:
-        status = "killed" if code < 0 else "failed"
+    status = _verdict(code, host_oom)
+    if status == _STATUS_ERROR:
+        stderr += f"\nsandbox error: {_HOST_OOM}\n"
     return SandboxResult(status, code, stdout, stderr, wall_s)
+
+
+def _verdict(code: int, host_oom: bool) -> str:
+    """The status of a program that exited with `code`; `host_oom`: the kernel's OOM killer ran meanwhile."""
+    if code != 0 and host_oom:
+        return _STATUS_ERROR
+    if code == 0:
+        return _STATUS_OK
+    if code == -signal.SIGXCPU:
+        return "timeout"
+    return "killed" if code < 0 else "failed"
 
 
 def _rlimits(limits: SandboxLimits, own_uid: bool) -> list[tuple[str, int, int]]:
@@ -405,24 +430,3 @@ class _Pump:
                 pass
         for buffer in (self.stdout, self.stderr):
             del buffer[self.limit :]
-
-
-# Compiling the supervisor costs more than starting Python, so it is compiled here, once, and sent
-# marshalled (the supervisor runs this same interpreter) with the job, ahead of the program's stdin.
-_SUPERVISOR_CODE = marshal.dumps(compile(inspect.getsource(supervise), inspect.getsourcefile(supervise), "exec"))
-_BOOTSTRAP = """import marshal, os
-def read_exactly(size):
-    data = b""
-    while len(data) < size:
-        chunk = os.read(0, size - len(data))
-        if not chunk:
-            raise SystemExit("the sandbox job ended early")
-        data += chunk
-    return data
-header = b""
-while not header.endswith(b"\\n"):
-    header += read_exactly(1)
-code, job = marshal.loads(read_exactly(int(header)))
-exec(marshal.loads(code))
-supervise(job)
-"""

@@ -1,10 +1,14 @@
 """The sandbox supervisor (`envs/sandbox.py`): the one function that runs, on its own, in a fresh
-interpreter under the caller's privileges. It is not imported there; sandbox.py compiles its source
-once and ships the code with each job, so it must stay self-contained (its imports inside it)."""
+interpreter under the caller's privileges. The supervisor never imports this module: its source is
+compiled once here (`SUPERVISOR_CODE`) and sandbox.py ships the code with each job, so `supervise` must
+stay self-contained (its imports inside it)."""
+
+import inspect
+import marshal
 
 
 def supervise(job: dict) -> None:
-    """The supervisor, run by `_BOOTSTRAP` with the caller's privileges: builds the isolation, runs
+    """The supervisor, run by `BOOTSTRAP` with the caller's privileges: builds the isolation, runs
     the program, and writes to the status pipe (fd in argv[1]) a line `returncode N` (-N: killed by
     signal N) or `error <why>`. Self-contained, and its imports stay few and cheap (no json, re or
     signal): each costs every run."""
@@ -17,14 +21,16 @@ def supervise(job: dict) -> None:
     MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
     MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
     MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
-    CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
+    CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
         0x20000,
         0x4000000,
         0x8000000,
+        0x10000000,
         0x20000000,
         0x40000000,
     )
-    PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+    PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+    mode = job["mode"]  # namespaces (root's), user_namespaces, plain
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
     status_fd = int(sys.argv[1])
@@ -79,7 +85,7 @@ def supervise(job: dict) -> None:
         os.waitpid(pid, 0)
 
     def kill_target():
-        if job.get("namespaces"):
+        if mode != "plain":
             for pid in target:  # the namespace's init: its death kills everything inside
                 os.kill(pid, signal.SIGKILL)
         elif job.get("uid") is not None:
@@ -123,15 +129,43 @@ def supervise(job: dict) -> None:
     def set_up_mounts():
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         remount_everything_read_only()
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        empty = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        try:  # this namespace's processes only: the caller's /proc/<pid>/environ is not there to read
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        except OSError:  # a user namespace in a container whose /proc is partly masked: no /proc at all
+            mount("tmpfs", "/proc", "tmpfs", empty, "size=4k,mode=555")
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['workdir_mb']}m,nr_inodes=16384,mode=755")
-        for path in (
-            "/dev/shm",
-            "/run",
-        ):  # shared memory, and daemons' sockets (a unix socket ignores read-only mounts)
+        # Private shared memory (multiprocessing's semaphores live there), gone with the namespace.
+        if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm"):
+            shm = f"size={job['workdir_mb']}m,mode=1777"
+            mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, shm)
+        # Daemons' sockets (a unix socket ignores read-only mounts) and, in a user namespace where the
+        # program keeps the caller's uid, the caller's home (tokens, keys): empty and read-only.
+        for path in ["/run", *job["hide"]]:
             if os.path.isdir(path) and not os.path.islink(path):
-                mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
+                mount("tmpfs", path, "tmpfs", empty, "size=4k,mode=755")
         os.mkdir(job["workdir"], 0o700)
+
+    def enter_user_namespace():
+        """Unshare every namespace under a new user namespace (no privilege needed), as a uid that is
+        not root: the caller's, or (a root caller without CAP_SYS_ADMIN) the run's own uid."""
+        uid = job["uid"]
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            # A change of uid clears the parent-death signal and makes /proc/self root's: set both again.
+            check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl")
+            check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
+            if os.getppid() != job["caller_pid"]:
+                os._exit(1)
+        euid, egid = os.geteuid(), os.getegid()
+        if euid == 0:  # root inside would keep its capabilities there and could undo the mounts
+            raise OSError(1, "user namespaces need a uid other than 0 to run programs as")
+        check(libc.unshare(CLONE_NEWUSER | namespaces), "unshare")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{euid} {euid} 1"), ("gid_map", f"{egid} {egid} 1")):
+            with open(f"/proc/self/{name}", "w") as file:
+                file.write(text)
 
     def prepare_workdir():
         workdir, uid = job["workdir"], job["uid"]
@@ -149,7 +183,7 @@ def supervise(job: dict) -> None:
             for name, soft, hard in job["rlimits"]:
                 resource.setrlimit(getattr(resource, name), (soft, hard))
             check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
-            if uid is not None:
+            if uid is not None and mode != "user_namespaces":  # there it is the uid already
                 os.setgroups([])
                 os.setresgid(uid, uid, uid)
                 os.setresuid(uid, uid, uid)
@@ -163,7 +197,7 @@ def supervise(job: dict) -> None:
                 "MKL_NUM_THREADS": "1",
             }
             python = job["python"]
-            if job["namespaces"]:
+            if mode != "plain":
                 argv = [python, "-I", "-B", "main.py"]
             else:  # no network namespace: take sockets away before the program runs
                 hook = (
@@ -193,28 +227,51 @@ def supervise(job: dict) -> None:
                 report("returncode", os.waitstatus_to_exitcode(status))
                 return
 
-    def remove_workdir():
-        """Delete the host working directory (plain mode); its uid has no process left to race with."""
-        for root, dirs, files in os.walk(job["workdir"], topdown=False):
+    def remove_tree(top):
+        """Delete a directory (or a file) and what it holds; the uid that wrote it has no process left."""
+        if not os.path.isdir(top) or os.path.islink(top):
+            os.unlink(top)
+            return
+        for root, dirs, files in os.walk(top, topdown=False):
             for name in files + dirs:
                 path = os.path.join(root, name)
                 if os.path.isdir(path) and not os.path.islink(path):
                     os.rmdir(path)
                 else:
                     os.unlink(path)
-        os.rmdir(job["workdir"])
+        os.rmdir(top)
+
+    def remove_leftovers(uid):
+        """Plain mode, as root: what the run's uid left in the shared scratch directories."""
+        for shared in ("/tmp", "/var/tmp", "/dev/shm"):
+            try:
+                entries = list(os.scandir(shared))
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        remove_tree(entry.path)
+                except OSError:  # gone meanwhile
+                    pass
 
     try:
-        if not job["namespaces"]:
+        if mode == "plain":
             try:
                 prepare_workdir()
                 run_program()
             finally:  # also when the caller died: it will not delete the directory
                 if job["uid"] is not None:
                     sweep(job["uid"])  # daemons the program left behind
-                remove_workdir()
+                remove_tree(job["workdir"])
+                if job["uid"] is not None:
+                    remove_leftovers(job["uid"])
             return
-        check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+        namespaces = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+        if mode == "user_namespaces":
+            enter_user_namespace()
+        else:
+            check(libc.unshare(namespaces), "unshare")
         mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here propagates to the host
         init = os.fork()
         if init == 0:  # pid 1 of the new pid namespace: when it exits, the kernel kills the rest
@@ -232,3 +289,24 @@ def supervise(job: dict) -> None:
         os.waitpid(init, 0)  # returns once every process of the namespace is gone
     except Exception as exc:
         report("error", f"setting up the sandbox failed: {exc!r}")
+
+
+# Compiling the supervisor costs more than starting Python, so the caller compiles it once, on import, and
+# sends it marshalled (the supervisor runs the same interpreter) with the job, ahead of the program's stdin.
+SUPERVISOR_CODE = marshal.dumps(compile(inspect.getsource(supervise), __file__, "exec"))
+BOOTSTRAP = """import marshal, os
+def read_exactly(size):
+    data = b""
+    while len(data) < size:
+        chunk = os.read(0, size - len(data))
+        if not chunk:
+            raise SystemExit("the sandbox job ended early")
+        data += chunk
+    return data
+header = b""
+while not header.endswith(b"\\n"):
+    header += read_exactly(1)
+code, job = marshal.loads(read_exactly(int(header)))
+exec(marshal.loads(code))
+supervise(job)
+"""

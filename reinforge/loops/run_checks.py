@@ -15,7 +15,7 @@ from reinforge.algorithms.rl_config import RLRunConfig
 from reinforge.data.prompt_stream import PromptStream, stream_sampler
 from reinforge.data.prompts import Prompt, load_prompts
 from reinforge.envs.gym import check_resources_server
-from reinforge.envs.registry import EnvConfig, check_tasks
+from reinforge.envs.registry import EnvConfig, check_sandboxes, check_tasks
 from reinforge.errors import ConfigError, DataError
 from reinforge.evaluation.evaluate import ValidationBenchmark, prepare_validation_benchmarks
 from reinforge.generation.vllm_support import check_vllm_serves
@@ -71,6 +71,7 @@ def read_inputs(config: RLRunConfig) -> Inputs:
         tasks |= {p.record.get("task", config.env.default_task) for p in train_prompts + val_prompts}
         tasks |= set(config.env.extra_rewards)
     check_tasks(tasks, config.env)
+    check_sandboxes(tasks, config.env)  # model-written code that cannot run isolated: one line (envs/sandbox.py)
     check_backends(config.logging.loggers)
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     check_model_layout(config.training.parallel, config.model)  # tp/cp/ep the model cannot split: one line

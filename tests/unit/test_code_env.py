@@ -273,7 +273,7 @@ def test_hostile_programs_are_contained_and_score_zero(tmp_path, monkeypatch):
     marker = f"0.{secrets.randbelow(10**12):012d}"  # `sleep 600 <marker>` processes mark leftovers
     secret = "s3cret-" + secrets.token_hex(8)
     monkeypatch.setenv("REINFORGE_TEST_SECRET", secret)
-    files = [f"/tmp/{marker}", f"{os.getcwd()}/{marker}", f"{tmp_path}/{marker}", f"/dev/shm/{marker}"]
+    files = [f"/tmp/{marker}", f"{os.getcwd()}/{marker}", f"{tmp_path}/{marker}"]
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -291,6 +291,8 @@ def test_hostile_programs_are_contained_and_score_zero(tmp_path, monkeypatch):
         f"    os.execv('/bin/sleep', ['sleep', '600', '{marker}'])\n"
         "raise RuntimeError('a daemon alone does not pass')",
         **{f"write_{i}": f"open({path!r}, 'w').write('x')" for i, path in enumerate(files)},
+        # /dev/shm is the program's own (a private tmpfs): the write succeeds, and must not reach the host's
+        "write_shm": f"open('/dev/shm/{marker}', 'w').write('x')\nraise RuntimeError('it wrote')",
         "socket": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
         "kill_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
         "kill_test_process": f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)",
@@ -319,7 +321,7 @@ def test_hostile_programs_are_contained_and_score_zero(tmp_path, monkeypatch):
         assert elapsed < 30.0
         assert metrics["timeouts"] >= 3 and metrics["output_limits"] == 1 and metrics["sandbox_errors"] == 0
         assert secret not in repr(responses)
-        assert not any(Path(path).exists() for path in files)
+        assert not any(Path(path).exists() for path in [*files, f"/dev/shm/{marker}"])
         assert select.select([listener], [], [], 0.2)[0] == []  # nobody connected
         assert [pid for pid in _pids() if marker.encode() in _read(f"/proc/{pid}/cmdline") and _alive(pid)] == []
         deadline = time.monotonic() + 15  # SIGKILLed bombs may take a moment to go on a loaded machine

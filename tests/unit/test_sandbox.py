@@ -7,9 +7,7 @@ GNU sleep adds up its arguments, so a unique small number is a harmless marker),
 
 import os
 import secrets
-import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ from reinforge.envs.sandbox import SandboxLimits, run_python
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 ISOLATIONS = ["namespaces", "plain"]
+EVERY = ["namespaces", "user_namespaces", "plain"]  # for the protections: user_namespaces is a non-root trainer's
 FAST = dict(wall_time_s=3.0, cpu_time_s=3.0, memory_mb=512, max_output_bytes=10_000)
 
 
@@ -84,7 +83,7 @@ def test_a_program_gets_its_stdin_and_returns_output_and_exit_status():
     assert crashed.status == "failed" and "ZeroDivisionError" in crashed.stderr
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", EVERY)
 def test_each_run_has_a_fresh_private_working_directory_that_is_deleted(isolation):
     before = set(Path("/tmp").glob("reinforge-sandbox-*"))
     program = "import os\nprint(sorted(os.listdir('.')), os.getuid())\nopen('state.txt', 'w').write('x')"
@@ -124,7 +123,7 @@ def test_an_output_flood_is_cut_off_at_the_limit(isolation):
     assert time.monotonic() - start < 10.0
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", EVERY)
 def test_a_fork_bomb_is_contained_and_leaves_no_process(isolation):
     marker = new_marker()
     before = sandbox_uid_processes()
@@ -163,7 +162,7 @@ print("parent done")
     assert live_processes(marker) == []
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", EVERY)
 def test_a_program_cannot_kill_the_caller_or_anyone_else(isolation):
     bystander = subprocess.Popen(["sleep", "60"])
     try:
@@ -182,7 +181,11 @@ except OSError:
 subprocess.run(["kill", "-9", "-1"])
 """
         result = run_python(program, limits(isolation))
-        assert "killed" not in result.stdout and result.stdout.count("refused") == 4
+        if isolation == "user_namespaces":  # its parent is pid 1, init of its namespace and of its uid: the
+            # kernel drops a signal from inside that init has no handler for, so kill() succeeds to no effect
+            assert result.stdout.startswith("killed 1\nkilled 1\n") and result.stdout.count("refused") == 2
+        else:
+            assert "killed" not in result.stdout and result.stdout.count("refused") == 4
         assert result.status == "killed"  # `kill -9 -1` reached the one process it could: the program
         assert bystander.poll() is None
     finally:
@@ -208,9 +211,11 @@ for path in glob.glob("/proc/*/environ") + ["/proc/{os.getpid()}/environ", "/pro
     assert secret not in result.stdout + result.stderr
 
 
-def test_a_program_can_write_only_its_working_directory(tmp_path):
+@pytest.mark.parametrize("isolation", ["namespaces", "user_namespaces"])
+def test_a_program_can_write_only_its_working_directory(tmp_path, isolation):
+    """And its private /tmp and /dev/shm (tests/unit/test_sandbox_hostile.py); nothing reaches the host."""
     marker = new_marker()
-    targets = [f"/tmp/{marker}", f"/dev/shm/{marker}", f"{os.getcwd()}/{marker}", f"{tmp_path}/{marker}", f"/{marker}"]
+    targets = [f"/tmp/{marker}", f"/run/{marker}", f"{os.getcwd()}/{marker}", f"{tmp_path}/{marker}", f"/{marker}"]
     program = f"""
 import os
 for path in {targets!r}:
@@ -223,8 +228,11 @@ for path in {targets!r}:
 open("mine.txt", "w").write("x" * 1000)
 print("own directory ok")
 """
-    result = run_python(program, limits())
-    assert "wrote" not in result.stdout and result.stdout.count("refused") == len(targets)
+    result = run_python(program, limits(isolation))
+    # user_namespaces: the namespace's one uid owns its private /tmp, which vanishes with it
+    private = [f"/tmp/{marker}"] if isolation == "user_namespaces" else []
+    assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("wrote")] == private
+    assert result.stdout.count("refused") == len(targets) - len(private)
     assert "own directory ok" in result.stdout
     assert not any(Path(path).exists() for path in targets)
 
@@ -242,27 +250,6 @@ def test_plain_isolation_still_keeps_the_caller_directories_read_only(tmp_path):
     assert not any(Path(path).exists() for path in targets)
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_a_program_cannot_reach_a_listening_socket_on_the_host(isolation):
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        program = f"""
-import socket, _socket
-for make in (lambda: socket.create_connection(("127.0.0.1", {port}), timeout=2),
-             lambda: _socket.socket().connect(("127.0.0.1", {port}))):
-    try:
-        make()
-        print("connected")
-    except OSError as exc:
-        print("refused", type(exc).__name__)
-"""
-        result = run_python(program, limits(isolation))
-        assert result.status == "ok" and result.stdout.count("refused") == 2
-        assert select.select([server], [], [], 0.2)[0] == []  # no connection is waiting to be accepted
-
-
 def test_many_threads_share_the_sandbox_safely():
     from concurrent.futures import ThreadPoolExecutor
 
@@ -278,7 +265,7 @@ def test_limits_must_be_positive():
         SandboxLimits(isolation="docker")
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", EVERY)
 def test_a_caller_killed_mid_run_leaves_no_process_or_directory_behind(isolation):
     workdirs = set(Path("/tmp").glob("reinforge-sandbox-*"))
     marker = new_marker()
