@@ -166,16 +166,20 @@ def run_python(source: str, limits: SandboxLimits, stdin: str = "") -> SandboxRe
 def check_sandbox_available(limits: SandboxLimits, key: str = "sandbox") -> str:
     """One line at start-up (a ConfigError) when programs cannot run with the isolation `limits` asks
     for; else the isolation chosen. `key` names the settings in the message (`env.code.sandbox`)."""
-    try:
-        _, mode = _chosen(limits)
-    except ConfigError as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    return mode
+    return _chosen(limits, key)[1]
 
 
-def _chosen(limits: SandboxLimits) -> tuple[str, str]:
+def _chosen(limits: SandboxLimits, key: str = "sandbox") -> tuple[str, str]:
     with _SETUP_LOCK:  # one probe, not one per thread
-        return _setup(limits.isolation, limits.python)
+        try:
+            return _setup(limits.isolation, limits.python)
+        except _Unavailable as exc:
+            allow = "" if limits.isolation == "plain" else f"; {_ALLOW_PLAIN.format(key=key)}"
+            raise ConfigError(f"{key}: model-written programs cannot run isolated here ({exc}){allow}") from None
+
+
+class _Unavailable(Exception):
+    """No probe run succeeded; the message lists each attempt and why it failed."""
 
 
 @functools.cache
@@ -197,8 +201,7 @@ def _setup(isolation: str, python: str) -> tuple[str, str]:
             visible = result.status == _STATUS_OK and words[:1] == ["ok"]
             why = "the caller's process is visible to the program" if visible else _describe_failure(result)
             failures.append(f"{interpreter} with {mode}: {why}")
-    allow = "" if isolation == "plain" else f"; {_ALLOW_PLAIN}"
-    raise ConfigError(f"model-written programs cannot run isolated here ({'; '.join(failures)}){allow}")
+    raise _Unavailable("; ".join(failures))
 
 
 _PLAIN_GAPS = (
@@ -207,8 +210,8 @@ _PLAIN_GAPS = (
 )
 _ALLOW_PLAIN = (
     "namespaces need root (CAP_SYS_ADMIN) or unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
-    "and kernel.apparmor_restrict_unprivileged_userns=0 where that exists); to run programs without isolation, "
-    "set the sandbox's isolation=plain (e.g. env.code.sandbox.isolation=plain): " + _PLAIN_GAPS
+    "and kernel.apparmor_restrict_unprivileged_userns=0 where that exists); to run them without isolation, set "
+    "{key}.isolation=plain: " + _PLAIN_GAPS
 )
 
 
