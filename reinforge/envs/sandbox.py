@@ -20,15 +20,13 @@ The sandbox fails closed. `isolation` (see `SandboxLimits`) is one of
   trainer's files and `/proc/<pid>/environ`, signal its processes, and reach the network through a
   subprocess or ctypes (only `socket` is taken away). docs/environments.md lists every protection.
 
-What isolation gives (docs/environments.md, "The sandbox", has the full list and how each is checked):
-the program sees only its namespace's processes (it cannot signal the caller or read its environment),
-has no network interface, writes only its private /tmp and /dev/shm (tmpfs that vanish with the
-namespace: nothing is left to clean), finds the rest of the filesystem read-only (and, when it keeps
-the trainer's uid, the trainer's home hidden), and every process it leaves behind (a `setsid` daemon)
-dies with the namespace's init. Memory is bounded per process by RLIMIT_AS (`memory_mb`): past it the
-program gets a MemoryError, its own failure. A program SIGKILLed while the kernel's out-of-memory killer
-ran (`/proc/vmstat` oom_kill rose during the run) was killed for the host's shortage, not for its own
-limit: status `error`, an infrastructure failure, never a reward of 0.
+Isolated, the program sees only its namespace's processes, has no network interface, writes only its
+private /tmp and /dev/shm (tmpfs gone with the namespace), finds the rest read-only (the trainer's home
+hidden when it keeps the trainer's uid), and whatever it leaves behind dies with the namespace's init.
+Memory: RLIMIT_AS per process (a MemoryError: the program's failure), and with `memory_cgroup` a cgroup
+for the whole run (a kill there: `memory_limit`, the program's); a program that fails while the kernel's
+OOM killer ran elsewhere (`/proc/vmstat` oom_kill rose) is a sandbox error, the host's shortage, never 0.
+docs/environments.md, "The sandbox", lists every protection, per mode, and its test.
 
 Isolation and interpreter are chosen once per process by probe runs, which also check that the
 caller's /proc entry is out of sight: root's namespaces, then user namespaces; the caller's
@@ -64,6 +62,7 @@ from typing import Literal
 from pydantic import field_validator, model_validator
 
 from reinforge.config.section import Section
+from reinforge.envs import sandbox_cgroup
 from reinforge.envs.sandbox_supervisor import BOOTSTRAP, SUPERVISOR_CODE
 from reinforge.errors import ConfigError
 
@@ -107,6 +106,11 @@ class SandboxLimits(Section):
     `user_namespaces`: only the unprivileged variant. `plain`: no isolation, only rlimits and a process
     kill; the program can read what the trainer reads (its environment too, unless root), signal its
     processes and reach the network through a subprocess (see envs/sandbox.py)."""
+    memory_cgroup: str = ""
+    """A cgroup v2 directory with `memory` in its cgroup.subtree_control that the trainer may write (see
+    envs/sandbox_cgroup.py): each run then gets a child cgroup, and `memory_mb` bounds the whole run (its
+    processes and its tmpfs), not only each process; a program the kernel kills there exceeded its own limit
+    (status `memory_limit`). Empty: rlimits only. Checked at start-up."""
     python: str = ""
     """Interpreter that runs the programs; empty: the one running reinforge if an unprivileged uid
     may run it (one inside /root may not), else the system's python3."""
@@ -172,7 +176,7 @@ def check_sandbox_available(limits: SandboxLimits, key: str = "sandbox") -> str:
 def _chosen(limits: SandboxLimits, key: str = "sandbox") -> tuple[str, str]:
     with _SETUP_LOCK:  # one probe, not one per thread
         try:
-            return _setup(limits.isolation, limits.python)
+            return _setup(limits.isolation, limits.python, limits.memory_cgroup)
         except _Unavailable as exc:
             allow = "" if limits.isolation == "plain" else f"; {_ALLOW_PLAIN.format(key=key)}"
             raise ConfigError(f"{key}: model-written programs cannot run isolated here ({exc}){allow}") from None
@@ -183,14 +187,15 @@ class _Unavailable(Exception):
 
 
 @functools.cache
-def _setup(isolation: str, python: str) -> tuple[str, str]:
+def _setup(isolation: str, python: str, memory_cgroup: str) -> tuple[str, str]:
     """The interpreter and the isolation mode for these settings: the first that a probe run accepts,
     root's namespaces first, the caller's interpreter first. Probed once per process."""
     interpreters = [python] if python else _default_interpreters()
     failures = []
     for mode in _MODES[isolation]:
         for interpreter in interpreters:
-            result = _run(_PROBE.format(caller=os.getpid()), SandboxLimits(wall_time_s=30.0), "", interpreter, mode)
+            probe = SandboxLimits(wall_time_s=30.0, memory_cgroup=memory_cgroup)
+            result = _run(_PROBE.format(caller=os.getpid()), probe, "", interpreter, mode)
             words = result.stdout.split()
             if result.status == _STATUS_OK and words[:1] == ["ok"] and (mode == "plain" or words[2:] == ["False"]):
                 if mode == "plain":
@@ -246,8 +251,13 @@ def _oom_kills() -> int:
 
 def _run(source: str, limits: SandboxLimits, stdin: str, python: str, mode: str) -> SandboxResult:
     uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if os.geteuid() == 0 else None
+    try:
+        cgroup = limits.memory_cgroup and sandbox_cgroup.create(limits)
+    except OSError as exc:  # the probe meets this first: one line at start-up
+        return SandboxResult(_STATUS_ERROR, None, "", f"sandbox error: the run's cgroup: {exc!r}\n", 0.0)
     host_workdir = tempfile.mkdtemp(prefix="reinforge-sandbox-") if mode == "plain" else None
     job = {
+        "cgroup": cgroup,
         "source": source,
         "python": python,
         "uid": uid,
@@ -287,13 +297,16 @@ def _run(source: str, limits: SandboxLimits, stdin: str, python: str, mode: str)
         os.close(status_read)
         if host_workdir is not None:
             shutil.rmtree(host_workdir, ignore_errors=True)
-    host_oom = oom_before >= 0 and _oom_kills() > oom_before
-    return _result(io, stopped, proc.returncode, time.monotonic() - start, host_oom)
+        own_oom = bool(cgroup) and sandbox_cgroup.oom_kills(cgroup) > 0
+        if cgroup:
+            sandbox_cgroup.remove(cgroup)
+    host_oom = not own_oom and oom_before >= 0 and _oom_kills() > oom_before
+    return _result(io, stopped, proc.returncode, time.monotonic() - start, "memory_limit" if own_oom else host_oom)
 
 
-def _result(io: "_Pump", stopped: str | None, supervisor_code: int, wall_s: float, host_oom: bool) -> SandboxResult:
-    """The verdict. A program that failed while the kernel's OOM killer ran (RLIMIT_AS keeps the program's own
-    excess a MemoryError, so every OOM kill is the host's shortage) gets no verdict: a sandbox error."""
+def _result(io: "_Pump", stopped: str | None, supervisor_code: int, wall_s: float, oom: bool | str) -> SandboxResult:
+    """The verdict. `oom`: "memory_limit" when the kernel killed in the run's own cgroup, else whether the
+    kernel's OOM killer ran during the run (the host's shortage, see `_verdict`)."""
     stdout, stderr = (bytes(buffer).decode("utf-8", "replace") for buffer in (io.stdout, io.stderr))
     if stopped:
         return SandboxResult(stopped, None, stdout, stderr, wall_s)
@@ -302,16 +315,18 @@ def _result(io: "_Pump", stopped: str | None, supervisor_code: int, wall_s: floa
         error = report.get("error") or f"the supervisor exited with {supervisor_code} and no report"
         return SandboxResult(_STATUS_ERROR, None, stdout, stderr + f"\nsandbox error: {error}\n", wall_s)
     code = int(report["returncode"])
-    status = _verdict(code, host_oom)
+    status = _verdict(code, oom)
     if status == _STATUS_ERROR:
         stderr += f"\nsandbox error: {_HOST_OOM}\n"
     return SandboxResult(status, code, stdout, stderr, wall_s)
 
 
-def _verdict(code: int, host_oom: bool) -> str:
-    """The status of a program that exited with `code`; `host_oom`: the kernel's OOM killer ran meanwhile."""
-    if code != 0 and host_oom:
-        return _STATUS_ERROR
+def _verdict(code: int, oom: bool | str) -> str:
+    """The status of a program that exited with `code`. `oom` True: the kernel's OOM killer ran during the
+    run, not in the run's own cgroup, so the host ran short (RLIMIT_AS turns the program's own excess into a
+    MemoryError first): no verdict, a sandbox error. "memory_limit": it killed in the run's own cgroup."""
+    if code != 0 and oom:
+        return "memory_limit" if oom == "memory_limit" else _STATUS_ERROR
     if code == 0:
         return _STATUS_OK
     if code == -signal.SIGXCPU:

@@ -46,6 +46,14 @@ def supervise(job: dict) -> None:
         except OSError:  # the caller is gone; the cleanup still has to happen
             pass
 
+    if job["cgroup"]:  # before anything forks: every process of the run is limited and counted there
+        try:
+            with open(os.path.join(job["cgroup"], "cgroup.procs"), "w") as procs:
+                procs.write(str(os.getpid()))
+        except OSError as exc:
+            report("error", f"joining the cgroup {job['cgroup']} failed: {exc!r}")
+            os._exit(1)
+
     def check(result, what):
         if result != 0:
             errno = ctypes.get_errno()

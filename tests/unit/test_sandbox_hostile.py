@@ -143,12 +143,13 @@ def test_a_program_that_kills_itself_is_its_own_failure_and_a_host_oom_kill_is_n
     result = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", limits("namespaces"))
     assert (result.status, result.returncode) == ("killed", -signal.SIGKILL)
     # the verdict from the exit code and whether the kernel's OOM killer ran during the run
-    assert _verdict(-signal.SIGKILL, host_oom=False) == "killed"
-    assert _verdict(-signal.SIGKILL, host_oom=True) == "error"  # the host's shortage: no verdict
-    assert _verdict(1, host_oom=True) == "error"  # a child of the program was the one killed
-    assert _verdict(0, host_oom=True) == "ok"  # finished anyway: its verdict stands
-    assert _verdict(-signal.SIGXCPU, host_oom=False) == "timeout"
-    assert _verdict(3, host_oom=False) == "failed"
+    assert _verdict(-signal.SIGKILL, oom=False) == "killed"
+    assert _verdict(-signal.SIGKILL, oom=True) == "error"  # the host's shortage: no verdict
+    assert _verdict(1, oom=True) == "error"  # a child of the program was the one killed
+    assert _verdict(0, oom=True) == "ok"  # finished anyway: its verdict stands
+    assert _verdict(-signal.SIGXCPU, oom=False) == "timeout"
+    assert _verdict(3, oom=False) == "failed"
+    assert _verdict(-signal.SIGKILL, oom="memory_limit") == "memory_limit"  # in its own cgroup: its own excess
 
 
 def test_a_memory_bomb_hits_its_own_limit_and_is_the_programs_failure():
@@ -168,6 +169,38 @@ def test_a_sandbox_that_cannot_isolate_refuses_in_one_line_naming_plain():
     with pytest.raises(ConfigError) as plain:  # plain asked for and still impossible: no advice to ask for it
         check_sandbox_available(SandboxLimits(isolation="plain", python="/bin/false"))
     assert "isolation=plain" not in str(plain.value)
+
+
+def test_a_memory_cgroup_that_is_not_one_is_refused_at_start_up(tmp_path):
+    with pytest.raises(ConfigError, match="env.code.sandbox: .*is not a cgroup v2 directory"):
+        check_sandbox_available(SandboxLimits(memory_cgroup=str(tmp_path)), "env.code.sandbox")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.environ.get("REINFORGE_TEST_CGROUP"), reason="needs a delegated cgroup v2 directory")
+def test_a_run_in_its_own_cgroup_is_bounded_as_a_whole_and_its_excess_is_its_own():
+    """REINFORGE_TEST_CGROUP: a cgroup v2 directory with memory in cgroup.subtree_control (none on the CI)."""
+    cgroup = os.environ["REINFORGE_TEST_CGROUP"]
+    before = set(os.listdir(cgroup))
+    program = """
+import os, time
+child, kids = False, []
+for _ in range(15):
+    pid = os.fork()
+    if pid == 0:
+        child = True
+        break
+    kids.append(pid)
+x = bytearray(60 << 20)
+x[::4096] = b"x" * len(x[::4096])  # touch every page
+time.sleep(0.5)
+if child:
+    os._exit(0)
+raise SystemExit(1 if any(os.waitpid(kid, 0)[1] for kid in kids) else 0)
+"""
+    result = run_python(program, limits("namespaces", memory_mb=128, memory_cgroup=cgroup, max_processes=32))
+    assert result.status == "memory_limit"  # 16 processes x 60 MiB in a 128 MiB cgroup, each under RLIMIT_AS
+    assert set(os.listdir(cgroup)) == before  # the run's cgroup is gone
 
 
 def test_auto_is_refused_with_what_to_use_instead():
