@@ -32,8 +32,8 @@ whatever stdin it expects) cannot be mistaken for a result, and the results of t
 before a timeout still count. A program that fails to load fails every test. This guards against
 accidents, not against a program written to forge results: it runs in the harness's interpreter.
 
-A run the sandbox itself failed (status `error`: the supervisor crashed, could not start, or was
-killed from outside) is no verdict on the program: the response has `infra_failure="sandbox"` and
+A run the sandbox itself failed (status `error`: the supervisor crashed, could not start, was killed
+from outside, or the program died while the host's out-of-memory killer ran) is no verdict on the program: the response has `infra_failure="sandbox"` and
 no reward (the rollout retries it, docs/environments.md). A program that crashes by itself (a
 nonzero exit, an uncaught exception, a signal it sent itself, a timeout within its own limits) is
 the answer's failure and scores as below.
@@ -42,11 +42,11 @@ Reward: 1.0 when the program loads, every setup step succeeds, every test passes
 normally (status ok: a program that passes and then hangs or floods its output fails), else 0; with
 `partial_credit`, the fraction of tests that passed, whatever happened after them (setup failures
 count through the tests they break). `components = {"pass_fraction": passed / total}`; `info` holds `status` (the
-sandbox's: ok, failed, timeout, killed, output_limit, error; or no_code), `passed`, `total`, and
+sandbox's: ok, failed, timeout, killed, output_limit, memory_limit, error; or no_code), `passed`, `total`, and
 `error`, the first failure's exception (or the sandbox's stderr tail when no step reported one).
 
 Metrics (since the last `metrics()` call): `samples`, `no_code`, `timeouts` (wall or CPU limit),
-`output_limits`, `sandbox_errors` (the sandbox itself failed to run the program: infrastructure
+`output_limits`, `memory_limits` (killed in the run's own memory cgroup), `sandbox_errors` (the sandbox itself failed to run the program: infrastructure
 failures), `pass_fraction_mean` (mean of passed / total over samples, no-code ones included as 0) and
 `run_s_mean` (mean sandbox wall time per run).
 
@@ -168,7 +168,8 @@ class CodeEnv:
         )
 
     def _reset_counts(self) -> None:
-        self._counts = dict.fromkeys(["samples", "no_code", "timeouts", "output_limits", "sandbox_errors"], 0)
+        names = ["samples", "no_code", "timeouts", "output_limits", "memory_limits", "sandbox_errors"]
+        self._counts = dict.fromkeys(names, 0)
         self._fraction_sum = 0.0
         self._run_s = []
 
@@ -177,6 +178,7 @@ class CodeEnv:
             "no_code": "no_code",
             "timeout": "timeouts",
             "output_limit": "output_limits",
+            "memory_limit": "memory_limits",
             "error": "sandbox_errors",
         }.get(status)
         with self._lock:
