@@ -33,10 +33,11 @@ before a timeout still count. A program that fails to load fails every test. Thi
 accidents, not against a program written to forge results: it runs in the harness's interpreter.
 
 A run the sandbox itself failed (status `error`: the supervisor crashed, could not start, was killed
-from outside, or the program died while the host's out-of-memory killer ran) is no verdict on the program: the response has `infra_failure="sandbox"` and
-no reward (the rollout retries it, docs/environments.md). A program that crashes by itself (a
-nonzero exit, an uncaught exception, a signal it sent itself, a timeout within its own limits) is
-the answer's failure and scores as below.
+from outside, or the program died while the host's out-of-memory killer ran) is no verdict on the
+program: the response has `infra_failure="sandbox"` and no reward (the rollout retries it,
+docs/environments.md). A program that crashes by itself (a nonzero exit, an uncaught exception, a
+signal it sent itself, a timeout or a memory limit of its own) is the answer's failure and scores as
+below.
 
 Reward: 1.0 when the program loads, every setup step succeeds, every test passes and the run ends
 normally (status ok: a program that passes and then hangs or floods its output fails), else 0; with
@@ -46,9 +47,9 @@ sandbox's: ok, failed, timeout, killed, output_limit, memory_limit, error; or no
 `error`, the first failure's exception (or the sandbox's stderr tail when no step reported one).
 
 Metrics (since the last `metrics()` call): `samples`, `no_code`, `timeouts` (wall or CPU limit),
-`output_limits`, `memory_limits` (killed in the run's own memory cgroup), `sandbox_errors` (the sandbox itself failed to run the program: infrastructure
-failures), `pass_fraction_mean` (mean of passed / total over samples, no-code ones included as 0) and
-`run_s_mean` (mean sandbox wall time per run).
+`output_limits`, `memory_limits` (killed in the run's own memory cgroup), `sandbox_errors` (the sandbox
+itself failed to run the program: infrastructure failures), `pass_fraction_mean` (mean of passed / total
+over samples, no-code ones included as 0) and `run_s_mean` (mean sandbox wall time per run).
 
 Samples run concurrently on `num_parallel` threads, each driving one sandbox (a few processes);
 `step` may be called from several threads.
