@@ -40,7 +40,6 @@ Cost per run (2-core VM, Linux 6.18, Python 3.11) as the children's CPU time, fo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import marshal
@@ -48,7 +47,6 @@ import math
 import os
 import pwd
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
@@ -63,13 +61,13 @@ from pydantic import field_validator, model_validator
 
 from reinforge.config.section import Section
 from reinforge.envs import sandbox_cgroup
+from reinforge.envs.sandbox_pump import KILL_GRACE_S, Pump
 from reinforge.envs.sandbox_supervisor import BOOTSTRAP, SUPERVISOR_CODE
 from reinforge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 _UID_BASE, _UID_SPAN = 1 << 30, 1 << 30  # a random uid per run, far above any real account
-_KILL_GRACE_S = 5.0  # how long the supervisor may take to empty the sandbox after it is told to
 _STATUS_ERROR, _STATUS_OK = "error", "ok"
 _SETUP_LOCK = threading.Lock()
 _PROBE = (  # no network, and (isolated) no sight of the caller: prints ok, the uid, whether the caller is visible
@@ -178,12 +176,13 @@ def _chosen(limits: SandboxLimits, key: str = "sandbox") -> tuple[str, str]:
         try:
             return _setup(limits.isolation, limits.python, limits.memory_cgroup)
         except _Unavailable as exc:
-            allow = "" if limits.isolation == "plain" else f"; {_ALLOW_PLAIN.format(key=key)}"
-            raise ConfigError(f"{key}: model-written programs cannot run isolated here ({exc}){allow}") from None
+            advice = (_INTERPRETER if limits.isolation == "plain" else _ALLOW_PLAIN + _INTERPRETER).format(key=key)
+            how = "" if limits.isolation == "plain" else "isolated "
+            raise ConfigError(f"{key}: model-written programs cannot run {how}here ({exc}); {advice}") from None
 
 
-class _Unavailable(Exception):
-    """No probe run succeeded; the message lists each attempt and why it failed."""
+class _Unavailable(Exception):  # no probe run succeeded; the message lists each attempt and why it failed
+    pass
 
 
 @functools.cache
@@ -209,20 +208,21 @@ def _setup(isolation: str, python: str, memory_cgroup: str) -> tuple[str, str]:
     raise _Unavailable("; ".join(failures))
 
 
-_PLAIN_GAPS = (
-    "programs are not isolated: without root they run as the trainer's uid, so they can read its files "
-    "and its processes' environments, signal them, and reach the network through a subprocess"
+_PLAIN_GAPS = "programs are not isolated: without root they run as the trainer's uid, so they can read its files and \
+its processes' environments, signal them, and reach the network through a subprocess"
+_INTERPRETER = (
+    "the programs' interpreter ({key}.python) must be one the program's uid can run: not under /root, nor, "
+    "with user namespaces, under the trainer's home (which they hide), e.g. /usr/bin/python3"
 )
 _ALLOW_PLAIN = (
     "namespaces need root (CAP_SYS_ADMIN) or unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
     "and kernel.apparmor_restrict_unprivileged_userns=0 where that exists); to run them without isolation, set "
-    "{key}.isolation=plain: " + _PLAIN_GAPS
+    "{key}.isolation=plain: " + _PLAIN_GAPS + "; "
 )
 
 
 def _default_interpreters() -> list[str]:
-    """The caller's interpreter, then the system's python3 (a venv under /root is out of reach of
-    an unprivileged uid)."""
+    """The caller's interpreter, then the system's python3 (one under /root is out of an unprivileged uid's reach)."""
     system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
     return [sys.executable] + ([system] if system and system != sys.executable else [])
 
@@ -268,7 +268,7 @@ def _run(source: str, limits: SandboxLimits, stdin: str, python: str, mode: str)
         # RLIMIT_NPROC counts every process of the uid: meaningful for a uid of its own, or per user namespace
         "rlimits": _rlimits(limits, own_uid=uid is not None or mode == "user_namespaces"),
         "caller_pid": os.getpid(),
-        "backstop_s": limits.wall_time_s + 2 * _KILL_GRACE_S,
+        "backstop_s": limits.wall_time_s + 2 * KILL_GRACE_S,
     }
     blob = marshal.dumps((SUPERVISOR_CODE, job))
     status_read, status_write = os.pipe()
@@ -288,7 +288,7 @@ def _run(source: str, limits: SandboxLimits, stdin: str, python: str, mode: str)
             os.close(status_write)
         with proc:  # closes the pipes and waits, whatever happens
             try:
-                io = _Pump(proc, b"%d\n" % len(blob) + blob + stdin.encode(), status_read, limits)
+                io = Pump(proc, b"%d\n" % len(blob) + blob + stdin.encode(), status_read, limits.max_output_bytes)
                 stopped = io.run(start + limits.wall_time_s)
             finally:
                 if proc.poll() is None:  # only if pumping failed: take the whole sandbox down
@@ -304,7 +304,7 @@ def _run(source: str, limits: SandboxLimits, stdin: str, python: str, mode: str)
     return _result(io, stopped, proc.returncode, time.monotonic() - start, "memory_limit" if own_oom else host_oom)
 
 
-def _result(io: "_Pump", stopped: str | None, supervisor_code: int, wall_s: float, oom: bool | str) -> SandboxResult:
+def _result(io: Pump, stopped: str | None, supervisor_code: int, wall_s: float, oom: bool | str) -> SandboxResult:
     """The verdict. `oom`: "memory_limit" when the kernel killed in the run's own cgroup, else whether the
     kernel's OOM killer ran during the run (the host's shortage, see `_verdict`)."""
     stdout, stderr = (bytes(buffer).decode("utf-8", "replace") for buffer in (io.stdout, io.stderr))
@@ -359,92 +359,3 @@ def _parse_status(raw: bytes) -> dict[str, str]:
             return {"error": text}  # the first error is the cause; what follows are consequences
         report[kind] = text
     return report
-
-
-class _Pump:
-    """Feeds the supervisor's stdin and drains its stdout, stderr and status pipe without blocking."""
-
-    def __init__(self, proc: subprocess.Popen, data: bytes, status_fd: int, limits: SandboxLimits) -> None:
-        self.proc = proc
-        self.data = memoryview(data)
-        self.limit = limits.max_output_bytes
-        self.stdout, self.stderr, self.status = bytearray(), bytearray(), bytearray()
-        self.selector = selectors.DefaultSelector()
-        self.pidfd = os.pidfd_open(proc.pid)
-        self.buffers = {proc.stdout.fileno(): self.stdout, proc.stderr.fileno(): self.stderr, status_fd: self.status}
-        for fd in self.buffers:
-            os.set_blocking(fd, False)
-            self.selector.register(fd, selectors.EVENT_READ)
-        self.stdin_fd = proc.stdin.fileno()
-        os.set_blocking(self.stdin_fd, False)
-        self.selector.register(self.stdin_fd, selectors.EVENT_WRITE)
-        self.selector.register(self.pidfd, selectors.EVENT_READ)
-        self.written = 0
-
-    def run(self, deadline: float) -> str | None:
-        """Pump until the supervisor exits; the status the caller imposed (timeout, output_limit) or None."""
-        stopped, kill_at = None, math.inf
-        try:
-            while True:
-                now = time.monotonic()
-                if stopped is None and now >= deadline:
-                    stopped, kill_at = "timeout", self._stop()
-                if now >= kill_at:  # the supervisor did not empty the sandbox in time
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    kill_at = math.inf
-                wake = deadline if stopped is None else kill_at
-                for key, _ in self.selector.select(None if wake == math.inf else max(0.0, wake - now)):
-                    if key.fd == self.pidfd:
-                        self._drain()
-                        self.proc.wait()
-                        return stopped
-                    if key.fd == self.stdin_fd:
-                        self._write()
-                    else:
-                        self._read(key.fd)
-                        if stopped is None and self._over_limit():
-                            stopped, kill_at = "output_limit", self._stop()
-        finally:
-            self.selector.close()
-            os.close(self.pidfd)
-
-    def _stop(self) -> float:
-        """Tell the supervisor to kill the program; returns when to kill the supervisor's group instead."""
-        self.proc.send_signal(signal.SIGTERM)
-        return time.monotonic() + _KILL_GRACE_S
-
-    def _write(self) -> None:
-        try:
-            self.written += os.write(self.stdin_fd, self.data[self.written : self.written + (1 << 16)])
-        except BlockingIOError:
-            return
-        except BrokenPipeError:  # the program exited without reading all its input
-            self.written = len(self.data)
-        if self.written == len(self.data):
-            self.selector.unregister(self.stdin_fd)
-            self.proc.stdin.close()
-
-    def _read(self, fd: int) -> bool:
-        """Read what is there; False when nothing more will come now (end of file, or an empty pipe)."""
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return False
-        if not chunk:
-            self.selector.unregister(fd)
-            return False
-        buffer = self.buffers[fd]
-        buffer += chunk[: max(0, self.limit + 1 - len(buffer))]  # one byte over marks the overflow
-        return True
-
-    def _over_limit(self) -> bool:
-        return len(self.stdout) > self.limit or len(self.stderr) > self.limit
-
-    def _drain(self) -> None:
-        """After the supervisor exited: take what is left in the pipes, without waiting for more."""
-        for fd, buffer in self.buffers.items():
-            while fd in self.selector.get_map() and len(buffer) <= self.limit and self._read(fd):
-                pass
-        for buffer in (self.stdout, self.stderr):
-            del buffer[self.limit :]
