@@ -40,6 +40,7 @@ Cost per run (2-core VM, Linux 6.18, Python 3.11) as the children's CPU time, fo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import marshal
@@ -236,8 +237,11 @@ def _hidden_directories(mode: str) -> list[str]:
     """What a user namespace hides from a program that keeps the caller's uid: the caller's home."""
     if mode != "user_namespaces" or os.geteuid() == 0:
         return []
-    homes = {os.path.realpath(pwd.getpwuid(os.geteuid()).pw_dir), os.path.realpath(os.path.expanduser("~"))}
-    return sorted(home for home in homes if home not in ("/", "/tmp"))
+    homes = {os.environ.get("HOME", "")}
+    with contextlib.suppress(KeyError):  # a uid with no account (a container's arbitrary uid) has no entry
+        homes.add(pwd.getpwuid(os.geteuid()).pw_dir)
+    homes = {os.path.realpath(home) for home in homes if os.path.isabs(home)}
+    return sorted(homes - {"/", "/tmp"})
 
 
 def _oom_kills() -> int:
