@@ -270,6 +270,25 @@ def test_a_sandbox_killed_from_outside_is_an_infra_failure(code_env):
 
 
 @pytest.mark.xdist_group("sandbox")
+def test_a_python_tool_whose_sandbox_is_killed_from_outside_is_an_infra_failure_not_an_observation():
+    from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig
+
+    env = ToolUseEnv(ToolUseEnvConfig(sandbox=SandboxLimits(wall_time_s=5.0)), answer_env=MathEnv())
+    slow = '<tool_call>{"name": "python", "arguments": {"code": "import time; time.sleep(1.0); print(7)"}}</tool_call>'
+    request = EnvRequest(messages=[{"role": "assistant", "content": slow}], record={"answer": "7"})
+    env.step([EnvRequest(messages=[{"role": "assistant", "content": slow.replace("1.0", "0")}], record={})])  # probe
+    with SupervisorKiller(count=1) as killer:
+        (response,) = env.step([request])
+    assert len(killer.killed) == 1
+    assert response.infra_failure == "sandbox" and response.observation is None
+    assert "python tool's sandbox failed" in response.info["infra_error"]
+    (again,) = env.step([request])  # nothing kills it this time: the program's real output
+    assert again.observation == [{"role": "tool", "content": "7\n"}] and again.infra_failure is None
+    assert env.metrics()["tool_failures"] == 1.0
+    env.close()
+
+
+@pytest.mark.xdist_group("sandbox")
 def test_an_episode_whose_sandbox_was_killed_is_run_again_and_scored_for_real(demo, code_env):
     """Each run sleeps 0.5 s first (the record's test_imports), so the killer catches both first runs."""
     tokenizer, engine = demo

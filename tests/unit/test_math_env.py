@@ -120,7 +120,12 @@ def test_a_pathological_answer_times_out_scores_zero_and_the_rest_of_the_batch_i
         scores, seconds = slow_batch_is_cut_off(env)
         assert scores == [0.0, 1.0]
         assert seconds < 15
-        assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 1.0, "verifier_deaths": 0.0, "no_answer": 0.0}
+        assert env.metrics() == {
+            "verifier_errors": 0.0,
+            "verifier_timeouts": 1.0,
+            "verifier_deaths": 0.0,
+            "no_answer": 0.0,
+        }
     finally:
         env.close()
 
