@@ -214,3 +214,26 @@ def test_a_gym_agent_answering_429_is_retried_after_retry_after_and_non_json_is_
     with scripted_server(lambda *_: Reply(200, b"<html>upstream error</html>")) as url:
         result = run_agent(url)
         assert result.infra_failure == "gym_server" and "other than JSON" in result.error
+
+
+def test_env_score_writes_a_judge_failure_as_no_score_and_exits_as_infrastructure(tmp_path):
+    """`reinforge env score` with a judge that stays down: the records are written with reward null and the command
+    ends with the infrastructure failure's one line (exit 75), never a mean that counts them as 0."""
+    import argparse
+
+    from reinforge.data.jsonl import read_jsonl
+    from reinforge.envs.cli import add_env_commands
+    from reinforge.errors import InfrastructureError
+
+    source, scored = tmp_path / "answers.jsonl", tmp_path / "scored.jsonl"
+    source.write_text(json.dumps({"prompt": "q", "response": "42", "answer": "42"}) + "\n")
+    parser = argparse.ArgumentParser()
+    add_env_commands(parser.add_subparsers())
+    with scripted_server(lambda *_: Reply(503, {"error": "down"})) as url:
+        overrides = [f"judge.url={url}/v1", "judge.model=judge", "judge.max_retries=1", "judge.retry_backoff_s=0"]
+        command = ["env", "score", "--env", "judge", "--input", str(source), "--output", str(scored), *overrides]
+        args = parser.parse_args(command)
+        with pytest.raises(InfrastructureError, match=r"1 of 1 records have no score \(judge: .*HTTP 503"):
+            args.run(args)
+    (row,) = read_jsonl(scored)
+    assert row["reward"] is None and row["infra_failure"] == "judge"
