@@ -237,3 +237,25 @@ def test_env_score_writes_a_judge_failure_as_no_score_and_exits_as_infrastructur
             args.run(args)
     (row,) = read_jsonl(scored)
     assert row["reward"] is None and row["infra_failure"] == "judge"
+
+
+def test_a_reinforge_env_served_the_gym_way_answers_503_for_a_sample_it_could_not_score():
+    """Gym's verify answer has no field for "no verdict": a judge that failed is a 503 (the caller retries), never a
+    reward of 0 in a 200."""
+    from fastapi.testclient import TestClient
+
+    from reinforge.envs.gym_server import build_gym_app
+
+    row = {
+        "responses_create_params": {"input": "What is 6 x 7?"},
+        "response": {
+            "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "42"}]}]
+        },
+        "answer": "42",
+    }
+    with scripted_server(lambda *_: Reply(503, {"error": "down"})) as url:
+        env = judge(url, max_retries=0)
+        with TestClient(build_gym_app(env, token=None, max_request_bytes=1 << 20)) as client:
+            answer = client.post("/verify", json=row)
+        env.close()
+    assert answer.status_code == 503 and "could not score this: judge" in answer.json()["detail"]
