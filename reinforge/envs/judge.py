@@ -277,8 +277,9 @@ class JudgeEnv:
                 results[i] = future.result()
                 if isinstance(results[i], _Failure) and results[i].refused:
                     raise JudgeError(
-                        f"the judge at {self.endpoint} refused a request: {results[i].cause}; check env.judge.url, "
-                        "env.judge.model and env.judge.api_key_env (a 4xx other than 408 and 429 is not retried)"
+                        f"the judge at {self.endpoint} refused a request: {results[i].cause}; such an answer repeats: "
+                        "check env.judge.url, env.judge.model and env.judge.api_key_env, and that the judge's context "
+                        "holds the rubric and the longest response"
                     )
         except FuturesTimeout:
             pass  # the calls not done are unscored (infrastructure failures); abort below stops their retries
