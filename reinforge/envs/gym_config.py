@@ -13,11 +13,13 @@ class GymResourcesConfig(Section):
     """Base URL of the resources server, e.g. http://127.0.0.1:18001 (its /seed_session, tool routes and /verify)."""
     timeout_s: float = 60.0
     """Time limit for connecting, sending, and each wait for the server's answer to one call."""
-    max_retries: int = 3
-    """Retries after a connection error, a timeout, a 5xx, 408 or 429 answer (tool calls included); then the
-    episode is an infrastructure failure, run again and then masked (docs/environments.md)."""
+    max_retries: int = 8
+    """Retries after a connection error, a timeout, a 5xx, 408 or 429 answer (tool calls included; the default rides
+    out about a minute and a half of outage); then the episode is an infrastructure failure, run again and then
+    masked (docs/environments.md)."""
     backoff_s: float = 0.5
-    """Wait before the first retry; each further retry waits twice as long (a server's Retry-After replaces it)."""
+    """Wait before the first retry; each further retry waits twice as long, at most 30 s (a server's Retry-After
+    replaces it)."""
     deadline_s: float = 300.0
     """The most one call may take, its retries and their waits included: a server that trickles its answer or keeps
     failing is an infrastructure failure by then."""

@@ -7,7 +7,7 @@ at the deadline is a `ReadTimeout` (a `TransportError`, so every caller's retry 
 call therefore ends within its deadline plus at most one wait between bytes.
 
 `retry_wait` is the shared retry schedule: the server's `Retry-After` when it sent one (HTTP 429 and 503), else
-exponential backoff; never a wait that would end past the call's deadline.
+exponential backoff up to `MAX_BACKOFF_S` a wait; never a wait that would end past the call's deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ import time
 from typing import Any
 
 import httpx
+
+MAX_BACKOFF_S = 30.0
+"""The longest wait between two attempts that the backoff alone asks (a server's Retry-After may ask more): past a
+minute of outage, retrying every half minute rides out the rest without waiting minutes after the server is back."""
 
 RETRYABLE_STATUS = frozenset({408, 429})
 """4xx answers that say "not now" rather than "not this request": retried like a 5xx."""
@@ -77,8 +81,9 @@ def retry_after_s(response: httpx.Response) -> float | None:
 
 def retry_wait(retry: int, backoff_s: float, retry_after: float | None, deadline: float) -> float | None:
     """Seconds to wait before retry number `retry` (1, 2, ...): the server's `retry_after` when it gave one, else
-    `backoff_s * 2**(retry - 1)`; None when that wait would end past `deadline` (no time for another attempt)."""
-    wait = retry_after if retry_after is not None else backoff_s * 2 ** (retry - 1)
+    `backoff_s * 2**(retry - 1)` up to `MAX_BACKOFF_S`; None when that wait would end past `deadline` (no time for
+    another attempt)."""
+    wait = retry_after if retry_after is not None else min(backoff_s * 2 ** (retry - 1), MAX_BACKOFF_S)
     return wait if time.monotonic() + wait < deadline else None
 
 

@@ -51,11 +51,13 @@ class RemoteEnvConfig(Section):
     """Name of the environment variable holding the server's bearer token; empty: send no token."""
     timeout_s: float = 60.0
     """Time limit for connecting, sending, and each wait for the server's answer to one batch."""
-    max_retries: int = 3
-    """Retries after a connection error, a timeout, a 5xx answer, HTTP 408 or 429; then the batch's trajectories
-    are infrastructure failures (retried by the rollout, `rollout.max_infra_retries`)."""
+    max_retries: int = 8
+    """Retries after a connection error, a timeout, a 5xx answer, HTTP 408 or 429 (the default rides out about a
+    minute and a half of outage); then the batch's trajectories are infrastructure failures (retried by the
+    rollout, `rollout.max_infra_retries`)."""
     backoff_s: float = 0.5
-    """Wait before the first retry; each further retry waits twice as long (a server's Retry-After replaces it)."""
+    """Wait before the first retry; each further retry waits twice as long, at most 30 s (a server's Retry-After
+    replaces it)."""
     deadline_s: float = 300.0
     """The most one call may take, its retries and their waits included: a server that trickles its answer or keeps
     failing is an infrastructure failure by then."""

@@ -72,10 +72,12 @@ class JudgeEnvConfig(Section):
     deadline_s: float = 300.0
     """The most one call may take, its retries and their waits included; a call still failing (or still
     receiving a trickled answer) by then leaves its samples unscored: infrastructure failures, masked."""
-    max_retries: int = 3
-    """Attempts after the first for connection errors, timeouts, HTTP 408, 429, 5xx and non-JSON answers."""
+    max_retries: int = 8
+    """Attempts after the first for connection errors, timeouts, HTTP 408, 429, 5xx and non-JSON answers (the
+    default rides out about two minutes of outage, a judge server's restart)."""
     retry_backoff_s: float = 1.0
-    """Wait before the first retry; it doubles before each further one (a judge's Retry-After replaces it)."""
+    """Wait before the first retry; it doubles before each further one, up to 30 s (a judge's Retry-After replaces
+    it)."""
     failure_reward: float = 0.0
     """Reward of an unparseable judgement (the judge answered without a usable score). A call that failed is
     never scored: its samples are infrastructure failures."""
