@@ -43,8 +43,8 @@ def samples(count: int) -> list[EnvRequest]:
 
 
 def test_a_judge_down_for_less_than_its_deadline_is_retried_and_every_sample_scored():
-    with scripted_server(down_until(1.5, lambda *_: verdict(10))) as url:
-        env = judge(url, deadline_s=6.0, max_retries=30, retry_backoff_s=0.2)
+    with scripted_server(down_until(0.6, lambda *_: verdict(10))) as url:
+        env = judge(url, deadline_s=3.0, max_retries=30, retry_backoff_s=0.1)
         responses = env.step(samples(4))
     assert [(r.reward, r.infra_failure) for r in responses] == [(1.0, None)] * 4
     metrics = env.metrics()
@@ -53,18 +53,18 @@ def test_a_judge_down_for_less_than_its_deadline_is_retried_and_every_sample_sco
 
 
 def test_a_judge_down_past_its_deadline_leaves_its_samples_unscored_as_infra_failures_then_scores_again():
-    """503 for 3 s, a 1 s deadline: every sample of the first step is an infrastructure failure within about 1 s
-    (none scored 0); once the judge is back, the same env scores for real."""
-    with scripted_server(down_until(3.0, lambda *_: verdict(10))) as url:
-        env = judge(url, deadline_s=1.0, max_retries=50, max_concurrency=4)
+    """503 for 1.5 s, a 0.5 s deadline: every sample of the first step is an infrastructure failure within about
+    0.5 s (none scored 0); once the judge is back, the same env scores for real."""
+    with scripted_server(down_until(1.5, lambda *_: verdict(10))) as url:
+        env = judge(url, deadline_s=0.5, max_retries=50, max_concurrency=4)
         started = time.monotonic()
         responses = env.step(samples(4))
         seconds = time.monotonic() - started
         assert all(r.infra_failure == "judge" for r in responses)
-        assert seconds < 1.0 + SLACK_S
-        assert "HTTP 503" in responses[0].info["infra_error"] and "deadline_s=1" in responses[0].info["infra_error"]
+        assert seconds < 0.5 + SLACK_S
+        assert "HTTP 503" in responses[0].info["infra_error"] and "deadline_s=0.5" in responses[0].info["infra_error"]
         assert env.metrics()["judge_errors"] == 4.0
-        time.sleep(max(0.0, 3.2 - (time.monotonic() - started)))
+        time.sleep(max(0.0, 1.7 - (time.monotonic() - started)))
         assert [r.reward for r in env.step(samples(2))] == [1.0, 1.0]
     env.close()
 
