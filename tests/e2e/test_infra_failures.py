@@ -369,6 +369,7 @@ def test_an_http_failure_in_an_agents_exception_chain_is_infrastructure_and_its_
     with served_app(status_app()) as url:
         assert http_failure(raised_by(ask(f"{url}/status/500/v1")))  # openai.InternalServerError
         assert http_failure(raised_by(ask(f"{url}/status/503/v1")))
+        assert http_failure(raised_by(ask(f"{url}/status/429/v1")))  # openai.RateLimitError: the endpoint's full queue
         assert not http_failure(raised_by(ask(f"{url}/status/400/v1")))  # the agent's bad request: its own
     assert http_failure(raised_by(ask(f"http://127.0.0.1:{free_port('127.0.0.1')}/v1")))  # APIConnectionError
     assert not http_failure(ValueError("the agent's own bug"))
