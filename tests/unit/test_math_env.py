@@ -280,3 +280,19 @@ def test_a_worker_killed_while_verifying_and_again_on_retry_leaves_that_sample_u
     finally:
         killer.join(timeout=5)
         env.close()
+
+
+def test_a_worker_that_cannot_import_math_verify_is_a_one_line_error_not_an_infra_failure(tmp_path, monkeypatch):
+    """An installation without math-verify would fail the same way on every restart: the user's to fix."""
+    from reinforge.errors import ReinforgeError
+
+    (tmp_path / "math_verify").mkdir()
+    (tmp_path / "math_verify" / "__init__.py").write_text("raise ImportError('math-verify is not installed')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the worker's math_verify is this broken one
+    env = MathEnv(timeout_s=5.0)
+    try:
+        with pytest.raises(ReinforgeError, match=r"worker exited with status 1 before it was ready.*pip install") as e:
+            env.step([request("\\boxed{\\frac{1}{2}}", "0.5")])
+        assert "\n" not in str(e.value)
+    finally:
+        env.close()
