@@ -177,11 +177,25 @@ def _score(args: argparse.Namespace) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w", encoding="utf-8") as handle:
         for record, response in zip(records, responses):
-            handle.write(json.dumps({**record, "reward": response.reward, "components": response.components}) + "\n")
-    mean = sum(r.reward for r in responses) / len(responses)
-    print(f"mean reward {mean:.4f} over {len(responses)} records; wrote {args.output}")
+            if response.infra_failure:  # no verdict (a judge or server that failed): never a made-up reward
+                row = {**record, "reward": None, "infra_failure": response.infra_failure}
+                row["infra_error"] = response.info.get("infra_error", "")
+            else:
+                row = {**record, "reward": response.reward, "components": response.components}
+            handle.write(json.dumps(row) + "\n")
+    scored = [r for r in responses if not r.infra_failure]
+    mean = sum(r.reward for r in scored) / len(scored) if scored else float("nan")
+    print(f"mean reward {mean:.4f} over {len(scored)} records; wrote {args.output}")
     if any(env_metrics.values()):
         print("environment counters: " + ", ".join(f"{k}={v:g}" for k, v in env_metrics.items()))
+    unscored = [r for r in responses if r.infra_failure]
+    if unscored:
+        from reinforge.errors import InfrastructureError
+
+        raise InfrastructureError(
+            f"{len(unscored)} of {len(responses)} records have no score ({unscored[0].infra_failure}: "
+            f"{unscored[0].info.get('infra_error', '')}); they are written with reward null: score them again"
+        )
 
 
 def _request(record: dict, where: str):

@@ -8,7 +8,8 @@ them); the server holds the task's tools and its verifier. Per trajectory (`EnvR
 2. While the policy's last message holds `<tool_call>` blocks and it is not the last turn, each
    call is POSTed to `/<tool name>` with its arguments as the JSON body (and the episode's cookies,
    updated from each answer), and the raw answer body becomes a `tool` message (done=False). As in
-   Gym's simple_agent, an HTTP 4xx/5xx answer from a tool is still the tool's output. A malformed
+   Gym's simple_agent, an HTTP 4xx answer from a tool (a 422 for arguments that fail its schema) is still
+   the tool's output: the policy called it wrongly. A 5xx is the server's failure, retried as below. A malformed
    call gets `parse_tool_calls`' error string, a tool the row does not list (or a name that is no
    plain route name) an error naming the tools; neither is sent.
 3. Otherwise `{**row, "response": R}` goes to `/verify`, where R is the Responses object of the
@@ -17,14 +18,15 @@ them); the server holds the task's tools and its verifier. Per trajectory (`EnvR
    episode's session is forgotten. A record without an episode id is seeded and verified at once.
 
 Fields reinforge adds to a record (e.g. `task`) are sent as they are: Gym's request models allow
-extra fields. Connection errors, timeouts and 5xx answers to seed and verify (and connection errors
-and timeouts of tool calls) are retried `max_retries` times, waiting `backoff_s`, then twice as long
-before each further retry; then the episode is an infrastructure failure (`EnvResponse.infra_failure`
-`gym_server`, or `timeout`; `info["infra_error"]` names the server, the route and the cause), which the
-rollout runs again with a fresh session (rollout/infra.py). A 4xx answer to seed or verify fails at once
-(`GymServerError`). So a call ends within about
-`(max_retries + 1) * timeout_s + backoff_s * (2**max_retries - 1)`. The trajectories of one `step`
-run concurrently, at most `max_concurrency` calls at a time.
+extra fields. Connection errors, timeouts, 5xx, 408 and 429 answers to seed, tool calls and verify are
+retried `max_retries` times, waiting the server's `Retry-After` when it sent one, else `backoff_s`, then
+twice as long before each further retry, all within `deadline_s` of the call's start (an answer still
+trickling in then is a timeout, envs/http_calls.py); then the episode is an infrastructure failure
+(`EnvResponse.infra_failure` `gym_server`, or `timeout`; `info["infra_error"]` names the server, the route
+and the cause), which the rollout runs again with a fresh session (rollout/infra.py), never a reward or an
+observation. Another 4xx answer to seed or verify fails at once (`GymServerError`). So a call ends within
+`deadline_s` plus at most one wait of `timeout_s`. The trajectories of one `step` run concurrently, at most
+`max_concurrency` calls at a time.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from reinforge.data.responses_format import chat_to_response, create_params_to_c
 from reinforge.data.tool_calls import ToolCall, parse_tool_calls
 from reinforge.envs.base import EnvRequest, EnvResponse
 from reinforge.envs.gym_config import GymResourcesConfig
+from reinforge.envs.http_calls import one_line, retry_after_s, retry_wait, retryable_status, send_within
 from reinforge.errors import ConfigError, DataError, ReinforgeError
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -134,7 +137,7 @@ class GymResourcesEnv:
         if not isinstance(verdict.get("reward"), (int, float)):
             raise GymServerError(
                 f"NeMo Gym resources server {self.url} answered POST /verify without a numeric reward: "
-                f"{_one_line(str(verdict))[:200]}"
+                f"{one_line(str(verdict))[:200]}"
             )
         if verdict.get("mask_sample"):
             self._count("masked")
@@ -163,24 +166,34 @@ class GymResourcesEnv:
         return answer.text
 
     def _post(self, route: str, body: dict[str, Any], cookies: dict[str, str], tool: bool = False) -> httpx.Response:
-        """POST `body` to /`route`, retried per the module doc; a tool's HTTP error answers are returned, not raised."""
+        """POST `body` to /`route`, retried per the module doc; a tool's 4xx answers are returned, not raised."""
         headers = {"cookie": "; ".join(f"{name}={value}" for name, value in cookies.items())} if cookies else {}
+        deadline = time.monotonic() + self.config.deadline_s
+        cause, kind, retry_after, attempts = "", "gym_server", None, 0
         for attempt in range(self.config.max_retries + 1):
             if attempt:
-                time.sleep(self.config.backoff_s * 2 ** (attempt - 1))
+                wait = retry_wait(attempt, self.config.backoff_s, retry_after, deadline)
+                if wait is None:
+                    cause += f" (no time left for another attempt within deadline_s={self.config.deadline_s:g})"
+                    break
+                time.sleep(wait)
+            attempts, retry_after = attempts + 1, None
             try:
-                response = self._client.post(f"/{route}", json=body, headers=headers)
-            except httpx.TransportError as exc:  # refused, reset, timed out, disconnected
-                cause = f"{type(exc).__name__}: {_one_line(str(exc)) or 'no detail'}"
+                response = send_within(self._client, "POST", f"/{route}", deadline, json=body, headers=headers)
+            except httpx.TransportError as exc:  # refused, reset, timed out, disconnected, trickling past the deadline
+                cause = f"{type(exc).__name__}: {one_line(exc) or 'no detail'}"
                 kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "gym_server"
                 continue
-            if tool or response.status_code < 400:
+            if response.status_code < 400:
                 return response
-            cause = f"HTTP {response.status_code}: {_one_line(response.text[:300]) or response.reason_phrase}"
+            cause = f"HTTP {response.status_code}: {one_line(response.text[:300]) or response.reason_phrase}"
             kind = "gym_server"
-            if response.status_code < 500:
+            if not retryable_status(response.status_code):
+                if tool:  # the policy's call, refused by the tool (e.g. 422: arguments that fail its schema)
+                    return response
                 raise GymServerError(f"NeMo Gym resources server {self.url} rejected POST /{route}: {cause}")
-        tries = f"{self.config.max_retries + 1} attempt{'s' if self.config.max_retries else ''}"
+            retry_after = retry_after_s(response)
+        tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
         raise GymServerUnavailable(
             f"NeMo Gym resources server {self.url} failed POST /{route} after {tries}: {cause}", kind
         )
@@ -215,7 +228,7 @@ def _json_object(response: httpx.Response) -> dict[str, Any]:
         value = None
     if not isinstance(value, dict):
         raise GymServerError(
-            f"{response.url} answered with something other than a JSON object: {_one_line(response.text[:120])!r}"
+            f"{response.url} answered with something other than a JSON object: {one_line(response.text[:120])!r}"
         )
     return value
 
@@ -230,7 +243,3 @@ def _after_input(messages: list[dict[str, Any]], params: dict[str, Any]) -> list
         "the conversation does not start with its Gym row's input messages; NeMo Gym tasks need prompts "
         "rendered from the row (data/prompts.py)"
     )
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())

@@ -30,8 +30,9 @@ counters (`num_tool_calls`, `tool_result_correct`) are not parts of its reward.
 Errors and guards are those of the reinforge protocol (http_server.py, reinforge/network.py):
 bearer token (401), body size (413), JSON content type (415); a malformed body is a 422 naming the
 field (`bad request: response: Field required`), a record the environment cannot score a 422, a
-tool's ValueError (or a missing argument) a 400, anything else from the environment a 500; every
-error body is `{"detail": "<one line>"}`.
+tool's ValueError (or a missing argument) a 400, anything else from the environment a 500, a sample the
+environment could not score for a failure of its own (`infra_failure`: its judge, verifier or sandbox) a 503,
+which the caller retries, never a reward of 0; every error body is `{"detail": "<one line>"}`.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def build_gym_app(env: Environment, token: str | None, max_request_bytes: int) -
         except Exception as exc:  # the server stays up; the caller sees the cause
             _log.exception("environment %s failed on /verify", type(env).__name__)
             raise HTTPException(500, f"environment {type(env).__name__} failed: {one_line(exc)}")
+        if response.infra_failure:  # no verdict (its judge, verifier or sandbox failed): Gym has no field for that
+            cause = one_line(response.info.get("infra_error") or response.infra_failure)
+            raise HTTPException(503, f"environment {type(env).__name__} could not score this: {cause}")
         answer = {
             **row,
             **response.components,

@@ -3,17 +3,17 @@
 `RemoteEnvironment` implements the `Environment` protocol by calling `POST /verify` in batches of
 `batch_size`, `GET /metrics`, and `GET /tools` then `POST /tools/{name}` for each tool.
 
-Failures: a connection error, a timeout or a 5xx answer is retried `max_retries` times, waiting
-`backoff_s`, then twice as long before each further retry; after that, `/verify` answers each
-trajectory of that batch with an infrastructure failure (`EnvResponse.infra_failure`: `timeout` when
-the last try timed out, else `env_server`; `info["infra_error"]` names the URL and the last cause),
-which the rollout retries and masks (docs/environments.md), and the other routes raise
-`EnvServerError` with the same line. A 4xx answer (bad token, a record the environment cannot score, a request
-over the server's size limit) is not retried: it fails at once with the server's message. So a call
-never hangs: it ends within about `(max_retries + 1) * timeout_s + backoff_s * (2**max_retries - 1)`
-(httpx applies `timeout_s` to connecting, to sending and to each wait for response bytes).
-A retried `/verify` may count a batch twice in the server's metrics; tool calls are retried too, so
-a tool with side effects should make them idempotent.
+Failures: a connection error, a timeout, a 5xx answer, HTTP 408 or 429 is retried up to `max_retries` times,
+waiting the server's `Retry-After` when it sent one, else `backoff_s`, then twice as long before each further
+retry, all within `deadline_s` of the call's start (envs/http_calls.py: an answer still trickling in at the
+deadline is a timeout too). After that, `/verify` answers each trajectory of that batch with an infrastructure
+failure (`EnvResponse.infra_failure`: `timeout` when the last try timed out, else `env_server`;
+`info["infra_error"]` names the URL and the last cause), which the rollout retries and masks
+(docs/environments.md), and the other routes raise `EnvServerUnavailable` with the same line. Any other 4xx
+answer (bad token, a record the environment cannot score, a request over the server's size limit) is not
+retried: it fails at once with the server's message. So a call never hangs: it ends within `deadline_s` plus
+at most one wait of `timeout_s`. A retried `/verify` may count a batch twice in the server's metrics; tool calls
+are retried too, so a tool with side effects should make them idempotent.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pydantic import model_validator
 
 from reinforge.config.section import Section
 from reinforge.envs.base import EnvRequest, EnvResponse, Tool
+from reinforge.envs.http_calls import one_line, retry_after_s, retry_wait, retryable_status, send_within
 from reinforge.errors import ConfigError, ReinforgeError
 
 
@@ -50,11 +51,16 @@ class RemoteEnvConfig(Section):
     """Name of the environment variable holding the server's bearer token; empty: send no token."""
     timeout_s: float = 60.0
     """Time limit for connecting, sending, and each wait for the server's answer to one batch."""
-    max_retries: int = 3
-    """Retries after a connection error, a timeout or a 5xx answer; then the batch's trajectories are
-    infrastructure failures (retried by the rollout, `rollout.max_infra_retries`)."""
+    max_retries: int = 8
+    """Retries after a connection error, a timeout, a 5xx answer, HTTP 408 or 429 (the default rides out about a
+    minute and a half of outage); then the batch's trajectories are infrastructure failures (retried by the
+    rollout, `rollout.max_infra_retries`)."""
     backoff_s: float = 0.5
-    """Wait before the first retry; each further retry waits twice as long."""
+    """Wait before the first retry; each further retry waits twice as long, at most 30 s (a server's Retry-After
+    replaces it)."""
+    deadline_s: float = 300.0
+    """The most one call may take, its retries and their waits included: a server that trickles its answer or keeps
+    failing is an infrastructure failure by then."""
     batch_size: int = 256
     """Most trajectories per POST /verify; a larger step is split into several calls."""
 
@@ -64,6 +70,7 @@ class RemoteEnvConfig(Section):
             (self.timeout_s > 0, "timeout_s must be > 0"),
             (self.max_retries >= 0, "max_retries must be >= 0 (0: no retries)"),
             (self.backoff_s >= 0, "backoff_s must be >= 0"),
+            (self.deadline_s > 0, "deadline_s must be > 0"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
         ]
         for ok, message in checks:
@@ -76,7 +83,15 @@ class RemoteEnvironment:
     """The environment served at `url`; see the module doc for retries and time bounds."""
 
     def __init__(
-        self, url: str, *, token: str | None, timeout_s: float, max_retries: int, backoff_s: float, batch_size: int
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout_s: float,
+        max_retries: int,
+        backoff_s: float,
+        batch_size: int,
+        deadline_s: float = 300.0,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"environment server URL {url!r} must start with http:// or https://")
@@ -84,6 +99,7 @@ class RemoteEnvironment:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.batch_size = batch_size
+        self.deadline_s = deadline_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
@@ -104,6 +120,7 @@ class RemoteEnvironment:
             max_retries=config.max_retries,
             backoff_s=config.backoff_s,
             batch_size=config.batch_size,
+            deadline_s=config.deadline_s,
         )
 
     def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
@@ -160,13 +177,21 @@ class RemoteEnvironment:
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON answer to one call, retried per the module doc."""
+        deadline = time.monotonic() + self.deadline_s
+        cause, kind, retry_after, attempts = "", "env_server", None, 0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                wait = retry_wait(attempt, self.backoff_s, retry_after, deadline)
+                if wait is None:
+                    cause += f" (no time left for another attempt within deadline_s={self.deadline_s:g})"
+                    break
+                time.sleep(wait)
+            attempts += 1
+            retry_after = None
             try:
-                response = self._client.request(method, path, json=body)
-            except httpx.TransportError as exc:  # refused, reset, timed out, disconnected
-                cause = f"{type(exc).__name__}: {_one_line(exc)}"
+                response = send_within(self._client, method, path, deadline, json=body)
+            except httpx.TransportError as exc:  # refused, reset, timed out, disconnected, trickling past the deadline
+                cause = f"{type(exc).__name__}: {one_line(exc)}"
                 kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "env_server"
                 continue
             if response.status_code < 400:
@@ -177,9 +202,10 @@ class RemoteEnvironment:
                         f"{self.url}{path} answered with something other than JSON; is it a reinforge env server?"
                     ) from None
             cause, kind = f"HTTP {response.status_code}: {_detail(response)}", "env_server"
-            if response.status_code < 500:
+            if not retryable_status(response.status_code):
                 raise EnvServerError(f"environment server {self.url} rejected {method} {path}: {cause}")
-        tries = f"{self.max_retries + 1} attempt{'s' if self.max_retries else ''}"
+            retry_after = retry_after_s(response)
+        tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
         raise EnvServerUnavailable(f"environment server {self.url} failed {method} {path} after {tries}: {cause}", kind)
 
 
@@ -188,9 +214,4 @@ def _detail(response: httpx.Response) -> str:
         detail = response.json().get("detail")
     except ValueError:
         detail = None
-    return _one_line(detail if isinstance(detail, str) else response.text[:200] or response.reason_phrase)
-
-
-def _one_line(exc_or_text: BaseException | str) -> str:
-    text = " ".join(str(exc_or_text).split())
-    return text or type(exc_or_text).__name__
+    return one_line(detail if isinstance(detail, str) else response.text[:200] or response.reason_phrase)

@@ -21,11 +21,21 @@ persistent worker process (started with `python -c`, so it never re-imports the 
 one verdict per sample and waits for each with `select` for at most `timeout_s`. When a verdict is
 late the caller kills the worker (SIGKILL stops it even inside a long C call, which no in-process
 timeout can), scores that sample 0, counts a timeout, starts a fresh worker and sends it the rest
-of the batch. The same code path runs in every thread; a lock serialises concurrent `step` calls on
+of the batch. The time limit is the answer's: an answer math-verify cannot settle within it (9^(9^9)
+written out) is the policy's doing, like a program past its own time limit in the code environment.
+The same code path runs in every thread; a lock serialises concurrent `step` calls on
 one env, so use one env per thread to verify in parallel. Identical (gold, answer) pairs in a batch
 are verified once, so a GRPO group that repeats a pathological answer pays one timeout (and the
 counters still count samples). A sample on which math-verify raises scores 0 and counts as a
 verifier error, unless another (gold, prediction) parse pair matches, as in math-verify's `verify`.
+
+A worker that dies (killed from outside, e.g. by the out-of-memory killer, or crashed) is no verdict on
+any answer: the sample it was verifying is sent again to a fresh worker, once; if that one dies on it
+too, or the worker died `_MAX_DEATHS` times in one batch, or a fresh one does not start within
+`_STARTUP_TIMEOUT_S`, the samples left have no verdict: infrastructure failures (`infra_failure=
+"verifier"`), which the rollout runs again and then masks (rollout/infra.py), never a reward of 0.
+`verifier_deaths` counts the deaths. A worker that exits with an error before it is ready (math-verify
+not installed) is a one-line error: that is the installation's, and would repeat.
 
 Cost per sample on one CPU core: plain integers 0.01 ms (in the caller); through the worker, an
 integer 1.6 ms (1.4 ms of it is math-verify), a MATH-500 answer 3.3 ms; a timeout costs `timeout_s`
@@ -49,12 +59,13 @@ from pathlib import Path
 
 from reinforge.config.section import Section
 from reinforge.envs.base import EnvRequest, EnvResponse
-from reinforge.errors import ConfigError, DataError
+from reinforge.errors import ConfigError, DataError, ReinforgeError
 
 
 class MathEnvConfig(Section):
     timeout_s: float = 5.0
-    """Per-sample verification time limit; a timeout scores 0 and is counted."""
+    """Per-sample verification time limit; a timeout is the answer's (math-verify could not settle it): it scores 0
+    and is counted. A verifier process that dies is no verdict: an infrastructure failure, retried, then masked."""
 
 
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -69,8 +80,10 @@ _INTEGER = re.compile(r"-?\d+")
 _CHOICE_IN_BOX = re.compile(r"\s*(?:\\text(?:bf)?\{)?\s*\(?([A-J])\)?(?![A-Za-z])")
 _CHOICE_IN_TEXT = re.compile(r"(?i:answer)(?:\s+is|\s*:)[\s*]*(?:\(([A-J])\)|([A-J])(?![A-Za-z]))")
 
-_CORRECT, _WRONG, _ERROR, _TIMEOUT = "1", "0", "E", "T"  # verdict lines sent by the worker
+_CORRECT, _WRONG, _ERROR = "1", "0", "E"  # verdict lines sent by the worker
+_TIMEOUT, _DIED = "T", "D"  # no verdict line: late (the answer's), or the worker died (infrastructure)
 _STARTUP_TIMEOUT_S = 120.0  # importing sympy on a loaded machine; not a per-sample budget
+_MAX_DEATHS = 3  # worker deaths in one batch after which its samples left are infrastructure failures
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -147,6 +160,10 @@ def _serve() -> None:
             protocol.flush()
 
 
+class _NotStarted(Exception):
+    """A fresh worker that died or stayed silent before it was ready: a death like any other."""
+
+
 class _Worker:
     """The verifier process, replaced whenever it overruns a sample's time or dies."""
 
@@ -154,6 +171,8 @@ class _Worker:
         self._proc: subprocess.Popen | None = None
         self._buffer = b""  # bytes read from the worker but not yet split into lines
         self._ready = False  # the worker has imported math-verify and said so
+        self.deaths = 0  # since the last `take_deaths`
+        self.last_death = ""  # what the last death looked like, for the infrastructure failure's line
 
     def start(self) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
@@ -167,39 +186,79 @@ class _Worker:
         self._buffer = b""
         self._ready = False
 
-    def close(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            for pipe in (self._proc.stdin, self._proc.stdout):
-                with contextlib.suppress(OSError):  # a write that failed may still be buffered
-                    pipe.close()
-            self._proc = None
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def close(self) -> int | None:
+        """Kill the worker; its exit status (negative: the signal that ended it), None if none was running."""
+        if self._proc is None:
+            return None
+        self._proc.kill()
+        code = self._proc.wait()
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            with contextlib.suppress(OSError):  # a write that failed may still be buffered
+                pipe.close()
+        self._proc = None
+        return code
 
     def verdicts(self, pairs: list[tuple[str, str]], timeout_s: float) -> list[str]:
-        """One verdict per (gold, prediction) pair, `_TIMEOUT` for those slower than `timeout_s`."""
+        """One verdict per (gold, prediction) pair: `_TIMEOUT` for those slower than `timeout_s`, `_DIED` for those
+        left without a verdict by the worker's deaths (module doc)."""
         verdicts: list[str] = []
+        deaths_on_this_pair = deaths = 0
         while len(verdicts) < len(pairs):
-            self._send(pairs[len(verdicts) :])
-            while len(verdicts) < len(pairs):
+            try:
+                self._send(pairs[len(verdicts) :])
                 line = self._read_line(timeout_s)
-                if line in (_CORRECT, _WRONG, _ERROR):
+                while line in (_CORRECT, _WRONG, _ERROR):
                     verdicts.append(line)
-                    continue
-                # Late (None) or dead (""): kill it; the next round restarts after this sample.
-                verdicts.append(_TIMEOUT if line is None else _ERROR)
+                    deaths_on_this_pair = 0
+                    line = self._read_line(timeout_s) if len(verdicts) < len(pairs) else None
+                if len(verdicts) == len(pairs):
+                    break
+            except _NotStarted as exc:
+                line = str(exc)
+            if line is None:  # late: the answer's; kill it, the next round restarts after this sample
                 self.close()
-                break
+                verdicts.append(_TIMEOUT)
+                deaths_on_this_pair = 0
+                continue
+            self._died(line)
+            deaths += 1
+            deaths_on_this_pair += 1
+            if deaths >= _MAX_DEATHS:
+                return verdicts + [_DIED] * (len(pairs) - len(verdicts))
+            if deaths_on_this_pair == 2:  # it died on this sample twice: no verdict for it, go on without it
+                verdicts.append(_DIED)
+                deaths_on_this_pair = 0
         return verdicts
+
+    def _died(self, seen: str) -> None:
+        code = self.close()
+        self.deaths += 1
+        how = f"ended by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        self.last_death = f"the math-verify worker process died ({seen or how}) while verifying"
 
     def _send(self, pairs: list[tuple[str, str]]) -> None:
         if self._proc is None or self._proc.poll() is not None:
-            self.close()
+            if self._proc is not None:  # it died between batches (killed while idle): no sample lost
+                self._died("")
             self.start()
         if not self._ready:
-            if self._read_line(_STARTUP_TIMEOUT_S) != "ready":
-                self.close()
-                raise RuntimeError("the math-verify worker process did not start; see its stderr")
+            line = self._read_line(_STARTUP_TIMEOUT_S)
+            if line != "ready":
+                code = None
+                if line == "":  # it closed its output: it is exiting
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        code = self._proc.wait(timeout=5)
+                if code is not None and code > 0:  # it raised on start-up: the installation's, and it would repeat
+                    self.close()
+                    raise ReinforgeError(
+                        f"the math-verify worker exited with status {code} before it was ready (its error is on "
+                        "stderr above); is math-verify installed (pip install math-verify)?"
+                    )
+                raise _NotStarted(f"it did not start within {_STARTUP_TIMEOUT_S:g} s" if line is None else "")
             self._ready = True
         try:
             self._proc.stdin.write(json.dumps(pairs).encode() + b"\n")
@@ -234,7 +293,7 @@ class MathEnv:
         self.timeout_s = timeout_s
         self.mode = mode
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(["verifier_errors", "verifier_timeouts", "no_answer"], 0)
+        self._counts = dict.fromkeys(["verifier_errors", "verifier_timeouts", "verifier_deaths", "no_answer"], 0)
         self._worker = _Worker()
         if mode == "math":
             self._worker.start()  # sympy imports while the policy generates
@@ -253,8 +312,16 @@ class MathEnv:
             self._counts["no_answer"] += sum(answer is None for answer in answers)
             self._counts["verifier_errors"] += verdicts.count(_ERROR)
             self._counts["verifier_timeouts"] += verdicts.count(_TIMEOUT)
+            self._counts["verifier_deaths"] += self._worker.deaths
+            self._worker.deaths = 0
         return [
             EnvResponse(reward=float(verdict == _CORRECT), info={"extracted": answer})
+            if verdict != _DIED
+            else EnvResponse(
+                reward=0.0,
+                infra_failure="verifier",
+                info={"extracted": answer, "infra_error": f"{self._worker.last_death} this answer"},
+            )
             for verdict, answer in zip(verdicts, answers)
         ]
 

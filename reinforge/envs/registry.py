@@ -11,7 +11,7 @@ from reinforge.envs.format_env import FormatEnvConfig
 from reinforge.envs.gym_config import GymResourcesConfig
 from reinforge.envs.http_client import RemoteEnvConfig
 from reinforge.envs.ifeval import IfEvalConfig
-from reinforge.envs.judge import JudgeEnvConfig
+from reinforge.envs.judge_config import JudgeEnvConfig
 from reinforge.envs.math_env import MathEnvConfig
 from reinforge.envs.tool_use import ToolUseEnvConfig
 from reinforge.errors import ConfigError, DataError

@@ -15,7 +15,12 @@ Built-in tools:
   the last line of its error.
 
 A malformed call (bad JSON, an unknown tool, bad arguments) is answered with an error message as the
-observation, the way a real tool would answer: the policy can learn from it. Each turn with calls
+observation, the way a real tool would answer: the policy can learn from it. So is whatever the policy's
+program does inside the sandbox (an exception, a timeout within its limits). A tool whose own machinery
+fails (the sandbox crashed, was killed from outside or could not start: status `error`; an OSError out of
+the tool, such as no file descriptor left) gives the policy nothing to learn from: that turn is an
+infrastructure failure (`infra_failure="sandbox"`, or `"tool"` for another tool's OSError), which the
+rollout runs again and then masks (rollout/infra.py), never an observation. Each turn with calls
 costs nothing in reward; `tool_use.call_penalty` can charge for calls.
 """
 
@@ -31,6 +36,14 @@ from reinforge.envs.base import Environment, EnvRequest, EnvResponse, Tool
 from reinforge.envs.sandbox import SandboxLimits, run_python
 
 MAX_OBSERVATION_CHARS = 2000
+
+
+class ToolFailure(RuntimeError):
+    """A tool's own machinery failed, not the call: no observation to give the policy (an env server answers 500)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class ToolUseEnvConfig(Section):
@@ -120,13 +133,18 @@ class ToolUseEnv:
 
             raise ConfigError(f"env.tool_use.tools: unknown tool {unknown[0]!r}; built-in tools: {', '.join(builtins)}")
         self.tools = {name: builtins[name] for name in config.tools}
-        self.counts = dict.fromkeys(["tool_calls", "tool_errors", "final_answers"], 0)
+        self.counts = dict.fromkeys(["tool_calls", "tool_errors", "tool_failures", "final_answers"], 0)
 
     def _run_python(self, arguments: dict[str, Any]) -> str:
-        result = run_python(str(arguments["code"]), self.config.sandbox)
+        try:
+            result = run_python(str(arguments["code"]), self.config.sandbox)
+        except OSError as exc:  # no process, pipe or file descriptor left for the sandbox
+            raise ToolFailure(f"the python tool's sandbox could not start: {exc!r}", "sandbox") from exc
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        if result.status == "error":  # the sandbox's own failure, not the program's
+            raise ToolFailure(f"the python tool's sandbox failed: {lines[-1] if lines else 'no output'}", "sandbox")
         if result.status == "ok":
             return result.stdout
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
         return f"error ({result.status}): {lines[-1] if lines else 'no output'}"
 
     def run_call(self, call: ToolCall | str) -> str:
@@ -141,9 +159,11 @@ class ToolUseEnv:
             return f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}"
         try:
             return tool.run(call.arguments)[:MAX_OBSERVATION_CHARS]
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:  # called wrongly: the policy's, and it can learn from it
             self.counts["tool_errors"] += 1
             return f"error: {exc}"
+        except OSError as exc:
+            raise ToolFailure(f"tool {call.name!r} failed: {exc!r}", "tool") from exc
 
     def step(self, requests: list[EnvRequest]) -> list[EnvResponse]:
         responses: list[EnvResponse | None] = [None] * len(requests)
@@ -153,7 +173,12 @@ class ToolUseEnv:
             if not calls:
                 final.append(index)
                 continue
-            observations = [{"role": "tool", "content": self.run_call(call)} for call in calls]
+            try:
+                observations = [{"role": "tool", "content": self.run_call(call)} for call in calls]
+            except ToolFailure as exc:  # no verdict and no observation: the rollout runs the episode again
+                self.counts["tool_failures"] += 1
+                responses[index] = EnvResponse(reward=0.0, infra_failure=exc.kind, info={"infra_error": str(exc)})
+                continue
             penalty = -self.config.call_penalty * len(calls)
             responses[index] = EnvResponse(
                 reward=penalty, components={"tool_calls": penalty}, done=False, observation=observations

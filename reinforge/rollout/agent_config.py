@@ -41,10 +41,10 @@ class AgentConfig(Section):
     max_concurrency: int = 256
     """Most episodes in flight at once."""
     max_retries: int = 3
-    """Retries of a Gym agent server that cannot be reached (refused, reset, timed out); then the run stops
-    with one line naming it."""
+    """Retries of a Gym agent server that cannot be reached (refused, reset, timed out) or answers 429; then the
+    episode is an infrastructure failure, run again and then masked (docs/reliability.md)."""
     backoff_s: float = 0.5
-    """Wait before the first retry; each further retry waits twice as long."""
+    """Wait before the first retry; each further retry waits twice as long (a 429's Retry-After replaces it)."""
     endpoint: ServingConfig = ServingConfig()
     """The policy's OpenAI-compatible endpoint that agents call (serving/)."""
 

@@ -5,10 +5,12 @@ bounded by `agent.timeout_s`:
 - a Gym agent gets `POST {url}/run` with the row, its `responses_create_params` stamped with the
   rollout's `temperature`, `top_p` and `max_output_tokens` (as NeMo-RL stamps every row); the answer
   is Gym's verify result (`reward`, `reward_components`, `mask_sample`, and `response.output`, whose
-  items carry the token ids of each model call). A server that cannot be reached is retried
-  (`agent.max_retries`, exponential `agent.backoff_s`); then, like a 5xx answer, the episode is an
-  infrastructure failure (`gym_server`: retried from scratch, then masked, rollout/infra.py; the run
-  stops with one line naming the server when too many are); a 4xx answer fails that episode only.
+  items carry the token ids of each model call). A server that cannot be reached, or answers 429 (too
+  busy: it has not run the episode) is retried (`agent.max_retries`, exponential `agent.backoff_s`, or the
+  server's `Retry-After`); then, like a 5xx answer or an answer that is not JSON (a proxy's error page),
+  the episode is an infrastructure failure (`gym_server`: retried from scratch, then masked,
+  rollout/infra.py; the run stops with one line naming the server when too many are); another 4xx answer
+  fails that episode only: the agent's.
 - a Python agent, `module:function`, is called with `base_url` (the endpoint, under this episode's
   own path, so that its calls are recorded as its own) and `record`, plus whichever of `model`,
   `api_key`, `sampling` and `servers` its signature names. A plain function runs on a thread of its
@@ -35,6 +37,7 @@ from typing import Any, Callable
 import httpx
 
 from reinforge.data.responses_format import verdict_components
+from reinforge.envs.http_calls import retry_after_s, retryable_status
 from reinforge.errors import ConfigError
 
 OPTIONAL_ARGUMENTS = ("model", "api_key", "sampling", "servers")
@@ -129,25 +132,33 @@ class GymAgentRunner:
         self.max_retries, self.backoff_s = max_retries, backoff_s
 
     async def run(self, client: httpx.AsyncClient, row: dict[str, Any]) -> EpisodeResult:
-        cause = ""
+        cause, retry_after = "", None
         for attempt in range(self.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(retry_after if retry_after is not None else self.backoff_s * 2 ** (attempt - 1))
+            retry_after = None
             try:
                 response = await client.post(f"{self.url}/run", json=row, timeout=self.timeout_s)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            except httpx.TransportError as exc:  # refused, reset, cut off, timed out: it may be back next time
                 cause = f"{type(exc).__name__}: {_one_line(exc)}"
+                continue
+            if response.status_code == 429:  # too busy to start it: ask again after the wait it names
+                cause, retry_after = f"HTTP 429: {response.text[:200]}", retry_after_s(response)
                 continue
             if response.status_code >= 400:
                 return EpisodeResult(
                     "failed",
                     error=f"Gym agent {self.name} answered HTTP {response.status_code}: {response.text[:200]}",
-                    infra_failure="gym_server" if response.status_code >= 500 else None,
+                    infra_failure="gym_server" if retryable_status(response.status_code) else None,
                 )
             try:
                 body = response.json()
-            except ValueError:
-                return EpisodeResult("failed", error=f"Gym agent {self.name} answered something other than JSON")
+            except ValueError:  # a proxy's error page, a server cut off mid-answer: no verdict on the episode
+                return EpisodeResult(
+                    "failed",
+                    error=f"Gym agent {self.name} answered something other than JSON: {response.text[:120]!r}",
+                    infra_failure="gym_server",
+                )
             result = parse_result(body, f"Gym agent {self.name}", sent=row)
             output = (body.get("response") or {}).get("output") if isinstance(body.get("response"), dict) else None
             result.gym_output = output if isinstance(output, list) else []
@@ -158,10 +169,11 @@ class GymAgentRunner:
                 )
             return result
         tries = f"{self.max_retries + 1} attempt{'s' if self.max_retries else ''}"
+        busy = cause.startswith("HTTP 429")
         return EpisodeResult(
             "failed",
-            error=f"NeMo Gym agent {self.name} at {self.url} cannot be reached after {tries}: {cause}; is it running? "
-            f"(agent.gym.{self.name}.url)",
+            error=f"NeMo Gym agent {self.name} at {self.url} {'was too busy' if busy else 'cannot be reached'} after "
+            f"{tries}: {cause}; {'raise agent.max_retries' if busy else 'is it running?'} (agent.gym.{self.name})",
             infra_failure="gym_server",
         )
 
@@ -204,8 +216,8 @@ _TRANSPORT_ERRORS = {"TransportError", "APIConnectionError", "APITimeoutError"}
 
 def http_failure(exc: BaseException) -> bool:
     """Whether `exc`, or anything in its chain of causes, is an HTTP failure: a connection error, a timeout,
-    or a 5xx answer (an exception carrying a `response` with that `status_code`, as httpx's HTTPStatusError
-    and openai's APIStatusError do)."""
+    or a 5xx, 408 or 429 answer (an exception carrying a `response` with that `status_code`, as httpx's
+    HTTPStatusError and openai's APIStatusError do)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -214,7 +226,7 @@ def http_failure(exc: BaseException) -> bool:
         ):
             return True
         status = getattr(getattr(exc, "response", None), "status_code", None)
-        if isinstance(status, int) and status >= 500:
+        if isinstance(status, int) and retryable_status(status):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

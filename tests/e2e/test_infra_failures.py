@@ -270,6 +270,25 @@ def test_a_sandbox_killed_from_outside_is_an_infra_failure(code_env):
 
 
 @pytest.mark.xdist_group("sandbox")
+def test_a_python_tool_whose_sandbox_is_killed_from_outside_is_an_infra_failure_not_an_observation():
+    from reinforge.envs.tool_use import ToolUseEnv, ToolUseEnvConfig
+
+    env = ToolUseEnv(ToolUseEnvConfig(sandbox=SandboxLimits(wall_time_s=5.0)), answer_env=MathEnv())
+    slow = '<tool_call>{"name": "python", "arguments": {"code": "import time; time.sleep(1.0); print(7)"}}</tool_call>'
+    request = EnvRequest(messages=[{"role": "assistant", "content": slow}], record={"answer": "7"})
+    env.step([EnvRequest(messages=[{"role": "assistant", "content": slow.replace("1.0", "0")}], record={})])  # probe
+    with SupervisorKiller(count=1) as killer:
+        (response,) = env.step([request])
+    assert len(killer.killed) == 1
+    assert response.infra_failure == "sandbox" and response.observation is None
+    assert "python tool's sandbox failed" in response.info["infra_error"]
+    (again,) = env.step([request])  # nothing kills it this time: the program's real output
+    assert again.observation == [{"role": "tool", "content": "7\n"}] and again.infra_failure is None
+    assert env.metrics()["tool_failures"] == 1.0
+    env.close()
+
+
+@pytest.mark.xdist_group("sandbox")
 def test_an_episode_whose_sandbox_was_killed_is_run_again_and_scored_for_real(demo, code_env):
     """Each run sleeps 0.5 s first (the record's test_imports), so the killer catches both first runs."""
     tokenizer, engine = demo
@@ -350,6 +369,7 @@ def test_an_http_failure_in_an_agents_exception_chain_is_infrastructure_and_its_
     with served_app(status_app()) as url:
         assert http_failure(raised_by(ask(f"{url}/status/500/v1")))  # openai.InternalServerError
         assert http_failure(raised_by(ask(f"{url}/status/503/v1")))
+        assert http_failure(raised_by(ask(f"{url}/status/429/v1")))  # openai.RateLimitError: the endpoint's full queue
         assert not http_failure(raised_by(ask(f"{url}/status/400/v1")))  # the agent's bad request: its own
     assert http_failure(raised_by(ask(f"http://127.0.0.1:{free_port('127.0.0.1')}/v1")))  # APIConnectionError
     assert not http_failure(ValueError("the agent's own bug"))
@@ -383,3 +403,53 @@ def test_a_gym_agent_server_5xx_or_unreachable_is_infrastructure_and_a_4xx_is_th
     assert server_error.status == "failed" and server_error.infra_failure == "gym_server"
     assert bad_row.status == "failed" and bad_row.infra_failure is None
     assert down.infra_failure == "gym_server" and "cannot be reached after 2 attempts: ConnectError" in down.error
+
+
+def counting_judge_app(failures: int):
+    """A chat-completions judge whose first `failures` requests get HTTP 503; every later one says [[10]]."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app, seen = FastAPI(), []
+
+    @app.post("/v1/chat/completions")
+    def chat(body: dict):
+        seen.append(body)
+        if len(seen) <= failures:
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "[[10]]"}}]}
+
+    return app
+
+
+def test_a_judge_answering_503_leaves_the_rollout_going_with_its_samples_retried_masked_and_counted(demo):
+    """8 episodes; the judge fails its first 10 calls (no retries of its own): the 8 first verdicts are infrastructure
+    failures, run again; 2 of the re-runs fail again and are masked. Every sample kept scores the judge's real 1.0;
+    none scores 0."""
+    from reinforge.envs.judge import JudgeEnv, JudgeEnvConfig
+
+    tokenizer, engine = demo
+    with served_app(counting_judge_app(failures=10)) as url:
+        judge = JudgeEnv(
+            JudgeEnvConfig(
+                mode="chat", url=f"{url}/v1", model="judge", prompt_template="{response}", max_retries=0, deadline_s=5
+            )
+        )
+        limits = InfraLimits(max_retries=1, min_valid_per_group=2, max_failure_fraction=0.5)
+        episodes = ReinforgeRollout(engine, tokenizer, {"math": judge}, RolloutOptions(default_task="math"), limits)
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, num_samples=4, seed=3)
+        trajectories = episodes(prompts_for(tokenizer, RECORDS[:2]), params)
+        metrics = episodes.metrics()
+        judge_metrics = judge.metrics()
+        judge.close()
+    assert (metrics["rollout/infra_judge"], metrics["rollout/infra_retried"], metrics["rollout/infra_masked"]) == (
+        10.0,
+        8.0,
+        2.0,
+    )
+    assert judge_metrics["judge_errors"] == 10.0
+    kept = [t for t in trajectories if not t.excluded]
+    assert len(kept) == 6 and all(t.reward == 1.0 and t.infra_failure is None for t in kept)
+    for trajectory in trajectories:
+        if trajectory.excluded:
+            assert trajectory.infra_failure == "judge" and "HTTP 503" in trajectory.infra_error

@@ -1,4 +1,6 @@
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -73,7 +75,7 @@ def test_equivalent_forms_score_one(env):
         ("\\boxed{025}", 25),
     ]
     assert rewards(env, cases) == [1.0] * len(cases)
-    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "no_answer": 0.0}
+    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "verifier_deaths": 0.0, "no_answer": 0.0}
 
 
 def test_wrong_and_missing_answers_score_zero_and_missing_ones_are_counted(env):
@@ -86,7 +88,7 @@ def test_wrong_and_missing_answers_score_zero_and_missing_ones_are_counted(env):
     )
     assert [r.reward for r in responses] == [0.0, 0.0, 0.0]
     assert [r.info["extracted"] for r in responses] == ["57", "\\frac{1}{3}", None]
-    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "no_answer": 1.0}
+    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "verifier_deaths": 0.0, "no_answer": 1.0}
 
 
 def test_metrics_reset_after_each_call(env):
@@ -118,7 +120,12 @@ def test_a_pathological_answer_times_out_scores_zero_and_the_rest_of_the_batch_i
         scores, seconds = slow_batch_is_cut_off(env)
         assert scores == [0.0, 1.0]
         assert seconds < 15
-        assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 1.0, "no_answer": 0.0}
+        assert env.metrics() == {
+            "verifier_errors": 0.0,
+            "verifier_timeouts": 1.0,
+            "verifier_deaths": 0.0,
+            "no_answer": 0.0,
+        }
     finally:
         env.close()
 
@@ -173,7 +180,7 @@ def test_multiple_choice_mode_compares_letters():
     env = MathEnv(mode="multiple_choice")
     cases = [("\\boxed{C}", "C"), ("The answer is (B).", "(b)"), ("Answer: A", "B"), ("?", "A")]
     assert rewards(env, cases) == [1.0, 1.0, 0.0, 0.0]
-    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "no_answer": 1.0}
+    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "verifier_deaths": 0.0, "no_answer": 1.0}
     with pytest.raises(DataError, match="A-J"):
         env.step([request("\\boxed{C}", "42")])
     env.close()
@@ -221,4 +228,71 @@ def test_math500_solutions_score_one_against_their_answers(env):
     failures = {record["unique_id"] for record, score in zip(records, scores) if score != 1.0}
     assert failures == MATH500_EXCEPTIONS
     assert sum(scores) >= 99
-    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "no_answer": 0.0}
+    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "verifier_deaths": 0.0, "no_answer": 0.0}
+
+
+# A verifier process that dies is no verdict on any answer: infrastructure, never a reward of 0.
+
+
+def test_a_worker_killed_between_steps_is_replaced_and_every_sample_is_scored_for_real():
+    env = MathEnv(timeout_s=10.0)
+    try:
+        assert rewards(env, [("\\boxed{\\frac{1}{2}}", "0.5")]) == [1.0]
+        os.kill(env._worker.pid, signal.SIGKILL)  # the out-of-memory killer's choice, while it is idle
+        responses = env.step([request("\\boxed{\\frac{1}{2}}", "0.5"), request("\\boxed{\\frac{1}{3}}", "0.5")])
+        assert [(r.reward, r.infra_failure) for r in responses] == [(1.0, None), (0.0, None)]
+        assert env.metrics()["verifier_deaths"] == 1.0
+    finally:
+        env.close()
+
+
+def test_a_worker_killed_while_verifying_and_again_on_retry_leaves_that_sample_unscored_and_scores_the_rest():
+    """The first worker is killed 1 s into the pathological answer, its replacement 0.5 s after it starts: that
+    answer has no verdict (infrastructure: retried and masked by the rollout, not 0); a third worker scores the rest."""
+    env = MathEnv(timeout_s=20.0)
+    assert rewards(env, [("\\boxed{\\frac{1}{2}}", "0.5")]) == [1.0]  # the first worker is ready
+    env.metrics()
+    killed = []
+
+    def kill_twice():
+        time.sleep(1.0)
+        while len(killed) < 2:
+            pid = env._worker.pid
+            if pid is not None and pid not in killed:
+                if killed:
+                    time.sleep(0.5)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_twice, daemon=True)
+    try:
+        killer.start()
+        start = time.monotonic()
+        died, scored = env.step([request(PATHOLOGICAL, "1"), request("\\boxed{\\frac{1}{2}}", "0.5")])
+        seconds = time.monotonic() - start
+        assert len(killed) == 2 and seconds < 15  # never the 20 s of a timeout
+        assert died.infra_failure == "verifier"
+        assert "math-verify worker process died (ended by signal 9)" in died.info["infra_error"]
+        assert (scored.reward, scored.infra_failure) == (1.0, None)
+        metrics = env.metrics()
+        assert (metrics["verifier_deaths"], metrics["verifier_timeouts"], metrics["verifier_errors"]) == (2.0, 0.0, 0.0)
+    finally:
+        killer.join(timeout=5)
+        env.close()
+
+
+def test_a_worker_that_cannot_import_math_verify_is_a_one_line_error_not_an_infra_failure(tmp_path, monkeypatch):
+    """An installation without math-verify would fail the same way on every restart: the user's to fix."""
+    from reinforge.errors import ReinforgeError
+
+    (tmp_path / "math_verify").mkdir()
+    (tmp_path / "math_verify" / "__init__.py").write_text("raise ImportError('math-verify is not installed')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the worker's math_verify is this broken one
+    env = MathEnv(timeout_s=5.0)
+    try:
+        with pytest.raises(ReinforgeError, match=r"worker exited with status 1 before it was ready.*pip install") as e:
+            env.step([request("\\boxed{\\frac{1}{2}}", "0.5")])
+        assert "\n" not in str(e.value)
+    finally:
+        env.close()

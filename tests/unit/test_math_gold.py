@@ -95,7 +95,7 @@ def assert_scores(env: MathEnv, cases: list[Case], reward: float, exceptions: di
     misses = {case_id for (case_id, _, _), r in zip(cases, responses) if r.reward != reward}
     assert misses == set(exceptions)
     assert len(exceptions) <= len({case_id for case_id, _, _ in cases}) / 100
-    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "no_answer": 0.0}
+    assert env.metrics() == {"verifier_errors": 0.0, "verifier_timeouts": 0.0, "verifier_deaths": 0.0, "no_answer": 0.0}
 
 
 def boxed(answer: str) -> str:

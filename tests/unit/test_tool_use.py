@@ -81,3 +81,30 @@ def test_a_turn_without_a_call_is_the_final_answer_scored_by_the_answer_env(env)
 def test_an_unknown_tool_in_config_is_a_one_line_error():
     with pytest.raises(ConfigError, match="unknown tool 'browser'"):
         ToolUseEnv(ToolUseEnvConfig(tools=["browser"]), answer_env=MathEnv())
+
+
+def test_a_sandbox_that_cannot_start_is_an_infra_failure_and_a_bad_call_stays_the_policys(env):
+    """With no file descriptor left the sandbox cannot make its pipes: an OSError out of the tool, which the policy
+    could do nothing about. That turn is an infrastructure failure (retried, then masked), never an observation;
+    the same turn's bad call is still the policy's own error."""
+    import os
+    import resource
+
+    assert env.step([turn(call("python", code="print(1)"))])[0].observation[0]["content"] == "1\n"  # probed
+    env.metrics()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 1, hard))  # no room for the sandbox's pipes
+    try:
+        broken, bad = env.step([turn(call("python", code="print(2)")), turn(call("calculator", expression="2 +"))])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert broken.infra_failure == "sandbox" and broken.observation is None
+    assert (
+        "sandbox could not start" in broken.info["infra_error"] and "Too many open files" in broken.info["infra_error"]
+    )
+    assert bad.infra_failure is None and bad.observation[0]["content"].startswith("error: not an arithmetic expression")
+    metrics = env.metrics()
+    assert (metrics["tool_failures"], metrics["tool_errors"]) == (1.0, 1.0)
+    (again,) = env.step([turn(call("python", code="print(2)"))])  # descriptors back: the real observation
+    assert again.observation[0]["content"] == "2\n" and again.infra_failure is None
