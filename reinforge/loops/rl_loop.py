@@ -108,7 +108,9 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
             resumed = f" (resumed from {parts.resume_from.name})" if parts.resume_from else ""
             console.print(f"run directory: {parts.run_dir}{resumed}")
             # from here on, not during start-up (model loading, the curriculum's pre-filter may take long)
-            watchdog = cleanup.enter_context(Watchdog(config.deadlines.step_s, parts.run_dir / REPORT_NAME))
+            watchdog = cleanup.enter_context(
+                Watchdog(config.deadlines.step_s, parts.run_dir / REPORT_NAME, cleanup_s=config.deadlines.cleanup_s)
+            )
             if parts.val_prompts and not parts.resume_from:
                 watchdog.beat("the first validation")
                 first_validation(parts, progress, metrics_log, console)

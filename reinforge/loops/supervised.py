@@ -99,7 +99,9 @@ def run(config: SupervisedRunConfig, make_recipe: MakeRecipe, cleanup: ExitStack
             f"{num_parameters:,} parameters, {num_trained:,} trained"
         )
         # from here on, not during start-up (model loading, DPO's reference pass)
-        watchdog = cleanup.enter_context(Watchdog(config.deadlines.step_s, run_dir / REPORT_NAME))
+        watchdog = cleanup.enter_context(
+            Watchdog(config.deadlines.step_s, run_dir / REPORT_NAME, cleanup_s=config.deadlines.cleanup_s)
+        )
         loop = Loop(config, recipe, backend, sampler, run_dir, metrics_log, console, watchdog)
         val_history = loop.run(state)
         if config.checkpoint.save_final:
