@@ -177,6 +177,7 @@ def hang_reports(run_dir: Path) -> Iterator[None]:
         if error.report is None:
             write_hang_report(run_dir / REPORT_NAME, error)
         raise
+    cancel_exit_deadline()  # entered first, exits last: the run's cleanup ended in time (a recipe's next stage runs on)
 
 
 def run_with_deadline(fn: Callable[[], T], seconds: float, component: str, what: str, setting: str) -> T:
@@ -381,6 +382,7 @@ class _ExitDeadline:
     enabled = False
     status, report, error = 0, None, ""
     thread: threading.Thread | None = None
+    generation = 0  # bumped by `cancel_exit_deadline`: a deadline of an earlier generation does nothing
     lock = threading.Lock()
 
 
@@ -402,13 +404,22 @@ def bound_exit(seconds: float, status: int | None = None, report: Path | None = 
         _ExitDeadline.error = error or _ExitDeadline.error
         if _ExitDeadline.thread is None:
             _ExitDeadline.thread = threading.Thread(
-                target=_end_late, args=(seconds,), name="reinforge-exit-deadline", daemon=True
+                target=_end_late, args=(seconds, _ExitDeadline.generation), name="reinforge-exit-deadline", daemon=True
             )
             _ExitDeadline.thread.start()
 
 
-def _end_late(seconds: float) -> None:
+def cancel_exit_deadline() -> None:
+    """The cleanup that `bound_exit` bounded has ended and the process goes on (the next stage of a recipe)."""
+    with _ExitDeadline.lock:
+        _ExitDeadline.generation += 1
+        _ExitDeadline.thread, _ExitDeadline.status, _ExitDeadline.error = None, 0, ""
+
+
+def _end_late(seconds: float, generation: int) -> None:
     time.sleep(seconds)
+    if generation != _ExitDeadline.generation:
+        return
     late = f"the run's cleanup did not finish within {seconds:g} s (deadlines.cleanup_s): ended"
     report = _ExitDeadline.report
     if report is not None:

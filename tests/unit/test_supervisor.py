@@ -264,3 +264,66 @@ def test_a_thread_that_keeps_the_process_from_exiting_is_bounded_too(tmp_path):
     assert result.returncode == 0 and took < 1.0 + 10, (result, took)
     assert result.stderr.strip() == "reinforge: warning: the run's cleanup did not finish within 1 s " \
         "(deadlines.cleanup_s): ended"  # fmt: skip
+
+
+def test_the_cleanup_deadline_ends_with_the_cleanup_so_a_next_stage_runs_on(tmp_path):
+    """hang_reports, entered first by a loop, exits last: the cleanup is over, a recipe's next stage is not bounded."""
+    result, took = run_script(
+        f"""
+        import time
+        from pathlib import Path
+        from reinforge import hang
+        hang.enable_exit_deadline()
+        for stage in range(2):
+            with hang.hang_reports(Path({str(tmp_path)!r})):
+                with hang.Watchdog(0, Path({str(tmp_path / "hang_report.txt")!r}), cleanup_s=1.0):
+                    pass
+                time.sleep(0.2)  # the stage's cleanup, in time
+        time.sleep(2.0)  # the next stage's start-up: past the first stage's cleanup deadline
+        print("finished", flush=True)
+    """,
+        tmp_path,
+    )
+    assert result.returncode == 0 and result.stdout == "finished\n" and not result.stderr, result
+
+
+HEARTBEAT = """
+    import os, re, sys, time
+    os.environ["REINFORGE_HEARTBEAT"] = "0.05:" + sys.argv[1]
+    from reinforge import hang
+    hang.start_heartbeat()
+    time.sleep(0.5)
+    print("calling", flush=True)
+    {call}
+    print("returned", flush=True)
+"""
+
+
+def beats_during_the_call(call: str, tmp_path) -> tuple[float, float]:
+    """Run a process that beats every 0.05 s and then makes `call` in its main thread; (the longest gap between
+    beats seen while the call ran, how long it ran)."""
+    script, beat = tmp_path / "beat.py", tmp_path / "heartbeat"
+    script.write_text(textwrap.dedent(HEARTBEAT.format(call=call)))
+    beat.touch()
+    process = subprocess.Popen([sys.executable, str(script), str(beat)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "calling\n"
+    started = last_change = time.monotonic()
+    seen, gap = beat.stat().st_mtime_ns, 0.0
+    while process.poll() is None:
+        now = time.monotonic()
+        if (mtime := beat.stat().st_mtime_ns) != seen:
+            seen, gap, last_change = mtime, max(gap, now - last_change), now
+        time.sleep(0.01)
+    gap = max(gap, time.monotonic() - last_change if seen == beat.stat().st_mtime_ns else 0.0)
+    assert process.stdout.read() == "returned\n"
+    return gap, time.monotonic() - started
+
+
+def test_a_long_call_that_releases_the_gil_keeps_beating_one_that_holds_it_does_not(tmp_path):
+    """The supervisor's heartbeat comes from a thread of the run: a long call (a model load, a checkpoint, a sleep)
+    keeps it going; C code that holds the GIL (a regular expression backtracking for seconds) stops it, like a
+    stopped process."""
+    gap, took = beats_during_the_call("time.sleep(1.5)", tmp_path)
+    assert took >= 1.5 and gap < 1.0, (gap, took)
+    gap, took = beats_during_the_call('re.match(r"(a|aa)*c", "a" * 33)', tmp_path)  # seconds inside the re engine
+    assert gap >= 1.0 and gap >= 0.6 * took, (gap, took)
