@@ -295,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         if settings.max_restarts and not supervisor.supervised():
             return supervisor.supervise(argv, settings)
     # Imports after parsing so that `--help` is instant.
-    from reinforge import hang
+    from reinforge import exits, hang
 
-    hang.start_heartbeat()  # a supervised run's: its supervisor ends it when the beats stop (a stopped process)
-    hang.keep_console()  # the last lines reach the console even while fd 2 is the run's log
+    exits.start_heartbeat()  # a supervised run's: its supervisor ends it when the beats stop (a stopped process)
+    exits.keep_console()  # the last lines reach the console even while fd 2 is the run's log
     if entry:
         hang.enable_exit_deadline()
     try:
@@ -316,22 +316,24 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001  every end is one line and a status (docs/reliability.md)
         status = report_failure(exc)
     hang.bound_exit(hang.CLEANUP_S, status)  # what is left (threads joined at exit, Ray's atexit) has a deadline too
-    hang.end_heartbeat(hang.CLEANUP_S)
+    exits.end_heartbeat(hang.CLEANUP_S)
     return status
 
 
 def report_failure(exc: BaseException) -> int:
-    """Print the one line of a command that ended with `exc`; return its exit status (hang.py `exit_status`): 75 for
+    """Print the one line of a command that ended with `exc`; return its exit status (exits.py `exit_status`): 75 for
     what a restart may get past (an InfrastructureError, a transient error of the filesystem or network), 2 for the
     input's errors and for bugs (never restarted: they would repeat), 130 interrupted."""
     from reinforge.errors import ReinforgeError
-    from reinforge.hang import EXIT_STATUS, exit_status
+    from reinforge.exits import INFRASTRUCTURE_EXIT, exit_status
 
     status = exit_status(exc)
     if isinstance(exc, KeyboardInterrupt):
         print("reinforge: interrupted", file=sys.stderr)
         return status
-    transient = " (transient: a restart from the last checkpoint may get past it)" if status == EXIT_STATUS else ""
+    transient = (
+        " (transient: a restart from the last checkpoint may get past it)" if status == INFRASTRUCTURE_EXIT else ""
+    )
     if isinstance(exc, ReinforgeError):
         line = str(exc)
     elif isinstance(exc, OSError) and exc.filename is not None:  # a path, wherever it was opened

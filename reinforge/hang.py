@@ -11,13 +11,11 @@ The `Watchdog` covers what no single deadline does: the loop beats it at each ph
 the main thread is interrupted), and if the run has still not stopped GRACE_S later, ends the process with the exit
 status of an infrastructure failure (EXIT_STATUS, which a supervised run restarts after).
 
-What happens after the watchdog stops (the run's cleanup: executor shutdowns, the worker groups, `ray.shutdown`, the
-interpreter's exit) has a deadline too, `deadlines.cleanup_s` (`bound_exit`): a cleanup that runs past it is reported
-(its stacks appended to the hang report) and the process ends anyway, with the status the run would have ended with.
-The last lines a run prints on its way out (`console_line`) reach the console, or the supervisor's pipe, even while
-fd 2 is the run's log file. A supervised run's process beats a heartbeat file from a thread of its own
-(`start_heartbeat`), which the supervisor watches: a process stopped or wedged in C code holding the GIL misses beats,
-which no thread inside it could notice (reinforge/supervisor.py).
+The run's cleanup (its `BoundedExitStack`: executor shutdowns, the worker groups, `ray.shutdown`; then what the
+interpreter waits for at exit) has a deadline too, `deadlines.cleanup_s` (`bound_exit`): a cleanup that runs past it
+is reported (its stacks appended to the hang report) and the process ends anyway, with the status it was ending with.
+The lines a run prints on its way out (exits.py `console_line`) reach the console, or the supervisor's pipe, even while
+fd 2 is the run's log file.
 """
 
 from __future__ import annotations
@@ -31,20 +29,20 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from pydantic import Field
 
 from reinforge.config.section import Section
-from reinforge.errors import InfrastructureError, ReinforgeError, is_transient
+from reinforge.errors import InfrastructureError
+from reinforge.exits import INFRASTRUCTURE_EXIT, console_line, exit_status
+from reinforge.run_dir import announced_run_dir
 
 GRACE_S = 30.0  # after the watchdog's signal, how long the run has to stop on its own before the process is ended
-EXIT_STATUS = 75  # EX_TEMPFAIL, as the CLI's for an InfrastructureError
-INPUT_EXIT, INTERRUPTED_EXIT = 2, 130  # a ReinforgeError or a bug (never restarted); Ctrl-C
+EXIT_STATUS = INFRASTRUCTURE_EXIT  # EX_TEMPFAIL, as the CLI's for an InfrastructureError
 CLEANUP_S = 120.0  # deadlines.cleanup_s's default
-HEARTBEAT_ENV = "REINFORGE_HEARTBEAT"  # set by the supervisor: "<seconds between beats>:<file to touch>"
 PY_SPY_TIMEOUT_S = 20.0  # for all the workers' dumps together
 REPORT_NAME = "hang_report.txt"
 T = TypeVar("T")
@@ -177,7 +175,6 @@ def hang_reports(run_dir: Path) -> Iterator[None]:
         if error.report is None:
             write_hang_report(run_dir / REPORT_NAME, error)
         raise
-    cancel_exit_deadline()  # entered first, exits last: the run's cleanup ended in time (a recipe's next stage runs on)
 
 
 def run_with_deadline(fn: Callable[[], T], seconds: float, component: str, what: str, setting: str) -> T:
@@ -202,16 +199,8 @@ class Watchdog:
     """Stops a run in which nothing makes progress for `seconds`: see the module's docstring. A context manager;
     `beat(what)` after every phase that finished (`what`: the one that starts, named in the error)."""
 
-    def __init__(
-        self,
-        seconds: float,
-        report_path: Path,
-        setting: str = "deadlines.step_s",
-        grace_s: float = GRACE_S,
-        cleanup_s: float = CLEANUP_S,
-    ):
+    def __init__(self, seconds: float, report_path: Path, setting: str = "deadlines.step_s", grace_s: float = GRACE_S):
         self.seconds, self.report_path, self.setting, self.grace_s = seconds, report_path, setting, grace_s
-        self.cleanup_s = cleanup_s
         self.error: HangError | None = None
         self._last_beat, self._what = time.monotonic(), "the first step"
         self._stopped = threading.Event()
@@ -230,12 +219,10 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type, exc, traceback) -> None:
+    def __exit__(self, *exc_info) -> None:
         self._stopped.set()
         if self._old_handler is not None:
             signal.signal(signal.SIGUSR1, self._old_handler)
-        # the cleanup that follows (the worker groups, Ray) is bounded too: the process ends past cleanup_s
-        bound_exit(self.cleanup_s, exit_status(exc), self.report_path, f"{exc}" if exc is not None else "")
 
     def _raise(self, signum, frame) -> None:
         if self.error is not None and not self._stopped.is_set():
@@ -255,125 +242,6 @@ class Watchdog:
         if not self._stopped.wait(self.grace_s):
             console_line(f"reinforge: error: {error} (the run did not stop within {self.grace_s:g} s: ended)")
             os._exit(EXIT_STATUS)
-
-
-# How a run's process ends: its exit status from the exception it ends with, its last line, its exit's deadline.
-HTTP_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-HTTP_LIBRARIES = ("requests", "urllib3", "httpx", "httpcore", "aiohttp")
-HTTP_TRANSPORT_ERRORS = frozenset(
-    {"ConnectionError", "Timeout", "TimeoutException", "TransportError", "ChunkedEncodingError", "ProtocolError",
-     "ReadTimeoutError", "NewConnectionError", "ClientConnectionError", "ServerTimeoutError", "ClientPayloadError"}
-)  # fmt: skip
-FAILED_WRITES = ("PytorchStreamWriter failed writing", "file write failed")  # torch.save on a full or failing disk
-
-
-def restartable(exc: BaseException | None) -> bool:
-    """Whether a run that ended with `exc` may get further from its last checkpoint: `errors.is_transient` (an
-    InfrastructureError, a connection error, a stale handle, a full disk), an HTTP library's transport error or a
-    408/429/5xx answer, torch's checkpoint writer failing on a full or failing disk; or one of these as the explicit
-    cause (`raise ... from`) of `exc`. A `ReinforgeError` says for itself; anything else (a KeyError) is a bug."""
-    for _ in range(8):  # the explicit causes, not the context: a bug while handling a transient error stays a bug
-        if exc is None:
-            return False
-        if isinstance(exc, ReinforgeError) or is_transient(exc):
-            return is_transient(exc)
-        if _transient_http(exc) or (isinstance(exc, RuntimeError) and any(text in str(exc) for text in FAILED_WRITES)):
-            return True
-        reason = getattr(exc, "reason", None)  # urllib's URLError carries the socket's error
-        exc = reason if isinstance(reason, BaseException) else exc.__cause__
-    return False
-
-
-def _transient_http(exc: BaseException) -> bool:
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    if status is None and type(exc).__module__ == "urllib.error":
-        status = getattr(exc, "code", None)
-    if isinstance(status, int):
-        return status in HTTP_RETRY_STATUSES
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    return type(exc).__module__.split(".")[0] in HTTP_LIBRARIES and bool(names & HTTP_TRANSPORT_ERRORS)
-
-
-def exit_status(exc: BaseException | None) -> int:
-    """The CLI's exit status for a run that ended with `exc` (None: it did not): 0; 130 interrupted; 75
-    (EXIT_STATUS, restarted by a supervisor) when `restartable`; 2 for the input's errors and bugs (never restarted)."""
-    if exc is None:
-        return 0
-    if isinstance(exc, KeyboardInterrupt):
-        return INTERRUPTED_EXIT
-    return EXIT_STATUS if restartable(exc) else INPUT_EXIT
-
-
-_console_fd: int | None = None
-
-
-def keep_console() -> None:
-    """Keep this process's fd 2 as it is now (the terminal, or the supervisor's pipe) for `console_line`; the CLI
-    calls it before the run points fd 2 at its log file (logging/capture.py)."""
-    global _console_fd
-    if _console_fd is None:
-        try:
-            _console_fd = os.dup(2)
-        except OSError:  # no fd 2 at all
-            pass
-
-
-def console_line(text: str) -> None:
-    """`text` on the kept console, and on stderr when that is another file now (the run's log): a process's last line
-    reaches whoever watches it, the supervisor included, while the log keeps it too."""
-    data = (text + "\n").encode()
-    if _console_fd is not None and not _same_file(_console_fd, 2):
-        try:
-            os.write(_console_fd, data)
-        except OSError:
-            pass
-    try:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):  # closed
-        pass
-
-
-def _same_file(fd: int, other: int) -> bool:
-    try:
-        first, second = os.fstat(fd), os.fstat(other)
-    except OSError:
-        return False
-    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
-
-
-def start_heartbeat() -> None:
-    """In a supervised run's process (HEARTBEAT_ENV set, by the supervisor): touch the supervisor's file every few
-    seconds from a daemon thread of its own, whatever the main thread does. A long call (a model load, a checkpoint)
-    does not stop it; a stopped process, or one wedged in C code that holds the GIL, misses beats."""
-    spec = os.environ.pop(HEARTBEAT_ENV, "")  # this process's alone: the processes it starts do not beat for it
-    interval, _, path = spec.partition(":")
-    if not path:
-        return
-
-    def beat() -> None:
-        while True:
-            try:
-                os.utime(path)
-            except OSError:  # the supervisor removed it: nobody is watching
-                pass
-            time.sleep(float(interval))
-
-    _heartbeat[:] = [path]
-    threading.Thread(target=beat, name="reinforge-heartbeat", daemon=True).start()
-
-
-_heartbeat: list[str] = []  # this process's heartbeat file, once it beats
-
-
-def end_heartbeat(seconds: float) -> None:
-    """Tell the supervisor that this process is ending and may take up to `seconds` more (its exit's deadline): the
-    interpreter's last teardown runs with no thread left to beat."""
-    if _heartbeat:
-        try:
-            Path(_heartbeat[0]).write_text(f"ending {seconds:g}")
-        except OSError:
-            pass
 
 
 class _ExitDeadline:
@@ -409,6 +277,24 @@ def bound_exit(seconds: float, status: int | None = None, report: Path | None = 
             _ExitDeadline.thread.start()
 
 
+class BoundedExitStack(ExitStack):
+    """A run's ExitStack, whose unwinding (the run's cleanup: executor shutdowns, the worker groups, `ray.shutdown`)
+    has a deadline, `seconds` (`deadlines.cleanup_s`): `bound_exit` armed as the unwinding starts, whether the run
+    ended, failed or was stopped by the watchdog, and cancelled once it ends in time with nothing raised (a recipe's
+    next stage runs on). Past it, the process ends (a CLI's process only, `enable_exit_deadline`)."""
+
+    def __init__(self, seconds: float = CLEANUP_S):
+        super().__init__()
+        self.seconds = seconds
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        bound_exit(self.seconds, exit_status(exc), None, f"{exc}" if exc is not None else "")
+        suppressed = super().__exit__(exc_type, exc, traceback)
+        if exc is None:
+            cancel_exit_deadline()
+        return suppressed
+
+
 def cancel_exit_deadline() -> None:
     """The cleanup that `bound_exit` bounded has ended and the process goes on (the next stage of a recipe)."""
     with _ExitDeadline.lock:
@@ -421,7 +307,8 @@ def _end_late(seconds: float, generation: int) -> None:
     if generation != _ExitDeadline.generation:
         return
     late = f"the run's cleanup did not finish within {seconds:g} s (deadlines.cleanup_s): ended"
-    report = _ExitDeadline.report
+    run_dir = announced_run_dir()
+    report = _ExitDeadline.report or (run_dir / REPORT_NAME if run_dir else None)
     if report is not None:
         try:
             with open(report, "a") as file:

@@ -4,7 +4,7 @@ restarted from its last complete checkpoint when the machinery failed rather tha
 `reinforge grpo|ppo|distill|sft|dpo|rm|demo` with `cluster.max_restarts` > 0 runs the same command again in a child
 process (the run), passes its output through, and when the run ends (`classify`):
 - exit 0: done;
-- exit 75, a failure a restart can fix (hang.py `restartable`: an `InfrastructureError`, i.e. a Ray worker died or a
+- exit 75, a failure a restart can fix (exits.py `restartable`: an `InfrastructureError`, i.e. a Ray worker died or a
   wait passed its deadline; a transient error of the filesystem or the network, ESTALE, ENOSPC, EIO, a connection
   reset, an HTTP 429/5xx), or death by a signal (killed, out of memory, or ended here for missing its heartbeat): the
   run is restarted with `checkpoint.resume=auto` in the same run directory. Its worker groups went down with it, so
@@ -17,7 +17,7 @@ The restarts counted against `cluster.max_restarts` are those since the run last
 `cluster.restart_budget_renew_steps` steps beyond the furthest step it had reached at a failure (`RestartBudget`; the
 progress read from the run directory, `run_progress`); past the budget the command stops with one line and the last
 failure's exit status.
-The run's process beats a heartbeat file from a thread of its own (hang.py `start_heartbeat`); when no beat comes for
+The run's process beats a heartbeat file from a thread of its own (exits.py `start_heartbeat`); when no beat comes for
 `cluster.heartbeat_timeout_s` (the process is stopped, or wedged in C code holding the GIL, where its own watchdog
 cannot run either), this process writes RUN_DIR/hang_report.txt (its process state, every thread's, its Python stacks
 by py-spy), kills it and its descendants, and restarts it as above.
@@ -39,12 +39,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from reinforge.hang import EXIT_STATUS, HEARTBEAT_ENV, REPORT_NAME, worker_stacks
+from reinforge.exits import HEARTBEAT_ENV, INFRASTRUCTURE_EXIT
+from reinforge.hang import REPORT_NAME, worker_stacks
 from reinforge.run_dir import RUN_DIR_FILE_ENV
 
 SUPERVISED_ENV = "REINFORGE_SUPERVISED"  # set in the run's process: it runs the loop itself
-INFRASTRUCTURE_EXIT = EXIT_STATUS  # EX_TEMPFAIL: the CLI's exit status for a failure a restart can fix
 RESTARTS_FILE = "restarts.jsonl"
+KILL_WAIT_S = 60.0  # how long a killed run may take to end (a process in an uninterruptible call ends after it)
 METRICS_TAIL_BYTES = 1 << 16  # enough for the last rows of metrics.jsonl
 PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible (disk)", "T": "stopped", "t": "stopped by a "
                   "debugger", "Z": "a zombie", "X": "dead", "I": "idle"}  # fmt: skip
@@ -200,7 +201,7 @@ def process_state(pid: int) -> str:
 
 
 def exit_grace(heartbeat: Path) -> float:
-    """The seconds a run that said it is ending (hang.py `end_heartbeat`) may take beyond the heartbeat's deadline:
+    """The seconds a run that said it is ending (exits.py `end_heartbeat`) may take beyond the heartbeat's deadline:
     its interpreter's teardown runs with no thread left to beat, and its own exit deadline bounds it."""
     try:
         word, _, seconds = heartbeat.read_text().partition(" ")
@@ -283,7 +284,11 @@ class Supervisor:
                 seen, changed = mtime, now
             elif now - changed >= timeout + exit_grace(heartbeat) and state_letter(self.child.pid) not in "ZX":
                 last["error"] = self._end_silent(now - changed, run_dir_file)
-                return self.child.wait()
+                try:
+                    return self.child.wait(timeout=KILL_WAIT_S)
+                except subprocess.TimeoutExpired:  # uninterruptible (a dead NFS server): it dies when the call ends
+                    last["error"] += f"; it had not ended {KILL_WAIT_S:g} s after SIGKILL (uninterruptible)"
+                    return -signal.SIGKILL
 
     def _end_silent(self, silent_s: float, run_dir_file: Path) -> str:
         """Write the hang report of a run that stopped beating, kill it and its descendants; return the cause."""

@@ -30,7 +30,7 @@ import torch
 from reinforge.algorithms.supervised_recipe import SupervisedRecipe, SupervisedRunConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.data.prompts import PromptSampler
-from reinforge.hang import REPORT_NAME, Watchdog
+from reinforge.hang import REPORT_NAME, BoundedExitStack, Watchdog
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import MetricLogger, check_backends
 from reinforge.logging.memory import memory_metrics
@@ -63,7 +63,9 @@ class SupervisedResult:
 
 
 def train(config: SupervisedRunConfig, make_recipe: MakeRecipe) -> SupervisedResult:
-    with ExitStack() as cleanup:  # the FSDP2 ranks and Ray, the watchdog and the loggers, on every way out
+    with BoundedExitStack(
+        config.deadlines.cleanup_s
+    ) as cleanup:  # the ranks, Ray, the watchdog, the loggers: on every way out
         return run(config, make_recipe, cleanup)
 
 
@@ -99,9 +101,7 @@ def run(config: SupervisedRunConfig, make_recipe: MakeRecipe, cleanup: ExitStack
             f"{num_parameters:,} parameters, {num_trained:,} trained"
         )
         # from here on, not during start-up (model loading, DPO's reference pass)
-        watchdog = cleanup.enter_context(
-            Watchdog(config.deadlines.step_s, run_dir / REPORT_NAME, cleanup_s=config.deadlines.cleanup_s)
-        )
+        watchdog = cleanup.enter_context(Watchdog(config.deadlines.step_s, run_dir / REPORT_NAME))
         loop = Loop(config, recipe, backend, sampler, run_dir, metrics_log, console, watchdog)
         val_history = loop.run(state)
         if config.checkpoint.save_final:

@@ -1,7 +1,8 @@
-"""The supervisor's decisions (reinforge/supervisor.py) and how a run's process ends (hang.py): which exit is
-restarted, the restart budget renewed by progress, the progress read from the run directory, the one line and status
-of each kind of failure, the last line that reaches the supervisor while fd 2 is the run's log, and the deadline of a
-cleanup that never ends. The e2e side, a SIGSTOPped run ended at its heartbeat deadline: tests/e2e/test_restarts.py."""
+"""The supervisor's decisions (reinforge/supervisor.py) and how a run's process ends (exits.py, hang.py): which exit
+is restarted, the restart budget renewed by progress, the progress read from the run directory, the one line and
+status of each kind of failure, the last line that reaches the supervisor while fd 2 is the run's log, the heartbeat,
+and the deadline of a cleanup that never ends. The e2e side, a SIGSTOPped run ended at its heartbeat deadline:
+tests/e2e/test_restarts.py."""
 
 import errno
 import io
@@ -17,7 +18,7 @@ import pytest
 from reinforge import supervisor
 from reinforge.cli import report_failure
 from reinforge.errors import ConfigError, InfrastructureError, NumericalError
-from reinforge.hang import exit_status
+from reinforge.exits import exit_status
 from reinforge.run_dir import announce_run_dir
 from reinforge.supervisor import RestartBudget, classify, run_progress
 
@@ -205,9 +206,9 @@ def test_the_watchdogs_last_line_reaches_the_supervisors_pipe_while_fd_2_is_the_
         f"""
         import time
         from pathlib import Path
-        from reinforge import hang
+        from reinforge import exits, hang
         from reinforge.logging.capture import capture_dependency_logs
-        hang.keep_console()
+        exits.keep_console()
         with capture_dependency_logs(Path({str(tmp_path)!r})):
             with hang.Watchdog(1.0, Path({str(tmp_path / "hang_report.txt")!r}), grace_s=1.0):
                 try:
@@ -227,71 +228,63 @@ def test_the_watchdogs_last_line_reaches_the_supervisors_pipe_while_fd_2_is_the_
 
 def test_a_cleanup_that_never_ends_is_reported_and_the_process_ends_with_the_runs_status(tmp_path):
     report = tmp_path / "hang_report.txt"
-    result, took = run_script(
-        f"""
+    script = f"""
         import time
         from pathlib import Path
         from reinforge import hang
         from reinforge.errors import InfrastructureError
         hang.enable_exit_deadline()
-        try:
-            with hang.Watchdog(0, Path({str(report)!r}), cleanup_s=1.0):
-                raise InfrastructureError("generation[0] died")
-        finally:
-            time.sleep(30)  # a cleanup that never ends: ray.shutdown waiting on a dead node
-    """,
-        tmp_path,
-    )
+        hang._ExitDeadline.report = Path({str(report)!r})
+        with hang.BoundedExitStack(1.0) as cleanup:
+            cleanup.callback(time.sleep, 30)  # a cleanup that never ends: ray.shutdown waiting on a dead node
+            cleanup.callback(print, "closing the engines", flush=True)
+            raise InfrastructureError("generation[0] died")
+    """
+    result, took = run_script(script, tmp_path)
     assert result.returncode == 75 and took < 1.0 + 10, (result, took)  # interpreter start-up included
     assert result.stderr.strip().splitlines() == [
         "reinforge: error: generation[0] died; then the run's cleanup did not finish within 1 s "
         f"(deadlines.cleanup_s): ended; stacks in {report}"
     ]
-    assert "time.sleep(30)  # a cleanup that never ends" in report.read_text()  # where the main thread was
+    assert result.stdout == "closing the engines\n"  # the cleanup ran, up to the part that never ended
+    assert "with hang.BoundedExitStack(1.0) as cleanup:" in report.read_text()  # where the main thread was
 
 
 def test_a_thread_that_keeps_the_process_from_exiting_is_bounded_too(tmp_path):
-    result, took = run_script(
-        """
+    script = """
         import threading, time
         from reinforge import hang
         hang.enable_exit_deadline()
         threading.Thread(target=time.sleep, args=(30,)).start()  # an executor's worker still in a call
         hang.bound_exit(1.0, 0)  # the CLI, returning 0
-    """,
-        tmp_path,
-    )
+    """
+    result, took = run_script(script, tmp_path)
     assert result.returncode == 0 and took < 1.0 + 10, (result, took)
     assert result.stderr.strip() == "reinforge: warning: the run's cleanup did not finish within 1 s " \
         "(deadlines.cleanup_s): ended"  # fmt: skip
 
 
 def test_the_cleanup_deadline_ends_with_the_cleanup_so_a_next_stage_runs_on(tmp_path):
-    """hang_reports, entered first by a loop, exits last: the cleanup is over, a recipe's next stage is not bounded."""
-    result, took = run_script(
-        f"""
+    """A loop's cleanup that ends in time cancels its deadline: a recipe's next stage (a long start-up) runs on."""
+    script = """
         import time
-        from pathlib import Path
         from reinforge import hang
         hang.enable_exit_deadline()
         for stage in range(2):
-            with hang.hang_reports(Path({str(tmp_path)!r})):
-                with hang.Watchdog(0, Path({str(tmp_path / "hang_report.txt")!r}), cleanup_s=1.0):
-                    pass
-                time.sleep(0.2)  # the stage's cleanup, in time
+            with hang.BoundedExitStack(1.0) as cleanup:
+                cleanup.callback(time.sleep, 0.2)  # the stage's cleanup, in time
         time.sleep(2.0)  # the next stage's start-up: past the first stage's cleanup deadline
         print("finished", flush=True)
-    """,
-        tmp_path,
-    )
+    """
+    result, took = run_script(script, tmp_path)
     assert result.returncode == 0 and result.stdout == "finished\n" and not result.stderr, result
 
 
 HEARTBEAT = """
     import os, re, sys, time
     os.environ["REINFORGE_HEARTBEAT"] = "0.05:" + sys.argv[1]
-    from reinforge import hang
-    hang.start_heartbeat()
+    from reinforge import exits
+    exits.start_heartbeat()
     time.sleep(0.5)
     print("calling", flush=True)
     {call}
