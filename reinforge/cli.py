@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BaseException as exc:  # noqa: BLE001  every end is one line and a status (docs/reliability.md)
         status = report_failure(exc)
-    hang.bound_exit(hang.CLEANUP_S, status)  # what is left (threads joined at exit, Ray's atexit) has a deadline too
-    exits.end_heartbeat(hang.CLEANUP_S)
+    hang.bound_exit(None, status)  # what is left (threads joined at exit, Ray's atexit) has a deadline too
+    exits.end_heartbeat(hang.exit_deadline_s())  # the supervisor waits that long more for its end
     return status
 
 

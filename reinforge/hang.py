@@ -248,7 +248,7 @@ class _ExitDeadline:
     """The deadline of a process's end (`bound_exit`); off until the CLI, the process's entry, turns it on."""
 
     enabled = False
-    status, report, error = 0, None, ""
+    status, report, error, seconds = 0, None, "", CLEANUP_S
     thread: threading.Thread | None = None
     generation = 0  # bumped by `cancel_exit_deadline`: a deadline of an earlier generation does nothing
     lock = threading.Lock()
@@ -259,13 +259,17 @@ def enable_exit_deadline() -> None:
     _ExitDeadline.enabled = True
 
 
-def bound_exit(seconds: float, status: int | None = None, report: Path | None = None, error: str | None = None) -> None:
-    """From the first call on, this process has `seconds` to end; past them it appends every thread's stack to
-    `report` (the hang report), prints one line naming `error` (what it was ending with) and ends with `status`.
-    Later calls update the status, report and error, not the deadline. Nothing unless `enable_exit_deadline`."""
+def bound_exit(
+    seconds: float | None, status: int | None = None, report: Path | None = None, error: str | None = None
+) -> None:
+    """From the first call on, this process has `seconds` to end (None: the last run's `deadlines.cleanup_s`); past
+    them it appends every thread's stack to `report` (the hang report), prints one line naming `error` (what it was
+    ending with) and ends with `status`. Later calls update the status, report and error, not the deadline. Nothing
+    unless `enable_exit_deadline`."""
     if not _ExitDeadline.enabled:
         return
     with _ExitDeadline.lock:
+        seconds = _ExitDeadline.seconds = seconds or _ExitDeadline.seconds
         if status is not None:
             _ExitDeadline.status = status
         _ExitDeadline.report = report or _ExitDeadline.report
@@ -275,6 +279,11 @@ def bound_exit(seconds: float, status: int | None = None, report: Path | None = 
                 target=_end_late, args=(seconds, _ExitDeadline.generation), name="reinforge-exit-deadline", daemon=True
             )
             _ExitDeadline.thread.start()
+
+
+def exit_deadline_s() -> float:
+    """The seconds `bound_exit` gives this process's end: the last run's `deadlines.cleanup_s`, or its default."""
+    return _ExitDeadline.seconds
 
 
 class BoundedExitStack(ExitStack):
