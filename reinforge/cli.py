@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from reinforge import __version__
@@ -275,7 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The command line. `argv=None`: this process's own, so that its exit is bounded (hang.py `bound_exit`); a
+    caller that passes `argv` (a test) keeps its process whatever happens."""
+    entry, argv = argv is None, sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # torch's OpenMP threads spin up to 300,000 times at every barrier before they sleep: on cores another
@@ -287,12 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in RECIPE_COMMANDS:
         from reinforge import supervisor
 
-        limit = supervisor.max_restarts(getattr(args, "config", None) or str(DEMO_CONFIG), args.overrides)
-        if limit and not supervisor.supervised():
-            return supervisor.supervise(argv, limit)
+        settings = supervisor.settings(getattr(args, "config", None) or str(DEMO_CONFIG), args.overrides)
+        if settings.max_restarts and not supervisor.supervised():
+            return supervisor.supervise(argv, settings)
     # Imports after parsing so that `--help` is instant.
-    from reinforge.errors import InfrastructureError, ReinforgeError
+    from reinforge import exits, hang
 
+    exits.start_heartbeat()  # a supervised run's: its supervisor ends it when the beats stop (a stopped process)
+    exits.keep_console()  # the last lines reach the console even while fd 2 is the run's log
+    if entry:
+        hang.enable_exit_deadline()
     try:
         # the commands that load models: transformers' errors only, no bars
         if args.command not in ("env", "report", "plan"):
@@ -302,21 +310,76 @@ def main(argv: list[str] | None = None) -> int:
             if args.command != "convert":
                 hf_logging.set_verbosity_error()
         run_command(args)
-    except InfrastructureError as exc:  # a worker died, a wait passed its deadline: restartable (supervisor.py)
-        print(f"reinforge: error: {exc}", file=sys.stderr)
-        return 75
-    except ReinforgeError as exc:
-        print(f"reinforge: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a path the user gave that cannot be read or written, wherever it was opened
-        if exc.filename is None:
-            raise
-        print(f"reinforge: error: {exc.filename}: {exc.strerror}; check the path and its permissions", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+        status = 0
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001  every end is one line and a status (docs/reliability.md)
+        status = report_failure(exc)
+    hang.bound_exit(None, status)  # what is left (threads joined at exit, Ray's atexit) has a deadline too
+    exits.end_heartbeat(hang.exit_deadline_s())  # the supervisor waits that long more for its end
+    return status
+
+
+def report_failure(exc: BaseException) -> int:
+    """Print the one line of a command that ended with `exc`; return its exit status (exits.py `exit_status`): 75 for
+    what a restart may get past (an InfrastructureError, a transient error of the filesystem or network), 2 for the
+    input's errors and for bugs (never restarted: they would repeat), 130 interrupted."""
+    from reinforge.errors import ReinforgeError
+    from reinforge.exits import INFRASTRUCTURE_EXIT, exit_status
+
+    status = exit_status(exc)
+    if isinstance(exc, KeyboardInterrupt):
         print("reinforge: interrupted", file=sys.stderr)
-        return 130
-    return 0
+        return status
+    transient = (
+        " (transient: a restart from the last checkpoint may get past it)" if status == INFRASTRUCTURE_EXIT else ""
+    )
+    if isinstance(exc, ReinforgeError):
+        line = str(exc)
+    elif isinstance(exc, OSError) and exc.filename is not None:  # a path, wherever it was opened
+        line = f"{exc.filename}: {exc.strerror}" + (transient or "; check the path and its permissions")
+    elif transient:
+        line = f"{type(exc).__name__}: {first_line(exc)}{transient}"
+    else:
+        line = bug_line(exc)
+    print(f"reinforge: error: {line}", file=sys.stderr)
+    return status
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def bug_line(exc: BaseException) -> str:
+    """The line of an exception nobody expected: what and where (the innermost frame in reinforge), and where its
+    whole traceback is (RUN_DIR/logs/traceback.txt once the run has a directory, else printed here, above the line)."""
+    from reinforge.run_dir import announced_run_dir
+
+    package = Path(__file__).resolve().parent
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [frame for frame in frames if Path(frame.filename).resolve().is_relative_to(package)] or frames
+    where = ""
+    if ours:
+        path = Path(ours[-1].filename).resolve()
+        shown = path.relative_to(package.parent) if path.is_relative_to(package.parent) else path
+        where = f" at {shown}:{ours[-1].lineno} in {ours[-1].name}"
+    text = "".join(traceback.format_exception(exc))
+    log = "above"
+    if run_dir := announced_run_dir():
+        try:
+            (run_dir / "logs").mkdir(exist_ok=True)
+            with open(run_dir / "logs" / "traceback.txt", "a") as file:
+                file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{text}\n")
+            log = f"in {run_dir / 'logs' / 'traceback.txt'}"
+        except OSError:
+            pass
+    if log == "above":
+        print(text, end="", file=sys.stderr)
+    if type(exc).__name__ == "OutOfMemoryError":  # torch's: the same step would meet it again
+        what = "out of accelerator memory; lower training.micro_batch_size or the engine's memory share"
+    else:
+        what = f"a bug, not the input: {type(exc).__name__}: {first_line(exc)}"
+    return f"{what}{where}; not restarted (it would happen again); the traceback is {log}"
 
 
 if __name__ == "__main__":

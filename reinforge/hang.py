@@ -10,6 +10,12 @@ The `Watchdog` covers what no single deadline does: the loop beats it at each ph
 `deadlines.step_s`, it writes the report, raises its `HangError` in the main thread (through a signal, so a wait in
 the main thread is interrupted), and if the run has still not stopped GRACE_S later, ends the process with the exit
 status of an infrastructure failure (EXIT_STATUS, which a supervised run restarts after).
+
+The run's cleanup (its `BoundedExitStack`: executor shutdowns, the worker groups, `ray.shutdown`; then what the
+interpreter waits for at exit) has a deadline too, `deadlines.cleanup_s` (`bound_exit`): a cleanup that runs past it
+is reported (its stacks appended to the hang report) and the process ends anyway, with the status it was ending with.
+The lines a run prints on its way out (exits.py `console_line`) reach the console, or the supervisor's pipe, even while
+fd 2 is the run's log file.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -31,9 +37,12 @@ from pydantic import Field
 
 from reinforge.config.section import Section
 from reinforge.errors import InfrastructureError
+from reinforge.exits import INFRASTRUCTURE_EXIT, console_line, exit_status
+from reinforge.run_dir import announced_run_dir
 
 GRACE_S = 30.0  # after the watchdog's signal, how long the run has to stop on its own before the process is ended
-EXIT_STATUS = 75  # EX_TEMPFAIL, as the CLI's for an InfrastructureError
+EXIT_STATUS = INFRASTRUCTURE_EXIT  # EX_TEMPFAIL, as the CLI's for an InfrastructureError
+CLEANUP_S = 120.0  # deadlines.cleanup_s's default
 PY_SPY_TIMEOUT_S = 20.0  # for all the workers' dumps together
 REPORT_NAME = "hang_report.txt"
 T = TypeVar("T")
@@ -49,6 +58,10 @@ class TrainerDeadlinesConfig(Section):
     step_s: float = Field(default=3600.0, ge=0)
     """The watchdog: a run in which no phase of a step (rollout, training, refit, validation, checkpoint) finishes
     for this long is stopped; 0: no watchdog."""
+    cleanup_s: float = Field(default=CLEANUP_S, gt=0)
+    """Once the steps are over (done, failed or stopped by the watchdog): the longest the run's cleanup may take
+    (executor shutdowns, the worker groups, Ray, the process's exit); past it the process ends anyway, with one line
+    and the cleanup's stacks appended to RUN_DIR/hang_report.txt."""
 
 
 class DeadlinesConfig(TrainerDeadlinesConfig):
@@ -227,6 +240,93 @@ class Watchdog:
         if self._old_handler is not None:
             signal.pthread_kill(self._main.ident, signal.SIGUSR1)
         if not self._stopped.wait(self.grace_s):
-            print(f"reinforge: error: {error} (the run did not stop within {self.grace_s:g} s: ended)", file=sys.stderr)
-            sys.stderr.flush()
+            console_line(f"reinforge: error: {error} (the run did not stop within {self.grace_s:g} s: ended)")
             os._exit(EXIT_STATUS)
+
+
+class _ExitDeadline:
+    """The deadline of a process's end (`bound_exit`); off until the CLI, the process's entry, turns it on."""
+
+    enabled = False
+    status, report, error, seconds = 0, None, "", CLEANUP_S
+    thread: threading.Thread | None = None
+    generation = 0  # bumped by `cancel_exit_deadline`: a deadline of an earlier generation does nothing
+    lock = threading.Lock()
+
+
+def enable_exit_deadline() -> None:
+    """Let `bound_exit` end this process: only a process whose entry is the CLI (a test calling a loop keeps its)."""
+    _ExitDeadline.enabled = True
+
+
+def bound_exit(
+    seconds: float | None, status: int | None = None, report: Path | None = None, error: str | None = None
+) -> None:
+    """From the first call on, this process has `seconds` to end (None: the last run's `deadlines.cleanup_s`); past
+    them it appends every thread's stack to `report` (the hang report), prints one line naming `error` (what it was
+    ending with) and ends with `status`. Later calls update the status, report and error, not the deadline. Nothing
+    unless `enable_exit_deadline`."""
+    if not _ExitDeadline.enabled:
+        return
+    with _ExitDeadline.lock:
+        seconds = _ExitDeadline.seconds = seconds or _ExitDeadline.seconds
+        if status is not None:
+            _ExitDeadline.status = status
+        _ExitDeadline.report = report or _ExitDeadline.report
+        _ExitDeadline.error = error or _ExitDeadline.error
+        if _ExitDeadline.thread is None:
+            _ExitDeadline.thread = threading.Thread(
+                target=_end_late, args=(seconds, _ExitDeadline.generation), name="reinforge-exit-deadline", daemon=True
+            )
+            _ExitDeadline.thread.start()
+
+
+def exit_deadline_s() -> float:
+    """The seconds `bound_exit` gives this process's end: the last run's `deadlines.cleanup_s`, or its default."""
+    return _ExitDeadline.seconds
+
+
+class BoundedExitStack(ExitStack):
+    """A run's ExitStack, whose unwinding (the run's cleanup: executor shutdowns, the worker groups, `ray.shutdown`)
+    has a deadline, `seconds` (`deadlines.cleanup_s`): `bound_exit` armed as the unwinding starts, whether the run
+    ended, failed or was stopped by the watchdog, and cancelled once it ends in time with nothing raised (a recipe's
+    next stage runs on). Past it, the process ends (a CLI's process only, `enable_exit_deadline`)."""
+
+    def __init__(self, seconds: float = CLEANUP_S):
+        super().__init__()
+        self.seconds = seconds
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        bound_exit(self.seconds, exit_status(exc), None, f"{exc}" if exc is not None else "")
+        suppressed = super().__exit__(exc_type, exc, traceback)
+        if exc is None:
+            cancel_exit_deadline()
+        return suppressed
+
+
+def cancel_exit_deadline() -> None:
+    """The cleanup that `bound_exit` bounded has ended and the process goes on (the next stage of a recipe)."""
+    with _ExitDeadline.lock:
+        _ExitDeadline.generation += 1
+        _ExitDeadline.thread, _ExitDeadline.status, _ExitDeadline.error = None, 0, ""
+
+
+def _end_late(seconds: float, generation: int) -> None:
+    time.sleep(seconds)
+    if generation != _ExitDeadline.generation:
+        return
+    late = f"the run's cleanup did not finish within {seconds:g} s (deadlines.cleanup_s): ended"
+    run_dir = announced_run_dir()
+    report = _ExitDeadline.report or (run_dir / REPORT_NAME if run_dir else None)
+    if report is not None:
+        try:
+            with open(report, "a") as file:
+                file.write(f"\n{time.strftime('%Y-%m-%d %H:%M:%S')} {late}\n\n{thread_stacks()}")
+            late += f"; stacks in {report}"
+        except OSError:
+            pass
+    status = _ExitDeadline.status
+    kind = "error" if status else "warning"
+    error = f"{_ExitDeadline.error}; then " if _ExitDeadline.error else ""
+    console_line(f"reinforge: {kind}: {error}{late}")
+    os._exit(status)

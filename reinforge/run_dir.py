@@ -13,10 +13,19 @@ from reinforge.errors import ConfigError
 RUN_DIR_FILE_ENV = "REINFORGE_RUN_DIR_FILE"  # set by reinforge/supervisor.py: where a run says where it writes
 
 
+_announced: list[Path] = []  # the run directory of this process's run, once it has one
+
+
 def announce_run_dir(run_dir: Path) -> None:
-    """Tell the supervisor, if there is one, which run directory the run writes to (a restart resumes there)."""
+    """Tell the supervisor, if there is one, which run directory the run writes to (a restart resumes there), and
+    the CLI (`announced_run_dir`: where a bug's traceback goes)."""
+    _announced[:] = [Path(run_dir).resolve()]
     if path := os.environ.get(RUN_DIR_FILE_ENV):
         Path(path).write_text(str(Path(run_dir).resolve()))
+
+
+def announced_run_dir() -> Path | None:
+    return _announced[0] if _announced else None
 
 
 def check_run_dir(requested: str | Path, what: str = "logging.run_dir") -> None:

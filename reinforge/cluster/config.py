@@ -29,8 +29,15 @@ class TrainerClusterConfig(Section):
     """When a component dies (a training rank, an engine, the critic, a teacher, an env worker, the run's own process)
     or hangs past its deadline, the run restarts itself from its last complete checkpoint, up to this many times
     (each restart is logged in RUN_DIR/restarts.jsonl with its cause); 0: the run stops at the first such failure."""
+    restart_budget_renew_steps: int = Field(default=5, ge=0)
+    """The restarts counted against cluster.max_restarts are those since the run last got this many steps beyond
+    the furthest step it had reached at a failure: a run that keeps making progress between rare failures is
+    restarted for as long as it does; one that fails again and again at the same place stops. 0: never renewed."""
     worker_timeout_s: float = 600.0
     """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""
+    heartbeat_timeout_s: float = Field(default=120.0, gt=0)
+    """A process of the run that sends no heartbeat for this long (stopped, or wedged in C code holding the GIL) is
+    ended with a hang report and restarted; its beats come from a thread of their own, so a long call does not."""
     training_resources: dict[str, float] = {}
     """Custom Ray resources every training rank requires, e.g. {node_a: 1} to keep the ranks on the nodes started
     with `ray start --resources='{"node_a": 8}'` (docs/distributed.md); a node must offer the amount once per

@@ -32,7 +32,7 @@ from reinforge.config.loader import save_config
 from reinforge.data.prompts import PromptSampler
 from reinforge.envs.base import Environment
 from reinforge.generation.base import GenerationBackend
-from reinforge.hang import REPORT_NAME, Watchdog, hang_reports
+from reinforge.hang import REPORT_NAME, BoundedExitStack, Watchdog, hang_reports
 from reinforge.logging.capture import capture_dependency_logs
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import MetricLogger
@@ -101,7 +101,7 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
     if config.cluster.num_threads:
         torch.set_num_threads(config.cluster.num_threads)
     inputs = read_inputs(config)
-    with ExitStack() as cleanup:  # workers, engines and verifier processes are released on every exit path
+    with BoundedExitStack(config.deadlines.cleanup_s) as cleanup:  # workers, engines, verifiers: released on every exit
         parts = build_parts(inputs, make_learner, cleanup)
         progress, metrics_log = start(parts, cleanup)
         with ConsoleLog(config.loop.max_steps, parts.learner.title, completed=progress.step) as console:

@@ -30,7 +30,7 @@ import torch
 from reinforge.algorithms.supervised_recipe import SupervisedRecipe, SupervisedRunConfig
 from reinforge.data.batch import TrainBatch
 from reinforge.data.prompts import PromptSampler
-from reinforge.hang import REPORT_NAME, Watchdog
+from reinforge.hang import REPORT_NAME, BoundedExitStack, Watchdog
 from reinforge.logging.console import ConsoleLog
 from reinforge.logging.loggers import MetricLogger, check_backends
 from reinforge.logging.memory import memory_metrics
@@ -63,7 +63,9 @@ class SupervisedResult:
 
 
 def train(config: SupervisedRunConfig, make_recipe: MakeRecipe) -> SupervisedResult:
-    with ExitStack() as cleanup:  # the FSDP2 ranks and Ray, the watchdog and the loggers, on every way out
+    with BoundedExitStack(
+        config.deadlines.cleanup_s
+    ) as cleanup:  # the ranks, Ray, the watchdog, the loggers: on every way out
         return run(config, make_recipe, cleanup)
 
 

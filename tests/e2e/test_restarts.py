@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from _kill import cli_command, cmdline, descendants
+from _kill import cli_command, cmdline, descendants, json_rows
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -101,3 +101,36 @@ def test_past_cluster_max_restarts_the_command_stops_with_one_line(tmp_path):
     ), stderr
     assert sum(line.startswith("reinforge: restart 1 of 1") for line in lines) == 1
     assert len((run / "restarts.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_stopped_run_process_ends_at_its_heartbeat_deadline_with_a_hang_report_and_is_restarted(tmp_path):
+    """SIGSTOP, as a wedged process that holds the GIL: its own watchdog thread cannot run, its heartbeat stops. The
+    supervisor writes the hang report (state, stacks), kills it, and the restart finishes the run from its
+    checkpoint."""
+    run = tmp_path / "run"
+    timeout_s = 5.0  # a few seconds: a loaded machine may delay a beat by one or two
+    line = command(run, "loop.max_steps=2", "loop.val_every=0", f"cluster.heartbeat_timeout_s={timeout_s:g}")
+    process = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker, deadline = run / "checkpoints" / "step_00000001" / "COMPLETE", time.time() + 300
+    while process.poll() is None and not marker.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    victims = [pid for pid in descendants(process.pid) if "reinforge.cli grpo" in cmdline(pid)]
+    assert victims, f"no run process under the command: {process.poll()}"
+    os.kill(victims[0], signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr[-3000:]
+    restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["exit"] == -signal.SIGKILL, restarts
+    cause = restarts[0]["cause"]
+    assert cause.startswith(f"the run's process sent no heartbeat for {timeout_s:.0f} s"), cause
+    assert "its state: stopped (T)" in cause and cause.endswith(f"stacks in {run / 'hang_report.txt'}"), cause
+    assert restarts[0]["time"] - stopped_at < timeout_s + 20  # the deadline, a poll, py-spy's dump
+    report = (run / "hang_report.txt").read_text()
+    assert f"(pid {victims[0]}): no heartbeat for" in report and "state stopped (T)" in report, report[:3000]
+    assert "Thread" in report or "no stacks" in report, report  # py-spy's dump of the stopped process, where present
+    assert "reinforge: restart 1 of 3" in stderr and "(resumed from step_00000001)" in stdout
+    assert [row["step"] for row in json_rows(run / "metrics.jsonl")][-1] == 2

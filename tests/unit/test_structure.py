@@ -23,9 +23,10 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # No component's section lives here: a section sits beside its component, a recipe's root tree at the top.
     ("errors", "paths", "config"),
     # 1, utilities with no knowledge of RL: the run directory (atomic writes, run layout), HTTP exposure and guards
-    # (network.py), model loading with its `model:` section (modeling.py, model_config.py), and deadlines, hang
-    # reports and the step watchdog (hang.py).
-    ("run_dir", "network", "model_config", "modeling", "hang"),
+    # (network.py), model loading with its `model:` section (modeling.py, model_config.py), deadlines, hang
+    # reports and the step watchdog (hang.py), and how a run's process ends: its exit status, its last line, its
+    # heartbeat (exits.py).
+    ("run_dir", "network", "model_config", "modeling", "hang", "exits"),
     # 2, what a run reads and writes: records, batches and chat rendering (data/), environments that score
     # conversations (envs/), and metric names, loggers and reports (logging/, which reads the run's JSONL via data/).
     ("data", "envs", "logging"),
