@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -237,10 +236,7 @@ def log_trained_prompts(
 
 def truncate_metrics(path: Path, last_step: int, attempt: int | None = None) -> None:
     """Keep the rows of steps <= last_step (replaced atomically); the later ones move to `<ledger>.attempt-N`
-    (`attempt`, by default the next), a torn or NUL-filled tail is cut with one line on stderr."""
+    (`attempt`, by default the next), a torn or NUL-filled tail is cut with one line on the console (stdout: stderr
+    goes to RUN_DIR/logs by then)."""
     attempt = attempt or next_attempt(path.parent)
-    cut_ledger(path, last_step, path.with_name(f"{path.name}.attempt-{attempt}"), notice=_stderr)
-
-
-def _stderr(line: str) -> None:
-    print(f"reinforge: {line}", file=sys.stderr, flush=True)
+    cut_ledger(path, last_step, path.with_name(f"{path.name}.attempt-{attempt}"), notice=print)
