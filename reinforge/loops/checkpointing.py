@@ -151,6 +151,7 @@ def save_run_checkpoint(
     for name in LEDGERS:  # the rows this checkpoint covers survive a power loss once it exists
         if (run_dir / name).exists():
             fsync_path(run_dir / name)
+    fsync_path(run_dir)  # and so do the ledgers' names (created, or replaced by a resume's cut)
     save_checkpoint(run_dir, state.step, trainer, driver_state, tree, models, config.deadlines.checkpoint_s)
     prune(run_dir, config.checkpoint.keep_last, state.best.get("step"))
 
