@@ -2,9 +2,9 @@
 its checkpoint covered lost and no step twice; on an edited data file the resume is one line (docs/reliability.md,
 "Ledgers")."""
 
-import json
 import subprocess
-import sys
+
+from _kill import cli_command, json_rows
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -24,20 +24,9 @@ ARGS = [
 
 
 def run(run_dir, data, max_steps):
-    command = [
-        sys.executable,
-        "-m",
-        "reinforge.cli",
-        "grpo",
-        "--config",
-        str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
-    ]
-    command += [*ARGS, f"loop.max_steps={max_steps}", f"data.train_path={data}", f"logging.run_dir={run_dir}"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
-
-
-def rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    config = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
+    args = [*ARGS, f"loop.max_steps={max_steps}", f"data.train_path={data}", f"logging.run_dir={run_dir}"]
+    return subprocess.run(cli_command("grpo", config, *args), capture_output=True, text=True, timeout=600)
 
 
 def test_a_run_resumes_after_torn_ledgers_and_refuses_an_edited_data_file(tmp_path):
@@ -58,12 +47,12 @@ def test_a_run_resumes_after_torn_ledgers_and_refuses_an_edited_data_file(tmp_pa
     assert len(notices) == 2, resumed.stdout
     for path, before in covered.items():
         assert path.read_bytes().startswith(before)  # nothing the checkpoint covered lost
-    assert [row["step"] for row in rows(metrics)] == [0, 1, 2, 3]
-    assert [o for row in rows(prompts) for o in row["ordinals"]] == list(range(12))  # none missing, none twice
+    assert [row["step"] for row in json_rows(metrics)] == [0, 1, 2, 3]
+    assert [o for row in json_rows(prompts) for o in row["ordinals"]] == list(range(12))  # none missing, none twice
 
     data.write_text(data.read_text() + '{"prompt": "What is 2 + 2?", "answer": "4"}\n')
     refused = run(run_dir, data, 4)
     assert refused.returncode == 2
     error = refused.stderr.strip().splitlines()[-1]
     assert str(data) in error and "checkpoint.on_data_change=restart_order" in error, refused.stderr
-    assert [row["step"] for row in rows(metrics)] == [0, 1, 2, 3]
+    assert [row["step"] for row in json_rows(metrics)] == [0, 1, 2, 3]
