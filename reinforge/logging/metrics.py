@@ -108,15 +108,20 @@ def read_ledger(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 def cut_ledger(path: Path, last_step: int, aside: Path, notice: Callable[[str], None] = print) -> None:
     """Keep the rows of steps <= `last_step` (a checkpoint's: the steps after it are redone) and append the others
-    to `aside`; drop what is not a row (a torn line, NUL bytes), with one line to `notice`. Replaced atomically."""
+    to `aside`; drop what is not a row (a torn line, NUL bytes), with one line to `notice`, which also says when
+    rows of the checkpoint's steps (1 to `last_step`, one each) are missing. Replaced atomically."""
     rows, unreadable = read_ledger(path)
-    if unreadable:
-        notice(
-            f"{path}: cut {unreadable} bytes that are not a JSON row (a line torn by a crash, or NUL bytes left by "
-            f"a power loss or a full disk) at resume; the rows up to step {last_step}, which its checkpoint covers, "
-            "are whole"
-        )
     later = [row for row in rows if row["step"] > last_step]
+    first_missing = max((row["step"] + 1 for row in rows if row["step"] <= last_step), default=1)
+    missing = path.exists() and first_missing <= last_step
+    parts = [f"cut {unreadable} bytes that are not a JSON row (a line torn by a crash, or NUL bytes left by a power "
+             "loss or a full disk)"] if unreadable else []  # fmt: skip
+    if missing:
+        parts.append(f"its rows of steps {first_missing}-{last_step}, which the checkpoint covers, are missing")
+    elif unreadable:
+        parts.append(f"the rows up to step {last_step}, which its checkpoint covers, are whole")
+    if parts:
+        notice(f"{path}: at resume, " + "; ".join(parts))
     if later:
         with aside.open("a", encoding="utf-8") as handle:
             handle.write("".join(json.dumps(row) + "\n" for row in later))

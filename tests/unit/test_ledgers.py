@@ -43,7 +43,7 @@ def test_a_torn_or_nul_filled_tail_is_cut_at_resume_and_the_checkpoints_rows_are
     assert read_ledger(path) == (kept, 0)
     assert read_ledger(tmp_path / f"{name}.attempt-1") == ([rows[-1]], 0)
     (line,) = capsys.readouterr().out.splitlines()
-    assert str(path) in line and "at resume" in line and "up to step 3" in line
+    assert str(path) in line and "at resume" in line and "up to step 3" in line and "whole" in line
     JsonlWriter(path).write(4, {"train/loss": 0.25})
     assert [row["step"] for row in read_ledger(path)[0]] == [row["step"] for row in kept] + [4]
 
@@ -159,3 +159,14 @@ def test_restart_order_starts_the_new_data_from_its_beginning_with_the_ordinals_
     again = make(new)
     again.load_state_dict(resumed.state_dict())
     assert again.drawn == 16 and again.next_batch() == resumed.next_batch()
+
+
+def test_rows_of_the_checkpoints_steps_that_are_missing_are_named(tmp_path, capsys):
+    """A ledger that lost rows its checkpoint covers (a copy, a disk that lied) is not silently accepted."""
+    path = tmp_path / "prompts.jsonl"
+    write(path, PROMPTS_ROWS[:1], b"\0" * 8)
+    truncate_metrics(path, 3, attempt=1)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "cut 8 bytes" in line and "steps 2-3" in line and "missing" in line
+    truncate_metrics(tmp_path / "absent.jsonl", 3, attempt=1)  # a ledger the run does not keep: nothing to say
+    assert capsys.readouterr().out == ""
