@@ -54,6 +54,7 @@ class Trajectory:
     infra_error: str = ""  # that failure in one line, naming the component
     excluded: bool = False  # masked and in no statistic either: an infra failure, or in a group dropped for too few
     prompt_ordinal: int = -1  # its prompt's place in the run's stream of drawn prompts (0, 1, ...; -1: not drawn)
+    discarded: str = ""  # why dynamic sampling left its group out of the batch (algorithms/dynamic_sampling.py)
     token_versions: list[int] | None = None
     """Per response token, the policy version that sampled it (an observation token: its turn's last token's);
     None: every token's is `policy_version`. Several only under in-flight generation (generation/in_flight.py)."""

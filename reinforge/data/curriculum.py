@@ -227,6 +227,9 @@ class ProgressiveSampler:
         return {"step": self.step, "epoch": self.epoch, "taken": list(self.taken)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The position of `state_dict`; without `taken`, the epoch starts afresh (a data order restarted on another
+        file, loops/checkpointing.py: the schedule goes on at `step`)."""
+        state = {"taken": [0] * len(self.bins)} | state
         if len(state["taken"]) != len(self.bins) or any(t > len(b) for t, b in zip(state["taken"], self.bins)):
             raise DataError(
                 "the checkpoint's curriculum sampler state does not fit these prompts' pass-rate bins; "

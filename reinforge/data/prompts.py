@@ -231,6 +231,7 @@ class PromptSampler:
         assert prompts, "no prompts"
         self.prompts, self.batch_size, self.seed, self.shuffle = prompts, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
+        self.first_ordinal = 0  # the first draw's ordinal: 0, or where a restarted data order began
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> list[int]:
@@ -252,11 +253,15 @@ class PromptSampler:
     @property
     def drawn(self) -> int:
         """Prompts drawn so far: the next prompt's ordinal in the data stream."""
-        return self.epoch * len(self.prompts) + self.position
+        return self.first_ordinal + self.epoch * len(self.prompts) + self.position
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """The position of `state_dict`; {"epoch": 0, "position": 0, "drawn": N} starts the order afresh with
+        ordinal N (a data order restarted on another file, loops/checkpointing.py)."""
         self.epoch, self.position = state["epoch"], state["position"]
+        drawn_here = self.epoch * len(self.prompts) + self.position
+        self.first_ordinal = state.get("drawn", drawn_here) - drawn_here
         self._order = self._epoch_order()

@@ -1,14 +1,24 @@
-"""Timers and the metrics.jsonl writer. Every metric's formula is in docs/metrics.md."""
+"""Timers, the metrics.jsonl writer and the ledgers' repair at resume. Every metric's formula is in docs/metrics.md.
+
+The ledgers (RUN_DIR/metrics.jsonl, RUN_DIR/prompts.jsonl: one JSON object per line, each with its `step`) are
+appended through the page cache and flushed to disk (fsync) with the checkpoint they belong to
+(loops/checkpointing.py), so what a checkpoint covers survives a power loss. What came after it may not: a line cut
+mid-write, or a tail of NUL bytes (a file the kernel had grown but not yet filled, a full disk). `cut_ledger` reads
+a ledger back at resume whatever its tail holds (docs/reliability.md, "Ledgers").
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
+
+from reinforge.run_dir import atomic_write_text
 
 
 class Timers:
@@ -58,7 +68,8 @@ class RoundMetrics:
 
 
 class JsonlWriter:
-    """Appends one JSON object per step to RUN_DIR/metrics.jsonl, flushed at once so a crash loses nothing."""
+    """Appends one JSON object per step to RUN_DIR/metrics.jsonl, written at once (a killed process loses nothing);
+    flushed to disk with each checkpoint (a power loss loses nothing the checkpoint covers)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -72,3 +83,58 @@ class JsonlWriter:
 def _finite_or_none(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def read_ledger(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a ledger (its lines that are JSON objects with a `step`), and how many of its bytes are not
+    (torn lines, NUL bytes); a missing file has none."""
+    if not path.exists():
+        return [], 0
+    rows, unreadable = [], 0
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip(b" \t\r\0"):
+            unreadable += len(line)  # a NUL-filled block (or an empty line)
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        else:
+            unreadable += len(line)
+    return rows, unreadable
+
+
+def cut_ledger(path: Path, last_step: int, aside: Path, notice: Callable[[str], None] = print) -> None:
+    """Keep the rows of steps <= `last_step` (a checkpoint's: the steps after it are redone) and append the others
+    to `aside`; drop what is not a row (a torn line, NUL bytes), with one line to `notice`, which also says when
+    rows of the checkpoint's steps (1 to `last_step`, one each) are missing. Replaced atomically."""
+    rows, unreadable = read_ledger(path)
+    later = [row for row in rows if row["step"] > last_step]
+    first_missing = max((row["step"] + 1 for row in rows if row["step"] <= last_step), default=1)
+    missing = path.exists() and first_missing <= last_step
+    parts = [f"cut {unreadable} bytes that are not a JSON row (a line torn by a crash, or NUL bytes left by a power "
+             "loss or a full disk)"] if unreadable else []  # fmt: skip
+    if missing:
+        parts.append(f"its rows of steps {first_missing}-{last_step}, which the checkpoint covers, are missing")
+    elif unreadable:
+        parts.append(f"the rows up to step {last_step}, which its checkpoint covers, are whole")
+    if parts:
+        notice(f"{path}: at resume, " + "; ".join(parts))
+    if later:
+        with aside.open("a", encoding="utf-8") as handle:
+            handle.write("".join(json.dumps(row) + "\n" for row in later))
+            handle.flush()
+            os.fsync(handle.fileno())
+    if later or unreadable or not _ends_a_line(path):
+        atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= last_step))
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Empty or missing, or its last byte a newline (a row cut right before it would join the next one appended)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return True
+    with path.open("rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"

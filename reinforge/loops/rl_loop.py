@@ -211,7 +211,7 @@ def train_step(step: int, parts: Parts, progress: Progress, rollouts, watchdog: 
     metrics.update(memory_metrics("perf/"))  # the driver's
     metrics.update(parts.trainer.memory_metrics())  # each rank's, when the ranks are processes of their own
     metrics.update(parts.curriculum_metrics)
-    metrics.update(log_trained_prompts(parts.run_dir, step, batch.trajectories))
+    metrics.update(log_trained_prompts(parts.run_dir, step, batch.trajectories, batch.discarded))
     metrics_log.log(step, metrics)
     console.step(step, metrics, show_line=step % config.logging.console_every == 0 or "val/accuracy" in metrics)
     if saving:

@@ -62,9 +62,10 @@ def generate_batch(
     envs: dict[str, Environment],
     config: RLRunConfig,
     collect_groups: Callable[[RolloutRound], tuple[list[Trajectory], dict[str, float]]] | None,
-) -> tuple[list[Trajectory], dict[str, float]]:
-    """Step `step`'s scored groups and their metrics (generation and scoring times, environment and agent
-    counters). Runs on the rollout producer's thread under async generation."""
+) -> tuple[list[Trajectory], dict[str, float], dict[int, str]]:
+    """Step `step`'s scored groups, their metrics (generation and scoring times, environment and agent
+    counters) and the prompts drawn but left out (by ordinal, why: dynamic sampling's `Trajectory.discarded`).
+    Runs on the rollout producer's thread under async generation."""
     timers = Timers()
 
     def rollout_round(round_index: int) -> list[Trajectory]:
@@ -75,15 +76,18 @@ def generate_batch(
         for trajectory in trajectories:
             trajectory.prompt_ordinal = first_ordinal + trajectory.group
         tasks.update(trajectory.task for trajectory in trajectories)  # every round's, kept or not
+        drawn.extend(trajectories)
         return trajectories
 
     tasks: set[str] = set()
+    drawn: list[Trajectory] = []
     trajectories, metrics = collect_groups(rollout_round) if collect_groups else (rollout_round(0), {})
     if config.rollout.mode == "sync":
         engine.sleep()  # with vLLM sleep mode on GPU, the trainer gets the engine's memory until the refit
     scored = scored_tasks(tasks, config.rollout.driver, config.env.extra_rewards)
     counters = {**episodes.metrics(), **batch_metrics(sampler), **env_metrics(envs, scored)}
-    return trajectories, {**metrics, **counters, **timers.metrics()}
+    discarded = {t.prompt_ordinal: t.discarded for t in drawn if t.discarded}
+    return trajectories, {**metrics, **counters, **timers.metrics()}, discarded
 
 
 def in_flight_rollouts(config: RLRunConfig, sampler, episodes: Episodes, engine, envs, learner, pending):

@@ -39,6 +39,7 @@ from reinforge.loops.builders import build_recipe_backend
 from reinforge.loops.checkpointing import (
     METRICS_FILE,
     ResumeState,
+    load_resume_state,
     save_run_checkpoint,
     start_run_dir,
     truncate_metrics,
@@ -48,7 +49,7 @@ from reinforge.loops.run_checks import trainer_device
 from reinforge.modeling import load_tokenizer, save_tokenizer
 from reinforge.run_dir import atomic_directory
 from reinforge.training.base import LossFn
-from reinforge.training.checkpoint import load_driver_state, rng_state, set_rng_state
+from reinforge.training.checkpoint import rng_state, set_rng_state
 from reinforge.training.lora import check_lora
 from reinforge.training.parallel.layout import check_model_layout
 
@@ -86,7 +87,7 @@ def run(config: SupervisedRunConfig, make_recipe: MakeRecipe, cleanup: ExitStack
     recipe.start(backend)  # before a checkpoint's weights replace the starting model's
     indices = list(range(len(recipe.examples)))  # the sampler draws examples by index
     sampler = PromptSampler(indices, recipe.examples_per_step, config.seed, config.data.shuffle)
-    state = restore(resume_from, run_dir, backend, sampler) if resume_from else None
+    state = restore(resume_from, run_dir, backend, sampler, config) if resume_from else None
     metrics_log = cleanup.enter_context(MetricLogger(run_dir, config.logging.loggers))
     metrics_log.log_config(config.model_dump(mode="json"))
     if state:
@@ -181,11 +182,11 @@ class Loop:
         return val_history
 
 
-def restore(checkpoint: Path, run_dir: Path, backend, sampler: PromptSampler) -> ResumeState:
+def restore(checkpoint: Path, run_dir: Path, backend, sampler: PromptSampler, config) -> ResumeState:
     """Restore the weights, AdamW and the schedule, and the sampler's position; cut metrics.jsonl back to the
     checkpoint's step (the rows after it are recomputed, identically). Returns the loop's state (its RNG states are
     applied right before the loop)."""
-    state = ResumeState(**load_driver_state(checkpoint))
+    state = load_resume_state(checkpoint, config)  # the sampler's order restarted on changed data, if allowed
     backend.load_state(checkpoint / "trainer")
     sampler.load_state_dict(state.sampler)
     truncate_metrics(run_dir / METRICS_FILE, state.step)

@@ -41,9 +41,11 @@ class RolloutBatch:
     trajectories: list[Trajectory]
     metrics: dict[str, float]  # sampling, environment and generation-timing metrics
     policy_version: int  # the policy that generated it: trained through this step
+    discarded: dict[int, str] | None = None  # ordinals of prompts drawn for it but left out, and why (dynamic sampling)
 
 
-Produce = Callable[[int], tuple[list[Trajectory], dict[str, float]]]  # step -> (trajectories, metrics)
+# step -> (trajectories, metrics) or (trajectories, metrics, discarded)
+Produce = Callable[[int], tuple[list[Trajectory], dict[str, float]] | tuple[list[Trajectory], dict, dict[int, str]]]
 
 
 class SyncRollouts:
@@ -54,10 +56,10 @@ class SyncRollouts:
         self.produce, self.sampler, self.version = produce, sampler, start_step
 
     def get(self, step: int, timers: Timers | None = None) -> RolloutBatch:
-        trajectories, metrics = self.produce(step)  # timed by `produce` as generate and reward
+        trajectories, metrics, *discarded = self.produce(step)  # timed by `produce` as generate and reward
         for trajectory in trajectories:
             trajectory.policy_version = self.version
-        return RolloutBatch(step, trajectories, metrics, self.version)
+        return RolloutBatch(step, trajectories, metrics, self.version, *discarded)
 
     @contextmanager
     def engine_turn(self, version: int, timers: Timers) -> Iterator[None]:
@@ -108,10 +110,10 @@ class AsyncRollouts:
                     return
                 step, version, self._engine_busy = self._next_step, self._engine_version, True
             try:
-                trajectories, metrics = self.produce(step)
+                trajectories, metrics, *discarded = self.produce(step)
                 for trajectory in trajectories:
                     trajectory.policy_version = version
-                batch = RolloutBatch(step, trajectories, metrics, version)
+                batch = RolloutBatch(step, trajectories, metrics, version, *discarded)
             except BaseException as error:  # handed to the trainer's thread, which raises it
                 with self._cond:
                     self._error, self._engine_busy = error, False

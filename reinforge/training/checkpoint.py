@@ -54,6 +54,11 @@ class CheckpointConfig(Section):
     resume: Literal["auto", "never"] = "never"
     """`auto`: continue from the newest complete checkpoint in logging.run_dir (which is then reused,
     not suffixed); `never`: always start a new run."""
+    on_data_change: Literal["error", "restart_order"] = "error"
+    """What a resume does when the training data (`data.train_path`, pinned in every checkpoint by size, time and
+    digest) changed since its checkpoint: `error`, stop with one line; `restart_order`, train on the new data from
+    the start of its order (a fresh shuffle), the prompt ordinals going on from the checkpoint's
+    (docs/reliability.md, "Ledgers")."""
 
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -1,12 +1,15 @@
 """DAPO's dynamic sampling (`grpo.fill_with_informative_groups`) on rewards from the real math verifier:
 fixed answers stand in for the policy's, so every expectation is exact."""
 
+import json
+
 import pytest
 
 from reinforge.algorithms.dynamic_sampling import fill_with_informative_groups
 from reinforge.data.batch import Trajectory
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.math_env import MathEnv
+from reinforge.loops.checkpointing import log_trained_prompts
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +107,32 @@ def test_without_any_informative_group_nothing_is_trained(math_env):
     rollout_round, calls = scored_rounds(math_env, [[("1", ["1", "1"])]])
     trajectories, metrics = fill_with_informative_groups(rollout_round, num_groups=1, group_size=2, max_extra_rounds=0)
     assert calls == [0] and trajectories == [] and metrics["rollout/num_trained_groups"] == 0
+
+
+def test_every_drawn_prompt_is_in_the_prompts_ledger_trained_or_discarded_with_its_reason(math_env, tmp_path):
+    """2 groups wanted. Round 0 (ordinals 0-2): [5, 5] vs 5 equal; [6, 7] vs 6 kept; the third group's scoring failed
+    (both samples excluded, rollout/infra.py). Round 1 (3-5): [1, 2] vs 1 kept, the batch is full; [2, 3] vs 2 and
+    [4, 4] vs 3 come with it: a surplus (informative) and one with equal rewards. Every ordinal is in the step's row
+    once: trained, or discarded with the reason (the loop's accounting, loops/rollouts.py's `generate_batch`)."""
+    rounds = [
+        [("5", ["5", "5"]), ("6", ["6", "7"]), ("8", ["8", "9"])],
+        [("1", ["1", "2"]), ("2", ["2", "3"]), ("3", ["4", "4"])],
+    ]
+    rollout_round, _ = scored_rounds(math_env, rounds)
+    drawn = []
+
+    def numbered_round(round_index):
+        trajectories = rollout_round(round_index)
+        for trajectory in trajectories:
+            trajectory.prompt_ordinal = 3 * round_index + trajectory.group
+            trajectory.excluded = trajectory.prompt_ordinal == 2  # its environment failed: no reward
+        drawn.extend(trajectories)
+        return trajectories
+
+    trajectories, _ = fill_with_informative_groups(numbered_round, num_groups=2, group_size=2, max_extra_rounds=3)
+    discarded = {t.prompt_ordinal: t.discarded for t in drawn if t.discarded}
+    metrics = log_trained_prompts(tmp_path, 1, trajectories, discarded)
+    (row,) = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert row["ordinals"] == [1, 3] and row["dropped"] == []
+    assert row["discarded"] == {"equal_rewards": [0, 5], "infra_failures": [2], "surplus": [4]}
+    assert metrics["data/prompts_trained"] == 2 and metrics["data/prompts_discarded"] == 4

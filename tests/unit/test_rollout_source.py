@@ -89,7 +89,7 @@ def test_a_snapshot_holds_the_unconsumed_batches_and_resumes_the_same_schedule()
     rollouts.close()
     # after step 3's refit, batches 4 and 5 (made by policies 1 and 2) are owed and nothing else
     assert [(b.step, b.policy_version) for b in snapshot["pending"]] == [(4, 1), (5, 2)]
-    assert snapshot["sampler"] == {"epoch": 0, "position": 5}  # batches 1-5 drawn
+    assert snapshot["sampler"] == {"epoch": 0, "position": 5, "drawn": 5}  # batches 1-5 drawn
     resumed_sampler = make_sampler(snapshot["sampler"])
     resumed = AsyncRollouts(
         make_produce(resumed_sampler, engine_state, 0.005), resumed_sampler, 3, 10, 2, snapshot["pending"]
@@ -97,7 +97,7 @@ def test_a_snapshot_holds_the_unconsumed_batches_and_resumes_the_same_schedule()
     seen = drive(resumed, engine_state, 3, 10, 0.005)
     resumed.close()
     assert {step: v[0] for step, v in seen.items()} == {step: max(step - 3, 0) for step in range(4, 11)}
-    assert resumed_sampler.state_dict() == {"epoch": 0, "position": 10}
+    assert resumed_sampler.state_dict() == {"epoch": 0, "position": 10, "drawn": 10}
 
 
 def test_a_producer_error_reaches_the_trainer():
