@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from reinforge.config.section import Section
 
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # set by cluster.* of their own
+HEARTBEAT_TIMEOUT_S = 120.0
 
 
 class TrainerClusterConfig(Section):
@@ -29,8 +30,14 @@ class TrainerClusterConfig(Section):
     """When a component dies (a training rank, an engine, the critic, a teacher, an env worker, the run's own process)
     or hangs past its deadline, the run restarts itself from its last complete checkpoint, up to this many times
     (each restart is logged in RUN_DIR/restarts.jsonl with its cause); 0: the run stops at the first such failure."""
-    worker_timeout_s: float = 600.0
-    """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""
+    worker_timeout_s: float = Field(default=600.0, gt=0)
+    """The longest one call to a Ray worker group may take, all its workers together (a dead worker ends it at once):
+    past it the run ends with a hang report and is restarted. Leave room for the longest legitimate call (loading the
+    model, a training step, a checkpoint)."""
+    heartbeat_timeout_s: float = Field(default=HEARTBEAT_TIMEOUT_S, gt=0)
+    """A Ray worker whose heartbeat (a thread of its own, cluster/heartbeat.py) stops for this long, because its
+    process is stopped or wedged holding the GIL, ends the run with its process state and a hang report, however long
+    the call it is in may legitimately take; the run is restarted."""
     training_resources: dict[str, float] = {}
     """Custom Ray resources every training rank requires, e.g. {node_a: 1} to keep the ranks on the nodes started
     with `ray start --resources='{"node_a": 8}'` (docs/distributed.md); a node must offer the amount once per
