@@ -37,6 +37,9 @@ from reinforge.hang import HangError, register_workers, unregister_workers
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default session log directory
 PLACEMENT_TIMEOUT_S = 60.0  # resources that are not there within a minute will not appear
 PEER_GRACE_S = 5.0  # after a worker's exception, how long its peers have to show whether one of them died first
+# dependencies' exceptions that a failure outside the worker's own code causes: a collective whose peer failed
+# (torch.distributed's; gloo's are RuntimeErrors that name gloo), vLLM's engine core process that died
+INFRASTRUCTURE_EXCEPTIONS = {"torch": "DistError", "vllm": "EngineDeadError"}
 _log = logging.getLogger(__name__)
 
 
@@ -207,7 +210,7 @@ class WorkerGroup:
                     ray.get(done[0])
                 except ray.exceptions.RayError as exc:
                     rank = self.names.index(names[done[0]])
-                    if isinstance(exc, ray.exceptions.RayTaskError) and (death := dead_peer(pending)) is not None:
+                    if worker_bug(exc) is not None and (death := dead_peer(pending)) is not None:
                         rank, exc = self.names.index(names[death[0]]), death[1]  # the cause of the exception
                     error = self._failure(method, rank, exc)
                     self.shutdown()
@@ -231,8 +234,7 @@ class WorkerGroup:
         `ReinforgeError`, a `WorkerError` for an exception a restart would meet again, else `WorkerFailed`."""
         if (error := raised_in_worker(exc)) is not None:
             return error
-        cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
-        if cause is not None and not infrastructure(cause):
+        if (cause := worker_bug(exc)) is not None:
             _log.error("%s raised %s in %s:\n%s", self.names[rank], type(cause).__name__, method, exc)
             message = (str(cause).strip().splitlines() or ["(no message)"])[0]
             return WorkerError(
@@ -290,14 +292,23 @@ def raised_in_worker(exc: BaseException) -> ReinforgeError | None:
     return cause if isinstance(cause, ReinforgeError) else None
 
 
+def worker_bug(exc: BaseException) -> BaseException | None:
+    """The exception a worker's method raised, when it is neither a `ReinforgeError` nor one a restart can fix."""
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
+    if cause is None or isinstance(cause, ReinforgeError) or infrastructure(cause):
+        return None
+    return cause
+
+
 def infrastructure(exc: BaseException) -> bool:
     """Whether an exception a worker raised is one a restart can fix: `errors.is_transient`, Ray's own (a call to
-    another actor that died), or a failed collective of torch.distributed (gloo's are RuntimeErrors that name it),
-    which a failed peer causes."""
+    another actor that died), or one of INFRASTRUCTURE_EXCEPTIONS."""
     if is_transient(exc) or isinstance(exc, ray.exceptions.RayError):
         return True
-    torch_distributed = any(c.__name__ == "DistError" and c.__module__.startswith("torch") for c in type(exc).__mro__)
-    return torch_distributed or any(word in str(exc) for word in ("gloo/", "NCCL", "c10d"))
+    for cls in type(exc).__mro__:
+        if INFRASTRUCTURE_EXCEPTIONS.get(cls.__module__.split(".")[0]) == cls.__name__:
+            return True
+    return any(word in str(exc) for word in ("gloo/", "NCCL", "c10d"))
 
 
 def dead_peer(pending: list) -> tuple[Any, ray.exceptions.RayActorError] | None:

@@ -16,7 +16,6 @@ import pytest
 from test_fsdp2_grpo import ancestors, worker_pids
 
 from reinforge.paths import PROJECT_ROOT
-from reinforge.training.state import SCHEDULER_FILE
 
 # One xdist worker runs every Ray and vLLM test in turn (see tests/conftest.py).
 pytestmark = pytest.mark.xdist_group("ray")
@@ -85,6 +84,7 @@ def test_a_stopped_training_rank_is_noticed_by_its_heartbeat_and_the_run_recover
         "loop.max_steps=4", "checkpoint.save_every=1", args=args,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    print(f"stopped rank noticed and its hang report written {seconds:.1f} s after the stop")
     assert seconds < 5 + 40  # the heartbeat timeout, a look, the stack dumps
     [restart] = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
     cause, report = restart["cause"], tmp_path / "run" / "hang_report.txt"
@@ -111,27 +111,3 @@ def test_a_stopped_engine_under_async_rollouts_ends_the_run_at_the_rollout_deadl
     assert victim.startswith("generation[")
     assert '"reinforge-rollouts"' in (tmp_path / "run" / "hang_report.txt").read_text()  # blocked in the engine call
     assert seconds < 10 + 40
-
-
-def test_a_resume_that_blocks_ends_at_the_startup_deadline_with_its_stack(tmp_path):
-    """Start-up has a watchdog of its own (deadlines.startup_s): the resume of a checkpoint one of whose files is a
-    FIFO nobody writes blocks in its open() until the watchdog's signal ends it. The torch backend, no Ray."""
-    run_dir, config = tmp_path / "run", str(PROJECT_ROOT / "configs" / "grpo_demo.yaml")
-    base = [sys.executable, "-m", "reinforge.cli", "grpo", "--config", config, *ARGS, "checkpoint.save_every=1",
-            f"logging.run_dir={run_dir}"]  # fmt: skip
-    first = subprocess.run([*base, "loop.max_steps=1"], capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    [checkpoint] = (run_dir / "checkpoints").iterdir()
-    scheduler = checkpoint / "trainer" / SCHEDULER_FILE
-    scheduler.unlink()
-    os.mkfifo(scheduler)
-    began = time.time()
-    result = subprocess.run([*base, "loop.max_steps=2", "deadlines.startup_s=3"], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
-    line = one_line_error(result)
-    assert line == (
-        f"reinforge: error: watchdog: waited 3 s for the resume from {checkpoint.name} (the weights, the engine's "
-        f"refit) to make progress (deadlines.startup_s=3); stacks in {run_dir / 'hang_report.txt'}"
-    ), line
-    assert "in load_state" in (run_dir / "hang_report.txt").read_text()  # the main thread's stack, where it blocked
-    assert time.time() - began < 60
