@@ -88,7 +88,10 @@ class Watch:
     def silent(self, ranks: list[int]) -> list[int]:
         """Of `ranks`, those whose counter has not moved for the timeout (since this wait's first look)."""
         keys = [self.heartbeats.keys[rank].encode() for rank in ranks]
-        values = internal_kv.internal_kv_get_gcs_client().internal_kv_multi_get(keys, namespace=NAMESPACE.encode())
+        try:
+            values = internal_kv.internal_kv_get_gcs_client().internal_kv_multi_get(keys, namespace=NAMESPACE.encode())
+        except Exception:  # noqa: BLE001  the GCS did not answer this time: no verdict (Ray's own errors will come)
+            return []
         now = time.monotonic()
         for rank, key in zip(ranks, keys):
             if rank not in self.seen or self.seen[rank][0] != values.get(key):
