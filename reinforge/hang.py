@@ -71,6 +71,9 @@ class DeadlinesConfig(TrainerDeadlinesConfig):
 
     rollout_wait_s: float = Field(default=1800.0, gt=0)
     """Async generation: the longest the trainer waits for the rollout producer (a batch, or the engine's turn)."""
+    startup_s: float = Field(default=3600.0, ge=0)
+    """The start-up watchdog: the longest one phase of start-up may take (loading a model, starting the engines, a
+    chunk of the curriculum's pre-filter, the resume and its refit, the start-up probe); 0: none."""
 
 
 class HangError(InfrastructureError):

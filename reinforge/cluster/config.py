@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from reinforge.config.section import Section
 
 RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # set by cluster.* of their own
+HEARTBEAT_TIMEOUT_S = 120.0
 
 
 class TrainerClusterConfig(Section):
@@ -33,11 +34,15 @@ class TrainerClusterConfig(Section):
     """The restarts counted against cluster.max_restarts are those since the run last got this many steps beyond
     the furthest step it had reached at a failure: a run that keeps making progress between rare failures is
     restarted for as long as it does; one that fails again and again at the same place stops. 0: never renewed."""
-    worker_timeout_s: float = 600.0
-    """A worker call that makes no progress for this long ends the run (a dead worker ends it at once)."""
-    heartbeat_timeout_s: float = Field(default=120.0, gt=0)
-    """A process of the run that sends no heartbeat for this long (stopped, or wedged in C code holding the GIL) is
-    ended with a hang report and restarted; its beats come from a thread of their own, so a long call does not."""
+    worker_timeout_s: float = Field(default=600.0, gt=0)
+    """The longest one call to a Ray worker group may take, all its workers together (a dead worker ends it at once):
+    past it the run ends with a hang report and is restarted. Leave room for the longest legitimate call (loading the
+    model, a training step, a checkpoint)."""
+    heartbeat_timeout_s: float = Field(default=HEARTBEAT_TIMEOUT_S, gt=0)
+    """A process of the run (the run's own process, watched by the supervisor; a Ray worker, watched by the driver)
+    whose heartbeat stops for this long, because it is stopped or wedged in C code holding the GIL, ends the run with
+    its process state and a hang report, and the run is restarted. The beats come from a thread of their own, so a
+    call that legitimately takes long does not trip it."""
     training_resources: dict[str, float] = {}
     """Custom Ray resources every training rank requires, e.g. {node_a: 1} to keep the ranks on the nodes started
     with `ray start --resources='{"node_a": 8}'` (docs/distributed.md); a node must offer the amount once per

@@ -8,13 +8,14 @@ the run through the worker group's fail-fast call (its name and last log lines i
 
 from __future__ import annotations
 
+from reinforge.cluster.config import HEARTBEAT_TIMEOUT_S
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.envs.base import Environment, EnvRequest, EnvResponse
 from reinforge.envs.registry import EnvConfig, EnvWorker
 
 
 class EnvGroup:
-    def __init__(self, env: EnvConfig, tasks: set[str], timeout_s: float):
+    def __init__(self, env: EnvConfig, tasks: set[str], timeout_s: float, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S):
         self.group = WorkerGroup(
             "env",
             EnvWorker,
@@ -23,6 +24,7 @@ class EnvGroup:
             num_cpus_per_worker=env.num_cpus_per_worker,
             num_gpus_per_worker=0.0,
             timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
         )
         self.tasks = sorted(tasks)
 

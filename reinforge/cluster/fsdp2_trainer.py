@@ -47,6 +47,7 @@ class FSDP2Ranks:
             num_cpus_per_worker=cluster.num_cpus_per_worker,
             num_gpus_per_worker=cluster.num_gpus_per_worker,
             timeout_s=cluster.worker_timeout_s,
+            heartbeat_timeout_s=cluster.heartbeat_timeout_s,
             actor_fraction=actor_fraction,
             resources=cluster.training_resources,
         )

@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from reinforge.cluster.config import HEARTBEAT_TIMEOUT_S
 from reinforge.cluster.weight_sync import WeightWire
 from reinforge.cluster.worker_group import WorkerGroup
 from reinforge.errors import ConfigError
@@ -45,12 +46,14 @@ class GenerationGroup:
         share_with: WorkerGroup | None,
         tensor_parallel_size: int = 1,
         resources: dict[str, float] | None = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ):
         """`num_cpus_per_worker`/`num_gpus_per_worker`: one engine worker's (a training rank's) resources; an
         engine holds `tensor_parallel_size` times them, or colocated half of one rank's bundle (the training rank
         takes the other half) with its workers on the GPUs of its ranks."""
         self.group = WorkerGroup(
             "generation", worker_cls, num_engines, lambda rank, _: worker_kwargs, timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
             **engine_placement(num_engines, tensor_parallel_size, num_cpus_per_worker, num_gpus_per_worker,
                                share_with, resources),
         )  # fmt: skip
@@ -175,6 +178,7 @@ class InFlightGroup(GenerationGroup):
             group_kwargs["num_engines"],
             lambda rank, _: actor_kwargs,
             timeout_s=group_kwargs["timeout_s"],
+            heartbeat_timeout_s=group_kwargs.get("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S),
             max_concurrency=max_concurrency,
             **engine_placement(
                 group_kwargs["num_engines"], group_kwargs.get("tensor_parallel_size", 1),

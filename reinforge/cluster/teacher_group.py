@@ -26,6 +26,7 @@ class TeacherGroup:
             num_cpus_per_worker=cluster.num_cpus_per_worker,
             num_gpus_per_worker=cluster.num_gpus_per_worker,
             timeout_s=cluster.worker_timeout_s,
+            heartbeat_timeout_s=cluster.heartbeat_timeout_s,
         )
 
     def score(self, batch: TrainBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

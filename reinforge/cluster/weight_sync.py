@@ -18,11 +18,16 @@ from typing import Any, Callable
 
 
 def at_once(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
-    """Run both (each a blocking call to the other processes) at the same time; their results."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    """Run both (each a blocking call to the other processes, under its group's deadline) at the same time; their
+    results. When `second` raises, its error is raised at once, not after `first` gave up too: the run's cleanup kills
+    the workers `first` waits for, which ends it."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reinforge-refit")
+    try:
         future = pool.submit(first)
         result = second()
         return future.result(), result
+    finally:
+        pool.shutdown(wait=False)
 
 
 class WeightWire:

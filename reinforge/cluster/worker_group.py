@@ -3,18 +3,25 @@
 Resources come from config, never from decorators. A worker is built in two calls: the actor starts
 empty, then `setup` runs the worker class's `__init__` as a method, so an error it raises (a setting only
 the worker can check) comes back as that exception, as any method's does. Every call fans out to all
-workers and fails fast: the first worker that dies (killed, out of memory, an exception) ends the call with a
-`WorkerFailed` that names it and shows the last lines of its log, while the others, which may be
-blocked in a collective with the dead one, are killed, never waited for. A call in which no worker finishes for
-`cluster.worker_timeout_s` ends with a `WorkerHang` that holds every worker's stack, taken before they are killed
-(reinforge/hang.py).
+workers and fails fast: the first worker that fails ends the call, while the others, which may be blocked in a
+collective with it, are killed, never waited for. How it ends depends on whose the failure is:
+- a worker that died (killed, out of memory, crashed), or raised what a restart can fix (`errors.is_transient`: a
+  connection reset, a timeout; a collective whose peer failed): `WorkerFailed`, with its last log lines, restarted;
+- a worker that raised anything else (a KeyError, a CUDA out-of-memory error that the same step would meet again):
+  `WorkerError`, one line naming the worker, the method and the exception, its traceback in the run's log; never
+  restarted, since the same step would raise it again;
+- a call unfinished after `cluster.worker_timeout_s` in all, or a worker whose heartbeat stopped for
+  `cluster.heartbeat_timeout_s` (stopped, wedged: cluster/heartbeat.py, the message gives its process state):
+  `WorkerHang`, with every worker's stack, taken before they are killed (reinforge/hang.py), restarted.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,12 +29,18 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from reinforge.cluster.config import TrainerClusterConfig
-from reinforge.errors import InfrastructureError, ReinforgeError
+from reinforge.cluster.config import HEARTBEAT_TIMEOUT_S, TrainerClusterConfig
+from reinforge.cluster.heartbeat import Heartbeats, process_state, start_beating
+from reinforge.errors import InfrastructureError, ReinforgeError, is_transient
 from reinforge.hang import HangError, register_workers, unregister_workers
 
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default session log directory
 PLACEMENT_TIMEOUT_S = 60.0  # resources that are not there within a minute will not appear
+PEER_GRACE_S = 5.0  # after a worker's exception, how long its peers have to show whether one of them died first
+# dependencies' exceptions that a failure outside the worker's own code causes: a collective whose peer failed
+# (torch.distributed's; gloo's are RuntimeErrors that name gloo), vLLM's engine core process that died
+INFRASTRUCTURE_EXCEPTIONS = {"torch": "DistError", "vllm": "EngineDeadError"}
+_log = logging.getLogger(__name__)
 
 
 class WorkerFailed(InfrastructureError):
@@ -36,7 +49,13 @@ class WorkerFailed(InfrastructureError):
 
 
 class WorkerHang(WorkerFailed, HangError):
-    """A worker call in which no worker finished within `cluster.worker_timeout_s`."""
+    """A worker call unfinished within `cluster.worker_timeout_s`, or a worker without a heartbeat for
+    `cluster.heartbeat_timeout_s`."""
+
+
+class WorkerError(ReinforgeError):
+    """A worker raised an exception that a restart would meet again (a bug, or a resource the step needs): the run
+    ends with its one line (exit status 2), not restarted."""
 
 
 def start_ray(config: TrainerClusterConfig, num_cpus_needed: float) -> None:
@@ -77,6 +96,7 @@ class WorkerGroup:
         num_gpus_per_worker: float,
         timeout_s: float,
         share_with: "WorkerGroup | None" = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         actor_fraction: float = 1.0,
         max_concurrency: int = 1,
         resources: dict[str, float] | None = None,
@@ -89,9 +109,12 @@ class WorkerGroup:
         many calls at once, each on a thread of its own (Ray's threaded actors), for a worker that is thread-safe.
         `resources`: custom Ray resources each worker's bundle requires (cluster.training_resources, ...), which
         place the group on the nodes that offer them; `env_for_rank(i)`: environment variables set in worker i's
-        process before its `setup`. GPU bundles are packed node by node (PACK), so that neighbouring ranks
-        (a tensor-parallel group, a colocated engine's) share a node; CPU bundles are spread over the nodes."""
+        process before its `setup`. `timeout_s`: the longest a call may take; `heartbeat_timeout_s`: the longest a
+        worker may go without a heartbeat (cluster/heartbeat.py). GPU bundles are packed node by node (PACK), so that
+        neighbouring ranks (a tensor-parallel group, a colocated engine's) share a node; CPU bundles are spread over
+        the nodes."""
         self.name, self.timeout_s = name, timeout_s
+        self.heartbeats = Heartbeats(num_workers, heartbeat_timeout_s)
         bundle = {"CPU": num_cpus_per_worker, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
         bundle |= resources or {}
         self.owns_placement_group = share_with is None
@@ -124,8 +147,15 @@ class WorkerGroup:
             for index in self.bundle_indices
         ]
         self.names = [f"{name}[{rank}]" for rank in range(num_workers)]
+        interval = self.heartbeats.interval_s
+        starts = [w.__ray_call__.remote(start_beating, k, interval) for w, k in zip(self.workers, self.heartbeats.keys)]
         try:
-            self.pids = ray.get([worker.__ray_call__.remote(lambda _: os.getpid()) for worker in self.workers])
+            self.pids = ray.get(starts, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:  # a node that never starts the process (no pids to dump yet)
+            error = WorkerHang(name, "its workers' processes to start", timeout_s, "cluster.worker_timeout_s")
+            error.capture()
+            self.shutdown()
+            raise error from None
         except ray.exceptions.RayActorError as exc:  # its process died starting
             self.shutdown()
             raise WorkerFailed(f"{name}: a worker failed to start: {_first_line(exc)}") from None
@@ -165,28 +195,53 @@ class WorkerGroup:
         return self._wait(method, [getattr(self.workers[rank], method).remote(*args)], [self.names[rank]])[0]
 
     def _wait(self, method: str, refs: list, names_in_order: list[str]) -> list[Any]:
+        """The calls' results, under one deadline for them all (`timeout_s`), each pending worker's heartbeat looked
+        at every heartbeat interval; the first failure ends the call (the module's docstring)."""
         names = dict(zip(refs, names_in_order))
-        pending = list(refs)
+        deadline, watch, pending = time.monotonic() + self.timeout_s, self.heartbeats.watch(), list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
-            if not done:
-                waiting = [names[ref] for ref in pending]
-                what = f"{', '.join(waiting)} to finish {method}"
-                error = WorkerHang(self.name, what, self.timeout_s, "cluster.worker_timeout_s")
-                error.capture(dict(zip(self.names, self.pids)))  # before they are killed
-                self.shutdown()
-                raise error
-            try:
-                ray.get(done[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-                rank = self.names.index(names[done[0]])
-                self.shutdown()
-                if (error := raised_in_worker(exc)) is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                what = f"{', '.join(names[ref] for ref in pending)} to finish {method}"
+                raise self._hang(WorkerHang(self.name, what, self.timeout_s, "cluster.worker_timeout_s"))
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, self.heartbeats.interval_s))
+            if done:
+                try:
+                    ray.get(done[0])
+                except ray.exceptions.RayError as exc:
+                    rank = self.names.index(names[done[0]])
+                    if worker_bug(exc) is not None and (death := dead_peer(pending)) is not None:
+                        rank, exc = self.names.index(names[death[0]]), death[1]  # the cause of the exception
+                    error = self._failure(method, rank, exc)
+                    self.shutdown()
                     raise error from None
-                raise WorkerFailed(
-                    f"{self.names[rank]} failed in {method}: {_first_line(exc)}{self._log_tail(rank)}"
-                ) from None
+            elif silent := watch.silent([self.names.index(names[ref]) for ref in pending]):
+                raise self._hang(self._silent(method, silent[0]))
         return ray.get(refs)
+
+    def _hang(self, error: WorkerHang) -> WorkerHang:
+        error.capture()  # every worker's stack (all groups'), before they are killed
+        self.shutdown()
+        return error
+
+    def _silent(self, method: str, rank: int) -> WorkerHang:
+        state = process_state(self.pids[rank], self.node_ids()[rank])
+        what = f"a heartbeat from {self.names[rank]} (pid {self.pids[rank]}: {state}) in {method}"
+        return WorkerHang(self.name, what, self.heartbeats.timeout_s, "cluster.heartbeat_timeout_s")
+
+    def _failure(self, method: str, rank: int, exc: BaseException) -> ReinforgeError:
+        """What worker `rank`'s failure in `method` ends the run with: the error it raised when that is a
+        `ReinforgeError`, a `WorkerError` for an exception a restart would meet again, else `WorkerFailed`."""
+        if (error := raised_in_worker(exc)) is not None:
+            return error
+        if (cause := worker_bug(exc)) is not None:
+            _log.error("%s raised %s in %s:\n%s", self.names[rank], type(cause).__name__, method, exc)
+            message = (str(cause).strip().splitlines() or ["(no message)"])[0]
+            return WorkerError(
+                f"{self.names[rank]} raised {type(cause).__name__} in {method}: {message} "
+                f"(not restarted: the same step would raise it again; the worker's traceback is in {_log_file()})"
+            )
+        return WorkerFailed(f"{self.names[rank]} failed in {method}: {_first_line(exc)}{self._log_tail(rank)}")
 
     def _log_tail(self, rank: int, num_lines: int = 10) -> str:
         if not getattr(self, "pids", None):
@@ -200,6 +255,7 @@ class WorkerGroup:
         for worker in getattr(self, "workers", []):
             ray.kill(worker, no_restart=True)
         self.workers = []
+        self.heartbeats.forget()
         unregister_workers(getattr(self, "names", []))
         if self.placement_group is not None and self.owns_placement_group:
             remove_placement_group(self.placement_group)
@@ -234,6 +290,47 @@ def raised_in_worker(exc: BaseException) -> ReinforgeError | None:
     needs a GPU), as itself, so that the command line prints its one line: Ray carries it as `cause`."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, ReinforgeError) else None
+
+
+def worker_bug(exc: BaseException) -> BaseException | None:
+    """The exception a worker's method raised, when it is neither a `ReinforgeError` nor one a restart can fix."""
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
+    if cause is None or isinstance(cause, ReinforgeError) or infrastructure(cause):
+        return None
+    return cause
+
+
+def infrastructure(exc: BaseException) -> bool:
+    """Whether an exception a worker raised is one a restart can fix: `errors.is_transient`, Ray's own (a call to
+    another actor that died), or one of INFRASTRUCTURE_EXCEPTIONS."""
+    if is_transient(exc) or isinstance(exc, ray.exceptions.RayError):
+        return True
+    for cls in type(exc).__mro__:
+        if INFRASTRUCTURE_EXCEPTIONS.get(cls.__module__.split(".")[0]) == cls.__name__:
+            return True
+    return any(word in str(exc) for word in ("gloo/", "NCCL", "c10d"))
+
+
+def dead_peer(pending: list) -> tuple[Any, ray.exceptions.RayActorError] | None:
+    """The first of the call's other workers (`pending`) to die within PEER_GRACE_S, with its error, or None: after a
+    worker's exception, which may be a collective's with a peer that died a moment before Ray noticed."""
+    if not pending:
+        return None
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_GRACE_S)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            return ref, exc
+        except ray.exceptions.RayError:
+            pass
+    return None
+
+
+def _log_file() -> str:
+    """The file the root logger writes to (RUN_DIR/logs/dependencies.log in a run), or stderr."""
+    files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    return files[0] if files else "stderr"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -61,7 +61,7 @@ def build_environments(config: RLRunConfig, tasks: set[str], cleanup: ExitStack)
     if config.env.num_workers > 0:
         from reinforge.cluster.env_group import EnvGroup
 
-        group = EnvGroup(config.env, tasks, config.cluster.worker_timeout_s)
+        group = EnvGroup(config.env, tasks, config.cluster.worker_timeout_s, config.cluster.heartbeat_timeout_s)
         cleanup.callback(group.shutdown)
         return group.environments()
     from reinforge.envs.registry import build_envs
@@ -241,6 +241,7 @@ def engine_group(config: RLRunConfig, share_with=None):
         num_gpus_per_worker=cluster.num_gpus_per_worker,
         resources=cluster.generation_resources,
         timeout_s=cluster.worker_timeout_s,
+        heartbeat_timeout_s=cluster.heartbeat_timeout_s,
     )
     if config.rollout.mode == "in_flight":  # engines that take concurrent calls; weights land while they generate
         from reinforge.cluster.generation_group import InFlightGroup

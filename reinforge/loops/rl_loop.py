@@ -4,7 +4,9 @@ Each step: take the step's scored rollouts (generated now, or ahead of training 
 loops/rollouts.py); hand them to the recipe's `Learner` (its advantages, extra models and optimizer steps);
 copy the new weights into the generation engine ("refit"); check, after the first refit, that the engine really
 moved to the trainer's weights; validate every `loop.val_every` steps; log; checkpoint. Every wait has a deadline;
-a watchdog, beaten at each phase, stops a run that makes no progress for `deadlines.step_s`; a wait past its deadline
+a watchdog, beaten at each phase, stops a run that makes no progress for `deadlines.step_s`, and another, beaten at
+each phase of start-up (loading the models, starting the engines, the curriculum's pre-filter, the resume and its
+refit, the start-up probe), one whose phase takes longer than `deadlines.startup_s`; a wait past its deadline
 writes RUN_DIR/hang_report.txt (every thread's and worker's stack) and ends the run with one line (hang.py).
 With `rollout.driver=agent` agents drive the episodes through the policy's OpenAI-compatible endpoint
 (rollout/agent.py); the loop is the same.
@@ -102,12 +104,14 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
         torch.set_num_threads(config.cluster.num_threads)
     inputs = read_inputs(config)
     with BoundedExitStack(config.deadlines.cleanup_s) as cleanup:  # workers, engines, verifiers: released on every exit
-        parts = build_parts(inputs, make_learner, cleanup)
-        progress, metrics_log = start(parts, cleanup)
+        run_dir, resume_from = open_run(config, cleanup)
+        with Watchdog(config.deadlines.startup_s, run_dir / REPORT_NAME, "deadlines.startup_s") as startup:
+            parts = build_parts(inputs, run_dir, resume_from, make_learner, cleanup, startup.beat)
+            progress, metrics_log = start(parts, cleanup, startup.beat)
         with ConsoleLog(config.loop.max_steps, parts.learner.title, completed=progress.step) as console:
             resumed = f" (resumed from {parts.resume_from.name})" if parts.resume_from else ""
             console.print(f"run directory: {parts.run_dir}{resumed}")
-            # from here on, not during start-up (model loading, the curriculum's pre-filter may take long)
+            # from here on; start-up had its own (model loading, the curriculum's pre-filter may take long)
             watchdog = cleanup.enter_context(Watchdog(config.deadlines.step_s, parts.run_dir / REPORT_NAME))
             if parts.val_prompts and not parts.resume_from:
                 watchdog.beat("the first validation")
@@ -127,28 +131,46 @@ def run(config: RLRunConfig, make_learner: MakeLearner, on_step_end: Callable[[i
     return finish(parts, progress, console)
 
 
-def build_parts(inputs: Inputs, make_learner: MakeLearner, cleanup: ExitStack) -> Parts:
-    """The run directory (its config, hang reports, dependency logs), Ray when the run uses it, the environments,
-    the trainer, the engine, the episodes, the prompt sampler and the recipe's learner; each released on `cleanup`."""
-    config, tokenizer = inputs.config, inputs.tokenizer
+def open_run(config: RLRunConfig, cleanup: ExitStack) -> tuple[Path, Path | None]:
+    """The run directory (its config, hang reports, dependency logs) and the checkpoint it resumes from, if any."""
     run_dir, resume_from = open_run_dir(config)
     cleanup.enter_context(hang_reports(run_dir))  # exits last: a HangError's stacks were taken when it was raised
     announce_run_dir(run_dir)  # to the supervisor, if any: a restart resumes here
     cleanup.enter_context(capture_dependency_logs(run_dir, config.logging.capture_dependency_logs))
     logging_here = config.logging.model_copy(update={"run_dir": str(run_dir)})
     save_config(config.model_copy(update={"logging": logging_here}), run_dir / "config.yaml")
+    return run_dir, resume_from
+
+
+def build_parts(
+    inputs: Inputs, run_dir: Path, resume_from: Path | None, make_learner: MakeLearner, cleanup: ExitStack,
+    beat: Callable[[str], None],
+) -> Parts:  # fmt: skip
+    """Ray when the run uses it, the environments, the trainer, the engine, the episodes, the prompt sampler and the
+    recipe's learner; each released on `cleanup`. `beat(what)` as each phase starts (the start-up watchdog's)."""
+    config, tokenizer = inputs.config, inputs.tokenizer
+    beat("the start of Ray and the environments")
     start_ray_if_needed(config, cleanup)
     envs = build_environments(config, inputs.tasks, cleanup)
+    beat("the trainer's model loading")
     trainer = build_trainer(config, cleanup)
+    beat("the generation engine's start")
     engine = build_engine(config, tokenizer, trainer, cleanup)
     all_prompts = inputs.train_prompts + inputs.val_prompts
     episodes = build_episodes(config, engine, tokenizer, envs, all_prompts, run_dir, cleanup)
+    beat("the prompt sampler (the curriculum's pre-filter)")
+
+    def progress_line(line: str) -> None:  # the pre-filter's, after each chunk
+        print(line, flush=True)
+        beat("the curriculum pre-filter's next chunk")
+
     # may sample with the engine: the curriculum's pass rates
     sampler, curriculum_metrics = (
         (inputs.stream, {})
         if inputs.stream
-        else build_prompt_sampler(config, inputs.train_prompts, engine, tokenizer, envs, run_dir)
+        else build_prompt_sampler(config, inputs.train_prompts, engine, tokenizer, envs, run_dir, progress_line)
     )
+    beat("the recipe's learner (its critic's loading)")
     write_placement(run_dir, trainer, engine, envs)
     critic = partial(build_critic, config, cleanup=cleanup)
     learner = make_learner(config, LearnerParts(trainer, tokenizer, cleanup, critic))
@@ -166,14 +188,17 @@ def build_parts(inputs: Inputs, make_learner: MakeLearner, cleanup: ExitStack) -
     )
 
 
-def start(parts: Parts, cleanup: ExitStack) -> tuple[Progress, MetricLogger]:
-    """Resume from the run's checkpoint, if any; probe that the engine and the trainer agree; open the metrics."""
+def start(parts: Parts, cleanup: ExitStack, beat: Callable[[str], None]) -> tuple[Progress, MetricLogger]:
+    """Resume from the run's checkpoint, if any; probe that the engine and the trainer agree; open the metrics.
+    `beat(what)` as each phase starts (the start-up watchdog's)."""
     config, progress, state = parts.config, Progress(), None
     if parts.resume_from:
+        beat(f"the resume from {parts.resume_from.name} (the weights, the engine's refit)")
         state = resume_run(
             parts.resume_from, parts.run_dir, parts.trainer, parts.engine, parts.sampler, config, parts.learner.models
         )
         progress = Progress(state.step, state.val_history, state.best, state.pending_rollouts)
+    beat("the start-up probe")
     check_consistency(parts, "at start-up")
     metrics_log = cleanup.enter_context(MetricLogger(parts.run_dir, config.logging.loggers))
     metrics_log.log_config(config.model_dump(mode="json"))
