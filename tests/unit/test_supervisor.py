@@ -307,7 +307,7 @@ def beats_during_the_call(call: str, tmp_path) -> tuple[float, float]:
         if (mtime := beat.stat().st_mtime_ns) != seen:
             seen, gap, last_change = mtime, max(gap, now - last_change), now
         time.sleep(0.01)
-    gap = max(gap, time.monotonic() - last_change if seen == beat.stat().st_mtime_ns else 0.0)
+    gap = max(gap, time.monotonic() - last_change)  # a last beat may land after the call, as the process ends
     assert process.stdout.read() == "returned\n"
     return gap, time.monotonic() - started
 
@@ -318,5 +318,5 @@ def test_a_long_call_that_releases_the_gil_keeps_beating_one_that_holds_it_does_
     stopped process."""
     gap, took = beats_during_the_call("time.sleep(1.5)", tmp_path)
     assert took >= 1.5 and gap < 1.0, (gap, took)
-    gap, took = beats_during_the_call('re.match(r"(a|aa)*c", "a" * 33)', tmp_path)  # seconds inside the re engine
+    gap, took = beats_during_the_call('re.match(r"(a|aa)*c", "a" * 35)', tmp_path)  # seconds inside the re engine
     assert gap >= 1.0 and gap >= 0.6 * took, (gap, took)
