@@ -63,6 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the tests' process helpers (_kill.py) and Gym launcher (_gym.py)
+import fault_kinds  # noqa: E402
 from _kill import cli_command  # noqa: E402
 from fault_kinds import Injector, read_rows, skipped_steps  # noqa: E402
 from fault_servers import BATCH_32, Servers  # noqa: E402
@@ -237,6 +238,7 @@ def _run_scenario(name: str, out: Path, num_faults: int, seed: int, timeout_s: f
         "faults_injected": len(injector.injected),
         "faults_survived": sum(f["recovered"] for f in injector.injected) if returncode == 0 else 0,
         "restarts": len(read_rows(faulted / "restarts.jsonl")),
+        "restart_causes": [row.get("cause", "")[:300] for row in read_rows(faulted / "restarts.jsonl")],
         "steps_redone": injector.steps_redone,
         **account(reference, faulted),
     }
@@ -255,11 +257,13 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1800, help="per run")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_faults")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "faults.json")
+    parser.add_argument("--outage-s", type=float, default=60, help="how long an HTTP outage lasts")
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run (a short smoke run)")
     args = parser.parse_args()
     from _common import write_result
 
     COMMON.extend(args.extra)
+    fault_kinds.OUTAGE_S = args.outage_s
     args.out.mkdir(parents=True, exist_ok=True)
     # the scenarios run now replace their earlier results in the file; the others are kept
     earlier = json.loads(args.json.read_text())["scenarios"] if args.json.is_file() else []
