@@ -29,10 +29,18 @@ NUL_TAIL = b"\0" * 512  # what a filesystem leaves after a power loss: the file'
 
 
 def read_rows(path: Path) -> list[dict]:
+    """A JSONL file's rows, without a line that does not parse (one being written, or torn by a fault)."""
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
         return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [row for row in rows if isinstance(row, dict)]
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
@@ -102,7 +110,8 @@ class Injector:
         if kind == "disk_full":
             # the next step is a save's (checkpoint.save_every): its ledger rows fit in their files' last pages, the
             # checkpoint's new files do not
-            if (self._steps_logged() + 1) % self.save_every:
+            last = max((row["step"] for row in read_rows(self.run_dir / "metrics.jsonl")), default=0)
+            if (last + 1) % self.save_every:
                 return None
             return {"filled_bytes": self.servers.disk.fill()}
         if kind == "stop_driver":

@@ -53,6 +53,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -246,6 +247,7 @@ def _run_scenario(name: str, out: Path, num_faults: int, seed: int, timeout_s: f
         result["nonfinite_at_step"] = int(environment["REINFORGE_FAULT_NONFINITE_AT_STEP"])
     if servers.disk:
         result["run_dir"] = run_dir_intact(faulted)
+        shutil.copytree(faulted, out / faulted.name, dirs_exist_ok=True)  # the tmpfs goes with the scenario
     return result
 
 
