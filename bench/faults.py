@@ -42,9 +42,10 @@ bench/fault_servers.py runs what they need beside the run):
 Prompts are counted by ordinal (RUN_DIR/prompts.jsonl, docs/metrics.md): lost = in the reference but not in the final
 run's account, twice = trained on more than once in it, dropped = in it with every sample masked for infrastructure
 failures (a group rollout/infra.py dropped), skipped = in it at a step skipped for a non-finite gradient. Steps redone =
-steps trained again after a restart. The synchronous, async and in-flight runs are reproducible, so their metrics
-must equal the reference's exactly where no sample was masked or step skipped; agent episodes reach the endpoint in
-whatever order they run, so the agent scenarios compare accuracy.
+steps trained again after a restart. The synchronous and async runs are reproducible, so their metrics must equal
+the reference's exactly where no sample was masked or step skipped; agent episodes reach the endpoint in whatever
+order they run, so the agent scenarios compare accuracy; in flight, which groups finish first is timing's, so a
+prompt is lost there when it was drawn and is neither trained nor owed in the last checkpoint.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the tests' process helpers (_kill.py) and Gym launcher (_gym.py)
 import fault_kinds  # noqa: E402
 from _kill import cli_command  # noqa: E402
-from fault_kinds import Injector, read_rows, skipped_steps  # noqa: E402
+from fault_kinds import Injector, newest_checkpoint, read_rows, skipped_steps  # noqa: E402
 from fault_servers import BATCH_32, Servers  # noqa: E402
 
 COMMON = [
@@ -167,6 +168,24 @@ def _comparable(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(skip)} for row in read_rows(run_dir / "metrics.jsonl")]
 
 
+def in_flight_lost(run_dir: Path) -> dict:
+    """In flight, which groups finish first depends on timing, so a step's prompts are not the reference's: every
+    prompt drawn must be trained once or still owed (finished, or to be generated again) in the last checkpoint
+    (tests/e2e/test_in_flight_grpo.py)."""
+    from reinforge.training.checkpoint import load_driver_state
+
+    checkpoint = newest_checkpoint(run_dir)
+    if checkpoint is None:
+        return {"prompts_lost": None}
+    last = load_driver_state(checkpoint)
+    at = int(checkpoint.name.removeprefix("step_"))
+    trained = {o for row in read_rows(run_dir / "prompts.jsonl") if row["step"] <= at for o in row["ordinals"]}
+    owed = {o for pending in last["pending_rollouts"] for o, *_ in [*pending.ready, *pending.redo]}
+    drawn = last["sampler"]["position"] if last["sampler"]["epoch"] == 0 else None  # ordinal = position, epoch 0
+    lost = len(set(range(drawn)) - trained - owed) if drawn is not None else None
+    return {"prompts_lost": lost, "prompts_owed_at_end": len(owed)}
+
+
 def run_dir_intact(run_dir: Path) -> dict:
     """Whether every complete checkpoint verifies (its checksums) and every ledger line parses."""
     from reinforge.training.checkpoint import verifies
@@ -245,6 +264,9 @@ def _run_scenario(name: str, out: Path, num_faults: int, seed: int, timeout_s: f
     }
     if "nan_grad" in kinds:
         result["nonfinite_at_step"] = int(environment["REINFORGE_FAULT_NONFINITE_AT_STEP"])
+    if "rollout.mode=in_flight" in scenario.extra:  # the reference's order is not the faulted run's
+        result["prompts_not_in_reference_order"] = result["prompts_lost"]
+        result.update(in_flight_lost(faulted))
     if servers.disk:
         result["run_dir"] = run_dir_intact(faulted)
         shutil.copytree(faulted, out / faulted.name, dirs_exist_ok=True)  # the tmpfs goes with the scenario
