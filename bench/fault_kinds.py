@@ -134,6 +134,13 @@ class Injector:
                 p.write(NUL_TAIL)
         return {}
 
+    def _try(self, kind: str) -> dict | None:
+        """`_inject`, an error of the benchmark's own recorded with the fault (the run goes on to its end)."""
+        try:
+            return self._inject(kind)
+        except Exception as exc:  # noqa: BLE001
+            return {"injection_error": f"{type(exc).__name__}: {exc}"[:300]}
+
     def _wait(self, seconds: float) -> None:
         until = time.time() + seconds
         while self.process.poll() is None and time.time() < until:
@@ -160,7 +167,7 @@ class Injector:
             self._wait(self.rng.uniform(0.0, 2.0))
             restarts_before = self._restarts()
             began = time.time()
-            while self.process.poll() is None and (done := self._inject(kind)) is None and time.time() - began < 120:
+            while self.process.poll() is None and (done := self._try(kind)) is None and time.time() - began < 120:
                 self._wait(0.5)
             if self.process.poll() is not None or done is None:
                 continue

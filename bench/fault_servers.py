@@ -360,10 +360,14 @@ class RayNodes:
         ]
 
     def lose(self) -> bool:
+        """Remove node B now; `tick` (Ray adds nodes from the main thread only) adds a fresh one 5 s later."""
         self.cluster.remove_node(self.node_b, allow_graceful=False)
-        time.sleep(5)
-        self.node_b = self._add_b()
+        self.node_b, self.add_at = None, time.time() + 5
         return True
+
+    def tick(self) -> None:
+        if self.node_b is None and time.time() >= self.add_at:
+            self.node_b = self._add_b()
 
     def close(self) -> None:
         self.cluster.shutdown()
@@ -380,6 +384,11 @@ class Servers:
 
     def overrides(self) -> list[str]:
         return [*(arg for part in (self.gym, self.http, self.nodes) if part for arg in part.overrides())]
+
+    def tick(self) -> None:
+        """What must happen on the main thread (a Ray node added back)."""
+        if self.nodes:
+            self.nodes.tick()
 
     def close(self) -> None:
         for part in (self.gym, self.http, self.disk, self.nodes):

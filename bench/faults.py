@@ -122,7 +122,12 @@ SCENARIOS = {
     "env_http": Scenario("grpo_demo.yaml", [], ["env_503", "env_trickle"], "env_http"),
     "judge_http": Scenario("grpo_demo.yaml", [], ["judge_503", "judge_trickle"], "judge_http"),
     "driver_stop": Scenario("grpo_demo.yaml", [], ["stop_driver"]),
-    "lost_node": Scenario("grpo_demo.yaml", [], ["lost_node"], "lost_node"),
+    "lost_node": Scenario(  # on Ray: an FSDP2 rank on node A, the engine on node B (fault_servers.RayNodes)
+        "grpo_demo.yaml",
+        ["training.backend=fsdp2", "training.num_workers=1", "env.num_workers=1"],
+        ["lost_node"],
+        "lost_node",
+    ),
     "edited_data": Scenario("grpo_demo.yaml", [], ["edited_data"]),
     "in_flight": Scenario("grpo_demo.yaml", IN_FLIGHT, ["kill_driver", "kill_engine"]),
 }
@@ -243,11 +248,13 @@ def _run_scenario(name: str, out: Path, num_faults: int, seed: int, timeout_s: f
         process = subprocess.Popen(command(scenario.config, extra, faulted), stdout=log, stderr=subprocess.STDOUT,
                                    env=environment)  # fmt: skip
         injector = Injector(process, faulted, order, seed, servers)
-        try:
-            returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        deadline = time.time() + timeout_s
+        while process.poll() is None and time.time() < deadline:
+            servers.tick()
+            time.sleep(0.2)
+        if process.poll() is None:
             process.kill()
-            returncode = process.wait()
+        returncode = process.wait()
         injector.join()
     result = {
         "scenario": name,
