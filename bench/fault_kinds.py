@@ -113,7 +113,8 @@ class Injector:
             last = max((row["step"] for row in read_rows(self.run_dir / "metrics.jsonl")), default=0)
             if (last + 1) % self.save_every:
                 return None
-            return {"filled_bytes": self.servers.disk.fill()}
+            newest = newest_checkpoint(self.run_dir)
+            return {"filled_bytes": self.servers.disk.fill(), "newest_checkpoint": newest.name if newest else None}
         if kind == "stop_driver":
             os.kill(run, signal.SIGSTOP)
             self._stopped.append(run)

@@ -275,7 +275,10 @@ def _run_scenario(name: str, out: Path, num_faults: int, seed: int, timeout_s: f
         result["prompts_not_in_reference_order"] = result["prompts_lost"]
         result.update(in_flight_lost(faulted))
     if servers.disk:
+        # lost: the newest complete checkpoint at the fault is gone at the end with none newer
+        before = max((f["newest_checkpoint"] or "" for f in injector.injected if "newest_checkpoint" in f), default="")
         result["run_dir"] = run_dir_intact(faulted)
+        result["run_dir"]["checkpoint_lost"] = max(result["run_dir"]["checkpoints"], default="") < before
         shutil.copytree(faulted, out / faulted.name, dirs_exist_ok=True)  # the tmpfs goes with the scenario
     return result
 
