@@ -34,8 +34,8 @@ bench/fault_servers.py runs what they need beside the run):
   data as task `judge`. The affected samples must be masked and counted (`rollout/infra_*`), none scored 0;
 - stop_driver: SIGSTOP the run's own process: the supervisor's heartbeat must notice within
   `cluster.heartbeat_timeout_s`, write hang_report.txt, end it and restart;
-- lost_node: Ray's multi-node test cluster on this machine (node A: an FSDP2 rank and the verifier, node B: the engine, by
-  custom resources): node B is removed and a fresh one added 5 s later; the run restarts and finishes;
+- lost_node: Ray's multi-node test cluster on this machine (node A: an FSDP2 rank and the verifier, node B: the
+  engine, by custom resources): node B is removed and a fresh one added 5 s later; the run restarts and finishes;
 - edited_data (a scenario of its own): the whole command is SIGKILLed after a checkpoint and one row of its training
   data file is edited; running the command again must refuse with one line (exit 2) and change nothing; with the file
   restored, the command resumes and ends with the reference's metrics.
