@@ -52,3 +52,35 @@ def test_the_grown_30m_model_computes_the_demo_model_and_trains_every_weight(tmp
         without = [name for name, weight in grown.named_parameters() if not weight.grad.abs().max() > 0]
         optimizer.step()
     assert not without, f"no gradient on the second step: {without}"
+
+
+def test_the_fault_benchmarks_judge_scores_by_the_reference_and_its_proxy_answers_503_only_in_its_window(tmp_path):
+    """bench/fault_servers.py: the deterministic judge behind the HTTP fault proxy (bench/faults.py's judge_http)."""
+    import time
+
+    import httpx
+
+    sys.path[:0] = [str(PROJECT_ROOT / "bench"), str(PROJECT_ROOT / "tests" / "e2e")]
+    from fault_servers import JudgeServer
+
+    from reinforge.envs.judge import DEFAULT_PROMPT_TEMPLATE
+
+    judge = JudgeServer(tmp_path)
+    try:
+
+        def verdict(response):
+            rubric = DEFAULT_PROMPT_TEMPLATE.format(question="How many?", reference="48", response=response)
+            body = {"model": "judge", "messages": [{"role": "user", "content": rubric}]}
+            answer = httpx.post(f"{judge.proxy.url}/v1/chat/completions", json=body, timeout=10)
+            return answer.status_code, answer.json()
+
+        assert verdict("86 - 38 = 48")[1]["choices"][0]["message"]["content"].endswith("[[10]]")
+        assert verdict("It is 47.\n\nDone")[1]["choices"][0]["message"]["content"].endswith("[[0]]")
+        judge.proxy.fault("503", 0.5)
+        assert verdict("48")[0] == 503 and judge.proxy.faulted == 1
+        time.sleep(0.6)
+        assert verdict("48")[0] == 200
+        rows = [json.loads(line) for line in (tmp_path / "judge_train.jsonl").read_text().splitlines()]
+        assert {row["task"] for row in rows} == {"judge"}
+    finally:
+        judge.close()
