@@ -70,6 +70,7 @@ RESUMABLE_CHANGES = (
     *("deadlines.", "training.collective_timeout_s", "agent.endpoint.request_timeout_s"),  # how long waits may take
     *("agent.first_call_timeout_s", "generation.verify_refit_every"),  # a check's deadline and frequency
     "generation.verify_refit_columns",  # and its sample
+    "training.max_nonfinite_steps",  # raised to get a run past the bad steps that stopped it
 )
 
 
