@@ -53,6 +53,7 @@ from reinforge.training.numerics import (
     NONE,
     NonfiniteSteps,
     fault_step,
+    gradient_code,
     local,
     nonfinite_parameter,
     parameter_error,
@@ -237,9 +238,10 @@ class Backend:
         if step == self.fault_at:  # the testing hook: this step's gradients are NaN
             for grad in (p.grad for p in self.trainable if p.grad is not None):
                 local(grad).fill_(float("nan"))
+        gradient = gradient_code(self.trainable)  # before clipping spreads a NaN to every gradient
         grad_norm = self.strategy.clip_gradients(self.trainable, clip_norm(self.optimizer_config))
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
-        note = self._skip_note(step, losses, grad_norm)
+        note = self._skip_note(step, losses, gradient, grad_norm)
         if note is None:
             self.optimizer.step()
             self.scheduler.step()
@@ -250,20 +252,22 @@ class Backend:
         self.optimizer.zero_grad(set_to_none=True)
         return {**metrics, "nonfinite_steps": float(self.nonfinite.skipped)}, note
 
-    def _skip_note(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> str | None:
+    def _skip_note(self, step: int, losses: list[torch.Tensor], gradient: torch.Tensor, grad_norm) -> str | None:
         """Whether this step is skipped, decided alike on every rank: the line that says so (None: it is not), or a
         `NumericalError` at `training.max_nonfinite_steps` in a row."""
-        loss, grads_finite = reduced_checks(self.strategy, losses, grad_norm)
-        if loss >= NONE and grads_finite:
+        loss, first_gradient, norm_finite = reduced_checks(self.strategy, losses, gradient, grad_norm)
+        if (fault := step_fault(loss, norm_finite, self.strategy.world_size, self._name(first_gradient))) is None:
             return None
-        owner = None if grads_finite else self._first_nonfinite(grads=True)
-        return self.nonfinite.skip(step, step_fault(loss, grads_finite, self.strategy.world_size, owner), self.role)
+        return self.nonfinite.skip(step, fault, self.role)
 
-    def _first_nonfinite(self, grads: bool = False, moments: bool = False) -> str | None:
-        """The first trained parameter whose value (its gradient; with `moments` its AdamW moments too) is not
-        finite on some rank; None when all are (a collective on FSDP2 ranks)."""
+    def _first_nonfinite(self, moments: bool = False) -> str | None:
+        """The first trained parameter that is not finite (or too large; with `moments`, or whose AdamW moments are
+        not finite) on some rank; None when all are (a collective on FSDP2 ranks)."""
         optimizer = self.optimizer if moments else None
-        return nonfinite_parameter(self.strategy, self.trainable_names, self.trainable, grads, optimizer)
+        return nonfinite_parameter(self.strategy, self.trainable_names, self.trainable, optimizer)
+
+    def _name(self, index: int) -> str | None:
+        return self.trainable_names[index] if index < NONE else None
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
         """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time; the batch's metrics."""

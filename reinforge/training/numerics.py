@@ -80,14 +80,13 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def nonfinite_parameter(strategy, names: list[str], parameters: list[torch.Tensor], grads=False, optimizer=None):
-    """The name of the first parameter whose value (`grads`: its gradient; with `optimizer`, its AdamW moments too)
-    holds a NaN or an infinity, or a weight beyond `MAX_WEIGHT`, on some rank; None when none does: one fused
-    reduction over this rank's shards, then the minimum over the ranks (`strategy.all_min`, a collective on FSDP2
-    ranks)."""
+def nonfinite_parameter(strategy, names: list[str], parameters: list[torch.Tensor], optimizer=None) -> str | None:
+    """The name of the first parameter that holds a NaN, an infinity or a weight beyond `MAX_WEIGHT` (with `optimizer`:
+    or whose AdamW moments hold a NaN or an infinity) on some rank; None when none does: one fused reduction over this
+    rank's shards, then the minimum over the ranks (`strategy.all_min`, a collective on FSDP2 ranks)."""
     tensors, owners, bounds = [], [], []
     for index, param in enumerate(parameters):
-        parts = [(param.grad, INF)] if grads else [(param, MAX_WEIGHT)]
+        parts = [(param, MAX_WEIGHT)]
         if optimizer is not None:  # a moment may be large (a gradient squared): finite is all it needs to be
             state = optimizer.state.get(param, {})
             parts += [(state[key], INF) for key in ("exp_avg", "exp_avg_sq") if key in state]
@@ -98,13 +97,20 @@ def nonfinite_parameter(strategy, names: list[str], parameters: list[torch.Tenso
     return None if first >= NONE else names[first]
 
 
-def reduced_checks(strategy, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> tuple[int, bool]:
-    """(the least `loss_code` over the ranks, whether the gradient norm is finite on every rank): one collective of
-    two numbers, so that every rank takes the same decision."""
+def gradient_code(parameters: list[torch.Tensor]) -> torch.Tensor:
+    """The index of the first parameter whose gradient (this rank's shard) holds a NaN or an infinity, NONE when none
+    does, without a wait for the device: taken before clipping, which spreads one NaN to every gradient."""
+    indices = [i for i, param in enumerate(parameters) if param.grad is not None]
+    return first_nonfinite([local(parameters[i].grad).detach() for i in indices], indices)
+
+
+def reduced_checks(strategy, losses: list[torch.Tensor], gradient: torch.Tensor, grad_norm) -> tuple[int, int, bool]:
+    """(the least `loss_code`, the least `gradient_code`, whether the gradient norm is finite) over every rank: one
+    collective of three numbers, so that every rank takes the same decision."""
     finite = torch.isfinite(torch.as_tensor(grad_norm, device=strategy.device)).long().reshape(())
     code = loss_code(losses, strategy.rank, strategy.world_size).to(strategy.device)
-    loss, grads_finite = strategy.all_min(torch.stack([code, finite])).tolist()
-    return int(loss), bool(grads_finite)
+    loss, first_gradient, norm_finite = strategy.all_min(torch.stack([code, gradient.to(strategy.device), finite]))
+    return int(loss), int(first_gradient), bool(norm_finite)
 
 
 def loss_code(losses: list[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
@@ -128,15 +134,17 @@ class Fault:
         return f"the {self.quantity} is non-finite ({self.where})"
 
 
-def step_fault(loss: int, grads_finite: bool, world_size: int, grad_owner: str | None = None) -> Fault | None:
+def step_fault(loss: int, norm_finite: bool, world_size: int, grad_owner: str | None = None) -> Fault | None:
     """The skip decision of one optimizer step, from values every rank holds alike (reduced over the ranks): `loss`,
-    the least `loss_code`; `grads_finite`, whether the global gradient norm is finite; `grad_owner`, the parameter
-    of the first non-finite gradient. The loss comes first: a non-finite loss makes the gradients non-finite too."""
+    the least `loss_code`; `norm_finite`, whether the global gradient norm is finite; `grad_owner`, the parameter of
+    the first non-finite gradient (None: every gradient is finite). The loss comes first: a non-finite loss makes
+    the gradients non-finite too."""
     if loss < NONE:
         micro, rank = divmod(loss, world_size)
         return Fault("loss", f"micro-batch {micro}" + (f" of rank {rank}" if world_size > 1 else ""))
-    if not grads_finite:
-        return Fault("gradient norm", f"the first non-finite gradient: {grad_owner or 'unknown'}")
+    if not norm_finite:
+        where = f"the first non-finite gradient: {grad_owner}" if grad_owner else "every gradient is finite"
+        return Fault("gradient norm", where)
     return None
 
 

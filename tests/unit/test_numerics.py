@@ -38,6 +38,7 @@ def test_the_skip_decision_names_the_first_non_finite_micro_batch_and_its_rank()
     assert step_fault(NONE, False, 1, "lm_head.weight") == Fault(
         "gradient norm", "the first non-finite gradient: lm_head.weight"
     )
+    assert step_fault(NONE, False, 1) == Fault("gradient norm", "every gradient is finite")  # their norm overflowed
     assert step_fault(NONE, True, 1) is None
 
 
@@ -106,6 +107,16 @@ def test_the_fault_hook_makes_a_steps_gradients_nan(tiny_model_dir, monkeypatch)
     name = backend.trainable_names[0]
     with pytest.raises(NumericalError, match=rf"step 2: the gradient norm is non-finite \(.*{name}\)"):
         backend.train_step(batch, nan_on_micro(-1), step=2)
+
+
+def test_a_nan_gradient_of_one_parameter_is_named_though_clipping_spreads_it(tiny_model_dir):
+    backend = make_backend(tiny_model_dir, micro_batch_size=4, max_nonfinite_steps=1)  # max_grad_norm 1: clipping on
+    name, param = backend.trainable_names[5], backend.trainable[5]
+    param.register_hook(lambda grad: grad * NAN)  # a backward that overflowed in this one parameter
+    with pytest.raises(
+        NumericalError, match=rf"the gradient norm is non-finite \(the first non-finite gradient: {name}\)"
+    ):
+        backend.train_step(make_batch(), nan_on_micro(-1), step=1)
 
 
 def test_a_step_that_leaves_a_parameter_non_finite_stops_at_once_and_nothing_is_saved(tiny_model_dir, tmp_path):
