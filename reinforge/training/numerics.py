@@ -36,10 +36,6 @@ FAULT_ENV = "REINFORGE_FAULT_NONFINITE_AT_STEP"
 NUMERICS_FILE = "numerics.json"
 NONE = 2**62  # the code of "nothing non-finite": larger than any micro-batch or tensor index
 INF = float("inf")
-# the largest weight a check passes: beyond it the weight's square overflows float32 (and bfloat16), so the next
-# forward cannot be finite (`optimizer.lr=1e30` makes every weight about 1e30 in one AdamW step); trained weights
-# are many orders of magnitude below it
-MAX_WEIGHT = torch.finfo(torch.float32).max ** 0.5
 
 
 def warn(line: str) -> None:
@@ -57,20 +53,19 @@ def fault_step() -> int | None:
     return int(value)
 
 
-def first_nonfinite(
-    tensors: list[torch.Tensor], owners: list[int] | None = None, bounds: list[float] | None = None
-) -> torch.Tensor:
-    """The owner (`owners[i]`, by default i) of the first tensor holding a NaN, an infinity or (with `bounds`) a
-    magnitude beyond `bounds[i]`, NONE when there is none: one fused reduction (each tensor's largest magnitude, which
-    a NaN or an infinity makes non-finite and a large finite value does not), a 0-d int64 tensor on the tensors'
-    device, with no wait for the device."""
+def first_nonfinite(tensors: list[torch.Tensor], owners: list[int] | None = None, norm_type=2.0) -> torch.Tensor:
+    """The owner (`owners[i]`, by default i) of the first tensor whose norm is not finite, NONE when there is none:
+    one fused reduction, a 0-d int64 tensor on the tensors' device, with no wait for the device. The L2 norm (the
+    fast one) is not finite for a NaN, an infinity, or values so large that their squares overflow float32 (above
+    about 1.8e19 / sqrt(numel): `optimizer.lr=1e30` makes every weight about 1e30 in one AdamW step, finite, but no
+    forward with them is; trained weights are orders of magnitude below it); `norm_type=inf` (the largest magnitude)
+    flags a NaN or an infinity only, for what may rightly be large (AdamW's second moment, a gradient squared)."""
     owners = list(range(len(tensors))) if owners is None else owners
     present = [i for i, tensor in enumerate(tensors) if tensor.numel()]  # the infinity norm of nothing is undefined
     if not present:
         return torch.tensor(NONE)
-    norms = torch.stack([norm.float() for norm in torch._foreach_norm([tensors[i] for i in present], float("inf"))])
-    limits = torch.tensor([INF if bounds is None else bounds[i] for i in present], device=norms.device)
-    bad = ~(torch.isfinite(norms) & (norms <= limits))
+    norms = torch._foreach_norm([tensors[i] for i in present], norm_type)
+    bad = ~torch.isfinite(torch.stack([norm.float() for norm in norms]))
     owner = torch.tensor([owners[i] for i in present], device=bad.device)
     return torch.where(bad, owner, torch.full_like(owner, NONE)).min()
 
@@ -81,19 +76,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def nonfinite_parameter(strategy, names: list[str], parameters: list[torch.Tensor], optimizer=None) -> str | None:
-    """The name of the first parameter that holds a NaN, an infinity or a weight beyond `MAX_WEIGHT` (with `optimizer`:
-    or whose AdamW moments hold a NaN or an infinity) on some rank; None when none does: one fused reduction over this
+    """The name of the first parameter whose weights' norm is not finite (`first_nonfinite`; with `optimizer`: or whose
+    AdamW moments hold a NaN or an infinity) on some rank, None when there is none: a fused reduction over this
     rank's shards, then the minimum over the ranks (`strategy.all_min`, a collective on FSDP2 ranks)."""
-    tensors, owners, bounds = [], [], []
-    for index, param in enumerate(parameters):
-        parts = [(param, MAX_WEIGHT)]
-        if optimizer is not None:  # a moment may be large (a gradient squared): finite is all it needs to be
-            state = optimizer.state.get(param, {})
-            parts += [(state[key], INF) for key in ("exp_avg", "exp_avg_sq") if key in state]
-        for part, bound in parts:
-            if part is not None:
-                tensors, owners, bounds = tensors + [local(part).detach()], owners + [index], bounds + [bound]
-    first = int(strategy.all_min(first_nonfinite(tensors, owners, bounds).to(strategy.device).reshape(1))[0])
+    first = first_nonfinite([local(p).detach() for p in parameters]).to(strategy.device)
+    if optimizer is not None:
+        moments = [(i, state[key]) for i, p in enumerate(parameters) for state in [optimizer.state.get(p, {})]
+                   for key in ("exp_avg", "exp_avg_sq") if key in state]  # fmt: skip
+        owners = [i for i, _ in moments]
+        moment = first_nonfinite([local(m).detach() for _, m in moments], owners, INF).to(strategy.device)
+        first = torch.minimum(first, moment)
+    first = int(strategy.all_min(first.reshape(1))[0])
     return None if first >= NONE else names[first]
 
 
@@ -194,8 +187,8 @@ class NonfiniteSteps:
 def parameter_error(step: int, name: str, what: str = "training") -> NumericalError:
     """The run stops: an optimizer step from a finite gradient left a parameter non-finite (it cannot be undone)."""
     return NumericalError(
-        f"{what} stopped at step {step}: the parameter {name} is non-finite (or beyond {MAX_WEIGHT:.1e}, where its "
-        "square overflows) after the optimizer step, from a finite gradient: the update overflowed; lower "
+        f"{what} stopped at step {step}: the parameter {name} is non-finite (or so large that its square "
+        "overflows) after the optimizer step, from a finite gradient: the update overflowed; lower "
         "optimizer.lr; nothing of this step was saved, and a run started again resumes from its last finite "
         "checkpoint"
     )
@@ -203,4 +196,6 @@ def parameter_error(step: int, name: str, what: str = "training") -> NumericalEr
 
 def state_error(name: str, what: str) -> NumericalError:
     """A state about to be written (a checkpoint, the final model) holds a non-finite value: it is not written."""
-    return NumericalError(f"{what} not written: {name} holds a non-finite value (or a weight beyond {MAX_WEIGHT:.1e})")
+    return NumericalError(
+        f"{what} not written: {name} holds a non-finite value (or a weight so large that its square overflows)"
+    )
