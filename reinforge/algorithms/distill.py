@@ -168,7 +168,7 @@ def train_on_batch(
         )
     with timers.time("train"):
         global_batches = [batch.slice(s, s + global_batch) for s in range(0, len(batch), global_batch)]
-        updates = [trainer.train_step(b, loss_fn) for b in global_batches if b.num_valid_tokens()]
+        updates = [trainer.train_step(b, loss_fn, step) for b in global_batches if b.num_valid_tokens()]
     return StepResult(
         {
             **metrics,

@@ -100,7 +100,7 @@ def train_on_batch(
     with timers.time("train"):  # one optimizer step per global batch of the rollout that has tokens to train on
         global_batches = split_old_logprobs(batch, global_batch, old_from)
         updates = [
-            trainer.train_step(computed_part(b, config), loss_fn) for b in global_batches if b.num_valid_tokens()
+            trainer.train_step(computed_part(b, config), loss_fn, step) for b in global_batches if b.num_valid_tokens()
         ]
     return StepResult(
         {

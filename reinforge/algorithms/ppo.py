@@ -141,11 +141,11 @@ def train_on_batch(
 
     def critic_updates() -> list[dict[str, float]]:
         with timers.time("critic_train"):
-            return [critic.train_step(b, value_loss_fn) for _ in range(ppo.critic_epochs) for b in global_batches]
+            return [critic.train_step(b, value_loss_fn, step) for _ in range(ppo.critic_epochs) for b in global_batches]
 
     def actor_updates() -> list[dict[str, float]]:
         with timers.time("train"):
-            return [trainer.train_step(b, loss_fn) for b in global_batches] if actor_trains else []
+            return [trainer.train_step(b, loss_fn, step) for b in global_batches] if actor_trains else []
 
     if ppo.critic_first:
         critic_stats, actor_stats = critic_updates(), actor_updates()

@@ -93,11 +93,13 @@ def advantage_metrics(
 
 
 def train_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over the step's optimizer steps; extremes by max/min."""
+    """Mean over the step's optimizer steps; extremes by max/min; a cumulative count by its last value."""
     out = {}
     for name in updates[0] if updates else []:
         values = [u[name] for u in updates]
-        if name.endswith("_max"):
+        if name == "nonfinite_steps":
+            out[f"train/{name}"] = values[-1]
+        elif name.endswith("_max"):
             out[f"train/{name}"] = max(values)
         elif name.endswith("_min"):
             out[f"train/{name}"] = min(values)

@@ -21,6 +21,7 @@ from reinforge.training.backend import Backend
 from reinforge.training.base import LossFn, TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy
 from reinforge.training.heads import Head
+from reinforge.training.numerics import fault_step, warn
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 
@@ -37,6 +38,8 @@ class FSDP2Ranks:
         actor_fraction: float = 1.0,
     ):
         port, num_workers = free_port(), training.num_workers
+        # the testing hook of the driver's environment, which the ranks of a Ray cluster started elsewhere lack
+        backend_kwargs = {**backend_kwargs, "nonfinite_fault_at": fault_step()}
         self.group = WorkerGroup(
             name,
             Backend,
@@ -52,8 +55,12 @@ class FSDP2Ranks:
             resources=cluster.training_resources,
         )
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        return self.group.call("train_step", batch, loss_fn)[0]
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, step: int | None = None) -> dict[str, float]:
+        """Rank 0's metrics; the line of a skipped non-finite step shown here (the ranks' output is no console)."""
+        metrics, note = self.group.call("checked_step", batch, loss_fn, step)[0]
+        if note:
+            warn(note)
+        return metrics
 
     def memory_metrics(self) -> dict[str, float]:
         """`perf/<group>[r]/peak_rss_gb` (and `gpu_peak_memory_gb`) of every rank."""

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from reinforge.data.images import ImageInputs, image_token_id, merge_images
+from reinforge.errors import NumericalError
 from reinforge.generation.base import Completion, GenerationResult, SamplingParams
 from reinforge.generation.routes import RouteRecorder, generation_routes, row_routes
 from reinforge.generation.weight_digest import WeightDigests, report
@@ -247,6 +248,7 @@ class SampledLogprobs(LogitsProcessor):
         self.taken: list[torch.Tensor] = []  # [B] each
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        check_finite_logits(scores, len(self.taken))
         self._take(input_ids[:, -1])
         self.step_logprobs = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
         return scores
@@ -260,6 +262,19 @@ class SampledLogprobs(LogitsProcessor):
         self._take(last_tokens)
         self.step_logprobs = None
         return torch.stack(self.taken, dim=1)
+
+
+def check_finite_logits(scores: torch.Tensor, step: int) -> None:
+    """A one-line error, not torch.multinomial's traceback, when a decoding step's logits hold a NaN or +inf or a row
+    has no finite logit (-inf is a token masked out): the engine's weights are not finite."""
+    finite = torch.isfinite(scores)
+    if bool((finite | (scores == float("-inf"))).all() and finite.any(dim=-1).all()):
+        return
+    raise NumericalError(
+        f"the HF generation engine's logits are not finite at decoding step {step}: the policy's weights it holds "
+        "are not finite, or so large that the forward overflows (the trainer checks its own after every step: "
+        "docs/reliability.md, Numerical faults)"
+    )
 
 
 class BetweenSteps(LogitsProcessor):

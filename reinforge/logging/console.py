@@ -46,6 +46,8 @@ class ConsoleLog:
         self.progress.update(self.task, completed=step)
         if show_line:
             parts = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in COMPACT if key in metrics]
+            if metrics.get("train/nonfinite_steps"):  # a NaN loss shows as "nan" above; the skips so far, here
+                parts.append(f"nonfinite_steps {metrics['train/nonfinite_steps']:.0f}")
             self.progress.console.print(f"step {step:>4} | " + " | ".join(parts), soft_wrap=True)
 
     def print(self, text: str) -> None:

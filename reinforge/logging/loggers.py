@@ -10,7 +10,6 @@ enabled, and a missing one is a one-line error that says what to install.
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import time
 from pathlib import Path
@@ -87,10 +86,12 @@ class MetricLogger:
             raise
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Every value, a non-finite one too (a skipped step's NaN loss): metrics.jsonl writes it as "nan", "inf" or
+        "-inf", and TensorBoard, W&B and MLflow each take NaN and the infinities as they are."""
         self.jsonl.write(step, metrics)
-        finite = {name: float(value) for name, value in metrics.items() if math.isfinite(value)}
+        values = {name: float(value) for name, value in metrics.items()}
         for backend in self.backends:
-            backend.log(step, finite)
+            backend.log(step, values)
 
     def log_config(self, config: dict[str, Any]) -> None:
         """The run's resolved config (e.g. `config.model_dump(mode="json")`); JSONL has it as config.yaml."""

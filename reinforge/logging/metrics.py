@@ -75,14 +75,16 @@ class JsonlWriter:
         self.path = path
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
+        record = {"step": step, **{k: json_value(v) for k, v in sorted(metrics.items())}}
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
 
-def _finite_or_none(value: float) -> float | None:
+def json_value(value: float) -> float | str:
+    """A metric as metrics.jsonl holds it: a number, or "nan", "inf", "-inf" for a non-finite one (visible, and
+    strict JSON, which has no NaN; `float()` reads them back)."""
     value = float(value)
-    return value if math.isfinite(value) else None
+    return value if math.isfinite(value) else str(value)
 
 
 def read_ledger(path: Path) -> tuple[list[dict[str, Any]], int]:

@@ -8,6 +8,7 @@ time per phase, the plots). Works on a finished run or one still being written.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ from reinforge.data.jsonl import read_jsonl
 from reinforge.errors import DataError
 
 Rows = list[dict[str, float | None]]
+NONFINITE = ("nan", "inf", "-inf")
 
 
 @dataclass(frozen=True)
@@ -157,12 +159,14 @@ def read_metrics(run_dir: Path) -> Rows:
         raise DataError(f"{path} does not exist; give the run directory of a reinforge run")
     if not path.read_bytes().strip():
         raise DataError(f"{path} is empty: the run has not finished a step yet")
-    return read_jsonl(path, required_keys=("step",))  # malformed or non-UTF-8 lines: one line naming them
+    rows = read_jsonl(path, required_keys=("step",))  # malformed or non-UTF-8 lines: one line naming them
+    # a non-finite value is the string "nan", "inf" or "-inf" (logging/metrics.py), null in runs before
+    return [{name: float(v) if v in NONFINITE else v for name, v in row.items()} for row in rows]
 
 
 def series(rows: Rows, name: str) -> tuple[list[int], list[float]]:
     """The steps and values of one metric, skipping the steps that did not log it (or logged a non-finite value)."""
-    points = [(row["step"], row[name]) for row in rows if row.get(name) is not None]
+    points = [(row["step"], row[name]) for row in rows if row.get(name) is not None and math.isfinite(row[name])]
     return [s for s, _ in points], [v for _, v in points]
 
 

@@ -200,7 +200,7 @@ def train_step(recipe: SupervisedRecipe, backend, indices: list[int], step: int)
     with timers.time("step"):
         batch, loss_fn = recipe.train_batch(indices, timers)
         with timers.time("train"):
-            updates = backend.train_step(batch, loss_fn)
+            updates = backend.train_step(batch, loss_fn, step)
     lengths = batch.attention_mask.sum(dim=1).tolist()
     plan = backend.plan(lengths, None)
     num_slots = sum(len(rows) * max(sum(lengths[i] for i in row) for row in rows) for rows in plan)

@@ -19,7 +19,8 @@ Gradients accumulate over micro-batches with the loss function's global normalis
 sees the gradient of the whole global batch (micro-batches and ranks sum to one big batch). Micro-batches
 are planned by training/micro_batching.py (`training.micro_batch_size` sequences or
 `training.micro_batch_tokens` positions, packed or not, prompts shared or not); AdamW and its schedule come
-from training/optimizer.py.
+from training/optimizer.py. No non-finite loss, gradient or parameter reaches AdamW, a checkpoint or an export: each
+step is checked and skipped, or the run stopped (training/numerics.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.model_config import ModelConfig
@@ -49,6 +49,19 @@ from reinforge.training.heads import Head, LogprobHead, LogprobsAt
 from reinforge.training.lora import adapter_disabled, merge_lora_weights, scaling
 from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, model_layouts, plan_micro_batches
 from reinforge.training.moe import MoeRouting, RoutedTokens, forward_metrics, model_routing
+from reinforge.training.numerics import (
+    NONE,
+    NonfiniteSteps,
+    fault_step,
+    gradient_code,
+    local,
+    nonfinite_parameter,
+    parameter_error,
+    reduced_checks,
+    state_error,
+    step_fault,
+    warn,
+)
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
 from reinforge.training.parallel.context import context_group
 from reinforge.training.strategy import LocalStrategy, Strategy
@@ -100,10 +113,13 @@ class Backend:
         strategy: Strategy | None = None,
         load_reference: bool = False,
         row_tokens: int | None = None,
+        nonfinite_fault_at: int | None = None,
     ):
         """`head`: an LM head at temperature 1 by default. `strategy`: this process by default (an
         `FSDP2Strategy` is set up here, in the rank's process). `row_tokens`: the width of a packed row (SFT packs
-        conversations into rows of `data.max_seq_len`); None: the micro-batch's longest sequence."""
+        conversations into rows of `data.max_seq_len`); None: the micro-batch's longest sequence.
+        `nonfinite_fault_at`: the testing hook's step (training/numerics.py), by default this process's
+        REINFORGE_FAULT_NONFINITE_AT_STEP."""
         self.lora = model_config.lora
         self.head = head or LogprobHead(temperature=1.0)
         self.strategy = strategy or LocalStrategy()
@@ -133,7 +149,11 @@ class Backend:
             MoeRouting(self.model, replay)
             if replay and self.reference is not None:  # the reference's logprobs on the same routes
                 MoeRouting(self.reference, replay)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        trained = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.trainable_names, self.trainable = [name for name, _ in trained], [p for _, p in trained]
+        self.nonfinite = NonfiniteSteps(training.max_nonfinite_steps)
+        self.fault_at = fault_step() if nonfinite_fault_at is None else nonfinite_fault_at
+        self.role = "the critic's training" if getattr(self.head, "module", None) == "value_head" else "training"
         self.versions: dict[int, list[torch.Tensor]] = {}  # keep_version's copies
         self.optimizer_config = optimizer
         self.optimizer, self.scheduler = build_optimizer(self.trainable, optimizer, scheduler, num_optimizer_steps)
@@ -170,20 +190,20 @@ class Backend:
         under the trained parameters `keep_version` kept as that policy version."""
         if version is None:
             return self.per_token(batch, reference)
-        current = [_local(p).detach().clone() for p in self.trainable]
+        current = [local(p).detach().clone() for p in self.trainable]
         with torch.no_grad():
             try:
                 for param, kept in zip(self.trainable, self.versions[version]):
-                    _local(param).copy_(kept)
+                    local(param).copy_(kept)
                 return self.per_token(batch)
             finally:
                 for param, value in zip(self.trainable, current):
-                    _local(param).copy_(value)
+                    local(param).copy_(value)
 
     def keep_version(self, version: int, depth: int) -> list[int]:
         """Keep a CPU copy of the trained parameters (this rank's shards) as policy `version`, and only the last
         `depth` versions; returns the versions kept (rollout.version_check)."""
-        self.versions[version] = [_local(p).detach().to("cpu", copy=True) for p in self.trainable]
+        self.versions[version] = [local(p).detach().to("cpu", copy=True) for p in self.trainable]
         for old in sorted(self.versions)[:-depth]:
             del self.versions[old]
         return sorted(self.versions)
@@ -197,17 +217,57 @@ class Backend:
 
     # --- training ------------------------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
-        """One optimizer step on a global batch: accumulate, clip by the global norm, step, advance the schedule."""
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn | Loss, step: int | None = None) -> dict[str, float]:
+        """One optimizer step on a global batch: accumulate, clip by the global norm, step, advance the schedule;
+        skipped when its loss or gradient norm is not finite (training/numerics.py). `step`: the loop's step, which
+        messages name (by default this backend's count of optimizer steps)."""
+        metrics, note = self.checked_step(batch, loss_fn, step)
+        if note:
+            warn(note)
+        return metrics
+
+    def checked_step(
+        self, batch: TrainBatch, loss_fn: LossFn | Loss, step: int | None = None
+    ) -> tuple[dict[str, float], str | None]:
+        """`train_step`, with the line that says a non-finite step was skipped (None: it was not) returned for the
+        caller to show (an FSDP2 rank's output is not the console)."""
+        step = self.nonfinite.begin(step)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(batch, loss_fn)
+        losses: list[torch.Tensor] = []
+        metrics = self._passes(batch, Loss.of(loss_fn), backward=True, losses=losses)
+        if step == self.fault_at:  # the testing hook: this step's gradients are NaN
+            for grad in (p.grad for p in self.trainable if p.grad is not None):
+                local(grad).fill_(float("nan"))
+        gradient = gradient_code(self.trainable)  # before clipping spreads a NaN to every gradient
         grad_norm = self.strategy.clip_gradients(self.trainable, clip_norm(self.optimizer_config))
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
+        note = self._skip_note(step, losses, gradient, grad_norm)
+        if note is None:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.nonfinite.finite()
+            if (bad := self._first_nonfinite()) is not None:
+                raise parameter_error(step, bad, self.role)
         # freed now, not at the next step: a colocated engine generates in their memory (planner.py, PERSISTENT)
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics
+        return {**metrics, "nonfinite_steps": float(self.nonfinite.skipped)}, note
+
+    def _skip_note(self, step: int, losses: list[torch.Tensor], gradient: torch.Tensor, grad_norm) -> str | None:
+        """Whether this step is skipped, decided alike on every rank: the line that says so (None: it is not), or a
+        `NumericalError` at `training.max_nonfinite_steps` in a row."""
+        loss, first_gradient, norm_finite = reduced_checks(self.strategy, losses, gradient, grad_norm)
+        if (fault := step_fault(loss, norm_finite, self.strategy.world_size, self._name(first_gradient))) is None:
+            return None
+        return self.nonfinite.skip(step, fault, self.role)
+
+    def _first_nonfinite(self, moments: bool = False) -> str | None:
+        """The first trained parameter that is not finite (or too large; with `moments`, or whose AdamW moments are
+        not finite) on some rank; None when all are (a collective on FSDP2 ranks)."""
+        optimizer = self.optimizer if moments else None
+        return nonfinite_parameter(self.strategy, self.trainable_names, self.trainable, optimizer)
+
+    def _name(self, index: int) -> str | None:
+        return self.trainable_names[index] if index < NONE else None
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
         """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time; the batch's metrics."""
@@ -222,14 +282,18 @@ class Backend:
         finally:
             self.model.train()
 
-    def _passes(self, batch: TrainBatch, loss: Loss, backward: bool) -> dict[str, float]:
+    def _passes(
+        self, batch: TrainBatch, loss: Loss, backward: bool, losses: list[torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """`losses`: each micro-batch's loss appended (detached)."""
         norm = batch.normalisers()
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
         extremes: dict[str, torch.Tensor] = {}
         routed = RoutedTokens.of(batch) if model_routing(self.model) is not None else None
         try:
             for _, micro, rows in self.strategy.micro_batches(batch, self.plan):
-                accumulate_metrics(totals, extremes, self._micro_pass(micro, rows, loss, norm, backward, routed))
+                metrics = self._micro_pass(micro, rows, loss, norm, backward, routed, losses)
+                accumulate_metrics(totals, extremes, metrics)
         finally:
             clear_routing(self.model)
         return self.strategy.reduce_metrics(totals, extremes)
@@ -242,6 +306,7 @@ class Backend:
         norm: Normalisers,
         backward: bool,
         routed: RoutedTokens | None = None,
+        losses: list[torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Forward, loss (and backward) of one micro-batch; its detached metric contributions, summable over
         micro-batches like the loss, with the head's per-token diagnostics (the policy's entropy) as token means.
@@ -256,6 +321,8 @@ class Backend:
             if self.moe.aux_loss_coef > 0:
                 value = value + self.moe.aux_loss_coef * moe_metrics["moe/aux_loss"]
             metrics.update(moe_metrics)
+        if losses is not None:
+            losses.append(value.detach())
         if backward:
             value.backward()
         mask, num_tokens = micro.loss_mask, max(norm.metric_tokens, 1)
@@ -324,23 +391,35 @@ class Backend:
         return {**vars(stats), "expectation": expect}
 
     def save_pretrained(self, path: Path) -> None:
-        """The model as a Hugging Face directory, written by the main rank; with LoRA, its adapter in PEFT's format."""
+        """The model as a Hugging Face directory, written by the main rank; with LoRA, its adapter in PEFT's format.
+        Never with a non-finite trained weight (a one-line `NumericalError` instead)."""
         if self.peft is not None:
             return self.save_adapter(path)
+        self._check_finite(f"the model {path}")
         self.strategy.save_pretrained(self.model, Path(path))
 
     def save_adapter(self, path: Path) -> None:
         """The LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)."""
+        self._check_finite(f"the adapter {path}")
         self.strategy.save_adapter(self.model, self.peft, Path(path))
 
     def save_state(self, path: Path) -> None:
         """Everything an exact resume needs: the model's weights (with LoRA, the adapter's only), AdamW state and
-        the LR schedule's position."""
+        the LR schedule's position, and the non-finite step counters with the checkpoint's `finite` mark
+        (numerics.json); a state with a non-finite weight or moment is never written."""
+        self._check_finite(f"the checkpoint {path}", moments=True)
         self.strategy.save_state(self.model, self.optimizer, self.scheduler, Path(path), self.peft is not None)
+        if self.strategy.is_main:
+            self.nonfinite.save(Path(path))
 
     def load_state(self, path: Path) -> None:
         """Restore what `save_state` wrote (same model, same optimizer settings)."""
         self.strategy.load_state(self.model, self.optimizer, self.scheduler, Path(path), self.peft is not None)
+        self.nonfinite.load(Path(path))
+
+    def _check_finite(self, what: str, moments: bool = False) -> None:
+        if (bad := self._first_nonfinite(moments=moments)) is not None:
+            raise state_error(f"the parameter {bad}" + (" (or its AdamW moments)" if moments else ""), what)
 
     def memory(self) -> dict[str, float]:
         """This process's peak host (and GPU) memory, GiB."""
@@ -355,11 +434,6 @@ class Backend:
 
     def shutdown(self) -> None:
         self.strategy.shutdown()
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: a DTensor's local shard (FSDP2, tensor parallel), else the parameter."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def clear_routing(model: torch.nn.Module) -> None:

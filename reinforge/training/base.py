@@ -53,6 +53,11 @@ class BackendConfig(Section):
     """`fsdp2`: the longest a rank waits in a torch.distributed collective (or at the rendezvous) for the other
     ranks; then the collective raises on that rank and the run stops (torch.distributed's own default is 10 to 30
     minutes). A hung rank is usually caught earlier by `cluster.worker_timeout_s`."""
+    max_nonfinite_steps: int = Field(default=3, ge=1)
+    """An optimizer step whose loss or gradient norm is NaN or infinite is skipped (no update, the schedule does not
+    advance; `train/nonfinite_steps` counts it); the run stops with one line naming the step, the micro-batch and
+    the quantity at the this-many-th such step in a row (1: at the first). 3 rides out a rare bad batch and stops a
+    diverged run within three steps (docs/reliability.md, "Numerical faults")."""
     parallel: ParallelSetting = ParallelConfig()
     """How `num_workers` ranks split the work: data-parallel shards and copies, tensor and context parallelism
     (training/parallel/layout.py; docs/distributed.md); `auto`: the layout the planner picks for the model and the
@@ -124,8 +129,9 @@ class TrainingBackend(Protocol):
         """Keep the trained parameters as policy `version` (the last `depth` versions); the versions kept."""
         ...
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on a global batch, accumulated over micro-batches."""
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, step: int | None = None) -> dict[str, float]:
+        """One optimizer step on a global batch, accumulated over micro-batches, skipped when its loss or gradient
+        norm is not finite (training/numerics.py); `step`: the loop's, which its messages name."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,7 +11,10 @@ Layout: `RUN_DIR/checkpoints/step_00000012/` holds
 - `COMPLETE`: written last, listing every file with its size and SHA-256. A directory without it, or
   whose files do not match it in size (a crash mid-save, a truncated copy) or, when a run resumes, in
   content (a corrupted disk or copy), is skipped with a warning naming it, and the resume falls back to
-  the newest checkpoint that verifies.
+  the newest checkpoint that verifies. Its `finite` mark is false when a model's state was saved while
+  non-finite optimizer steps were being skipped in a row (training/numerics.py: the weights are finite, the run
+  was heading for a stop): a suspect checkpoint, which a resume passes over for the newest finite one and pruning
+  never leaves alone (a checkpoint from before the mark counts as finite).
 
 The directory is built under a temporary name, flushed to disk (fsync) and renamed into place
 (run_dir.atomic_directory), so a kill or a power loss at any moment leaves either the previous newest
@@ -37,6 +40,7 @@ from reinforge.config.tree import flatten
 from reinforge.errors import ConfigError
 from reinforge.hang import run_with_deadline
 from reinforge.run_dir import atomic_directory
+from reinforge.training.numerics import NUMERICS_FILE
 
 
 class CheckpointConfig(Section):
@@ -71,6 +75,7 @@ RESUMABLE_CHANGES = (
     *("deadlines.", "training.collective_timeout_s", "agent.endpoint.request_timeout_s"),  # how long waits may take
     *("agent.first_call_timeout_s", "generation.verify_refit_every"),  # a check's deadline and frequency
     "generation.verify_refit_columns",  # and its sample
+    "training.max_nonfinite_steps",  # raised to get a run past the bad steps that stopped it
 )
 
 
@@ -109,8 +114,17 @@ def save_checkpoint(
             for p in sorted(tmp.rglob("*"))
             if p.is_file()
         }
-        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+        finite = all(json.loads(p.read_text()).get("finite", True) for p in tmp.glob(f"*/{NUMERICS_FILE}"))
+        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "files": manifest, "finite": finite}, indent=1))
     return final
+
+
+def is_finite(path: Path) -> bool:
+    """The checkpoint's `finite` mark (true for one written before the mark, or whose marker is unreadable)."""
+    try:
+        return json.loads((path / "COMPLETE").read_text()).get("finite", True) is not False
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def sha256(path: Path) -> str:
@@ -148,17 +162,24 @@ def _matches_manifest(path: Path, content: bool) -> bool:
 
 
 def latest_checkpoint(run_dir: Path, warn=print) -> Path | None:
-    """The newest checkpoint that verifies (sizes and content); the others newer than it are skipped with a
-    warning naming each."""
+    """The newest checkpoint that verifies (sizes and content) and is marked finite; the others newer than it are
+    skipped with a warning naming each. With no finite one, the newest suspect one that verifies."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return None
+    suspect = None
     for path in sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True):
         if verifies(path):
-            return path
+            if is_finite(path):
+                return path
+            suspect = suspect or path
+            warn(f"checkpoint {path} was saved while non-finite training steps were skipped in a row; skipping it")
+            continue
         reason = "does not match its COMPLETE manifest's checksums (corrupt)" if is_complete(path) else "is incomplete"
         warn(f"checkpoint {path} {reason}; skipping it")
-    return None
+    if suspect is not None:
+        warn(f"no checkpoint marked finite; resuming from {suspect}")
+    return suspect
 
 
 def load_driver_state(path: Path) -> dict[str, Any]:
@@ -179,11 +200,15 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
 
 
 def prune(run_dir: Path, keep_last: int, best_step: int | None) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (and the best one, if any)."""
+    """Delete all but the newest `keep_last` complete checkpoints (and the best one, if any), never the newest finite
+    one while a newer one is suspect (its `finite` mark false)."""
     complete = sorted(p for p in checkpoints_dir(run_dir).iterdir() if STEP_DIR.match(p.name) and is_complete(p))
     keep = set(complete[-keep_last:]) if keep_last > 0 else set(complete)
     if best_step is not None:
         keep.add(checkpoints_dir(run_dir) / f"step_{best_step:08d}")
+    finite = [path for path in complete if is_finite(path)]
+    if finite and finite[-1] != complete[-1]:  # the newer ones are suspect: a resume goes back to this one
+        keep.add(finite[-1])
     for path in complete:
         if path not in keep:
             shutil.rmtree(path, ignore_errors=True)

@@ -226,6 +226,11 @@ class FSDP2Strategy:
     def reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
         return reduce_metrics(totals, extremes, self.device, self.dp_group)
 
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        """Over every rank of the world (tensor- and context-parallel peers too: each holds shards of its own)."""
+        dist.all_reduce(values, op=dist.ReduceOp.MIN)
+        return values
+
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Full fp32 weights (of `names` only, when given) on every rank (a collective); keep_vars: tied names
         share one object."""

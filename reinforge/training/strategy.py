@@ -44,6 +44,8 @@ def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
 class Strategy(Protocol):
     device: torch.device
     is_main: bool  # the process that writes files and answers remote callers
+    rank: int  # of `world_size` processes that train the model together
+    world_size: int
 
     def setup(self, training: TrainingConfig) -> TrainingConfig:
         """Start what the strategy needs (a process group) in the process that trains; the settings with
@@ -74,6 +76,11 @@ class Strategy(Protocol):
         """Summed metrics and `*_max`/`*_min` extremes over the whole batch."""
         ...
 
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        """The element-wise minimum of `values` (on `device`) over every rank, the same on all (training/numerics.py
+        decides with it)."""
+        ...
+
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The model's whole (unsharded) state dict, or its tensors of `names`."""
         ...
@@ -92,7 +99,7 @@ class Strategy(Protocol):
 class LocalStrategy:
     """The whole model in this process, on `training.device` (a quantized base stays where it was loaded)."""
 
-    is_main = True
+    is_main, rank, world_size = True, 0, 1
 
     def __init__(self):
         self.device = torch.device("cpu")
@@ -131,6 +138,9 @@ class LocalStrategy:
 
     def reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
         return {name: float(value) for name, value in (totals | extremes).items()}
+
+    def all_min(self, values: torch.Tensor) -> torch.Tensor:
+        return values
 
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         state_dict = model.state_dict()

@@ -21,6 +21,7 @@ from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy
 from reinforge.training.heads import LogprobHead
+from reinforge.training.numerics import local
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 
 NUM_STEPS = 2
@@ -56,11 +57,26 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
     weights = dict(worker.named_weights())
     worker.save_pretrained(out_dir / "export")
     worker.save_state(str(out_dir / "sharded_state"))  # each rank writes its shards
-    result = {"logprobs": logprobs, "metrics": metrics}
+    # a NaN loss on the last rank's micro-batch 1 only: every rank skips the step alike (training/numerics.py)
+    shards = [local(p).detach().clone() for p in worker.trainable]
+    skipped, note = worker.checked_step(
+        batch, partial(nan_on_rank, world_size - 1, [], partial(loss_fn, token_mean, 0))
+    )
+    unchanged = all(torch.equal(before, local(p)) for before, p in zip(shards, worker.trainable))
+    result = {"logprobs": logprobs, "metrics": metrics, "nonfinite": (skipped["nonfinite_steps"], note, unchanged)}
     if rank == 0:
         result["weights"] = weights
     torch.save(result, out_dir / f"rank{rank}.pt")
     worker.shutdown()
+
+
+def nan_on_rank(rank, calls, loss_fn, logprobs, micro, norm):
+    """`loss_fn`, NaN on rank `rank`'s second micro-batch."""
+    loss, metrics = loss_fn(logprobs, micro, norm)
+    calls.append(1)
+    if torch.distributed.get_rank() == rank and len(calls) == 2:
+        loss = loss * float("nan")
+    return loss, metrics
 
 
 def free_ports(count):
@@ -137,6 +153,16 @@ def test_two_ranks_give_the_same_loss_and_weights_as_one_rank(runs, tiny_model_d
         assert abs(metrics["loss"] - one["metrics"][step]["loss"]) <= 1e-5
     for name, weight in backend.named_weights():
         torch.testing.assert_close(one["weights"][name], weight, atol=1e-5, rtol=0)
+
+
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(runs):
+    for key in (1, 2):
+        ranks, _ = runs[key]
+        where = "micro-batch 1" + (" of rank 1" if key == 2 else "")
+        for rank in ranks:
+            skipped, note, unchanged = rank["nonfinite"]
+            assert skipped == 1.0 and unchanged, (key, rank["nonfinite"])
+            assert note.startswith(f"step {NUM_STEPS + 1}: the loss is non-finite ({where}); the optimizer step was")
 
 
 def test_activation_checkpointing_changes_memory_not_results(runs):

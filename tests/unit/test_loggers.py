@@ -2,6 +2,7 @@
 the MLflow file store, metrics.jsonl."""
 
 import json
+import math
 import struct
 import sys
 from contextlib import nullcontext
@@ -30,22 +31,29 @@ def log_run(run_dir, config: LoggersConfig, fail: bool = False) -> None:
                 raise RuntimeError("the run crashed")
 
 
-def test_jsonl_is_always_written_with_non_finite_values_as_null(tmp_path):
+def test_jsonl_is_always_written_with_non_finite_values_as_strings(tmp_path):
     log_run(tmp_path, LoggersConfig())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]
-    assert rows[1]["train/grad_norm"] is None
+    assert rows[1]["train/grad_norm"] == "nan"  # visible, never dropped; float() reads it back
     assert rows[2] == {"step": 2, **STEPS[2]}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no backend: nothing else
 
 
-def test_tensorboard_event_files_hold_every_finite_scalar_and_the_config(tmp_path):
+def test_tensorboard_event_files_hold_every_scalar_a_non_finite_one_too_and_the_config(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_run(tmp_path, LoggersConfig(tensorboard={"enabled": True}))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert sorted(events.Tags()["scalars"]) == ["timing/step_s", "train/kl", "train/reward_mean", "val/accuracy"]
+    assert sorted(events.Tags()["scalars"]) == [
+        "timing/step_s",
+        "train/grad_norm",
+        "train/kl",
+        "train/reward_mean",
+        "val/accuracy",
+    ]
+    assert [(e.step, math.isnan(e.value)) for e in events.Scalars("train/grad_norm")] == [(1, True)]
     assert [(e.step, e.value) for e in events.Scalars("val/accuracy")] == [(0, 0.25), (2, 0.5)]
     assert [(e.step, e.value) for e in events.Scalars("train/reward_mean")] == [(1, 0.5), (2, 0.75)]
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
@@ -92,6 +100,7 @@ def test_wandb_offline_run_file_holds_the_history_config_name_and_tags(tmp_path,
         if r.WhichOneof("record_type") == "history"
     ]
     logged = [{k: v for k, v in row.items() if not k.startswith("_")} | {"step": row["_step"]} for row in history]
+    assert math.isnan(logged[1].pop("train/grad_norm"))  # logged, as the NaN it is
     assert logged == [
         {"step": 0, "val/accuracy": 0.25},
         {"step": 1, "train/reward_mean": 0.5, "train/kl": 0.001, "timing/step_s": 2.0},
@@ -134,7 +143,7 @@ def test_mlflow_file_store_holds_the_metrics_params_config_and_status(tmp_path):
     assert (run.info.status, run.info.run_name) == ("FINISHED", tmp_path.name)
     history = client.get_metric_history(run.info.run_id, "train/reward_mean")
     assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
-    assert "train/grad_norm" not in run.data.metrics  # NaN is left out, as TensorBoard and W&B leave it
+    assert math.isnan(run.data.metrics["train/grad_norm"])  # NaN is logged, as TensorBoard and W&B log it
     assert run.data.params["rollout.num_generations_per_prompt"] == "8"
     assert run.data.params["model.name_or_path"] == "models/demo"
     assert len(run.data.params) == len(flatten(GRPORunConfig().model_dump(mode="json")))  # >100: MLflow's batch limit

@@ -126,6 +126,7 @@ def test_the_saved_weights_read_the_same_from_either_layout(runs):
         ".metadata",
         "__0_0.distcp",
         "__1_0.distcp",
+        "numerics.json",  # the non-finite step counters and the finite mark (training/numerics.py)
         "scheduler.pt",
     ]
 
