@@ -165,7 +165,22 @@ def account(reference: Path, faulted: Path) -> dict:
         "final_val_accuracy": final_accuracy(faulted),
         "reference_final_val_accuracy": final_accuracy(reference),
         "metrics_equal_reference": _comparable(faulted) == _comparable(reference),
+        "metrics_max_abs_diff": _max_abs_diff(_comparable(faulted), _comparable(reference)),
     }
+
+
+def _max_abs_diff(rows: list[dict], reference: list[dict]) -> float | None:
+    """The largest difference between the two runs' metrics, step by step (None: other steps or other keys). Float
+    noise of CPU kernels between processes shows here as ~1e-7, a run that trained on other data as far more."""
+    if [sorted(row) for row in rows] != [sorted(row) for row in reference]:
+        return None
+    return max((_diff(row[key], other[key]) for row, other in zip(rows, reference) for key in row), default=0.0)
+
+
+def _diff(a, b) -> float:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(float(a) - float(b))
+    return float(a != b)
 
 
 def _comparable(run_dir: Path) -> list[dict]:
