@@ -1,8 +1,9 @@
 """An RL run's inputs (its tokenizer, prompts and validation benchmarks, `read_inputs`) and the start-up checks that
 need more than its config can see: the tasks' environments, the loggers, LoRA's targets, the model directory
 (weights, its context length, its experts), the records (the math verifier's answers), the agents' code and the kind
-of each env.gym server. They run before the run directory is made (rl_loop.py), so that such an input is one line
-and never a half-made run directory, nor a run that trains on sequences its model cannot position."""
+of each env.gym server, and the start-up probes of the servers it calls (loops/probes.py). They run before the run
+directory is made (rl_loop.py), so that such an input is one line and never a half-made run directory, nor a run
+that trains on sequences its model cannot position."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from reinforge.generation.vllm_support import check_vllm_serves
 from reinforge.logging.loggers import check_backends
 from reinforge.loops.builders import engines_on_ray
 from reinforge.loops.dry_run import check_cpu_offload, check_run_layout, model_text_config
+from reinforge.loops.probes import probe_servers
 from reinforge.modeling import (
     check_rope_scaling,
     check_weights,
@@ -78,6 +80,9 @@ def read_inputs(config: RLRunConfig) -> Inputs:
     if config.generation.backend == "vllm":  # engines the model's heads cannot split (the dry run's rules)
         check_run_layout(config, model_text_config(config.model))
     check_run_inputs(config, train_prompts + val_prompts)  # no weights, too long for the model, agents not importable
+    # start-up probes, each one line before the run directory (loops/probes.py): a code environment's sandbox that
+    # cannot run (envs/sandbox.py's check, called here), then the outside servers: wrong URL, token or key
+    probe_servers(config, tasks, train_prompts + val_prompts)
     return Inputs(config, tokenizer, train_prompts, val_prompts, benchmarks, tasks, stream)
 
 
