@@ -8,6 +8,7 @@ import pytest
 from _http import http_server
 
 from reinforge.algorithms.grpo_config import load_config
+from reinforge.data.prompts import Prompt
 from reinforge.envs.http_server import build_app
 from reinforge.envs.math_env import MathEnv
 from reinforge.errors import ConfigError
@@ -71,3 +72,12 @@ def test_a_run_probes_its_env_servers_token_and_its_judges_url(server, monkeypat
         probe_servers(load_config(None, judge), {"math"}, [])  # a judge the run does not use is not probed
     finally:
         env_server.stop()
+
+
+def test_a_gym_resources_server_answering_4xx_to_the_first_session_is_one_line(server):
+    gym = [f"env.gym.weather.url={server}/404", "env.default_task=weather"]
+    prompt = Prompt(record={"task": "weather", "responses_create_params": {"input": []}}, messages=[], token_ids=[1])
+    with pytest.raises(ConfigError, match=r"env.gym.weather.url: .*/404/seed_session answered HTTP 404"):
+        probe_servers(load_config(None, gym), {"weather"}, [prompt])
+    probe_servers(load_config(None, [f"env.gym.weather.url={server}/200"]), {"weather"}, [prompt])
+    probe_servers(load_config(None, gym), {"weather"}, [])  # no record of the task: nothing to seed, no probe
