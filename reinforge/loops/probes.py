@@ -10,10 +10,11 @@ Each probe answers within `PROBE_TIMEOUT_S`:
 - HTTP 401/403: the token or key is wrong; 404 (and the other 4xx but 408/429): the URL is not that server's;
 - anything else (an answer, a 5xx, a slow answer): passes; the calls themselves retry and name it.
 
-Probed: `env.remote.<task>` (GET /metrics with its token), `env.judge` in chat mode (GET {url}/models with its
-key) and reward_model mode (POST /score of no conversation), `env.gym.<task>` (POST /seed_session of the task's
-first record), `agent.gym.<name>` (GET /openapi.json). Only the servers of the run's tasks; the environments a
-run serves itself (`agent.serve_envs`) and the judge in local mode are not probed.
+Probed: `env.remote.<task>` (GET /metrics with its token), `env.judge` in chat mode (a one-token chat completion
+of its model, with its key: a wrong model name is a 404 too) and reward_model mode (POST /score of no
+conversation), `env.gym.<task>` (POST /seed_session of the task's first record), `agent.gym.<name>` (GET
+/openapi.json). Only the servers of the run's tasks; the environments a run serves itself (`agent.serve_envs`) and
+the judge in local mode are not probed.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def probe_servers(config: RLRunConfig, tasks: set[str], prompts: list[Prompt]) -
     if judged and env.judge.mode != "local" and env.judge.url and "judge" not in {*env.remote, *env.custom, *env.gym}:
         key = os.environ.get(env.judge.api_key_env) if env.judge.api_key_env else None
         setting = f"env.judge.url (key: {env.judge.api_key_env or 'none'})"
-        if env.judge.mode == "chat":
-            probe(setting, _join(env.judge.url, "models"), token=key)
+        if env.judge.mode == "chat":  # one token: any OpenAI-compatible server has the route, and knows the model
+            ping = {"model": env.judge.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+            probe(f"{setting}, env.judge.model={env.judge.model}", _join(env.judge.url, "chat/completions"), "POST",
+                  ping, token=key)  # fmt: skip
         else:
             probe(setting, _join(env.judge.url, "score"), "POST", {"conversations": []}, token=key)
     for task in sorted(tasks & set(env.gym)):

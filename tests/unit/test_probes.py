@@ -67,7 +67,8 @@ def test_a_run_probes_its_env_servers_token_and_its_judges_url(server, monkeypat
         monkeypatch.setenv("ENV_TOKEN", "right")
         probe_servers(load_config(None, remote), {"math"}, [])
         judge = ["env.judge.mode=chat", f"env.judge.url={server}/404/v1", "env.judge.model=judge"]
-        with pytest.raises(ConfigError, match=r"env.judge.url \(key: none\): .*/404/v1/models answered HTTP 404"):
+        expected = r"env.judge.url \(key: none\), env.judge.model=judge: .*/404/v1/chat/completions answered HTTP 404"
+        with pytest.raises(ConfigError, match=expected):
             probe_servers(load_config(None, judge), {"judge"}, [])
         probe_servers(load_config(None, judge), {"math"}, [])  # a judge the run does not use is not probed
     finally:
