@@ -5,7 +5,8 @@ Used by the environment servers (envs/http_server.py, envs/gym_server.py), the O
 (serving/), their command lines, and the trainers' process groups (`free_port`).
 
 - Exposure: `add_bind_arguments` gives a server command --host, --port, --allow-remote and --token-env;
-  `check_bind_address` refuses to serve beyond loopback unless asked to; `token_from_env` reads the token.
+  `check_bind_address` refuses to serve beyond loopback unless asked to, and then without a token;
+  `token_from_env` reads the token.
 - Guard: `app.add_middleware(Guard, token=token, max_request_bytes=limit, open_paths=("/health",))`
   answers 401 without the bearer token (when one is set; `open_paths` need none), 413 for a body over
   `max_request_bytes` (also one sent without a Content-Length) and 415 for a POST whose Content-Type is
@@ -77,12 +78,18 @@ def token_from_env(variable: str | None, setting: str) -> str | None:
     return token
 
 
-def check_bind_address(host: str, allow_remote: bool) -> None:
-    """Refuse a non-loopback `host` unless `allow_remote`."""
+def check_bind_address(host: str, allow_remote: bool, token: str | None) -> None:
+    """Refuse a non-loopback `host` unless `allow_remote`, and then without a `token`: a server other machines
+    reach without one serves anyone who can reach it."""
     if not allow_remote and not is_loopback(host):
         raise ConfigError(
             f"--host {host} is not a loopback address; pass --allow-remote to serve other machines "
             "(and set a token with --token-env)"
+        )
+    if not is_loopback(host) and not token:
+        raise ConfigError(
+            f"--allow-remote --host {host} without a token: anyone who can reach it could call it; set one with "
+            "--token-env VAR (VAR: an environment variable holding the token)"
         )
 
 

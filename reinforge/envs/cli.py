@@ -123,8 +123,8 @@ def run_serve_rm_command(args: argparse.Namespace) -> None:
 
     if not re.fullmatch(DEVICE_PATTERN, args.device):
         raise ConfigError(f"--device {args.device}: choose auto, cpu, cuda or cuda:N")
-    check_bind_address(args.host, args.allow_remote)
     token = token_from_env(args.token_env, "--token-env")
+    check_bind_address(args.host, args.allow_remote, token)
     device = str(resolve_device(args.device, "--device"))
     serve_reward_model(
         args.model_path, args.host, args.port, device, args.dtype, args.max_length, args.batch_size, token=token
@@ -135,8 +135,8 @@ def _serve(args: argparse.Namespace) -> None:
     from reinforge.envs.http_server import DEFAULT_MAX_REQUEST_BYTES, check_bind_address, serve
     from reinforge.errors import ConfigError
 
-    check_bind_address(args.host, args.allow_remote)  # before the environment starts its processes
     token = token_from_env(args.token_env, "--token-env")
+    check_bind_address(args.host, args.allow_remote, token)  # before the environment starts its processes
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     max_request_bytes = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES

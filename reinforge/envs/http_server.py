@@ -194,13 +194,9 @@ def serve(
     import uvicorn
 
     try:
-        check_bind_address(host, allow_remote)
+        check_bind_address(host, allow_remote, token)
         if not is_loopback(host):
-            exposure = "with a bearer token" if token else "WITHOUT a token: anyone who can reach it can call it"
-            print(
-                f"reinforge: warning: serving on {host}:{port}, reachable from other machines, {exposure}",
-                file=sys.stderr,
-            )
+            print(f"reinforge: serving on {host}:{port}, beyond this machine (token required)", file=sys.stderr)
         app = build(env, token, max_request_bytes)
         access = "token required" if token else "no token"
         print(

@@ -311,7 +311,8 @@ def build_episodes(
     from reinforge.serving.server import PolicyServer
 
     agent, rollout = config.agent, config.rollout
-    check_bind_address(agent.endpoint.host, agent.endpoint.allow_remote)
+    token = token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env")
+    check_bind_address(agent.endpoint.host, agent.endpoint.allow_remote, token)
     for prompt in prompts:  # every record must name an agent that exists, before anything starts
         agent_of(prompt.record, agent)
     server = PolicyServer(
@@ -321,7 +322,7 @@ def build_episodes(
         max_model_len=config.generation.vllm.max_model_len or config.max_sequence_tokens,
         default_max_tokens=config.generation.max_new_tokens,
         managed=True,
-        token=token_from_env(agent.endpoint.token_env, "agent.endpoint.token_env"),
+        token=token,
         vocab_size=model_limits(config.model).vocab_size,
         # in flight a prompt group's calls join the engine's running requests, whichever group's are under way
         engine_calls=rollout.pool_groups if rollout.mode == "in_flight" else 1,

@@ -36,10 +36,11 @@ def text_config_of(shape: ModelShape):
     return Qwen2Config(**sizes) if shape.attention_bias else LlamaConfig(**sizes)
 
 
-def model_text_config(model_config):
-    """The model's text config: from its config.json where there is one, else from its built-in shape."""
+def model_text_config(model_config, vision: list[bool] | None = None):
+    """The model's text config: from its config.json where there is one, else from its built-in shape. `vision`,
+    when given, gets whether the model is a vision-language one (a vision tower beside that text model)."""
     from reinforge.errors import ReinforgeError
-    from reinforge.modeling import model_location
+    from reinforge.modeling import is_vision_language, model_location
 
     try:
         from transformers import AutoConfig
@@ -48,23 +49,38 @@ def model_text_config(model_config):
         config = AutoConfig.from_pretrained(
             location, trust_remote_code=model_config.trust_remote_code, local_files_only=True
         )
+        if vision is not None:
+            vision.append(is_vision_language(config))
         return config.get_text_config()
     except (OSError, ValueError, ReinforgeError):  # not on disk nor in the cache: a model known by name
         return text_config_of(model_shape(model_config.name_or_path))
 
 
-def check_run_layout(config: RLRunConfig, text_config) -> list[str]:
-    """The training ranks' and the engines' layout of `config` for a model of `text_config`, checked by the run's
-    rules; a line each saying what runs where. A layout the run refuses is its one-line ConfigError."""
+def check_cpu_offload(training, num_gpus_per_worker: float) -> None:
+    """`training.cpu_offload` offloads GPU memory: ranks without a GPU refuse it, once started (fsdp2.py); here it is
+    one line from the config, before anything starts."""
+    on_gpu = num_gpus_per_worker > 0 and training.device != "cpu"
+    if training.backend == "fsdp2" and training.cpu_offload and not on_gpu:
+        raise ConfigError(
+            "training.cpu_offload=true offloads GPU memory to the CPU, and the ranks have no GPU "
+            "(cluster.num_gpus_per_worker=0 or training.device=cpu); set it to false"
+        )
+
+
+def check_run_layout(config: RLRunConfig, text_config, vision: bool = False) -> list[str]:
+    """The training ranks' and the engines' layout of `config` for a model of `text_config` (`vision`: of a
+    vision-language model), checked by the run's rules; a line each saying what runs where. A layout the run refuses
+    is its one-line ConfigError."""
     training, cluster, gen = config.training, config.cluster, config.generation
     lines = []
+    check_cpu_offload(training, cluster.num_gpus_per_worker)
     if training.backend == "fsdp2":
         if training.parallel == "auto":
             lines.append(f"training: {training.num_workers} FSDP2 ranks, layout planned at start (parallel=auto)")
         else:
             parallel: ParallelConfig = training.parallel.resolved(training.num_workers)
             lora = config.model.lora is not None
-            check_layout(parallel, text_config, lora=lora)
+            check_layout(parallel, text_config, lora=lora, vision=vision)
             lines.append(
                 f"training: {training.num_workers} FSDP2 ranks, dp_replicate={parallel.dp_replicate} "
                 f"dp_shard={parallel.dp_shard} tp={parallel.tp} cp={parallel.cp} ep={parallel.ep}"
@@ -84,8 +100,9 @@ def check_run_layout(config: RLRunConfig, text_config) -> list[str]:
 
 def validate_run(config: RLRunConfig) -> list[str]:
     """`--validate`: the layout checks from the config, with the model's sizes; the lines to print."""
+    vision: list[bool] = []
     try:
-        text_config = model_text_config(config.model)
+        text_config = model_text_config(config.model, vision)
     except ConfigError as error:
         raise ConfigError(f"model.name_or_path={config.model.name_or_path}: {error}") from None
-    return check_run_layout(config, text_config) + ["valid: no weights loaded, Ray not started"]
+    return check_run_layout(config, text_config, any(vision)) + ["valid: no weights loaded, Ray not started"]

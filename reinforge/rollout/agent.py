@@ -253,7 +253,7 @@ class AgentRollout:
         async with httpx.AsyncClient(timeout=self.config.timeout_s) as client:
             episodes = asyncio.gather(*(self._run_one(session, record, limit, client) for record in records))
             if not gym or not self.config.first_call_timeout_s:
-                return await episodes
+                return self._check_reached(await episodes, sorted(names))
             watch = asyncio.ensure_future(self._first_call_watch(gym, len(records)))
             try:
                 await asyncio.wait({episodes, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -261,9 +261,29 @@ class AgentRollout:
                     episodes.cancel()
                     await asyncio.gather(episodes, return_exceptions=True)  # their cancellation, retrieved
                     raise watch.exception()
-                return await episodes
+                return self._check_reached(await episodes, sorted(names))
             finally:
                 watch.cancel()
+
+    def _check_reached(self, episodes: list[Episode], names: list[str]) -> list[Episode]:
+        """Episodes that timed out while the endpoint has received no call at all since the run started: the agents'
+        calls go elsewhere (a Gym model server on a wrong port), which no retry or restart fixes: a configuration
+        error (exit 2), not the agents' timeouts counted as infrastructure. The one place of this check (the
+        first-call watch above says it sooner, when it is on and shorter than `agent.timeout_s`)."""
+        timed_out = sum(episode.result.status == "timeout" for episode in episodes)
+        if not timed_out or self.server.num_received:
+            return episodes
+        gym = [name for name in names if name in self.config.gym]
+        where = (
+            f"the Gym model server of agent {', '.join(gym)} (its vllm_model base_url) points elsewhere; set it to "
+            f"{self.server.base_url} (agent.endpoint.port fixes the port)"
+            if gym
+            else f"the agents never called the base_url they were given ({self.server.base_url})"
+        )
+        raise AgentRolloutError(
+            f"{timed_out} of {len(episodes)} episodes timed out (agent.timeout_s={self.config.timeout_s:g}) and the "
+            f"policy endpoint at {self.server.base_url} has received no call since the run started: {where}"
+        )
 
     async def _first_call_watch(self, gym: list[str], num_episodes: int) -> None:
         """Gym agents call the endpoint through a model server of their own configuration: when none of their

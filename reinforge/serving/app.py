@@ -18,7 +18,8 @@ The server decides what is admitted (`PolicyServer.admit`); this module maps its
 OpenAI's shape `{"error": {"message", "type", "param"}}`: a malformed request is 400 with the field at
 fault, a prompt over the context length is 400 saying so ("context length": Gym turns that into a
 `length` finish), a call outside a run's rollout 503, a call of an episode that is over 409, a failed
-generation 500. The guards of the env servers apply (bearer token, body size, JSON content type).
+generation 500, a request beyond the bounded queue (`max_queued_requests`) 429 with Retry-After. The guards
+of the env servers apply (bearer token, body size, JSON content type).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from reinforge.serving.errors import (
     GenerationTimedOut,
     InvalidRequest,
     NotInRollout,
+    QueueFull,
 )
 from reinforge.serving.prompt import parse_generation
 from reinforge.serving.protocol import ChatCompletionRequest, TokenizeRequest, completion_choice, error_body
@@ -50,6 +52,7 @@ STATUSES: dict[type[EndpointError], tuple[int, str]] = {  # error -> (HTTP statu
     NotInRollout: (503, "unavailable"),
     GenerationFailed: (500, "server_error"),
     GenerationTimedOut: (504, "timeout"),
+    QueueFull: (429, "rate_limit_exceeded"),
 }
 
 
@@ -76,7 +79,8 @@ def _server(request: Request) -> PolicyServer:
 async def _refused(request: Request, exc: EndpointError) -> JSONResponse:
     _server(request).count_rejected()
     status, kind = STATUSES[type(exc)]
-    return JSONResponse(error_body(exc.message, exc.param, kind), status_code=status)
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+    return JSONResponse(error_body(exc.message, exc.param, kind), status_code=status, headers=headers)
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,6 +10,10 @@ takes concurrent calls (the in-flight engine, generation/in_flight.py) gets up t
 at once, each on a thread of its own: a batch joins the engine's running requests instead of waiting for the
 previous batch's longest answer.
 
+Bounded: at most `max_queued` requests wait for the engine; `submit` refuses one more with `QueueFull` (HTTP 429,
+its Retry-After the seconds of the last engine call, at least 1), so that clients faster than the engine slow down
+instead of growing the queue (and the endpoint's memory) without bound.
+
 Deadlines: a request whose waiter gave up (serving/app.py answers 504 after `request_timeout_s`, cancelling its
 future) is dropped if the engine has not started it (a closing rollout session waits for its own calls at most
 `request_timeout_s`, serving/server.py).
@@ -17,6 +21,7 @@ future) is dropped if the engine has not started it (a closing rollout session w
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -24,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from reinforge.generation.base import GenerationBackend, SamplingParams
+from reinforge.serving.errors import QueueFull
 
 MAX_WAITS = 10  # the oldest waiting request is generated after at most MAX_WAITS x batch_wait_s
 
@@ -50,10 +56,12 @@ class Batcher:
         *,
         request_timeout_s: float,
         max_concurrent_calls: int = 1,
+        max_queued: int = 1024,
     ):
         self.engine, self.max_batch_size, self.batch_wait_s = engine, max_batch_size, batch_wait_s
         self.max_concurrent_calls = max_concurrent_calls
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.max_queued = request_timeout_s, max_queued
+        self._last_call_s = 0.0  # the last engine call's seconds: a refused client's Retry-After
         self.num_waiting_hint = num_waiting_hint or (lambda: 0)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
@@ -71,6 +79,13 @@ class Batcher:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the endpoint is shutting down")
+            if len(self._pending) >= self.max_queued:
+                retry_after_s = max(1, math.ceil(self._last_call_s))
+                raise QueueFull(
+                    f"{self.max_queued} requests are already waiting for the engine (max_queued_requests); "
+                    f"retry after {retry_after_s} s",
+                    retry_after_s,
+                )
             if not self._pending:
                 self._first_arrival = time.monotonic()
             self._pending.append(request)
@@ -172,7 +187,8 @@ class Batcher:
             return
         num_sequences = sum(len(completions) for completions in result.completions)
         with self._cond:
-            self.counts["engine_s"] += time.perf_counter() - started
+            self._last_call_s = time.perf_counter() - started
+            self.counts["engine_s"] += self._last_call_s
             self.counts["engine_calls"] += 1
             self.counts["sequences"] += num_sequences
             self.counts["max_batch_sequences"] = max(self.counts["max_batch_sequences"], num_sequences)

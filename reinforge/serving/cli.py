@@ -52,6 +52,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--max-batch-size", type=int, default=256, help="most sequences per engine call (default: 256)")
     serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="most requests waiting for the engine; one more is answered 429 with Retry-After (default: 1024)",
+    )
+    serve.add_argument(
         "--batch-wait-s",
         type=float,
         default=0.02,
@@ -70,8 +76,8 @@ def run_serve_command(args: argparse.Namespace) -> None:
     from reinforge.serving.config import ServingConfig
     from reinforge.serving.server import PolicyServer
 
-    check_bind_address(args.host, args.allow_remote)
     token = token_from_env(args.token_env, "--token-env")
+    check_bind_address(args.host, args.allow_remote, token)
     try:
         config = ServingConfig(
             host=args.host,
@@ -80,6 +86,7 @@ def run_serve_command(args: argparse.Namespace) -> None:
             model_name=args.model_name,
             max_tokens=args.max_tokens,
             max_batch_size=args.max_batch_size,
+            max_queued_requests=args.max_queued_requests,
             batch_wait_s=args.batch_wait_s,
         )
     except ValueError as exc:

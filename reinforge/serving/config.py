@@ -5,16 +5,23 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from reinforge.config.section import Section
+from reinforge.network import is_loopback
+
+_NO_TOKEN = (
+    "host={} with allow_remote needs a token: set token_env to the name of an environment variable holding "
+    "one (an endpoint other machines reach without a token lets anyone generate with the policy)"
+)
 
 
 class ServingConfig(Section):
     host: str = "127.0.0.1"
-    """Address to bind; anything but loopback needs `allow_remote` (and should have a token)."""
+    """Address to bind; anything but loopback needs `allow_remote` and a token (`token_env`)."""
     port: int = 0
     """TCP port; 0 picks a free one when the endpoint starts (its URL is printed and written to
     RUN_DIR/endpoint.json)."""
     allow_remote: bool = False
-    """Allow a `host` other than loopback: the endpoint then serves other machines."""
+    """Allow a `host` other than loopback: the endpoint then serves other machines, so it needs a token
+    (`token_env`): without one the config is refused."""
     token_env: str = ""
     """Name of the environment variable holding the bearer token clients must send; empty: no token."""
     model_name: str = "policy"
@@ -23,6 +30,10 @@ class ServingConfig(Section):
     """Largest request body accepted; larger ones get HTTP 413."""
     max_batch_size: int = 256
     """Most requests the endpoint hands the engine in one call; more wait for the next call."""
+    max_queued_requests: int = 1024
+    """Most requests waiting for the engine (admitted, not yet in an engine call); one more is answered with HTTP
+    429 and a Retry-After header (seconds) instead of growing the queue, and so the endpoint's memory, without
+    bound. A run's agents send at most `agent.max_concurrency` at once, 256 by default."""
     batch_wait_s: float = 0.2
     """How long the endpoint waits, after the last request arrived, for more to join the engine call
     (at most 10 x this after the first; not at all when every agent of the rollout is already waiting).
@@ -41,6 +52,8 @@ class ServingConfig(Section):
             (0 <= self.port <= 65535, f"port={self.port} must be in [0, 65535] (0: a free port)"),
             (self.max_request_bytes >= 1, "max_request_bytes must be >= 1"),
             (self.max_batch_size >= 1, "max_batch_size must be >= 1"),
+            (self.max_queued_requests >= 1, "max_queued_requests must be >= 1"),
+            (not self.allow_remote or is_loopback(self.host) or bool(self.token_env), _NO_TOKEN.format(self.host)),
             (self.batch_wait_s >= 0, "batch_wait_s must be >= 0"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),

@@ -1,6 +1,6 @@
 """Why the endpoint refuses or fails a request, in the server's words; serving/app.py maps each to an HTTP
 status and OpenAI's error body (`InvalidRequest` 400, `NotInRollout` 503, `EpisodeOver` 409,
-`GenerationFailed` 500, `GenerationTimedOut` 504)."""
+`GenerationFailed` 500, `GenerationTimedOut` 504, `QueueFull` 429 with Retry-After)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,11 @@ class GenerationFailed(EndpointError):
 
 class GenerationTimedOut(EndpointError):
     """An admitted request not answered within `request_timeout_s`."""
+
+
+class QueueFull(EndpointError):
+    """`max_queued_requests` are already waiting for the engine; the client should retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

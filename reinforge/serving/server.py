@@ -102,6 +102,7 @@ class PolicyServer:
             self._num_running,
             request_timeout_s=config.request_timeout_s,
             max_concurrent_calls=engine_calls,
+            max_queued=config.max_queued_requests,
         )
         self._lock = threading.Lock()  # guards the sessions against a request being admitted as one closes
         self._sessions: list[RolloutSession] = []  # open, oldest first

@@ -41,6 +41,7 @@ from reinforge.errors import ConfigError
 from reinforge.hang import run_with_deadline
 from reinforge.run_dir import atomic_directory
 from reinforge.training.numerics import NUMERICS_FILE
+from reinforge.training.safe_load import load_pickled
 
 
 class CheckpointConfig(Section):
@@ -183,7 +184,7 @@ def latest_checkpoint(run_dir: Path, warn=print) -> Path | None:
 
 
 def load_driver_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / "driver.pt", weights_only=False)
+    return load_pickled(path / "driver.pt")  # without running code: training/safe_load.py
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:

@@ -13,7 +13,7 @@ and `reinforge convert` reads the global tensors of any (`model_state_dict`).
 
 With LoRA (`adapter_only`) the state is the adapter's and its AdamW state's only: the frozen base is the model's
 own files. A checkpoint written before this format, one `state.pt` (weights, AdamW state keyed by parameter
-index, schedule), still loads in one process.
+index, schedule), still loads in one process. Every file loads without running code (training/safe_load.py).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from reinforge.errors import ConfigError
 from reinforge.training.lora import is_adapter_key, load_adapter_state_dict
+from reinforge.training.safe_load import check_dcp_metadata, dcp_load, load_pickled
 
 LEGACY_FILE, SCHEDULER_FILE = "state.pt", "scheduler.pt"
 
@@ -80,16 +81,16 @@ def load_state(model, optimizer, scheduler, path: Path, adapter_only: bool, dist
             )
         return _load_legacy(model, optimizer, scheduler, path, adapter_only)
     state, options = _state(model, optimizer, adapter_only)
-    with _quiet(distributed):
-        dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
+    with _quiet(distributed):  # a checkpoint from elsewhere runs no code (training/safe_load.py)
+        dcp_load(state, path, distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
     )
-    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=False))
+    scheduler.load_state_dict(load_pickled(path / SCHEDULER_FILE))
 
 
 def _load_legacy(model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:
-    state = torch.load(path / LEGACY_FILE, weights_only=False)
+    state = load_pickled(path / LEGACY_FILE)
     if adapter_only:
         load_adapter_state_dict(model, state["model"])
     else:
@@ -102,7 +103,8 @@ def model_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The model's whole tensors in a state directory written under any layout (or a `state.pt`), in one process,
     without its AdamW state (only what DCP's metadata lists under `model.` is read)."""
     if (path / LEGACY_FILE).is_file():
-        return torch.load(path / LEGACY_FILE, weights_only=False)["model"]
+        return load_pickled(path / LEGACY_FILE)["model"]
+    check_dcp_metadata(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model = {
         key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -111,5 +113,5 @@ def model_state_dict(path: Path) -> dict[str, torch.Tensor]:
     }
     state = {"model": model}
     with _quiet(distributed=False):
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        dcp_load(state, path, distributed=False)
     return state["model"]

@@ -93,7 +93,8 @@ def check_layout(
 ) -> None:
     """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise, or what
     the layout cannot split: recurrent layers (`stateful`, transformers' `_is_stateful`) under context parallelism,
-    LoRA adapters or a vision-language model under tensor parallelism."""
+    LoRA adapters or a vision-language model under tensor parallelism, a vision-language model's images under
+    context parallelism."""
     check_expert_layout(parallel, text_config)
     if parallel.cp > 1 and stateful:
         raise ConfigError(
@@ -110,6 +111,8 @@ def check_layout(
             "tensor parallelism of a vision-language model is not supported yet; set training.parallel.tp=1: "
             "FSDP2 shards its decoder and vision layers over the ranks"
         )
+    if parallel.cp > 1 and vision:  # else the first batch of image prompts refuses it, after the model loaded
+        raise ConfigError("context parallelism over image prompts is not supported yet; set training.parallel.cp=1")
     heads = text_config.num_attention_heads
     if parallel.tp > 1:
         check_tensor_parallel(parallel.tp, text_config)
@@ -184,6 +187,17 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> tor
 # --- training.parallel=auto ---------------------------------------------------------------------------
 
 
+def check_auto_layout(training, num_gpus_per_worker: float) -> None:
+    """`parallel=auto` for GPU ranks plans with the driver's GPU memory: a driver without a GPU is one line (the run
+    checks it before its run directory exists)."""
+    gpus = training.parallel == "auto" and training.backend != "torch" and num_gpus_per_worker > 0
+    if gpus and not torch.cuda.is_available():
+        raise ConfigError(
+            "training.parallel=auto needs the GPUs' memory, and this driver has no GPU; run it on a GPU node or set "
+            "training.parallel's dp_shard, tp and cp (`reinforge plan` prints a layout)"
+        )
+
+
 def resolve_auto(
     training, model_config, seq_len: int, kl: bool = False, generation: str = "none", num_gpus_per_worker: float = 0
 ):
@@ -197,13 +211,9 @@ def resolve_auto(
         return training.model_copy(update={"parallel": ParallelConfig()}), None
     from reinforge.training.parallel.planner import auto_layout
 
+    check_auto_layout(training, num_gpus_per_worker)
     if torch.cuda.is_available():
         device, memory_gb = "gpu", torch.cuda.get_device_properties(0).total_memory / 2**30
-    elif num_gpus_per_worker > 0:
-        raise ConfigError(
-            "training.parallel=auto needs the GPUs' memory, and this driver has no GPU; run it on a GPU node or set "
-            "training.parallel's dp_shard, tp and cp (`reinforge plan` prints a layout)"
-        )
     else:
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         device, memory_gb = "cpu", host_bytes / 2**30 / training.num_workers

@@ -157,7 +157,7 @@ def model_shape(name_or_path: str) -> ModelShape:
     Qwen/Qwen2.5-1.5B or meta-llama/Llama-3.3-70B-Instruct), or a Hub id in the local Hugging Face cache."""
     path = Path(name_or_path)
     if (path / "config.json").is_file():
-        return shape_of_config(json.loads((path / "config.json").read_text()))
+        return _shape_of_file(path / "config.json")
     base = name_or_path.rsplit("/", 1)[-1].lower().replace("llama-3.1-", "llama-3-").replace("llama-3.3-", "llama-3-")
     for name, shape in KNOWN_MODELS.items():
         if base == name.lower() or base.startswith(name.lower() + "-"):
@@ -171,3 +171,26 @@ def model_shape(name_or_path: str) -> ModelShape:
             f"no model config for {name_or_path!r}: give a directory with a config.json or one of "
             f"{', '.join(KNOWN_MODELS)}"
         ) from None
+
+
+SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def _shape_of_file(path: Path) -> ModelShape:
+    """`shape_of_config` of a config.json, whose faults (not JSON, a missing or non-positive size) are one line."""
+    try:
+        config = json.loads(path.read_text())
+        shape = shape_of_config(config)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except KeyError as exc:
+        raise ConfigError(
+            f"{path} has no {exc.args[0]}: the planner needs a decoder's sizes ({', '.join(SIZES)})"
+        ) from None
+    except (AttributeError, TypeError):
+        raise ConfigError(f"{path} is not a model config (a JSON object of a decoder's sizes)") from None
+    for name in (*SIZES, "vocab_size"):
+        value = getattr(shape, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{path}: {name}={value!r} must be a positive integer")
+    return shape

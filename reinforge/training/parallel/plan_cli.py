@@ -80,8 +80,43 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
     plan_parser.set_defaults(run=run_plan_command)
 
 
+def check_plan_arguments(args: argparse.Namespace) -> tuple[str, ...]:
+    """Each option's range, one line for the first out of it (argparse checks only types); the LoRA targets."""
+    checks = [
+        (args.gpus >= 1, f"--gpus {args.gpus}: give the number of training GPUs, 1 or more"),
+        (math.isfinite(args.gpu_memory) and args.gpu_memory > 0, f"--gpu-memory {args.gpu_memory:g}: give GiB > 0"),
+        (args.seq_len >= 1, f"--seq-len {args.seq_len}: give the longest sequence in tokens, 1 or more"),
+        (args.micro_batch_tokens is None or args.micro_batch_tokens >= 1,
+         f"--micro-batch-tokens {args.micro_batch_tokens}: give 1 or more (or leave it out: --seq-len)"),
+        (args.gpus_per_node >= 1, f"--gpus-per-node {args.gpus_per_node}: give 1 or more"),
+        (args.lora is None or args.lora >= 1, f"--lora {args.lora}: give the adapters' rank, 1 or more"),
+        (args.generation_sequences >= 1, f"--generation-sequences {args.generation_sequences}: give 1 or more"),
+        (args.generation_tp is None or args.generation_tp >= 1,
+         f"--generation-tp {args.generation_tp}: give 1 or more (or leave it out: the smallest that fits)"),
+        (args.generation_tp is None or args.generation != "none", "--generation-tp needs an engine: --generation "
+         "none has none"),
+        (args.logprob_chunk_tokens >= 1, f"--logprob-chunk-tokens {args.logprob_chunk_tokens}: give 1 or more"),
+        (args.runtime_gb is None or (math.isfinite(args.runtime_gb) and args.runtime_gb >= 0),
+         f"--runtime-gb {args.runtime_gb}: give GiB >= 0"),
+        (args.lora is not None or args.lora_targets == "all-linear", "--lora-targets needs --lora RANK"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if args.lora_targets == "all-linear":
+        return LORA_TARGETS
+    targets = tuple(name.strip() for name in args.lora_targets.split(","))
+    unknown = [name for name in targets if name not in LORA_TARGETS]
+    if unknown or not targets:
+        raise ConfigError(
+            f"--lora-targets {args.lora_targets}: {', '.join(repr(n) for n in unknown)} is not a linear layer "
+            f"the planner knows; choose among {','.join(LORA_TARGETS)}, or all-linear"
+        )
+    return targets
+
+
 def run_plan_command(args: argparse.Namespace) -> None:
-    targets = LORA_TARGETS if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+    targets = check_plan_arguments(args)
     workload = Workload(
         seq_len=args.seq_len,
         micro_batch_tokens=args.micro_batch_tokens,
