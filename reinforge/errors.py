@@ -51,4 +51,7 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
+    if type(exc).__name__ == "CheckpointException":  # torch.distributed.checkpoint's: {rank: (exception, traceback)}
+        failures = [failure[0] for failure in getattr(exc, "failures", {}).values()]
+        return bool(failures) and all(is_transient(failure) for failure in failures)
     return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS

@@ -14,6 +14,7 @@ import time
 import urllib.error
 
 import pytest
+from torch.distributed.checkpoint.api import CheckpointException
 
 from reinforge import supervisor
 from reinforge.cli import report_failure
@@ -82,6 +83,9 @@ def http_error(status: int) -> urllib.error.HTTPError:
             75,
         ),
         (raised(RuntimeError("saving the checkpoint failed"), cause=OSError(errno.ENOSPC, "full")), 75),
+        # torch.distributed.checkpoint wraps each rank's failure: a full disk under a DCP save is restarted
+        (CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)}), 75),
+        (CheckpointException("save", {0: (KeyError("model.norm.weight"), None)}), 2),
         (raised(KeyError("step"), context=OSError(errno.ESTALE, "stale")), 2),  # a bug met while handling it
         (raised(ConfigError("bad"), cause=OSError(errno.EIO, "io")), 2),  # a ReinforgeError says for itself
         (KeyboardInterrupt(), 130),
