@@ -64,9 +64,13 @@ def skipped_steps(run_dir: Path) -> list[int]:
 class Injector:
     """Injects the faults into one running command and watches the run directory."""
 
-    def __init__(self, process: subprocess.Popen, run_dir: Path, kinds: list[str], seed: int, servers: Servers):
-        """`kinds`: the faults to inject, in order."""
+    def __init__(
+        self, process: subprocess.Popen, run_dir: Path, kinds: list[str], seed: int, servers: Servers,
+        spacing: tuple[int, int] = (1, 3),
+    ):  # fmt: skip
+        """`kinds`: the faults to inject, in order, each `spacing` (a range) steps after the one before."""
         self.process, self.run_dir, self.kinds, self.servers = process, run_dir, kinds, servers
+        self.spacing = spacing
         self.rng = random.Random(seed)
         self.save_every = 2
         self.injected: list[dict] = []
@@ -160,10 +164,10 @@ class Injector:
             self._wait(0.2)
 
     def _run(self) -> None:
-        """Each fault once the run (restarted or not) has trained 1 to 3 more steps, a random 0-2 s into the next one,
-        at a moment the run has its victim: tried for up to 120 s."""
+        """Each fault once the run (restarted or not) has trained `spacing` (1 to 3) more steps, a random 0-2 s into
+        the next one, at a moment the run has its victim: tried for up to 120 s."""
         for kind in self.kinds:
-            target = self._steps_logged() + self.rng.randint(1, 3)
+            target = self._steps_logged() + self.rng.randint(*self.spacing)
             self._wait_for(lambda: self._steps_logged() >= target)  # noqa: B023
             self._wait(self.rng.uniform(0.0, 2.0))
             restarts_before = self._restarts()

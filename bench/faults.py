@@ -38,12 +38,15 @@ bench/fault_servers.py runs what they need beside the run):
   engine, by custom resources): node B is removed and a fresh one added 5 s later; the run restarts and finishes;
 - edited_data (a scenario of its own): the whole command is SIGKILLed after a checkpoint and one row of its training
   data file is edited; running the command again must refuse with one line (exit 2) and change nothing; with the file
-  restored, the command resumes and ends with the reference's metrics.
+  restored, the command resumes and ends with the reference's metrics;
+- budget (a scenario): 4 transient faults (kill_driver, stop_env) 6-9 steps apart over a 40-step run with the project's
+  default restart budget (cluster.max_restarts=3, renewed after cluster.restart_budget_renew_steps of progress): the
+  run must finish.
 Prompts are counted by ordinal (RUN_DIR/prompts.jsonl, docs/metrics.md): lost = in the reference but not in the final
 run's account, twice = trained on more than once in it, dropped = in it with every sample masked for infrastructure
 failures (a group rollout/infra.py dropped), skipped = in it at a step skipped for a non-finite gradient. Steps redone =
 steps trained again after a restart. The synchronous and async runs are reproducible, so their metrics must equal
-the reference's exactly where no sample was masked or step skipped; agent episodes reach the endpoint in whatever
+the reference's (to CPU float noise between processes, `metrics_max_abs_diff`) where no sample was masked or step skipped; agent episodes reach the endpoint in whatever
 order they run, so the agent scenarios compare accuracy; in flight, which groups finish first is timing's, so a
 prompt is lost there when it was drawn and is neither trained nor owed in the last checkpoint.
 """
@@ -94,6 +97,7 @@ class Scenario:
     kinds: list[str]
     setup: str = ""  # the servers it needs beside the run (fault_servers.Servers)
     pad: bool = False  # random kinds added up to --faults
+    spacing: tuple[int, int] = (1, 3)  # steps trained between one fault and the next
 
 
 SCENARIOS = {
@@ -129,6 +133,12 @@ SCENARIOS = {
         "lost_node",
     ),
     "edited_data": Scenario("grpo_demo.yaml", [], ["edited_data"]),
+    "budget": Scenario(  # 4 transient faults over 40 steps, the default cluster.max_restarts (3): renewed by progress
+        "grpo_demo.yaml",
+        ["loop.max_steps=40", "env.num_workers=1"],
+        ["kill_driver", "stop_env", "kill_driver", "stop_env"],
+        spacing=(6, 9),
+    ),
     "in_flight": Scenario("grpo_demo.yaml", IN_FLIGHT, ["kill_driver", "kill_engine"]),
 }
 
@@ -262,7 +272,7 @@ def _run_scenario(name: str, out: Path, num_faults: int, seed: int, timeout_s: f
     with open(out / f"{name}_faulted.log", "w") as log:
         process = subprocess.Popen(command(scenario.config, extra, faulted), stdout=log, stderr=subprocess.STDOUT,
                                    env=environment)  # fmt: skip
-        injector = Injector(process, faulted, order, seed, servers)
+        injector = Injector(process, faulted, order, seed, servers, scenario.spacing)
         deadline = time.time() + timeout_s
         while process.poll() is None and time.time() < deadline:
             servers.tick()
