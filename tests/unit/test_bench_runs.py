@@ -63,7 +63,7 @@ def test_the_fault_benchmarks_judge_scores_by_the_reference_and_its_proxy_answer
     sys.path[:0] = [str(PROJECT_ROOT / "bench"), str(PROJECT_ROOT / "tests" / "e2e")]
     from fault_servers import JudgeServer
 
-    from reinforge.envs.judge import DEFAULT_PROMPT_TEMPLATE
+    from reinforge.envs.judge_config import DEFAULT_PROMPT_TEMPLATE
 
     judge = JudgeServer(tmp_path)
     try:
