@@ -45,10 +45,11 @@ bench/fault_servers.py runs what they need beside the run):
 Prompts are counted by ordinal (RUN_DIR/prompts.jsonl, docs/metrics.md): lost = in the reference but not in the final
 run's account, twice = trained on more than once in it, dropped = in it with every sample masked for infrastructure
 failures (a group rollout/infra.py dropped), skipped = in it at a step skipped for a non-finite gradient. Steps redone =
-steps trained again after a restart. The synchronous and async runs are reproducible, so their metrics must equal
-the reference's (to CPU float noise between processes, `metrics_max_abs_diff`) where no sample was masked or step skipped; agent episodes reach the endpoint in whatever
-order they run, so the agent scenarios compare accuracy; in flight, which groups finish first is timing's, so a
-prompt is lost there when it was drawn and is neither trained nor owed in the last checkpoint.
+steps trained again after a restart. The synchronous and async runs are reproducible, so their metrics must equal the
+reference's (to CPU float noise between processes, `metrics_max_abs_diff`) where no sample was masked or step skipped;
+agent episodes reach the endpoint in whatever order they run, so the agent scenarios compare accuracy; in flight, which
+groups finish first is timing's, so a prompt is lost there when it was drawn and is neither trained nor owed in the last
+checkpoint.
 """
 
 from __future__ import annotations
