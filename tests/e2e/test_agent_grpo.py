@@ -150,19 +150,18 @@ def test_an_agent_that_can_never_succeed_stops_the_run_with_the_endpoints_one_li
     )
 
 
-def test_a_gym_agent_server_that_is_down_is_retried_then_restarted_then_named_in_one_line(tmp_path):
-    """Every episode fails on the unreachable agent, after its retries: an infrastructure failure, so the supervised
-    run restarts once (cluster.max_restarts=1) and then stops with one line naming the agent, its URL and the bound."""
+def test_a_gym_agent_server_that_cannot_be_reached_at_start_up_is_one_line_before_any_run_directory(tmp_path):
+    """Nothing listens at the agent's URL when the run starts: a configuration error (loops/probes.py), one line and
+    exit 2 before the run directory exists, never restarted as infrastructure (cluster.max_restarts=1 left unused). An
+    agent server that goes down during the run is retried, then infrastructure (tests/unit/test_outside_failures.py)."""
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     process = run_cli(
         tmp_path, f"agent.gym.weather.url={url}", "agent.max_retries=2", "agent.backoff_s=0.1", "cluster.max_restarts=1"
     )
-    assert process.returncode == 75 and "Traceback" not in process.stderr, process.stderr  # an infrastructure failure
-    lines = process.stderr.strip().splitlines()
-    cause = f"NeMo Gym agent weather at {url} cannot be reached after 3 attempts"
-    assert sum(line.startswith("reinforge: restart 1 of 1") and cause in line for line in lines) == 1, lines
-    assert lines[-1].startswith("reinforge: error: the run failed 2 times, the last time with: ") and cause in lines[-1]
-    assert lines[-1].endswith("gave up after cluster.max_restarts=1 restarts"), lines[-1]
-    restarts = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
-    assert len(restarts) == 1 and cause in restarts[0]["cause"]
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained on
+    assert process.returncode == 2 and "Traceback" not in process.stderr, process.stderr
+    [line] = process.stderr.strip().splitlines()
+    assert line == (
+        f"reinforge: error: agent.gym.weather.url: {url}/openapi.json cannot be reached at start-up ([Errno 111] "
+        "Connection refused); start the server, or correct the URL"
+    ), line
+    assert not (tmp_path / "run").exists()

@@ -127,9 +127,10 @@ def test_a_killed_training_worker_ends_an_unsupervised_run_with_a_clear_error_an
     assert [pid for pid in ours if alive(pid)] == []
 
 
-def test_a_setting_only_a_worker_can_check_is_its_one_line_error(tmp_path):
-    """FSDP2's CPU offload needs a GPU, which only the rank's own process can see: the ConfigError its
-    __init__ raises reaches the user as that one line, not as Ray's ActorDiedError traceback."""
+def test_cpu_offload_on_ranks_without_a_gpu_is_one_line_before_any_run_directory(tmp_path):
+    """FSDP2's CPU offload needs a GPU: the ranks' placement (cluster.num_gpus_per_worker=0 on a machine without one)
+    says they have none before any starts, so it is one line before the run directory, not Ray's ActorDiedError
+    traceback (a worker's own ConfigError is one line too: tests/unit/test_worker_group.py)."""
     run = subprocess.run(
         COMMAND + ["training.cpu_offload=true", f"logging.run_dir={tmp_path / 'run'}"],
         capture_output=True,
@@ -142,10 +143,10 @@ def test_a_setting_only_a_worker_can_check_is_its_one_line_error(tmp_path):
         run.stderr[-3000:]
     )
     assert lines[-1] == (
-        "reinforge: error: training.cpu_offload=true offloads GPU memory to the CPU; this worker has no GPU, "
-        "so set it to false"
+        "reinforge: error: training.cpu_offload=true offloads GPU memory to the CPU, and the ranks have no GPU "
+        "(cluster.num_gpus_per_worker=0 or training.device=cpu); set it to false"
     )
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()
 
 
 def test_grpo_on_a_two_node_ray_cluster_spreads_ranks_and_verifiers_over_both_nodes_and_matches_one_process(

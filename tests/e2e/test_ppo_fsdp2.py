@@ -51,8 +51,9 @@ def test_ppo_on_fsdp2_trains_the_critic_on_its_own_ranks_and_resumes_it_from_its
         ".metadata",
         "__0_0.distcp",
         "__1_0.distcp",
+        "numerics.json",
         "scheduler.pt",
-    ]  # each rank's shards
+    ]  # each rank's shards, the skipped-step counters (training/numerics.py)
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step_00000002" in resumed.stdout

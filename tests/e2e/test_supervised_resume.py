@@ -126,6 +126,6 @@ def test_an_rl_only_cluster_setting_is_a_one_line_error_with_no_run_directory(tm
     assert result.stderr.strip() == (
         "reinforge: error: unknown config key cluster.colocate: reinforge sft has no such setting; its cluster "
         "settings are num_threads, address, num_cpus, num_cpus_per_worker, num_gpus_per_worker, max_restarts, "
-        "worker_timeout_s, heartbeat_timeout_s, training_resources, gpus_per_node"
+        "restart_budget_renew_steps, worker_timeout_s, heartbeat_timeout_s, training_resources, gpus_per_node"
     )
     assert not run_dir.exists()
