@@ -45,6 +45,7 @@ from reinforge.run_dir import RUN_DIR_FILE_ENV
 
 SUPERVISED_ENV = "REINFORGE_SUPERVISED"  # set in the run's process: it runs the loop itself
 RESTARTS_FILE = "restarts.jsonl"
+RECORD_WAIT_S = 60.0  # how long a restart waits for its row of restarts.jsonl to be written (a full disk freed)
 KILL_WAIT_S = 60.0  # how long a killed run may take to end (a process in an uninterruptible call ends after it)
 METRICS_TAIL_BYTES = 1 << 16  # enough for the last rows of metrics.jsonl
 PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible (disk)", "T": "stopped", "t": "stopped by a "
@@ -345,8 +346,7 @@ class Supervisor:
                     row = {"restart": budget.used, "time": time.time(), "after_s": time.time() - began,
                            "cause": cause, "exit": code, "last_line": last["line"], "step": step,
                            "renewed": budget.renewed}  # fmt: skip
-                    with open(run_dir / RESTARTS_FILE, "a") as file:
-                        file.write(json.dumps(row) + "\n")
+                    record_restart(run_dir / RESTARTS_FILE, row)
                     argv = [*self.argv, "checkpoint.resume=auto", f"logging.run_dir={run_dir}"]
                 where = f" in {run_dir}" if run_dir else ""
                 print(
@@ -364,3 +364,21 @@ def supervise(argv: list[str], config: Settings) -> int:
     """Run `reinforge ARGV` in a child process, restarting it as the module docstring says; returns the command's
     exit status."""
     return Supervisor(argv, config).run()
+
+
+def record_restart(path: Path, row: dict) -> None:
+    """Append `row` to restarts.jsonl. The filesystem may be what failed the run (a full disk, a stale handle): the
+    supervisor then waits up to RECORD_WAIT_S for the write to succeed, since a restart into a full disk would fail
+    again at once, and if it never does it says so on stderr with the row and restarts anyway (its budget bounds it)."""
+    waited, pause = 0.0, 1.0
+    while True:
+        try:
+            with open(path, "a") as file:
+                file.write(json.dumps(row) + "\n")
+            return
+        except OSError as error:
+            if waited >= RECORD_WAIT_S:
+                print(f"reinforge: cannot write {path} ({error}); its row: {json.dumps(row)}", file=sys.stderr)
+                return
+            time.sleep(pause)
+            waited, pause = waited + pause, min(pause * 2, 8.0)

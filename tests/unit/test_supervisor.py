@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.error
 
@@ -324,3 +325,18 @@ def test_a_long_call_that_releases_the_gil_keeps_beating_one_that_holds_it_does_
     assert took >= 1.5 and gap < 1.0, (gap, took)
     gap, took = beats_during_the_call('re.match(r"(a|aa)*c", "a" * 35)', tmp_path)  # seconds inside the re engine
     assert gap >= 1.0 and gap >= 0.6 * took, (gap, took)
+
+
+def test_a_restart_waits_for_its_row_to_be_written_when_the_filesystem_failed(tmp_path, monkeypatch, capsys):
+    """The run may have failed on a full disk: the supervisor must not die writing restarts.jsonl on it (found by
+    bench/faults.py's disk scenario); it waits for the write to succeed (space back), or gives up and says so."""
+
+    path = tmp_path / "not_yet" / "restarts.jsonl"  # the write fails (ENOENT) until the directory appears
+    threading.Timer(1.5, path.parent.mkdir).start()
+    supervisor.record_restart(path, {"restart": 1})
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"restart": 1}]
+    monkeypatch.setattr(supervisor, "RECORD_WAIT_S", 1.0)
+    supervisor.record_restart(tmp_path / "never" / "restarts.jsonl", {"restart": 2})
+    err = capsys.readouterr().err
+    assert err.startswith(f"reinforge: cannot write {tmp_path / 'never' / 'restarts.jsonl'} (")
+    assert err.rstrip().endswith('its row: {"restart": 2}'), err
