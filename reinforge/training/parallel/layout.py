@@ -1,14 +1,16 @@
 """The layout of the training ranks: `training.parallel`, its device mesh, and `parallel=auto`.
 
-`training.num_workers` ranks form a 4-D device mesh (PyTorch's `DeviceMesh`), outermost first:
+`training.num_workers` ranks form a 5-D device mesh (PyTorch's `DeviceMesh`), outermost first:
 
+- `pp`: pipeline stages, each holding a contiguous run of the decoder's layers (parallel/pipeline.py), outermost
+  so that a stage's other dimensions sit on one node and only activations cross nodes;
 - `dp_replicate`: copies of the model (HSDP's replicate dimension: gradients all-reduced between copies);
 - `dp_shard`: FSDP2's shards within a copy (gradients reduce-scattered);
 - `cp`: context parallelism, a sequence split over ranks (Ulysses all-to-all, parallel/context.py);
 - `tp`: tensor parallelism with sequence parallelism (parallel/tensor.py), innermost, so that its ranks are
   neighbours (one node's NVLink on GPU).
 
-Ranks that differ only in `cp` or `tp` train on the same sequences; the batch is shared over
+Ranks that differ only in `pp`, `cp` or `tp` train on the same sequences; the batch is shared over
 `dp_replicate x dp_shard` ranks. FSDP2 shards the parameters over `dp_shard x cp` (cp ranks hold the same
 weights, so they shard them like data-parallel ranks, as torchtitan does) and replicates over `dp_replicate`.
 Expert parallelism (`ep`) borrows its ranks from `dp_shard x cp` (parallel/expert.py).
@@ -30,7 +32,8 @@ from reinforge.modeling import model_location
 from reinforge.training.parallel.expert import check_expert_layout
 from reinforge.training.parallel.tensor_plan import check_tensor_parallel
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+PP_SCHEDULES = ("1F1B", "GPipe")
 
 
 class ParallelConfig(Section):
@@ -49,15 +52,26 @@ class ParallelConfig(Section):
     """Expert-parallel ranks of a mixture-of-experts model: its experts split over them, tokens sent to their
     experts' rank by all-to-all (training/parallel/expert.py). Borrowed from FSDP2's shard ranks, not added to
     them: it must divide dp_shard x cp and the experts per layer."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline stages: the decoder's layers split into `pp` contiguous runs, one per stage (the embedding on the
+    first, the final norm and the LM head on the last), micro-batches flowing through them by `pp_schedule`. It
+    must not exceed the decoder's layers."""
+    pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
+    """The pipeline's schedule (PyTorch's `torch.distributed.pipelining`): `1F1B` holds at most `pp` micro-batches'
+    activations per stage; `GPipe` runs every forward before any backward (all of them held). Both idle a
+    fraction (pp - 1) / (pp_microbatches + pp - 1) of each pass (the bubble)."""
+    pp_microbatches: int | None = Field(default=None, ge=1)
+    """Micro-batches each pipeline pass runs (the more, the smaller the bubble); None: the micro-batches
+    `training.micro_batch_size` or `micro_batch_tokens` cut a data-parallel rank's share into, at least `pp`."""
 
     def resolved(self, num_workers: int) -> "ParallelConfig":
         """With `dp_shard` filled in; a one-line error when the dimensions do not multiply to `num_workers`."""
-        others = self.dp_replicate * self.tp * self.cp
+        others = self.pp * self.dp_replicate * self.tp * self.cp
         dp_shard = num_workers // others if self.dp_shard == -1 else self.dp_shard
         if dp_shard < 1 or others * dp_shard != num_workers:
             raise ConfigError(
-                f"training.parallel: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
-                f"tp={self.tp} must multiply to training.num_workers={num_workers}; "
+                f"training.parallel: pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"cp={self.cp} x tp={self.tp} must multiply to training.num_workers={num_workers}; "
                 f"e.g. training.num_workers={others * max(dp_shard, 1)}, or dp_shard=-1 with a num_workers that "
                 f"{others} divides"
             )
@@ -81,8 +95,8 @@ class ParallelConfig(Section):
         return self.tp * self.cp
 
     def is_plain(self) -> bool:
-        """Data parallelism only: no tensor or context parallelism."""
-        return self.tp == 1 and self.cp == 1
+        """Data parallelism only: no tensor, context or pipeline parallelism."""
+        return self.tp == 1 and self.cp == 1 and self.pp == 1
 
 
 ParallelSetting = ParallelConfig | Literal["auto"]
@@ -113,6 +127,14 @@ def check_layout(
         )
     if parallel.cp > 1 and vision:  # else the first batch of image prompts refuses it, after the model loaded
         raise ConfigError("context parallelism over image prompts is not supported yet; set training.parallel.cp=1")
+    if parallel.pp > text_config.num_hidden_layers:
+        raise ConfigError(
+            f"training.parallel.pp={parallel.pp} stages need at least one decoder layer each, and "
+            f"{text_config.model_type} has {text_config.num_hidden_layers}; set training.parallel.pp <= "
+            f"{text_config.num_hidden_layers}"
+        )
+    if parallel.pp > 1:  # removed by the pipeline's own split (parallel/pipeline.py)
+        raise ConfigError("training.parallel.pp > 1 is not built yet; set training.parallel.pp=1")
     heads = text_config.num_attention_heads
     if parallel.tp > 1:
         check_tensor_parallel(parallel.tp, text_config)
@@ -143,9 +165,9 @@ def check_model_layout(parallel: ParallelSetting, model_config) -> None:
 
 
 def build_mesh(device_type: str, parallel: ParallelConfig) -> DeviceMesh:
-    """The 4-D mesh (MESH_DIMS) with the flattened dimensions the strategy uses: `dp` (the batch's shares),
+    """The 5-D mesh (MESH_DIMS) with the flattened dimensions the strategy uses: `dp` (the batch's shares),
     `dp_shard_cp` (FSDP2's shard dimension) and `dp_cp` (the ranks whose gradients are summed)."""
-    shape = (parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp)
+    shape = (parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
