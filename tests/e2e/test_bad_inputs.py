@@ -216,20 +216,9 @@ CASES = {
     ),
     "report: metrics that are not UTF-8": (lambda d: ["report", f"{d}/run_latin1"], "metrics.jsonl:1: not UTF-8 text"),
     "report: a directory without a run": (lambda d: ["report", f"{d}/a_file"], "metrics.jsonl does not exist"),
-    "grpo: LoRA under tensor parallelism (the ranks' refusal, before them)": (
-        lambda d: grpo(*TWO_RANKS_TP, "model.lora.rank=4"),
-        "model.lora with training.parallel.tp > 1 is not supported yet",
-    ),
-    "sft: LoRA under tensor parallelism": (
-        lambda d: [
-            "sft",
-            "--config",
-            str(CONFIGS / "sft_demo.yaml"),
-            *TWO_RANKS_TP,
-            "model.lora.rank=4",
-            "sft.random_init=false",
-        ],
-        "model.lora with training.parallel.tp > 1 is not supported yet",
+    "grpo: LoRA's dropout under tensor parallelism (the ranks' refusal, before them)": (
+        lambda d: grpo(*TWO_RANKS_TP, "model.lora.rank=4", "model.lora.dropout=0.1"),
+        "model.lora.dropout=0.1 with training.parallel.tp=2",
     ),
     "convert: a directory that is no checkpoint": (
         lambda d: ["convert", f"{d}/run_latin1", "--output", f"{d}/run"],

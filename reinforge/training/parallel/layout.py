@@ -30,6 +30,7 @@ from reinforge.config.section import Section
 from reinforge.errors import ConfigError
 from reinforge.modeling import model_location
 from reinforge.training.parallel.expert import check_expert_layout
+from reinforge.training.parallel.lora_tensor import check_lora_dropout
 from reinforge.training.parallel.tensor_plan import check_tensor_parallel
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -107,18 +108,13 @@ def check_layout(
 ) -> None:
     """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise, or what
     the layout cannot split: recurrent layers (`stateful`, transformers' `_is_stateful`) under context parallelism,
-    LoRA adapters or a vision-language model under tensor parallelism, a vision-language model's images under
-    context parallelism."""
+    a vision-language model under tensor parallelism, its images under context parallelism. `lora` refuses nothing
+    now: the adapters are split with their base layers (parallel/lora_tensor.py)."""
     check_expert_layout(parallel, text_config)
     if parallel.cp > 1 and stateful:
         raise ConfigError(
             f"{text_config.model_type} has recurrent (state-space) layers, which context parallelism would cut "
             "mid-sequence; set training.parallel.cp=1"
-        )
-    if parallel.tp > 1 and lora:
-        raise ConfigError(
-            "model.lora with training.parallel.tp > 1 is not supported yet (the adapters would need their own "
-            "tensor-parallel split); set training.parallel.tp=1: FSDP2 shards the frozen base over the ranks"
         )
     if parallel.tp > 1 and vision:
         raise ConfigError(
@@ -162,6 +158,8 @@ def check_model_layout(parallel: ParallelSetting, model_config) -> None:
     config = AutoConfig.from_pretrained(model_location(model_config), trust_remote_code=model_config.trust_remote_code)
     stateful, lora = getattr(model_class(config), "_is_stateful", False), model_config.lora is not None
     check_layout(parallel, config.get_text_config(), stateful, lora, is_vision_language(config))
+    if lora:
+        check_lora_dropout(parallel.tp, model_config.lora.dropout)
 
 
 def build_mesh(device_type: str, parallel: ParallelConfig) -> DeviceMesh:

@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 
 from reinforge.errors import ConfigError
 from reinforge.training.parallel.expert import expert_layout, expert_mlps
+from reinforge.training.parallel.lora_tensor import adapter_styles, is_adapted
 from reinforge.training.parallel.model_shape import TP_REFUSED
 from reinforge.training.parallel.tensor import copy_to_ranks, sum_over_ranks
 
@@ -97,9 +98,11 @@ def tensor_parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.
     family = model.config.get_text_config().model_type
     if not isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList):
         raise ConfigError(f"tensor parallelism does not find {family}'s decoder layers; set training.parallel.tp=1")
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}  # LoRA's base
     for layer in model.model.layers:
         after: list = []  # hooks that act on a style's outputs: registered after the styles' own
-        parallelize_module(layer, tp_mesh, layer_plan(layer, family, tp_mesh, after))
+        plan = adapter_styles(layer, layer_plan(layer, family, tp_mesh, after), tp_mesh.size())
+        parallelize_module(layer, tp_mesh, plan)
         for hook in after:
             hook()
     # The embedding's output is all-reduced whole (not reduce-scattered): the model builds its attention masks and
@@ -120,6 +123,8 @@ def tensor_parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.
     parallelize_module(model, tp_mesh, root_plan)
     if tied:  # each style distributed its own copy of the shared weight: tie them again (both Shard(0))
         model.lm_head.weight = model.model.embed_tokens.weight
+    for name, param in model.named_parameters():  # SequenceParallel's replicas require grad: a frozen norm stays so
+        param.requires_grad_(name not in frozen)
     return model
 
 
@@ -144,8 +149,16 @@ def layer_plan(layer: torch.nn.Module, family: str, tp_mesh: DeviceMesh, after: 
     return plan
 
 
-def _linears(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    return {name: m for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+def _linears(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The projections under `module` by name: its linears, a LoRA-adapted one (PEFT's layer around it) under its
+    own name, planned as the linear (parallel/lora_tensor.py splits its adapter)."""
+    found = {}
+    for name, child in module.named_modules():
+        if is_adapted(child):
+            found[name] = child
+        elif isinstance(child, torch.nn.Linear) and ".lora_" not in name and not name.endswith("base_layer"):
+            found[name] = child
+    return found
 
 
 def _attention_plan(name: str, attention: torch.nn.Module, family: str, tp_mesh: DeviceMesh, after: list) -> dict:
