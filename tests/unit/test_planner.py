@@ -207,14 +207,14 @@ def test_moe_memory_terms_with_expert_parallelism_by_hand():
     dp_shard 2, tp 2, ep 2: the experts split over ep 2 by expert and over tp 2 by their width, so every part shards
     over the 4 ranks: params 4 x (744 + 768) / 4 = 1512, a gathered layer 240 / 2 + 384 / (2 x 2) = 216.
     Activations per token and layer: norms 2 x 8 x (4 + 4) = 128, attention 5 x 8 x 2 + 4 x 2 = 88 (/ tp); experts
-    2 routed x (4 x 4 x 2 + 8 x 2) + 4 x 4 router logits = 112 (not / tp): 2 x 10 x (216 + 112) = 6560 at tp 1."""
+    2 routed x (4 x 4 x 2 + 2 x 8 x 2) + 4 x 4 router logits = 144 (not / tp): 2 x 10 x (216 + 144) = 7200 at tp 1."""
     workload = Workload(seq_len=10, runtime_gib=0.0)
     assert TINY_MOE.parameters() == 1512 and TINY_MOE.active_parameters() == 1512 - 768 + 384
     # ep: the largest that divides dp_shard x cp and the experts
     assert candidate_layouts(TINY_MOE, 4) == [Layout(1, 4, 1, 1, 4), Layout(1, 2, 1, 2, 4)]
     terms = memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 4), workload, activation_checkpointing=False)
     assert (terms["params"], terms["grads"], terms["optimizer"]) == (1512, 1512, 3024)
-    assert terms["gathered"] == 3072 and terms["activations"] == 6560
+    assert terms["gathered"] == 3072 and terms["activations"] == 7200
     assert memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 1), workload, False)["gathered"] == 4800
     tp_ep = memory_terms(TINY_MOE, Layout(1, 2, 2, 1, 2), workload, False)
     assert tp_ep["params"] == 1512 and tp_ep["gathered"] == 2 * (2 * 216 + 264 / 2 + 216 + 264 / 2)

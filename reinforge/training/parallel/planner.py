@@ -20,7 +20,8 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
 - activations, what autograd keeps of each layer per token (`activation_bytes_per_token`, counted from
   transformers' Qwen2/Llama layer with reinforge's packed segment attention): each RMSNorm keeps its fp32
   input, its normalised value and its output, H (4 + 2b); attention keeps the gathered queries, keys and
-  values repeated to every head, its output and o_proj's input, 5 Q b, and an fp32 log-sum-exp per head; the
+  values repeated to every head, its output and o_proj's input, 5 Q b, and an fp32 log-sum-exp per head (Qwen3's
+  query and key norms over each head keep (Q + kv width) (4 + 2b) more, as the RMSNorms do); the
   SwiGLU MLP keeps gate, silu(gate), up and their product, 4 I b. No T^2 term: flash/efficient attention.
   Without activation checkpointing L x T x that / tp (sequence parallelism shards all of it over tp, as in
   Korthikanti et al. 2022); with it, each layer's input only (L x T x H x b / tp) plus one layer recomputed;
@@ -61,8 +62,9 @@ FSDP2-sharded over the other dp_shard x cp / ep: S ranks in all, as the dense pa
 divides dp_shard x cp and E (it adds no rank; FSDP2 then gathers only a rank's E / ep experts, each 1/tp of
 it: the gathered term counts E / (ep x tp) experts per layer). Activations follow the active parameters: a
 token's top_k routed copies each keep the expert's gate, silu(gate), up, their product (4 I_moe b: the [gate;
-up] output is gathered whole over tp before the activation) and the token's hidden (H b), not divided by tp,
-and an fp32 router logit per expert. `reinforge plan` prints both counts, total and active (a token's: top_k /
+up] output is gathered whole over tp before the activation), the token's hidden and the expert's output before
+its routing weight (2 H b), not divided by tp, and an fp32 router logit per expert (measured on the MoE demo:
+bench/plan_memory.py). `reinforge plan` prints both counts, total and active (a token's: top_k /
 E of the experts).
 
 Speed: plan_layouts.py's `relative_step_time` ranks the layouts that fit (rules of thumb, the pipeline's bubble
@@ -104,6 +106,7 @@ def activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
     MLP (an MoE layer's experts: `expert_activation_bytes_per_token`)."""
     b, q = element_bytes, shape.num_attention_heads * shape.head_size
     norms = 2 * shape.hidden_size * (4 + 2 * b)
+    norms += (q + shape.kv_width) * (4 + 2 * b) if shape.qk_norm else 0  # Qwen3's per-head query and key norms
     attention = 5 * q * b + 4 * shape.num_attention_heads
     return norms + attention + (0 if shape.moe else 4 * shape.intermediate_size * b)
 
@@ -112,7 +115,7 @@ def expert_activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> 
     """Bytes an MoE layer keeps per token for its experts (module docstring), not sliced by tp; 0 when dense."""
     if not shape.moe:
         return 0.0
-    slot = 4 * shape.moe_intermediate_size * element_bytes + shape.hidden_size * element_bytes
+    slot = 4 * shape.moe_intermediate_size * element_bytes + 2 * shape.hidden_size * element_bytes
     return shape.num_experts_per_tok * slot + 4 * shape.num_experts
 
 
