@@ -16,10 +16,10 @@ that the choice can be argued with:
   1.5B on one H200);
 - each doubling of tp +10% (its all-gathers and reduce-scatters of activations are on every layer's critical
   path and their volume per GPU does not fall as tp grows); each doubling of cp +5% (Ulysses' all-to-alls);
-- an FSDP2 group wider than a node: its all-gathers (forward and backward, b bytes per parameter each) and
-  reduce-scatter (fp32 gradients, 4 bytes) of every micro-batch cross the inter-node network; they overlap
-  the compute, so the step takes the longer of the two: +10% at least, + (communication / compute - 1) when
-  the network is the slower, with an H100's `GPU_TFLOPS` of bf16 work and `INTER_NODE_GBPS` per GPU. Per GPU
+- FSDP2's all-gathers (forward and backward, b bytes per parameter each) and reduce-scatter (fp32 gradients, 4
+  bytes) of every micro-batch overlap the compute, so the step takes the longer of the two: + (communication /
+  compute - 1) when the network is the slower, with an H100's `GPU_TFLOPS` of bf16 work against `NVLINK_GBPS`
+  per GPU within a node or `INTER_NODE_GBPS` when the group is wider than a node (then +10% at least). Per GPU
   and micro-batch the all-gathers move (2b + 4) x the stage's weights / tp (an MoE model's experts only when
   FSDP2 shards them: ep < dp_shard x cp) and the compute is 6 x the stage's active parameters x T / (tp x cp);
 - expert parallelism wider than a node (ep x tp > GPUs per node): its all-to-alls (each token's top_k copies of
@@ -43,6 +43,7 @@ from reinforge.training.parallel.model_shape import LORA_TARGETS, ModelShape
 AC_COST, TP_COST, CP_COST, CROSS_NODE_FSDP_COST = 0.20, 0.10, 0.05, 0.10
 GPU_TFLOPS = 400.0  # bf16 work per GPU and second: an H100's 989 dense peak at 40% MFU
 INTER_NODE_GBPS = 50.0  # GB/s per GPU between nodes: one 400 Gb/s NIC per GPU (InfiniBand NDR)
+NVLINK_GBPS = 450.0  # GB/s per GPU and direction within a node: an H100's NVLink
 MICROBATCHES_PER_STAGE = 4  # pipeline micro-batches per stage when the workload gives none: a bubble under 20%
 
 
@@ -180,15 +181,17 @@ def bubble(pp: int, microbatches: int) -> float:
     return (pp - 1) / (microbatches + pp - 1)
 
 
-def fsdp_network_ratio(shape: ModelShape, layout: Layout, workload: Workload) -> float:
-    """Inter-node time of FSDP2's all-gathers and reduce-scatter of one micro-batch against its compute, per GPU
-    of the first (largest) stage (module docstring)."""
+def fsdp_network_ratio(
+    shape: ModelShape, layout: Layout, workload: Workload, gbps: float = INTER_NODE_GBPS
+) -> float:  # fmt: skip
+    """The time of FSDP2's all-gathers and reduce-scatter of one micro-batch at `gbps` per GPU against its compute,
+    per GPU of the first (largest) stage (module docstring)."""
     layers = stage_layer_counts(shape.num_hidden_layers, layout.pp)[0]
     experts = layers * shape.expert_parameters()
     dense = stage_parameters(shape, layout.pp, 0) - experts
     gathered = (dense + (experts if layout.dp_shard * layout.cp > layout.ep else 0)) / layout.tp
     per_parameter = 2 * workload.element_bytes + (0 if workload.lora_rank else 4)  # LoRA: no base gradients
-    network = gathered * per_parameter / (INTER_NODE_GBPS * 1e9)
+    network = gathered * per_parameter / (gbps * 1e9)
     return network / _stage_compute_seconds(shape, layout, workload, layers)
 
 
@@ -233,9 +236,12 @@ def relative_step_time(
         * (1 + TP_COST * math.log2(layout.tp))
         * (1 + CP_COST * math.log2(layout.cp))
     )
-    if layout.shard_group > gpus_per_node:
-        exposed = fsdp_network_ratio(shape, layout, workload) - 1 if shape and workload else 0.0
-        time *= 1 + max(CROSS_NODE_FSDP_COST, exposed)
+    cross_node = layout.shard_group > gpus_per_node
+    if layout.dp_shard * layout.cp > 1 and shape and workload:
+        gbps = INTER_NODE_GBPS if cross_node else NVLINK_GBPS
+        time *= 1 + max(CROSS_NODE_FSDP_COST * cross_node, fsdp_network_ratio(shape, layout, workload, gbps) - 1)
+    elif cross_node:
+        time *= 1 + CROSS_NODE_FSDP_COST
     if shape is not None:
         time *= 1 + expert_network_ratio(shape, layout, gpus_per_node)  # not overlapped: dispatch, experts, combine
     if layout.pp > 1:
