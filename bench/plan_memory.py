@@ -57,7 +57,7 @@ LONG_ROWS = (
 )
 PIPELINE_ROWS = ("30m:1x1x1x1,pp2@2048", "30m:1x1x2x1,pp2@2048", "moe:1x2x1x1,ep2,pp2")
 SEQUENCES_PER_RANK, PROMPT, RESPONSE, MICRO_BATCH_TOKENS = 64, (30, 42), (48, 48), 4096
-LONG_TOKENS_PER_RANK = 8192
+LONG_TOKENS_PER_RANK = 4096
 TOLERANCE = 0.15
 
 
@@ -227,25 +227,27 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc when each spawned rank starts
     from _common import write_result
 
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         models = {"demo": ROOT / "models" / "demo", "moe": ROOT / "models" / "moe_demo", "30m": tmp / "30m"}
-        results = {entry: measure(entry, models, tmp, args.steps) for entry in args.layouts}
-    write_result(
-        args.json,
-        dict(
-            date=time.strftime("%Y-%m-%d"),
-            load_average=list(os.getloadavg()),
-            sequences_per_rank=SEQUENCES_PER_RANK,
-            prompt_tokens=PROMPT,
-            response_tokens=RESPONSE,
-            micro_batch_tokens=MICRO_BATCH_TOKENS,
-            long_tokens_per_rank=LONG_TOKENS_PER_RANK,
-            steps=args.steps,
-            tolerance=TOLERANCE,
-            layouts=results,
-        ),
-    )
+        for entry in args.layouts:  # the file rewritten after each row: a long run stopped keeps what it measured
+            results[entry] = measure(entry, models, tmp, args.steps)
+            write_result(
+                args.json,
+                dict(
+                    date=time.strftime("%Y-%m-%d"),
+                    load_average=list(os.getloadavg()),
+                    sequences_per_rank=SEQUENCES_PER_RANK,
+                    prompt_tokens=PROMPT,
+                    response_tokens=RESPONSE,
+                    micro_batch_tokens=MICRO_BATCH_TOKENS,
+                    long_tokens_per_rank=LONG_TOKENS_PER_RANK,
+                    steps=args.steps,
+                    tolerance=TOLERANCE,
+                    layouts=results,
+                ),
+            )
 
 
 if __name__ == "__main__":

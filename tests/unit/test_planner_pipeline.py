@@ -140,7 +140,7 @@ def test_the_two_large_reference_models_have_their_public_sizes():
 # (name, GPUs, workload, the layout docs/distributed.md names): the two large cases
 LARGE_CASES = {
     "Qwen3-235B-A22B": (32, Workload(8192, lora_rank=16, generation="separate"), Layout(2, 8, 1, 1, ep=8, pp=2)),
-    "Llama-3.1-405B": (256, Workload(8192, generation="none"), Layout(1, 1, 1, 8, pp=32)),
+    "Llama-3.1-405B": (256, Workload(8192, generation="none"), Layout(1, 2, 2, 2, pp=32)),
 }
 
 
