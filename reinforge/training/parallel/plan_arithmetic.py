@@ -30,7 +30,7 @@ def _stage_line(shape: ModelShape, workload: Workload, e: Estimate, layers: int,
     rule = f"min(m {m}, pp {pp} - stage {s})" if workload.pp_schedule == "1F1B" else f"GPipe: all m {m}"
     return [
         f"  stage       = {s} of {pp} (the one that needs the most): {', '.join(parts)}; "
-        f"{held} micro-batches held ({workload.pp_schedule}: {rule})",
+        f"{held} micro-batch(es) held ({workload.pp_schedule}: {rule})",
         f"  bubble      = (pp {pp} - 1) / (m {m} + pp {pp} - 1) = {bubble(pp, m):.1%} of each pass idle",
     ]
 
@@ -57,7 +57,7 @@ def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
         layer = f"({layer} + experts {shape.expert_parameters():,} / (ep {layout.ep} x tp {tp}))"
     root = f"{params - layers * shape.layer_parameters():,} / tp {tp}"
     gathered = f"({min(layers, 2)} x {layer} + {root} + gradients {0 if lora else f'{layer} + {root}'})"
-    times = f"{held} micro-batches x " if layout.pp > 1 else ""
+    times = f"{held} micro-batch(es) x " if layout.pp > 1 else ""
     if e.activation_checkpointing:
         activations = (
             f"{times}{layers} layers x {tokens:g} tokens x {shape.hidden_size} x {b} B / tp {tp} "
