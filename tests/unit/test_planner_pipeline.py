@@ -184,3 +184,17 @@ def test_a_full_fine_tune_of_the_235b_on_4_nodes_and_a_405b_engine_are_one_line_
     engine = plan(KNOWN_MODELS["Llama-3.1-405B"], 256, 80, Workload(8192))
     assert engine.choice is None and "the generation engine alone needs" in engine.reason
     assert "\n" not in engine.reason and "--generation none" in engine.reason
+
+
+def test_the_pipeline_options_of_reinforge_plan(capsys):
+    """--pp-microbatches sets m (the bubble and the receive buffers), --pp-schedule GPipe holds all m on a stage; a
+    count below 1 is one line."""
+    argv = ["plan", "--model", "Llama-3-70B", "--gpus", "128", "--gpu-memory", "80", "--seq-len", "16384"]
+    assert main([*argv, "--pp-microbatches", "0"]) == 2
+    assert "--pp-microbatches 0: give 1 or more" in capsys.readouterr().err
+    shape, workload = KNOWN_MODELS["Llama-3-70B"], Workload(16384, pp_schedule="GPipe", pp_microbatches=8)
+    one_f_one_b = Workload(16384, pp_microbatches=8)
+    layout = Layout(1, 8, 8, 1, pp=2)
+    gpipe = memory_terms(shape, layout, workload, True, stage=1)["activations"]
+    assert gpipe > memory_terms(shape, layout, one_f_one_b, True, stage=1)["activations"]
+    assert main([*argv, "--pp-microbatches", "32", "--pp-schedule", "GPipe"]) == 0
