@@ -29,7 +29,7 @@ that the choice can be argued with:
   the step takes (m + pp - 1) / m of its time, and each micro-batch's activations and their gradients cross
   every stage boundary on the critical path (2 x T / (tp x cp) x H x b bytes per GPU against the stage's
   compute on those tokens).
-Ties go to the smaller tp, then the smaller cp, then the layout that needs the least memory.
+Ties go to the smaller tp, then the smaller cp, then the smaller pp, then the layout that needs the least memory.
 """
 
 from __future__ import annotations
