@@ -54,14 +54,15 @@ def test_memory_terms_of_a_tiny_config_by_hand():
     params 4 x 1480 / 2 = 2960, grads 2960, optimizer 8 x 1480 / 2 = 5920,
     gathered 2 x (2 x 608 + 264 + 608 + 264) = 4704;
     activations per token per layer: norms 2 x 8 x (4 + 2 x 2) = 128, attention 5 x 8 x 2 + 4 x 2 = 88,
-    MLP 4 x 16 x 2 = 128: 344; without checkpointing 2 x 10 x 344 = 6880, with 2 x 10 x 8 x 2 + 10 x 344 = 3760;
+    MLP 4 x 16 x 2 = 128: 344; the segment attention's mask 10 x 10 x 2 = 200 per layer; without checkpointing
+    2 x (10 x 344 + 200) = 7280, with 2 x 10 x 8 x 2 + 10 x 344 + 200 = 3960;
     logits 10 x 32 x (2 + 12) + 10 x 8 x (4 + 6) = 5280."""
     layout, workload = Layout(1, 2, 1, 1), Workload(seq_len=10, runtime_gib=0.0, kl=True)
     terms = memory_terms(TINY, layout, workload, activation_checkpointing=False)
     assert terms == dict(
-        params=2960, gathered=4704, grads=2960, optimizer=5920, activations=6880, logits=5280, reference=2960, runtime=0
+        params=2960, gathered=4704, grads=2960, optimizer=5920, activations=7280, logits=5280, reference=2960, runtime=0
     )
-    assert memory_terms(TINY, layout, workload, activation_checkpointing=True)["activations"] == 3760
+    assert memory_terms(TINY, layout, workload, activation_checkpointing=True)["activations"] == 3960
     # LoRA rank 2 on every linear: rank x (in + out) per layer = 2 x (16 + 12 + 12 + 16 + 24 + 24 + 24) = 256, x 2
     # layers = 512 trained parameters; the base still in fp32; no reference (the adapters are switched off)
     lora = memory_terms(TINY, layout, Workload(10, lora_rank=2, kl=True), False)
@@ -107,9 +108,9 @@ def test_the_named_examples_pick_a_layout_that_fits_for_the_right_reason():
 
 def test_the_prediction_is_within_15_percent_of_the_measured_h200_peaks():
     """docs/benchmarks.md: the 1.5B on one H200 (FSDP2 world 1, bf16, no KL, micro-batches of 16,384 tokens,
-    head chunks of 2048) peaked at 77.1 GiB eager and 31.3 GiB with activation checkpointing, as
-    torch.cuda.max_memory_allocated (no CUDA context nor allocator cache: runtime 0)."""
-    workload = Workload(16384, generation="none", runtime_gib=0.0)
+    head chunks of 2048; sequences of 384-1408 tokens) peaked at 77.1 GiB eager and 31.3 GiB with activation
+    checkpointing, as torch.cuda.max_memory_allocated (no CUDA context nor allocator cache: runtime 0)."""
+    workload = Workload(1408, micro_batch_tokens=16384, generation="none", runtime_gib=0.0)
     for checkpointing, measured in ((False, 77.1), (True, 31.3)):
         predicted = estimate(KNOWN_MODELS["Qwen2.5-1.5B"], Layout(1, 1, 1, 1), workload, checkpointing, 1e15).total
         assert abs(predicted / GIB / measured - 1) <= 0.15, (checkpointing, predicted / GIB)
@@ -207,14 +208,15 @@ def test_moe_memory_terms_with_expert_parallelism_by_hand():
     dp_shard 2, tp 2, ep 2: the experts split over ep 2 by expert and over tp 2 by their width, so every part shards
     over the 4 ranks: params 4 x (744 + 768) / 4 = 1512, a gathered layer 240 / 2 + 384 / (2 x 2) = 216.
     Activations per token and layer: norms 2 x 8 x (4 + 4) = 128, attention 5 x 8 x 2 + 4 x 2 = 88 (/ tp); experts
-    2 routed x (4 x 4 x 2 + 2 x 8 x 2) + 4 x 4 router logits = 144 (not / tp): 2 x 10 x (216 + 144) = 7200 at tp 1."""
+    2 routed x (4 x 4 x 2 + 2 x 8 x 2) + 4 x 4 router logits = 144 (not / tp), the mask 10 x 10 x 2 = 200 per
+    layer: 2 x (10 x (216 + 144) + 200) = 7600 at tp 1."""
     workload = Workload(seq_len=10, runtime_gib=0.0)
     assert TINY_MOE.parameters() == 1512 and TINY_MOE.active_parameters() == 1512 - 768 + 384
     # ep: the largest that divides dp_shard x cp and the experts
     assert candidate_layouts(TINY_MOE, 4) == [Layout(1, 4, 1, 1, 4), Layout(1, 2, 1, 2, 4)]
     terms = memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 4), workload, activation_checkpointing=False)
     assert (terms["params"], terms["grads"], terms["optimizer"]) == (1512, 1512, 3024)
-    assert terms["gathered"] == 3072 and terms["activations"] == 7200
+    assert terms["gathered"] == 3072 and terms["activations"] == 7600
     assert memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 1), workload, False)["gathered"] == 4800
     tp_ep = memory_terms(TINY_MOE, Layout(1, 2, 2, 1, 2), workload, False)
     assert tp_ep["params"] == 1512 and tp_ep["gathered"] == 2 * (2 * 216 + 264 / 2 + 216 + 264 / 2)

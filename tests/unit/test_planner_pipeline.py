@@ -61,26 +61,27 @@ def test_a_stage_holds_its_layers_its_end_of_the_model_and_the_micro_batches_in_
     """TINY (H 8, 2 layers of 608 parameters, V 32 tied, root 256 + norm 8) at pp=2 on GPU (b = 2), 10 tokens, m = 3.
     Stage 0: a layer and the embedding, 608 + 256 = 864 parameters; stage 1: a layer, the final norm and its own copy
     of the tied head, 608 + 264 = 872. Activations per token and layer 344 (test_planner.py); 1F1B holds min(3, 2 - s)
-    micro-batches: 2 on stage 0, 1 on stage 1; GPipe all 3. Receive buffers of every micro-batch, m x T x H x b =
-    3 x 10 x 8 x 2 = 480 per direction (stage 0 receives gradients only, stage 1 activations only).
-    Stage 0: params 4 x 864 = 3456, gathered 2 x (608 + 256 + 608 + 256) = 3456, activations 2 x 10 x 344 + 480 =
-    7360, no logits. Stage 1: params 3488, gathered 2 x (608 + 264 + 608 + 264) = 3488, activations 3440 + 480 =
-    3920, logits 10 x 32 x 14 + 10 x 8 x 10 = 5280. Totals 24,640 and 26,640: the last stage counts."""
+    micro-batches: 2 on stage 0, 1 on stage 1; GPipe all 3; a micro-batch's layer keeps 10 x 344 = 3440 and the
+    segment attention's mask 10 x 10 x 2 = 200. Receive buffers of every micro-batch, m x T x H x b = 3 x 10 x 8 x
+    2 = 480 per direction (stage 0 receives gradients only, stage 1 activations only).
+    Stage 0: params 4 x 864 = 3456, gathered 2 x (608 + 256 + 608 + 256) = 3456, activations 2 x 3640 + 480 =
+    7760, no logits. Stage 1: params 3488, gathered 2 x (608 + 264 + 608 + 264) = 3488, activations 3640 + 480 =
+    4120, logits 10 x 32 x 14 + 10 x 8 x 10 = 5280. Totals 25,040 and 26,840: the last stage counts."""
     layout, workload = Layout(1, 1, 1, 1, pp=2), Workload(10, runtime_gib=0.0, pp_microbatches=3, generation="none")
     first = memory_terms(TINY, layout, workload, False, stage=0)
     last = memory_terms(TINY, layout, workload, False, stage=1)
     assert first == dict(
-        params=3456, gathered=3456, grads=3456, optimizer=6912, activations=7360, logits=0, reference=0, runtime=0
+        params=3456, gathered=3456, grads=3456, optimizer=6912, activations=7760, logits=0, reference=0, runtime=0
     )
     assert last == dict(
-        params=3488, gathered=3488, grads=3488, optimizer=6976, activations=3920, logits=5280, reference=0, runtime=0
+        params=3488, gathered=3488, grads=3488, optimizer=6976, activations=4120, logits=5280, reference=0, runtime=0
     )
     worst = estimate(TINY, layout, workload, False, 1e15)
-    assert (worst.stage, worst.total) == (1, 26640)
+    assert (worst.stage, worst.total) == (1, 26840)
     gpipe = Workload(10, runtime_gib=0.0, pp_microbatches=3, pp_schedule="GPipe")
-    assert memory_terms(TINY, layout, gpipe, False, stage=0)["activations"] == 3 * 3440 + 480
-    # checkpointed: the held micro-batches' layer inputs 2 x 10 x 8 x 2 = 320, one layer recomputed 3440, buffers 480
-    assert memory_terms(TINY, layout, workload, True, stage=0)["activations"] == 320 + 3440 + 480
+    assert memory_terms(TINY, layout, gpipe, False, stage=0)["activations"] == 3 * 3640 + 480
+    # checkpointed: the held micro-batches' layer inputs 2 x 10 x 8 x 2 = 320, one layer recomputed 3640, buffers 480
+    assert memory_terms(TINY, layout, workload, True, stage=0)["activations"] == 320 + 3640 + 480
 
 
 def test_tp_with_ep_costs_the_network_only_when_an_expert_group_leaves_the_node():

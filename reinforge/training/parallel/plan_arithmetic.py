@@ -49,8 +49,12 @@ def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
     trained = f"{adapters:,} / {group}" if lora else weights
     per_token = activation_bytes_per_token(shape, b)
     per_layer = f"{per_token:,.0f} B / tp {tp}"
+    if tp > 1:
+        per_layer += f" + gathered inputs {2 * shape.hidden_size * b * (tp - 1) / tp:,.0f} B"
     if shape.moe:
-        per_layer = f"({per_layer} + {expert_activation_bytes_per_token(shape, b):,.0f} B (experts))"
+        per_layer += f" + {expert_activation_bytes_per_token(shape, b):,.0f} B (experts)"
+    mask = f"mask {workload.tokens} x {min(workload.seq_len, workload.tokens)} x {b} B"
+    per_layer = f"({tokens:g} tokens x ({per_layer}) + {mask})"
     chunk, vocab = min(workload.logprob_chunk_tokens, tokens), math.ceil(shape.vocab_size / tp)
     layer = f"{shape.layer_parameters() - shape.expert_parameters():,} / tp {tp}"
     if shape.moe:
@@ -61,10 +65,10 @@ def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
     if e.activation_checkpointing:
         activations = (
             f"{times}{layers} layers x {tokens:g} tokens x {shape.hidden_size} x {b} B / tp {tp} "
-            f"+ {tokens:g} tokens x {per_layer} (one layer recomputed)"
+            f"+ {per_layer} (one layer recomputed)"
         )
     else:
-        activations = f"{times}{layers} layers x {tokens:g} tokens x {per_layer}"
+        activations = f"{times}{layers} layers x {per_layer}"
     received = (e.stage > 0) + (e.stage < layout.pp - 1)
     if layout.pp > 1:
         m = workload.microbatches(layout.pp)

@@ -22,9 +22,13 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
   input, its normalised value and its output, H (4 + 2b); attention keeps the gathered queries, keys and
   values repeated to every head, its output and o_proj's input, 5 Q b, and an fp32 log-sum-exp per head (Qwen3's
   query and key norms over each head keep (Q + kv width) (4 + 2b) more, as the RMSNorms do); the
-  SwiGLU MLP keeps gate, silu(gate), up and their product, 4 I b. No T^2 term: flash/efficient attention.
-  Without activation checkpointing L x T x that / tp (sequence parallelism shards all of it over tp, as in
-  Korthikanti et al. 2022); with it, each layer's input only (L x T x H x b / tp) plus one layer recomputed;
+  SwiGLU MLP keeps gate, silu(gate), up and their product, 4 I b. Sequence parallelism shards all of it over
+  tp (Korthikanti et al. 2022) but the attention's and the MLP's inputs, all-gathered and kept whole by their
+  column-wise linear layers: 2 H b (tp - 1) / tp more. No attention-score term (flash/efficient attention), but
+  the packed segment attention's mask (`attention_mask_bytes`): [N, 1, s, s] per layer, which sdpa converts to
+  the compute dtype and keeps, micro_batch_tokens x seq_len x b, not divided by tp or cp (measured at 2K-token
+  sequences: bench/plan_memory.py). Without activation checkpointing L x that; with it, each layer's input only
+  (L x T x H x b / tp) plus one layer recomputed;
 - logits: the chunked LM head (training/micro_batching.py): one chunk of min(logprob_chunk_tokens, T) tokens,
   [chunk, V / tp] logits in compute dtype plus three fp32 tensors of that size (the upcast, its log-softmax or
   exp, the gradient), and the final norm's and the head's inputs, T H (4 + 3b) / tp;
@@ -111,6 +115,13 @@ def activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
     return norms + attention + (0 if shape.moe else 4 * shape.intermediate_size * b)
 
 
+def attention_mask_bytes(workload: Workload) -> float:
+    """One layer's [N, 1, s, s] mask of the packed segment attention (training/segment_attention.py), which sdpa
+    converts to the compute dtype and keeps for its backward: the micro-batch's tokens x the sequence length x b,
+    whole on every tp and cp rank (each attends over all positions of its heads)."""
+    return workload.tokens * min(workload.seq_len, workload.tokens) * workload.element_bytes
+
+
 def expert_activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
     """Bytes an MoE layer keeps per token for its experts (module docstring), not sliced by tp; 0 when dense."""
     if not shape.moe:
@@ -149,7 +160,11 @@ def memory_terms(
         prefetched = min(layers, 2) * layer
         gathered = b * (prefetched + root + (0 if lora else layer + root))
     tokens = workload.tokens / layout.cp
-    per_layer = tokens * (activation_bytes_per_token(shape, b) / tp + expert_activation_bytes_per_token(shape, b))
+    gathered_inputs = 2 * shape.hidden_size * b * (tp - 1) / tp  # attention's and the MLP's all-gathered input
+    per_token = (
+        activation_bytes_per_token(shape, b) / tp + gathered_inputs + expert_activation_bytes_per_token(shape, b)
+    )
+    per_layer = tokens * per_token + attention_mask_bytes(workload)
     inputs = held * layers * tokens * shape.hidden_size * b / tp
     received = (stage > 0) + (stage < pp - 1) if pp > 1 else 0  # activations from before, gradients from after
     boundary = received * workload.microbatches(pp) * tokens * shape.hidden_size * b / tp
