@@ -38,14 +38,15 @@ from gpu_training_mfu import TINY, build_model  # noqa: E402
 GIB = 2**30
 
 
-def largest_fitting_tokens(model_dir: Path, pp: int, gpu_gib: float, checkpointing: bool) -> int:
-    """The largest power-of-two micro-batch (4K-64K tokens) the planner fits in every stage of a pp-stage layout."""
+def largest_fitting_tokens(model_dir: Path, pp: int, gpu_gib: float, seq_len: int) -> int:
+    """The largest power-of-two micro-batch (4K-64K tokens) of sequences of at most `seq_len` tokens that the planner
+    fits in every stage of a pp-stage layout without activation checkpointing."""
     from reinforge.training.parallel.planner import Layout, Workload, estimate, model_shape
 
     shape, best = model_shape(str(model_dir)), 4096
     for tokens in (4096, 8192, 16384, 32768, 65536):
-        workload = Workload(tokens, generation="none", pp_microbatches=2 * pp)
-        if estimate(shape, Layout(1, 1, 1, 1, pp=pp), workload, checkpointing, 1e18).total <= 0.9 * gpu_gib * GIB:
+        workload = Workload(seq_len, micro_batch_tokens=tokens, generation="none", pp_microbatches=2 * pp)
+        if estimate(shape, Layout(1, 1, 1, 1, pp=pp), workload, False, 1e18).total <= 0.9 * gpu_gib * GIB:
             best = tokens
     return best
 
@@ -104,8 +105,9 @@ def predicted_gib(model_dir: Path, args, stage: int) -> float:
     from reinforge.training.parallel.planner import Layout, Workload, memory_terms, model_shape
 
     workload = Workload(
-        args.tokens, generation="none", runtime_gib=0.0, pp_microbatches=args.microbatches if args.pp > 1 else None
-    )
+        args.shape[1][1] + args.shape[2][1], micro_batch_tokens=args.tokens, generation="none", runtime_gib=0.0,
+        pp_microbatches=args.microbatches if args.pp > 1 else None,
+    )  # fmt: skip
     layout = Layout(1, 1, 1, 1, pp=args.pp)
     return sum(memory_terms(model_shape(str(model_dir)), layout, workload, args.long_context, stage).values()) / GIB
 
@@ -144,7 +146,7 @@ def main() -> None:
         elif args.long_context:
             args.tokens = 32768
         else:
-            args.tokens = largest_fitting_tokens(model_dir, args.pp, gpu_gib, checkpointing=False)
+            args.tokens = largest_fitting_tokens(model_dir, args.pp, gpu_gib, args.shape[1][1] + args.shape[2][1])
         total_tokens = args.shape[0] * (sum(args.shape[1]) + sum(args.shape[2])) // 2
         args.microbatches = max(math_ceil_div(total_tokens, args.tokens), 2 * args.pp)
         with socket.socket() as sock:
