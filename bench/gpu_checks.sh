@@ -18,7 +18,10 @@
 #   --- `gpu_checks.sh quick` stops here ---
 #   4. bench/gpu_training_mfu.py on the 1.5B Qwen2.5-architecture model: compiled layers (with a kernel
 #      profile), eager; bench/lora_memory.py: full fine-tuning against LoRA rank 16;
-#   5. on a machine of 4+ GPUs, bench/parallel_layouts.py: per-step time and MFU of dp, tp, cp and dp x tp (NCCL).
+#   5. bench/pipeline_mfu.py: one long-context run (4 sequences of 32K tokens, checkpointed) and, on 2+ GPUs, the
+#      1.5B at pp=1 and pp=2 (one GPU per stage), each at the largest micro-batch the planner fits: MFU, peak
+#      against the planner, the runtime term apart (CUDA context and NCCL, the allocator's slack);
+#   6. on a machine of 4+ GPUs, bench/parallel_layouts.py: per-step time and MFU of dp, tp, cp and dp x tp (NCCL).
 # Results go to $OUT (default /tmp/gpu_checks). The GPU image has torch and transformers but not all of
 # reinforge's light dependencies: put their wheels in .whl/ and they are installed to /tmp/site first.
 # For a Python 3.12 image, on a machine with PyPI (`pip wheel --no-deps -w .whl langdetect==1.0.9` for the last):
@@ -70,6 +73,17 @@ timeout 240 python3 bench/lora_memory.py --model qwen1.5b --json "$OUT/lora_memo
 tail -8 "$OUT/lora_memory.log"
 timeout 120 python3 bench/gpu_training_mfu.py --activation-checkpointing --json "$OUT/mfu_ac.json" 2>&1 | grep -v Loading | tail -25
 timeout 120 python3 bench/gpu_training_mfu.py --no-packing --json "$OUT/mfu_unpacked.json" 2>&1 | grep -v Loading | tail -25
+# A long context on one GPU (~1.5 minutes); pipeline stages at their largest fitting batch where there are 2+ GPUs
+# (NCCL gives each stage a GPU: on one GPU pp=1 alone would repeat mfu_packed above).
+timeout 100 python3 bench/pipeline_mfu.py --pp 1 --long-context --steps 2 --json "$OUT/long_context.json" 2>&1 \
+  | grep -v Loading | tail -14
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  for pp in 1 2; do
+    timeout 120 python3 bench/pipeline_mfu.py --pp $pp --json "$OUT/pipeline_pp$pp.json" 2>&1 | grep -v Loading | tail -16
+  done
+else
+  echo "pipeline pp=1 vs pp=2: 1 GPU; pp=2 needs one GPU per stage, skipped"
+fi
 # Tensor and context parallelism over NCCL (training/parallel/tensor.py, training/parallel/context.py) need 2+ GPUs: one rank each.
 if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
   timeout 300 python3 bench/parallel_layouts.py --hidden 2048 --layers 8 --peak-tflops 989 --json "$OUT/parallel_layouts.json" \

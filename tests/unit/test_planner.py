@@ -11,11 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from reinforge.cli import main
 from reinforge.errors import ConfigError
-from reinforge.loops.dry_run import text_config_of
 from reinforge.model_config import LoraConfig, ModelConfig
 from reinforge.paths import PROJECT_ROOT
-from reinforge.training.parallel.engine_layout import check_engine_layout
-from reinforge.training.parallel.layout import ParallelConfig, check_layout
 from reinforge.training.parallel.planner import (
     GIB,
     KNOWN_MODELS,
@@ -57,14 +54,15 @@ def test_memory_terms_of_a_tiny_config_by_hand():
     params 4 x 1480 / 2 = 2960, grads 2960, optimizer 8 x 1480 / 2 = 5920,
     gathered 2 x (2 x 608 + 264 + 608 + 264) = 4704;
     activations per token per layer: norms 2 x 8 x (4 + 2 x 2) = 128, attention 5 x 8 x 2 + 4 x 2 = 88,
-    MLP 4 x 16 x 2 = 128: 344; without checkpointing 2 x 10 x 344 = 6880, with 2 x 10 x 8 x 2 + 10 x 344 = 3760;
+    MLP 4 x 16 x 2 = 128: 344; the segment attention's mask 10 x 10 x 2 = 200 per layer; without checkpointing
+    2 x (10 x 344 + 200) = 7280, with 2 x 10 x 8 x 2 + 10 x 344 + 200 = 3960;
     logits 10 x 32 x (2 + 12) + 10 x 8 x (4 + 6) = 5280."""
     layout, workload = Layout(1, 2, 1, 1), Workload(seq_len=10, runtime_gib=0.0, kl=True)
     terms = memory_terms(TINY, layout, workload, activation_checkpointing=False)
     assert terms == dict(
-        params=2960, gathered=4704, grads=2960, optimizer=5920, activations=6880, logits=5280, reference=2960, runtime=0
+        params=2960, gathered=4704, grads=2960, optimizer=5920, activations=7280, logits=5280, reference=2960, runtime=0
     )
-    assert memory_terms(TINY, layout, workload, activation_checkpointing=True)["activations"] == 3760
+    assert memory_terms(TINY, layout, workload, activation_checkpointing=True)["activations"] == 3960
     # LoRA rank 2 on every linear: rank x (in + out) per layer = 2 x (16 + 12 + 12 + 16 + 24 + 24 + 24) = 256, x 2
     # layers = 512 trained parameters; the base still in fp32; no reference (the adapters are switched off)
     lora = memory_terms(TINY, layout, Workload(10, lora_rank=2, kl=True), False)
@@ -110,9 +108,9 @@ def test_the_named_examples_pick_a_layout_that_fits_for_the_right_reason():
 
 def test_the_prediction_is_within_15_percent_of_the_measured_h200_peaks():
     """docs/benchmarks.md: the 1.5B on one H200 (FSDP2 world 1, bf16, no KL, micro-batches of 16,384 tokens,
-    head chunks of 2048) peaked at 77.1 GiB eager and 31.3 GiB with activation checkpointing, as
-    torch.cuda.max_memory_allocated (no CUDA context nor allocator cache: runtime 0)."""
-    workload = Workload(16384, generation="none", runtime_gib=0.0)
+    head chunks of 2048; sequences of 384-1408 tokens) peaked at 77.1 GiB eager and 31.3 GiB with activation
+    checkpointing, as torch.cuda.max_memory_allocated (no CUDA context nor allocator cache: runtime 0)."""
+    workload = Workload(1408, micro_batch_tokens=16384, generation="none", runtime_gib=0.0)
     for checkpointing, measured in ((False, 77.1), (True, 31.3)):
         predicted = estimate(KNOWN_MODELS["Qwen2.5-1.5B"], Layout(1, 1, 1, 1), workload, checkpointing, 1e15).total
         assert abs(predicted / GIB / measured - 1) <= 0.15, (checkpointing, predicted / GIB)
@@ -182,7 +180,7 @@ def test_qwen3_30b_a3b_has_30_5b_parameters_of_which_3_3b_are_active(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Qwen3-30B-A3B: 30,532,122,624 parameters (3,353,032,704 active: top-8 of 128 experts)" in out
-    assert "params      = 4 B x (1,541,093,376 / 8 + experts 28,991,029,248 / 8)" in out and " ep=8" in out
+    assert "params      = 4 B x (1,541,093,376 + experts 28,991,029,248) / 8" in out and " ep=8" in out
 
 
 def test_moe_parameter_counts_are_those_of_the_transformers_model(tmp_path):
@@ -207,18 +205,21 @@ def test_moe_memory_terms_with_expert_parallelism_by_hand():
     264; P = 1512, of which P_e = 768 experts and 744 the rest. On GPU (b = 2), 10 tokens:
     dp_shard 4, ep 4: params 4 x (744 / 4 + 768 / 4) = 1512; a gathered layer 240 + 384 / ep 4 = 336, gathered
     2 x (2 x 336 + 264 + 336 + 264) = 3072 (ep 1: 2 x (2 x 624 + 264 + 624 + 264) = 4800);
-    dp_shard 2, tp 2, ep 2: the experts shard over dp_shard x cp = 2 only: params 4 x (744 / 4 + 768 / 2) = 2280.
+    dp_shard 2, tp 2, ep 2: the experts split over ep 2 by expert and over tp 2 by their width, so every part shards
+    over the 4 ranks: params 4 x (744 + 768) / 4 = 1512, a gathered layer 240 / 2 + 384 / (2 x 2) = 216.
     Activations per token and layer: norms 2 x 8 x (4 + 4) = 128, attention 5 x 8 x 2 + 4 x 2 = 88 (/ tp); experts
-    2 routed x (4 x 4 x 2 + 8 x 2) + 4 x 4 router logits = 112 (not / tp): 2 x 10 x (216 + 112) = 6560 at tp 1."""
+    2 routed x (4 x 4 x 2 + 2 x 8 x 2) + 4 x 4 router logits = 144 (not / tp), the mask 10 x 10 x 2 = 200 per
+    layer: 2 x (10 x (216 + 144) + 200) = 7600 at tp 1."""
     workload = Workload(seq_len=10, runtime_gib=0.0)
     assert TINY_MOE.parameters() == 1512 and TINY_MOE.active_parameters() == 1512 - 768 + 384
     # ep: the largest that divides dp_shard x cp and the experts
     assert candidate_layouts(TINY_MOE, 4) == [Layout(1, 4, 1, 1, 4), Layout(1, 2, 1, 2, 4)]
     terms = memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 4), workload, activation_checkpointing=False)
     assert (terms["params"], terms["grads"], terms["optimizer"]) == (1512, 1512, 3024)
-    assert terms["gathered"] == 3072 and terms["activations"] == 6560
+    assert terms["gathered"] == 3072 and terms["activations"] == 7600
     assert memory_terms(TINY_MOE, Layout(1, 4, 1, 1, 1), workload, False)["gathered"] == 4800
-    assert memory_terms(TINY_MOE, Layout(1, 2, 2, 1, 2), workload, False)["params"] == 2280
+    tp_ep = memory_terms(TINY_MOE, Layout(1, 2, 2, 1, 2), workload, False)
+    assert tp_ep["params"] == 1512 and tp_ep["gathered"] == 2 * (2 * 216 + 264 / 2 + 216 + 264 / 2)
     assert auto_layout("Qwen3-30B-A3B", 8, 80, 4096)["ep"] == 8
 
 
@@ -227,29 +228,6 @@ REFERENCE_CASES = [  # (the model as a run names it, GPUs, tokens): the issue's 
     ("Qwen/Qwen2.5-32B", 8, 16384),
     ("meta-llama/Llama-3.3-70B-Instruct", 128, 16384),
 ]
-
-
-@pytest.mark.parametrize("generation", ["colocated", "separate"])
-def test_every_candidate_the_planner_prints_is_one_the_run_accepts(generation):
-    """Every row of `reinforge plan` (each model it knows, 1 to 128 GPUs of 8 per node): its training layout
-    passes the ranks' own check (layout.py `check_layout`, on a transformers config of the model's sizes) and its
-    engines the run's engine rules (engine_layout.py), with the engine count that `config_keys` would print."""
-    checked = 0
-    for name, shape in KNOWN_MODELS.items():
-        text_config = text_config_of(shape)
-        for gpus in (1, 2, 8, 16, 128):
-            for e in plan(shape, gpus, 80, Workload(4096, generation=generation)).estimates:
-                layout = e.layout
-                parallel = ParallelConfig(
-                    dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, cp=layout.cp,
-                    ep=layout.ep,
-                ).resolved(gpus)  # fmt: skip
-                check_layout(parallel, text_config)
-                heads = dict(heads=shape.num_attention_heads, kv_heads=shape.num_key_value_heads)
-                check_engine_layout(e.engine_layout, gpus, gpus_per_node=8, on_gpu=True, **heads)
-                assert e.engine_layout.colocate == (generation == "colocated")
-                checked += 1
-    assert checked > 500, checked
 
 
 @pytest.mark.parametrize("model, gpus, seq_len", REFERENCE_CASES)

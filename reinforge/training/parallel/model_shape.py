@@ -103,6 +103,13 @@ def _llama(h, layers, heads, kv, i):
     return ModelShape(h, layers, heads, kv, i, 128256, tie_word_embeddings=False, attention_bias=False)
 
 
+def _qwen3_moe(h, layers, heads, kv, i, experts, top_k, i_moe):
+    return ModelShape(
+        h, layers, heads, kv, i, 151936, tie_word_embeddings=False, attention_bias=False, head_dim=128,
+        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=i_moe, qk_norm=True,
+    )  # fmt: skip
+
+
 # From each model's config.json on the Hugging Face Hub, for planning offline.
 KNOWN_MODELS = {
     "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
@@ -112,21 +119,9 @@ KNOWN_MODELS = {
     "Qwen2.5-72B": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
     "Llama-3-8B": _llama(4096, 32, 32, 8, 14336),
     "Llama-3-70B": _llama(8192, 80, 64, 8, 28672),  # Llama 3.1-70B and 3.3-70B have the same shape
-    "Qwen3-30B-A3B": ModelShape(
-        2048,
-        48,
-        32,
-        4,
-        6144,
-        151936,
-        False,
-        False,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        qk_norm=True,
-    ),  # fmt: skip
+    "Llama-3.1-405B": _llama(16384, 126, 128, 8, 53248),
+    "Qwen3-30B-A3B": _qwen3_moe(2048, 48, 32, 4, 6144, 128, 8, 768),
+    "Qwen3-235B-A22B": _qwen3_moe(4096, 94, 64, 4, 12288, 128, 8, 1536),
 }
 
 
@@ -158,9 +153,10 @@ def model_shape(name_or_path: str) -> ModelShape:
     path = Path(name_or_path)
     if (path / "config.json").is_file():
         return _shape_of_file(path / "config.json")
-    base = name_or_path.rsplit("/", 1)[-1].lower().replace("llama-3.1-", "llama-3-").replace("llama-3.3-", "llama-3-")
+    base = name_or_path.rsplit("/", 1)[-1].lower().removeprefix("meta-")
+    bases = (base, base.replace("llama-3.1-", "llama-3-").replace("llama-3.3-", "llama-3-"))  # 70B: one shape
     for name, shape in KNOWN_MODELS.items():
-        if base == name.lower() or base.startswith(name.lower() + "-"):
+        if any(b == name.lower() or b.startswith(name.lower() + "-") for b in bases):
             return shape
     try:
         from transformers import AutoConfig

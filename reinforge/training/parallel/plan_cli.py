@@ -7,17 +7,14 @@ import argparse
 import math
 
 from reinforge.errors import ConfigError
+from reinforge.training.parallel.plan_arithmetic import arithmetic
 from reinforge.training.parallel.planner import (
     GIB,
     LORA_TARGETS,
     MARGIN,
-    PERSISTENT,
     Estimate,
-    ModelShape,
     Plan,
     Workload,
-    activation_bytes_per_token,
-    expert_activation_bytes_per_token,
     model_shape,
     plan,
 )
@@ -76,6 +73,12 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
         metavar="PERCENT",
         help=f"memory every GPU keeps free, percent of it (default: {MARGIN:.0%}); a layout fits within the rest",
     )
+    plan_parser.add_argument(
+        "--pp-schedule", choices=("1F1B", "GPipe"), default="1F1B", help="the pipeline's schedule (default: 1F1B)"
+    )
+    plan_parser.add_argument(
+        "--pp-microbatches", type=int, help="micro-batches of one pipeline pass (default: 4 per stage)"
+    )
     plan_parser.add_argument("--fitting-only", action="store_true", help="list only the layouts that fit")
     plan_parser.set_defaults(run=run_plan_command)
 
@@ -99,6 +102,8 @@ def check_plan_arguments(args: argparse.Namespace) -> tuple[str, ...]:
         (args.runtime_gb is None or (math.isfinite(args.runtime_gb) and args.runtime_gb >= 0),
          f"--runtime-gb {args.runtime_gb}: give GiB >= 0"),
         (args.lora is not None or args.lora_targets == "all-linear", "--lora-targets needs --lora RANK"),
+        (args.pp_microbatches is None or args.pp_microbatches >= 1,
+         f"--pp-microbatches {args.pp_microbatches}: give 1 or more (or leave it out: 4 per stage)"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -129,6 +134,8 @@ def run_plan_command(args: argparse.Namespace) -> None:
         generation_tp=args.generation_tp,
         device=args.device,
         runtime_gib=args.runtime_gb,
+        pp_schedule=args.pp_schedule,
+        pp_microbatches=args.pp_microbatches,
     )
     machine = args.gpus_per_node if args.generation == "separate" else min(args.gpus, args.gpus_per_node)
     if args.generation_tp and args.generation_tp > machine:
@@ -146,19 +153,15 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.1f}"
 
 
-def _gib_unit(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
-
-
 def _engines(e: Estimate) -> str:
     """The engine+kv column: GiB per engine GPU, engines@tensor-parallel size."""
     return f"{_gib(sum(e.engine.values()))} {e.engine_layout.num_engines}@tp{e.engine_tp}" if e.engine else "-"
 
 
-def _numbers(layout, moe: bool) -> tuple[int, ...]:
-    """A layout's R x S x T x C column, with ep (E) for an MoE model."""
+def _numbers(layout, moe: bool, pipeline: bool) -> tuple[int, ...]:
+    """A layout's R x S x T x C column, with pp (P) first when the plan has pipelines, ep (E) for an MoE model."""
     numbers = (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp)
-    return numbers + ((layout.ep,) if moe else ())
+    return ((layout.pp,) if pipeline else ()) + numbers + ((layout.ep,) if moe else ())
 
 
 def config_keys(result: Plan, gpus_per_node: int = 8) -> dict[str, object]:
@@ -178,6 +181,13 @@ def config_keys(result: Plan, gpus_per_node: int = 8) -> dict[str, object]:
     }
     if layout.ep > 1:
         keys["training.parallel.ep"] = layout.ep
+    if layout.pp > 1:
+        workload = result.workload
+        keys |= {
+            "training.parallel.pp": layout.pp,
+            "training.parallel.pp_schedule": workload.pp_schedule,
+            "training.parallel.pp_microbatches": workload.microbatches(layout.pp),
+        }
     if result.workload.micro_batch_tokens:
         keys["training.micro_batch_tokens"] = result.workload.micro_batch_tokens
     if choice.engine_layout is not None:
@@ -189,8 +199,9 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False, gpus_per_no
     """The table (GiB per GPU; activations and totals without / with activation checkpointing), the choice."""
     shape, workload = result.shape, result.workload
     active = f" ({shape.active_parameters():,} active: top-{shape.num_experts_per_tok} of {shape.num_experts} experts)"
+    pipeline = any(e.layout.pp > 1 for e in result.estimates)
     header = [
-        "layout (R x S x T x C" + (" x E)" if shape.moe else ")"),
+        "layout (" + ("P x " if pipeline else "") + "R x S x T x C" + (" x E)" if shape.moe else ")"),
         *COLUMNS[:4],
         "activations",
         "logits",
@@ -211,7 +222,7 @@ def format_plan(name: str, result: Plan, fitting_only: bool = False, gpus_per_no
             continue
         rows.append(
             [
-                "x".join(map(str, _numbers(layout, shape.moe))),
+                "x".join(map(str, _numbers(layout, shape.moe, pipeline))),
                 *(_gib(on.terms[c]) for c in COLUMNS[:4]),
                 f"{_gib(off.terms['activations'])} / {_gib(on.terms['activations'])}",
                 _gib(on.terms["logits"]),
@@ -253,59 +264,3 @@ def _aligned(rows: list[list[str]]) -> list[str]:
     aligned = [[cell.ljust(w) if i in (0, last) else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
                for row in rows]  # fmt: skip
     return ["  ".join(cells).rstrip() for cells in aligned]
-
-
-def arithmetic(shape: ModelShape, workload: Workload, e: Estimate) -> list[str]:
-    """Each term of `e` as the formula of training/parallel/planner.py with the numbers in."""
-    layout, b, t = e.layout, workload.element_bytes, e.terms
-    group, tp, layers, tokens = layout.shard_group, layout.tp, shape.num_hidden_layers, workload.tokens / layout.cp
-    params, lora = shape.parameters(), workload.lora_rank
-    adapters = shape.lora_parameters(lora, workload.lora_targets) if lora else 0
-    experts = layers * shape.expert_parameters()
-    moe = f" + experts {experts:,} / {layout.expert_group}" if shape.moe else ""  # over dp_shard x cp only
-    weights = f"({params - experts + adapters:,} / {group}{moe})" if shape.moe else f"{params + adapters:,} / {group}"
-    trained = f"{adapters:,} / {group}" if lora else weights
-    per_token = activation_bytes_per_token(shape, b)
-    per_layer = f"{per_token:,.0f} B / tp {tp}"
-    if shape.moe:
-        per_layer = f"({per_layer} + {expert_activation_bytes_per_token(shape, b):,.0f} B (experts))"
-    chunk, vocab = min(workload.logprob_chunk_tokens, tokens), math.ceil(shape.vocab_size / tp)
-    layer, root = f"{shape.layer_parameters() - shape.expert_parameters():,}", f"{shape.root_parameters():,}"
-    gathered = f"(2 x {layer} + {root} + gradients {0 if lora else f'{layer} + {root}'}) / tp {tp}"
-    if shape.moe:
-        layer = f"({layer} / tp {tp} + experts {shape.expert_parameters():,} / ep {layout.ep})"
-        gathered = f"(2 x {layer} + {root} / tp {tp} + gradients {0 if lora else f'{layer} + {root} / tp {tp}'})"
-    if e.activation_checkpointing:
-        activations = (
-            f"{layers} layers x {tokens:g} tokens x {shape.hidden_size} x {b} B / tp {tp} "
-            f"+ {tokens:g} tokens x {per_layer} (one layer recomputed)"
-        )
-    else:
-        activations = f"{layers} layers x {tokens:g} tokens x {per_layer}"
-    lines = [
-        f"  params      = 4 B x {weights} = {_gib_unit(t['params'])}",
-        f"  gathered    = {b} B x {gathered} = {_gib_unit(t['gathered'])}",
-        f"  grads       = 4 B x {trained} = {_gib_unit(t['grads'])}",
-        f"  optimizer   = 8 B x {trained} = {_gib_unit(t['optimizer'])}",
-        f"  activations = {activations} = {_gib_unit(t['activations'])}",
-        f"  logits      = {chunk:g} x {vocab:,} x ({b} + 12) B + {tokens:g} x {shape.hidden_size} x {4 + 3 * b} B"
-        f" / tp {tp} = {_gib_unit(t['logits'])}",
-        f"  reference   = {_gib_unit(t['reference'])}; runtime = {_gib_unit(t['runtime'])}",
-    ]
-    if e.engine:
-        kv_heads = max(shape.num_key_value_heads // e.engine_tp, 1)
-        lines += [
-            f"  engine      = 2 B x {params:,} / tp {e.engine_tp} = {_gib_unit(e.engine['engine weights'])}",
-            f"  kv cache    = {layers} x 2 x {kv_heads} x {shape.head_size} x {workload.generation_sequences} x "
-            f"{workload.seq_len} x 2 B = {_gib_unit(e.engine['kv cache'])}",
-        ]
-    training = sum(t.values())
-    if workload.generation == "colocated":
-        generation = sum(t[name] for name in PERSISTENT) + sum(e.engine.values())
-        lines.append(
-            f"  training phase {_gib_unit(training)}; generation phase (params, optimizer, reference, "
-            f"runtime, engine, kv cache) {_gib_unit(generation)}; the larger: {_gib_unit(e.total)}"
-        )
-    else:
-        lines.append(f"  training phase {_gib_unit(training)}")
-    return lines

@@ -1,15 +1,10 @@
 """The layout planner (`reinforge plan`, `training.parallel=auto`): memory per GPU of each way to split a model
 over N GPUs, and the fastest split that fits.
 
-A layout is `Layout(dp_replicate, dp_shard, tp, cp)` as training/parallel/ runs it: FSDP2 shards the weights,
-gradients and AdamW state over dp_shard x cp x tp ranks (cp ranks shard like data-parallel ones, tp ranks hold
-a 1/tp slice of every matrix and of the vocabulary) and replicates them over dp_replicate (HSDP). The candidates
-(`candidate_layouts`): tp a power of two up to the GPUs of one node that divides the attention heads, the
-key/value heads and the MLP's columns (not one sharing kv heads over ranks, which tensor_plan.py can), for a
-family tensor parallelism splits (`ModelShape.tensor_parallel`); cp (Ulysses) a
-divisor of the heads per tp rank, tp x cp within one node (their collectives run every layer); dp the rest,
-either one FSDP2 group over all of it (dp_replicate 1) or HSDP with copies of whole nodes (dp_replicate a
-divisor of the node count).
+The layouts, the workload and the speed ranking are plan_layouts.py's: `Layout(dp_replicate, dp_shard, tp, cp,
+ep, pp)` as training/parallel/ runs it. Within a pipeline stage FSDP2 shards the weights, gradients and AdamW
+state over dp_shard x cp x tp ranks (cp ranks shard like data-parallel ones, tp ranks hold a 1/tp slice of every
+matrix and of the vocabulary) and replicates them over dp_replicate (HSDP).
 
 Memory per GPU (`memory_terms`), in bytes, for a Llama/Qwen2 decoder (hidden H, L layers, MLP width I,
 vocabulary V, attention width Q = heads x head dim; b bytes per element of compute, 2 for bf16 on GPU, 4 for
@@ -25,10 +20,15 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
 - activations, what autograd keeps of each layer per token (`activation_bytes_per_token`, counted from
   transformers' Qwen2/Llama layer with reinforge's packed segment attention): each RMSNorm keeps its fp32
   input, its normalised value and its output, H (4 + 2b); attention keeps the gathered queries, keys and
-  values repeated to every head, its output and o_proj's input, 5 Q b, and an fp32 log-sum-exp per head; the
-  SwiGLU MLP keeps gate, silu(gate), up and their product, 4 I b. No T^2 term: flash/efficient attention.
-  Without activation checkpointing L x T x that / tp (sequence parallelism shards all of it over tp, as in
-  Korthikanti et al. 2022); with it, each layer's input only (L x T x H x b / tp) plus one layer recomputed;
+  values repeated to every head, its output and o_proj's input, 5 Q b, and an fp32 log-sum-exp per head (Qwen3's
+  query and key norms over each head keep (Q + kv width) (4 + 2b) more, as the RMSNorms do); the
+  SwiGLU MLP keeps gate, silu(gate), up and their product, 4 I b. Sequence parallelism shards all of it over
+  tp (Korthikanti et al. 2022) but the attention's and the MLP's inputs, all-gathered and kept whole by their
+  column-wise linear layers: 2 H b (tp - 1) / tp more. No attention-score term (flash/efficient attention), but
+  the packed segment attention's mask (`attention_mask_bytes`): [N, 1, s, s] per layer, which sdpa converts to
+  the compute dtype and keeps, micro_batch_tokens x seq_len x b, not divided by tp or cp (measured at 2K-token
+  sequences: bench/plan_memory.py). Without activation checkpointing L x that; with it, each layer's input only
+  (L x T x H x b / tp) plus one layer recomputed;
 - logits: the chunked LM head (training/micro_batching.py): one chunk of min(logprob_chunk_tokens, T) tokens,
   [chunk, V / tp] logits in compute dtype plus three fp32 tensors of that size (the upcast, its log-softmax or
   exp, the gradient), and the final norm's and the head's inputs, T H (4 + 3b) / tp;
@@ -40,37 +40,45 @@ fp32 on CPU; S = dp_shard x cp x tp; T = micro-batch tokens per GPU = micro_batc
   engine's GPUs are other GPUs and must hold it alone. The engine's tensor-parallel size is the smallest of the
   candidates the run accepts (engine_layout.py, `engine_candidates`: the same rules as the run's checks) that
   fits: colocated, one engine per tp training GPUs; separate, one engine on tp GPUs of its own;
-- runtime: a fixed overhead, `GPU_RUNTIME_GIB` on GPU (CUDA context, NCCL buffers, the caching allocator's
-  fragmentation: estimated, not measured here), `CPU_PROCESS_GIB` on CPU (a process that imported torch,
-  transformers and reinforge's training backend, measured by bench/plan_memory.py).
+- runtime: a fixed overhead, reported apart from the model's terms: `GPU_RUNTIME_GIB` on GPU (CUDA context,
+  NCCL buffers, the caching allocator's fragmentation: estimated, not measured here; bench/gpu_checks.sh
+  measures it where a GPU is lent), `CPU_PROCESS_GIB` on CPU (a process that imported torch, transformers
+  and reinforge's training backend, measured by bench/plan_memory.py in every rank).
+
+Pipeline parallelism (pp stages; `stage_layer_counts`: contiguous runs of layers, the earlier stages taking the
+extra one): each stage's GPUs hold the terms above for the stage's layers only, the embedding on the first
+stage, the final norm and the LM head (and the logits) on the last (`stage_parameters`; a tied head is a copy
+of its own there), and the activations of the micro-batches in flight: 1F1B holds min(m, pp - s) micro-batches
+on stage s (the first stage runs pp forwards before its first backward), GPipe all m. torch.distributed.pipelining's
+`PipelineStage` allocates a receive buffer for every micro-batch of a pass, held for the stage's life: m x T H b / tp
+for the activations (every stage but the first) and as much for their gradients (every stage but the last),
+counted with the activations. The worst stage counts
+(`Estimate.stage`): the first under 1F1B (most micro-batches in flight, the embedding), or the last (the LM
+head and the logits) when its vocabulary outweighs them.
+
 A layout fits when every GPU keeps the safety margin (`MARGIN`, `reinforge plan --margin`, 10% of its memory by
 default) free: the terms are estimates, and a GPU filled to the last estimated byte fails on the first larger
 allocation. Validated against measured peaks: docs/benchmarks.md ("Planner") and docs/distributed.md ("The planner").
 
-Mixture-of-experts models (model_shape.py; expert.py): the experts' P_e = L x E x 3 H
-I_moe parameters are sharded over dp_shard x cp ranks only, split over ep of them and FSDP2-sharded over the
-other dp_shard x cp / ep (tp ranks hold them whole): params 4 P_e, grads 4 P_e and AdamW 8 P_e, each / (dp_shard
-x cp), beside the dense part's / S. ep is the largest that divides dp_shard x cp and E (it adds no rank; FSDP2
-then gathers only a rank's E / ep experts: the gathered term counts E / ep experts per layer). Activations
-follow the active parameters: a token's top_k routed copies each keep the expert's gate, silu(gate), up, their
-product (4 I_moe b) and the token's hidden (H b), not divided by tp, and an fp32 router logit per expert.
-`reinforge plan` prints both counts, total and active (a token's: top_k / E of the experts).
+Mixture-of-experts models (model_shape.py; expert.py): the experts' P_e = L x E x 3 H I_moe parameters are
+split over ep ranks by expert, over tp by each expert's intermediate dimension (tensor_plan.py), and
+FSDP2-sharded over the other dp_shard x cp / ep: S ranks in all, as the dense part. ep is the largest that
+divides dp_shard x cp and E (it adds no rank; FSDP2 then gathers only a rank's E / ep experts, each 1/tp of
+it: the gathered term counts E / (ep x tp) experts per layer). Activations follow the active parameters: a
+token's top_k routed copies each keep the expert's gate, silu(gate), up, their product (4 I_moe b: the [gate;
+up] output is gathered whole over tp before the activation), the token's hidden and the expert's output before
+its routing weight (2 H b), not divided by tp, and an fp32 router logit per expert (measured on the MoE demo:
+bench/plan_memory.py). `reinforge plan` prints both counts, total and active (a token's: top_k /
+E of the experts).
 
-Speed (`relative_step_time`) only ranks the layouts that fit; it predicts no seconds. Activation checkpointing
-recomputes the forward: +20% step time (measured: 4.50 s against 3.75 s, docs/benchmarks.md, 1.5B on one
-H200). Each doubling of tp costs 10%: its all-gathers and reduce-scatters of activations are on the critical
-path of every layer, and their volume per GPU does not fall as tp grows. Each doubling of cp costs 5%:
-Ulysses' all-to-alls move 1/cp of the activations per GPU. An FSDP2 group wider than a node costs 10%: its
-all-gathers of every layer cross the slower inter-node network; HSDP keeps them within its copy. These
-factors are rules of thumb, stated so that the choice can be argued with; ties go to the smaller tp, then the
-smaller cp, then the layout that needs the least memory.
+Speed: plan_layouts.py's `relative_step_time` ranks the layouts that fit (rules of thumb, the pipeline's bubble
+and the network's share of a micro-batch); it predicts no seconds.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from reinforge.errors import ConfigError
 from reinforge.training.parallel.engine_layout import EngineLayout, engine_candidates
@@ -81,96 +89,20 @@ from reinforge.training.parallel.model_shape import (  # noqa: F401  (re-exporte
     model_shape,
     shape_of_config,
 )
+from reinforge.training.parallel.plan_layouts import (  # noqa: F401  (re-exported: the planner's API)
+    Layout,
+    Workload,
+    bubble,
+    candidate_layouts,
+    relative_step_time,
+    stage_layer_counts,
+    stage_parameters,
+)
 
 GIB = 2**30
 MARGIN = 0.10  # the share of every GPU's memory a layout leaves free (module docstring)
 GPU_RUNTIME_GIB = 3.0
 CPU_PROCESS_GIB = 0.42  # bench/plan_memory.py: peak RSS of a process that imported torch + transformers + backend
-AC_COST, TP_COST, CP_COST, CROSS_NODE_FSDP_COST = 0.20, 0.10, 0.05, 0.10
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the GPUs split the work; the product of the four is the GPU count (ep borrows from dp_shard x cp)."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    cp: int
-    ep: int = 1  # expert-parallel ranks of an MoE model
-
-    @property
-    def gpus(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.cp
-
-    @property
-    def shard_group(self) -> int:
-        """The ranks that share one copy of the weights, gradients and AdamW state."""
-        return self.dp_shard * self.cp * self.tp
-
-    @property
-    def expert_group(self) -> int:
-        """The ranks that share one copy of the experts: ep x FSDP2's dp_shard x cp / ep, not tp."""
-        return self.dp_shard * self.cp
-
-    def __str__(self) -> str:
-        ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} cp={self.cp}{ep}"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int = 8) -> list[Layout]:
-    """Every layout the planner considers (module docstring), smallest tp, cp and dp_replicate first."""
-    node = min(gpus_per_node, gpus)
-    sizes = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
-    layouts = []
-    splits = (t for t in _divisors(node) if t & (t - 1) == 0 and all(size % t == 0 for size in sizes))
-    for tp in splits if shape.tensor_parallel else (1,):
-        local_heads = shape.num_attention_heads // tp
-        for cp in (c for c in _divisors(node // tp) if local_heads % c == 0 and gpus % (tp * c) == 0):
-            dp = gpus // (tp * cp)
-            nodes = gpus // node if gpus % node == 0 else 1
-            for replicate in (r for r in _divisors(nodes) if dp % r == 0):
-                shard = dp // replicate
-                ep = max(e for e in _divisors(shard * cp) if shape.num_experts % e == 0) if shape.moe else 1
-                layouts.append(Layout(replicate, shard, tp, cp, ep))
-    return layouts
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one training step holds: `reinforge plan`'s options."""
-
-    seq_len: int
-    """The longest sequence (prompt + response), tokens; the KV cache holds this many per sequence."""
-    micro_batch_tokens: int | None = None
-    """Tokens of one micro-batch of one data-parallel rank (training.micro_batch_tokens); None: seq_len."""
-    logprob_chunk_tokens: int = 2048
-    kl: bool = False
-    """A frozen reference model for the KL term (loss.kl_coef > 0)."""
-    lora_rank: int | None = None
-    lora_targets: tuple[str, ...] = LORA_TARGETS
-    generation: Literal["colocated", "separate", "none"] = "colocated"
-    generation_sequences: int = 16
-    """Sequences the engine holds in its KV cache at once, each of seq_len tokens (vLLM batches as many as its
-    cache holds: fewer only make generation slower)."""
-    generation_tp: int | None = None
-    """The engine's tensor-parallel size; None: the smallest power of two that fits."""
-    device: Literal["gpu", "cpu"] = "gpu"
-    """gpu: bf16 compute, fp32 master weights; cpu: fp32 compute, one process per rank."""
-    runtime_gib: float | None = None
-    """The fixed overhead per GPU (process); None: GPU_RUNTIME_GIB or CPU_PROCESS_GIB."""
-
-    @property
-    def element_bytes(self) -> int:
-        return 2 if self.device == "gpu" else 4
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch_tokens or self.seq_len
 
 
 def activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
@@ -178,15 +110,23 @@ def activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
     MLP (an MoE layer's experts: `expert_activation_bytes_per_token`)."""
     b, q = element_bytes, shape.num_attention_heads * shape.head_size
     norms = 2 * shape.hidden_size * (4 + 2 * b)
+    norms += (q + shape.kv_width) * (4 + 2 * b) if shape.qk_norm else 0  # Qwen3's per-head query and key norms
     attention = 5 * q * b + 4 * shape.num_attention_heads
     return norms + attention + (0 if shape.moe else 4 * shape.intermediate_size * b)
+
+
+def attention_mask_bytes(workload: Workload) -> float:
+    """One layer's [N, 1, s, s] mask of the packed segment attention (training/segment_attention.py), which sdpa
+    converts to the compute dtype and keeps for its backward: the micro-batch's tokens x the sequence length x b,
+    whole on every tp and cp rank (each attends over all positions of its heads)."""
+    return workload.tokens * min(workload.seq_len, workload.tokens) * workload.element_bytes
 
 
 def expert_activation_bytes_per_token(shape: ModelShape, element_bytes: int) -> float:
     """Bytes an MoE layer keeps per token for its experts (module docstring), not sliced by tp; 0 when dense."""
     if not shape.moe:
         return 0.0
-    slot = 4 * shape.moe_intermediate_size * element_bytes + shape.hidden_size * element_bytes
+    slot = 4 * shape.moe_intermediate_size * element_bytes + 2 * shape.hidden_size * element_bytes
     return shape.num_experts_per_tok * slot + 4 * shape.num_experts
 
 
@@ -200,26 +140,38 @@ def engine_terms(shape: ModelShape, workload: Workload, engine_tp: int) -> dict[
 
 
 def memory_terms(
-    shape: ModelShape, layout: Layout, workload: Workload, activation_checkpointing: bool
+    shape: ModelShape, layout: Layout, workload: Workload, activation_checkpointing: bool, stage: int = 0
 ) -> dict[str, float]:
-    """Bytes per GPU of the training phase, term by term (module docstring); no engine."""
-    b, tp, group, experts = workload.element_bytes, layout.tp, layout.shard_group, layout.expert_group
+    """Bytes per GPU of pipeline stage `stage`'s training phase, term by term (module docstring); no engine."""
+    b, tp, group, pp = workload.element_bytes, layout.tp, layout.shard_group, layout.pp
+    layers = stage_layer_counts(shape.num_hidden_layers, pp)[stage]
     lora = workload.lora_rank is not None
     adapters = shape.lora_parameters(workload.lora_rank, workload.lora_targets) if lora else 0
-    expert = shape.num_hidden_layers * shape.expert_parameters()  # P_e: sharded over `experts` ranks only
-    dense = shape.parameters() - expert
-    weights = (dense + adapters) / group + expert / experts
+    adapters = adapters * layers // shape.num_hidden_layers
+    held = workload.held_microbatches(pp, stage)
+    stage_params = stage_parameters(shape, pp, stage)
+    weights = (stage_params + adapters) / group  # the experts too: over ep x tp, FSDP2 over dp_shard x cp / ep
     trained = adapters / group if lora else weights
-    sharded = layout.dp_shard * layout.cp > 1
     gathered = 0.0
-    if b < 4 or sharded:
-        layer = (shape.layer_parameters() - shape.expert_parameters()) / tp + shape.expert_parameters() / layout.ep
-        root = shape.root_parameters() / tp
-        gathered = b * (2 * layer + root + (0 if lora else layer + root))
+    if b < 4 or layout.dp_shard * layout.cp > 1:
+        experts = shape.expert_parameters()
+        layer = (shape.layer_parameters() - experts) / tp + experts / (layout.ep * tp)
+        root = (stage_params - layers * shape.layer_parameters()) / tp
+        prefetched = min(layers, 2) * layer
+        gathered = b * (prefetched + root + (0 if lora else layer + root))
     tokens = workload.tokens / layout.cp
-    per_layer = tokens * (activation_bytes_per_token(shape, b) / tp + expert_activation_bytes_per_token(shape, b))
-    inputs = shape.num_hidden_layers * tokens * shape.hidden_size * b / tp
+    gathered_inputs = 2 * shape.hidden_size * b * (tp - 1) / tp  # attention's and the MLP's all-gathered input
+    per_token = (
+        activation_bytes_per_token(shape, b) / tp + gathered_inputs + expert_activation_bytes_per_token(shape, b)
+    )
+    per_layer = tokens * per_token + attention_mask_bytes(workload)
+    inputs = held * layers * tokens * shape.hidden_size * b / tp
+    received = (stage > 0) + (stage < pp - 1) if pp > 1 else 0  # activations from before, gradients from after
+    boundary = received * workload.microbatches(pp) * tokens * shape.hidden_size * b / tp
+    activations = inputs + per_layer if activation_checkpointing else held * layers * per_layer
+    last = stage == pp - 1
     chunk = min(workload.logprob_chunk_tokens, tokens)
+    head = chunk * math.ceil(shape.vocab_size / tp) * (b + 12) + held * tokens * shape.hidden_size * (4 + 3 * b) / tp
     runtime = workload.runtime_gib
     if runtime is None:
         runtime = GPU_RUNTIME_GIB if workload.device == "gpu" else CPU_PROCESS_GIB
@@ -228,9 +180,9 @@ def memory_terms(
         "gathered": gathered,
         "grads": 4 * trained,
         "optimizer": 8 * trained,
-        "activations": inputs + per_layer if activation_checkpointing else shape.num_hidden_layers * per_layer,
-        "logits": chunk * math.ceil(shape.vocab_size / tp) * (b + 12) + tokens * shape.hidden_size * (4 + 3 * b) / tp,
-        "reference": 4 * (dense / group + expert / experts) if workload.kl and not lora else 0.0,
+        "activations": activations + boundary,
+        "logits": head if last else 0.0,
+        "reference": 4 * stage_params / group if workload.kl and not lora else 0.0,
         "runtime": runtime * GIB,
     }
 
@@ -253,6 +205,8 @@ class Estimate:
     """Bytes per training GPU: the training phase, or colocated the larger of it and the generation phase."""
     engine_total: float
     """Bytes per engine GPU when the engine is separate (0 otherwise)."""
+    stage: int = 0
+    """The pipeline stage whose GPUs need the most (`terms` and `total` are its)."""
 
     def fits(self, gpu_bytes: float) -> bool:
         return self.total <= gpu_bytes and self.engine_total <= gpu_bytes
@@ -262,12 +216,14 @@ def estimate(
     shape: ModelShape, layout: Layout, workload: Workload, activation_checkpointing: bool, gpu_bytes: float,
     gpus_per_node: int = 8,
 ) -> Estimate:  # fmt: skip
-    terms = memory_terms(shape, layout, workload, activation_checkpointing)
-    training = sum(terms.values())
+    """The memory of `layout`'s GPUs: each pipeline stage's terms, the engines, and the stage that needs the most."""
+    stages = [memory_terms(shape, layout, workload, activation_checkpointing, s) for s in range(layout.pp)]
     if workload.generation == "none":
-        return Estimate(layout, activation_checkpointing, terms, {}, 0, None, training, 0.0)
-    persistent = sum(terms[name] for name in PERSISTENT)
-    resident = terms["runtime"] if workload.generation == "separate" else persistent  # beside the engine
+        stage = max(range(layout.pp), key=lambda s: sum(stages[s].values()))
+        terms = stages[stage]
+        return Estimate(layout, activation_checkpointing, terms, {}, 0, None, sum(terms.values()), 0.0, stage)
+    persistent = [sum(terms[name] for name in PERSISTENT) for terms in stages]
+    resident = stages[0]["runtime"] if workload.generation == "separate" else max(persistent)  # beside the engine
     colocated = workload.generation == "colocated"
     candidates = engine_candidates(
         layout.gpus, gpus_per_node, shape.num_attention_heads, shape.num_key_value_heads, colocated
@@ -285,22 +241,15 @@ def estimate(
     )
     engine = engine_terms(shape, workload, engines.tp)
     if not colocated:
+        stage = max(range(layout.pp), key=lambda s: sum(stages[s].values()))
         return Estimate(
-            layout, activation_checkpointing, terms, engine, engines.tp, engines, training,
-            resident + sum(engine.values()),
+            layout, activation_checkpointing, stages[stage], engine, engines.tp, engines,
+            sum(stages[stage].values()), resident + sum(engine.values()), stage,
         )  # fmt: skip
-    total = max(training, persistent + sum(engine.values()))
-    return Estimate(layout, activation_checkpointing, terms, engine, engines.tp, engines, total, 0.0)
-
-
-def relative_step_time(layout: Layout, activation_checkpointing: bool, gpus_per_node: int = 8) -> float:
-    """A rank of speed, 1.0 the fastest possible (module docstring): no seconds, only an order."""
-    cross_node = layout.shard_group > gpus_per_node
-    return (
-        (1 + AC_COST * activation_checkpointing)
-        * (1 + TP_COST * math.log2(layout.tp))
-        * (1 + CP_COST * math.log2(layout.cp))
-        * (1 + CROSS_NODE_FSDP_COST * cross_node)
+    totals = [max(sum(terms.values()), persistent[s] + sum(engine.values())) for s, terms in enumerate(stages)]
+    stage = max(range(layout.pp), key=totals.__getitem__)
+    return Estimate(
+        layout, activation_checkpointing, stages[stage], engine, engines.tp, engines, totals[stage], 0.0, stage
     )
 
 
@@ -341,17 +290,20 @@ def plan(
         return Plan(shape, gpus, gpu_memory_gb, workload, estimates, None, reason, margin)
 
     def speed(e: Estimate):
-        time = relative_step_time(e.layout, e.activation_checkpointing, gpus_per_node)
-        return time, e.layout.tp, e.layout.cp, max(e.total, e.engine_total)
+        time = relative_step_time(e.layout, e.activation_checkpointing, gpus_per_node, shape, workload)
+        return time, e.layout.tp, e.layout.cp, e.layout.pp, max(e.total, e.engine_total)
 
     choice = min(fitting, key=speed)
-    reason = _reason(choice, estimates, gpu_bytes, gpus_per_node)
+    reason = _reason(choice, estimates, gpu_bytes, gpus_per_node, shape, workload)
     return Plan(shape, gpus, gpu_memory_gb, workload, estimates, choice, reason, margin)
 
 
-def _reason(choice: Estimate, estimates: list[Estimate], gpu_bytes: float, gpus_per_node: int) -> str:
+def _reason(
+    choice: Estimate, estimates: list[Estimate], gpu_bytes: float, gpus_per_node: int, shape: ModelShape,
+    workload: Workload,
+) -> str:  # fmt: skip
     def speed(e: Estimate) -> float:
-        return relative_step_time(e.layout, e.activation_checkpointing, gpus_per_node)
+        return relative_step_time(e.layout, e.activation_checkpointing, gpus_per_node, shape, workload)
 
     faster = [e for e in estimates if speed(e) < speed(choice)]
     need = f"needs {max(choice.total, choice.engine_total) / GIB:.1f} of the {gpu_bytes / GIB:.1f} GiB it may use"
@@ -369,9 +321,16 @@ def _nothing_fits(estimates: list[Estimate], gpu_memory_gb: float, margin: float
     best = min(estimates, key=lambda e: max(e.total, e.engine_total))
     need = max(best.total, best.engine_total) / GIB
     checkpointing = "with" if best.activation_checkpointing else "without"
+    start = f"no layout fits in {gpu_memory_gb:g} GiB per GPU less the {margin:.0%} margin: "
+    engine = sum(best.engine.values()) + best.terms["runtime"]
+    if best.engine and engine > gpu_memory_gb * GIB * (1 - margin):  # more training GPUs would not help
+        return (
+            f"{start}the generation engine alone needs {engine / GIB:.1f} GiB per GPU at tensor-parallel size "
+            f"{best.engine_tp} (an engine spans one node at most); plan it with --generation none (SFT, DPO, RM) "
+            "or give the engine GPUs of more memory"
+        )
     return (
-        f"no layout fits in {gpu_memory_gb:g} GiB per GPU less the {margin:.0%} margin: "
-        f"the smallest ({best.layout} {checkpointing} activation checkpointing) "
+        f"{start}the smallest ({best.layout} {checkpointing} activation checkpointing) "
         f"needs {need:.1f} GiB; use more GPUs, fewer micro_batch_tokens, LoRA, or CPU offload"
     )
 
@@ -403,6 +362,4 @@ def auto_layout(
     chosen, _ = choose(
         model_shape(name), gpus, gpu_memory_gb, Workload(seq_len, **workload), gpus_per_node, checkpointing
     )
-    layout = chosen.layout
-    ep = dict(ep=layout.ep) if layout.ep > 1 else {}
-    return dict(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, cp=layout.cp) | ep
+    return chosen.layout.fields()
