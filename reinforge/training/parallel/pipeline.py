@@ -23,14 +23,23 @@ of each micro-batch with the global batch's normalisers, and the schedule sums m
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
+from reinforge.training.micro_batching import MicroBatchPlan, micro_batch_layout, split_to
+from reinforge.training.moe import model_routing
+from reinforge.training.segment_attention import forward_layout
+
+SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -156,3 +165,86 @@ def partial_catch(stage: Stage) -> Callable:
 def pad_to(hidden_RWH: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """[R, W, H] padded with zeros to [rows, width, H] (differentiable: the padding's gradient is dropped)."""
     return F.pad(hidden_RWH, (0, 0, 0, width - hidden_RWH.shape[1], 0, rows - hidden_RWH.shape[0]))
+
+
+# --- A pass through the schedule ---------------------------------------------------------------------
+
+
+def pipeline_plan(plan: MicroBatchPlan, count: int) -> MicroBatchPlan:
+    """`plan` as `count` micro-batches: its largest split (`split_to`), or consecutive ones merged."""
+    if count >= len(plan):
+        return split_to(plan, count)
+    bounds = [len(plan) * part // count for part in range(count + 1)]
+    return [[row for micro in plan[start:end] for row in micro] for start, end in zip(bounds, bounds[1:])]
+
+
+class _StageModule(torch.nn.Module):
+    """What the schedule runs for micro-batch `micro` on this stage: the model's forward from the received hidden
+    states (cut to the micro-batch's own rows and width); the first stages return their decoder's output padded to
+    the run's shape, the last returns `finish(micro)` (the micro-batch's loss, or a 0 after storing its outputs)."""
+
+    def __init__(self, model, stage: Stage, items, config, finish: Callable[[int], torch.Tensor]):
+        super().__init__()
+        self.items, self.config, self.finish = items, config, finish
+        self.stage, self.layouts = stage, [micro_batch_layout(micro, rows, config) for micro, rows in items]
+        self.shapes = [tuple(layout.input_ids.shape) for layout in self.layouts]
+        self.rows, self.width = (max(sizes) for sizes in zip(*self.shapes))
+        object.__setattr__(self, "model", model)  # not a submodule: the schedule treats the stage as plain
+        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+    def forward(self, received: torch.Tensor, micro: int) -> torch.Tensor:
+        rows, width = self.shapes[micro]
+        self.stage.received = None if self.stage.is_first else received[:rows, :width]
+        try:
+            if self.stage.is_last:
+                return self.finish(micro)
+            batch, layout = self.items[micro][0], self.layouts[micro]
+            if (routing := model_routing(self.model)) is not None:  # MoE: replay recorded routes, capture routing
+                routing.prepare(batch, layout, None)
+            forward_layout(self.model, layout, **self.keep)
+            return pad_to(self.stage.take(), self.rows, self.width)
+        finally:
+            self.stage.received = None
+
+
+def run_pipeline(
+    model: torch.nn.Module,
+    items: list[tuple[TrainBatch, list[list[int]]]],
+    config,
+    finish: Callable[[int], torch.Tensor],
+    backward: bool,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    dtype: torch.dtype,
+    schedule: str,
+) -> None:
+    """Run `items` (this rank's micro-batches and their rows, the same on every stage of its pipeline) through the
+    `schedule` over the pp `group`; on the last stage `finish(i)` gives micro-batch i's loss (differentiated with
+    `backward`: the schedule sums the micro-batches' gradients) or stores its outputs. Metadata is static: hidden
+    states [rows, width, H] of the run's largest micro-batch, in the compute `dtype`."""
+    stage = pipeline_stage(model)
+    module = _StageModule(model, stage, items, config, finish)
+    hidden = torch.empty(
+        module.rows, module.width, model.config.get_text_config().hidden_size, dtype=dtype, device="meta"
+    ).requires_grad_(backward)
+    root = torch.zeros(1, device=device)  # the first stage's input: the micro-batch is named by `micro`
+    loss = torch.empty((), device="meta").requires_grad_(backward)
+    runner = PipelineStage(
+        module,
+        stage.index,
+        stage.pp,
+        device,
+        input_args=root if stage.is_first else hidden,
+        output_args=loss if stage.is_last else hidden,
+        group=group,
+    )
+    count = len(items)
+    steps = SCHEDULES[schedule](runner, count, loss_fn=_loss if backward else None, scale_grads=False)
+    runner.has_backward = backward
+    targets = [root] * count if backward else None
+    steps._step_microbatches([(root,)] * count, [{"micro": i} for i in range(count)], targets)
+
+
+def _loss(output: torch.Tensor, target) -> torch.Tensor:
+    """The last stage's output is the micro-batch's loss already (the backend's, with the global normalisers)."""
+    return output
