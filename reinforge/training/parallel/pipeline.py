@@ -67,7 +67,7 @@ class SkippedHead(torch.nn.Module):
     """A head the last stage holds: no parameters; an empty output (nothing reads it)."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states[..., :0]
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
 
 
 @dataclass(eq=False)
