@@ -157,29 +157,34 @@ def run_scenario(strategy, model_dirs, scenario, parallel=None):
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "own": own}
 
 
-def run_rank(rank, world_size, ports, model_dirs, out_dir, parallel, scenarios):
+def world_runs(world_size):
+    """(layout, its training.parallel, scenario) of every run of a world of `world_size` ranks."""
+    return [(key, parallel, s) for key, size, parallel, scenarios in LAYOUTS if size == world_size for s in scenarios]
+
+
+def run_rank(rank, world_size, ports, model_dirs, out_dir):
+    """Every run of the world, each on a process group (and port) of its own."""
     torch.set_num_threads(1)
     results = {}
-    for port, scenario in zip([ports] if isinstance(ports, int) else ports, scenarios, strict=True):
+    for port, (key, parallel, scenario) in zip(ports, world_runs(world_size), strict=True):
         strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port)
-        results[scenario] = run_scenario(strategy, model_dirs, scenario, parallel)
+        results[key, scenario] = run_scenario(strategy, model_dirs, scenario, parallel)
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"one": one process's results per scenario; each layout: every rank's per scenario}."""
+    """{"one": one process's results per scenario; 2 and 4: every rank's per (layout, scenario)}."""
     base = tmp_path_factory.mktemp("pp")
     model_dirs = {name: base / name for name in MODELS}
     for name, make in MODELS.items():
         make().save_pretrained(model_dirs[name])
     results = {"one": {scenario: run_scenario(None, model_dirs, scenario) for scenario in SCENARIOS}}
-    for key, world_size, parallel, scenarios in LAYOUTS:
-        (base / key).mkdir()
-        ports = len(scenarios)
-        results[key] = launch(
-            world_size, model_dirs, base / key, parallel, scenarios, target=run_rank, timeout_s=400, num_ports=ports
-        )
+    for world_size in (2, 4):  # one world of each size runs its layouts one after another
+        out_dir = base / f"world{world_size}"
+        out_dir.mkdir()
+        ports = len(world_runs(world_size))
+        results[world_size] = launch(world_size, model_dirs, out_dir, target=run_rank, timeout_s=600, num_ports=ports)
     return results
 
 
@@ -191,9 +196,8 @@ def stage_of(rank, world_size):
 def test_pipelined_training_equals_one_process(runs, layout, scenario):
     one = runs["one"][scenario]
     assert one["metrics"][0]["grad_norm"] > 0
-    ranks = runs[layout]
-    for rank, result in enumerate(ranks):
-        ranked = result[scenario]
+    ranks = [result[layout, scenario] for result in runs[next(size for key, size, _, _ in LAYOUTS if key == layout)]]
+    for rank, ranked in enumerate(ranks):
         torch.testing.assert_close(ranked["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
         for step in range(NUM_STEPS):
             for name in METRICS:
@@ -208,7 +212,7 @@ def test_pipelined_training_equals_one_process(runs, layout, scenario):
             assert len(experts) == 2 and all(shape[0] == 2 for shape in experts), ranked["own"]
         for name, weight in ranked["weights"].items():
             torch.testing.assert_close(weight, one["weights"][name], atol=1e-5, rtol=0, msg=name)
-    stages = [ranks[0][scenario]["weights"], ranks[-1][scenario]["weights"]]
+    stages = [ranks[0]["weights"], ranks[-1]["weights"]]
     assert set(stages[0]) | set(stages[1]) == set(one["weights"])
     initial = MODELS[SCENARIOS[scenario][0]]().state_dict()
     for name, weight in one["weights"].items():
