@@ -48,9 +48,15 @@ from reinforge.training.numerics import local
 from reinforge.training.parallel.context import split_context
 from reinforge.training.parallel.expert import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
 from reinforge.training.parallel.layout import ParallelConfig, build_mesh, check_layout, clip_gradients, fsdp_mesh
-from reinforge.training.parallel.pipeline import pipeline_plan, pipeline_stage, run_pipeline, split_stage
+from reinforge.training.parallel.pipeline import (
+    check_staged_moe,
+    pipeline_plan,
+    pipeline_stage,
+    run_pipeline,
+    split_stage,
+)
 from reinforge.training.parallel.tensor_plan import tensor_parallelize
-from reinforge.training.strategy import Compute, MicroBatch, Plan, batch_to
+from reinforge.training.strategy import Compute, MicroBatch, MicroLoss, Plan, batch_to, run_passes
 
 
 def shard_model(
@@ -174,6 +180,8 @@ class FSDP2Strategy:
 
     def load_config(self, model_config: ModelConfig) -> ModelConfig:
         """fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32."""
+        if self.pipelined:
+            check_staged_moe(model_config.moe)
         self.dtype = DTYPES[model_config.dtype]
         self.mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         return model_config.model_copy(update={"dtype": "float32"})
@@ -250,9 +258,18 @@ class FSDP2Strategy:
             dist.broadcast(whole_BT, src=self.last_stage, group=self.pp_group)
         return whole_BT.cpu() * batch.loss_mask
 
-    def pipeline(self, model, batch: TrainBatch, plan: Plan, finish, backward: bool) -> None:
+    def passes(self, model: torch.nn.Module, batch: TrainBatch, plan: Plan, loss: MicroLoss, backward: bool) -> None:
+        """This rank's micro-batches' losses (and backward), one after another, or through the pipeline's schedule
+        (parallel/pipeline.py): `loss` runs on the last stage."""
+        if self.pipelined:
+            self.pipeline(model, batch, plan, loss, backward)
+        else:
+            run_passes(self.micro_batches(batch, plan), loss, backward)
+
+    def pipeline(self, model, batch: TrainBatch, plan: Plan, finish: MicroLoss, backward: bool) -> None:
         """This rank's micro-batches through the pipeline's schedule (parallel/pipeline.py); on the last stage
-        `finish(indices, micro, rows)` gives each one's loss (differentiated with `backward`)."""
+        `finish(indices, micro, rows)` gives each one's loss (differentiated with `backward`), or stores its
+        outputs."""
         items = list(self.micro_batches(batch, plan))
         # The heads run on the root's weights outside its forward, and a schedule may run several forwards before
         # a backward (GPipe): the root stays unsharded until the pass ends, not just until its next backward.
