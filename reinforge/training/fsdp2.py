@@ -16,6 +16,9 @@ and is left whole after the root's forward for the head to be applied after the 
 
 With `training.parallel.ep` a mixture-of-experts model's experts are split over ranks and its tokens sent to
 them (training/parallel/expert.py); their FSDP2 shards are on a mesh of their own, with the same SUM reduction.
+With `training.parallel.pp` each rank holds one pipeline stage's layers (split before tensor parallelism and
+FSDP2) and runs its micro-batches through the schedule (training/parallel/pipeline.py); the last stage's per-token
+outputs and metrics are sent to the others, and the gradient norm is summed over the stages.
 
 Master weights and optimizer state are always fp32; forward/backward run in `model.dtype` (float32 on CPU,
 bfloat16 on GPU) through FSDP2's MixedPrecisionPolicy, and gradients are reduced in fp32. Ray is not imported
