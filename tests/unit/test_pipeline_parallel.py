@@ -7,9 +7,10 @@ process's names.
 
 Training: a Qwen2 of 4 layers, 4 heads, 2 key/value heads, a vocabulary of 97 and tied embeddings trains 3
 optimizer steps on GRPO's loss (packed, prompts shared) and SFT's NLL (one sequence per row) in one process and at
-pp=2 (1F1B and GPipe), pp=2 x dp_shard=2 and pp=2 x tp=2; the logprobs, loss, gradient norm and entropy on every
-rank and every weight after the steps agree to 1e-5, and each rank holds exactly its stage's parameters. One module
-fixture spawns each world once.
+pp=2 (1F1B; GPipe with 4 micro-batches merged into 2), pp=2 x dp_shard=2 and pp=2 x tp=2, and as PPO's critic (a
+value head) at pp=2; a Qwen3-MoE of 4 layers and 4 experts at pp=2 x ep=2. The logprobs (values), loss, gradient
+norm and entropy on every rank and every weight after the steps agree to 1e-5, and each rank holds exactly its
+stage's parameters. One module fixture spawns a world of 2 ranks and one of 4 once.
 """
 
 import copy
