@@ -185,6 +185,7 @@ def run_scenario(strategy, model_dirs, scenario, parallel=None):
     batch = make_batch()
     logprobs = backend.logprobs(batch)
     metrics = [backend.train_step(batch, loss) for _ in range(NUM_STEPS)]
+    metrics.append(backend.evaluate(batch, loss))  # forward only, in eval mode (validation)
     own = {name: tuple(local(p).shape) for name, p in backend.model.named_parameters()}  # this rank's shards
     # this stage's weights whole (a collective of the stage's ranks): the stages together hold every weight
     weights = gather(backend.model.state_dict(keep_vars=True)) if parallel else dict(backend.named_weights())
@@ -234,7 +235,7 @@ def test_pipelined_training_equals_one_process(runs, layout, scenario):
     ranks = [result[layout, scenario] for result in runs[next(size for key, size, _, _ in LAYOUTS if key == layout)]]
     for rank, ranked in enumerate(ranks):
         torch.testing.assert_close(ranked["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
-        for step in range(NUM_STEPS):
+        for step in range(NUM_STEPS + 1):  # and the evaluation after them
             for name in [name for name in METRICS if name in one["metrics"][step]]:
                 assert abs(ranked["metrics"][step][name] - one["metrics"][step][name]) <= 1e-5, (rank, step, name)
         stage = stage_of(rank, len(ranks))
