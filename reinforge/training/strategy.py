@@ -29,6 +29,16 @@ Plan = Callable[[list[int], "Prompts | None"], MicroBatchPlan]
 Compute = Callable[[TrainBatch, list[list[int]]], torch.Tensor]
 # (indices of the micro-batch's sequences in the batch or this rank's share, micro-batch on the device, its rows)
 MicroBatch = tuple[list[int], TrainBatch, list[list[int]]]
+# loss(indices, micro, rows) -> the micro-batch's loss (the backend's, with the global batch's normalisers)
+MicroLoss = Callable[[list[int], TrainBatch, list[list[int]]], torch.Tensor]
+
+
+def run_passes(micro_batches: Iterator[MicroBatch], loss: MicroLoss, backward: bool) -> None:
+    """Each micro-batch's loss, and its backward (`backward`), one micro-batch after another."""
+    for micro_batch in micro_batches:
+        value = loss(*micro_batch)
+        if backward:
+            value.backward()
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
@@ -46,6 +56,7 @@ class Strategy(Protocol):
     is_main: bool  # the process that writes files and answers remote callers
     rank: int  # of `world_size` processes that train the model together
     world_size: int
+    pipelined: bool  # micro-batches run through pipeline stages (training/parallel/pipeline.py)
 
     def setup(self, training: TrainingConfig) -> TrainingConfig:
         """Start what the strategy needs (a process group) in the process that trains; the settings with
@@ -64,8 +75,13 @@ class Strategy(Protocol):
         """This process's micro-batches of the batch."""
         ...
 
-    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute) -> torch.Tensor:
-        """`compute` over the micro-batches, assembled into the whole batch's [B, T], 0 off `batch.loss_mask`."""
+    def passes(self, model: torch.nn.Module, batch: TrainBatch, plan: Plan, loss: MicroLoss, backward: bool) -> None:
+        """`loss` of each of this process's micro-batches, differentiated with `backward`."""
+        ...
+
+    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute, model=None) -> torch.Tensor:
+        """`compute` over the micro-batches, assembled into the whole batch's [B, T], 0 off `batch.loss_mask`
+        (`model`: what `compute` runs, for a strategy that runs it in pipeline stages)."""
         ...
 
     def clip_gradients(self, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -99,7 +115,7 @@ class Strategy(Protocol):
 class LocalStrategy:
     """The whole model in this process, on `training.device` (a quantized base stays where it was loaded)."""
 
-    is_main, rank, world_size = True, 0, 1
+    is_main, rank, world_size, pipelined = True, 0, 1, False
 
     def __init__(self):
         self.device = torch.device("cpu")
@@ -126,7 +142,10 @@ class LocalStrategy:
             micro, local_rows, indices = select_micro_batch(batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
 
-    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute) -> torch.Tensor:
+    def passes(self, model: torch.nn.Module, batch: TrainBatch, plan: Plan, loss: MicroLoss, backward: bool) -> None:
+        run_passes(self.micro_batches(batch, plan), loss, backward)
+
+    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute, model=None) -> torch.Tensor:
         out = torch.zeros_like(batch.loss_mask)
         for indices, micro, rows in self.micro_batches(batch, plan):
             values_BT = compute(micro, rows)

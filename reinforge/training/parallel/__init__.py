@@ -12,8 +12,7 @@ its sequences, and which split to choose.
 - planner.py and model_shape.py: the layout planner (memory and time of each layout from the model's shape),
   which `parallel=auto` and `reinforge plan` (plan_cli.py) use.
 
-Pipeline parallelism goes here too, as pipeline.py: a `pp` dimension of `ParallelConfig` (outermost in the
-mesh, layout.py's `MESH_DIMS`), the stage split and schedule (PyTorch's `torch.distributed.pipelining`) applied
-before tensor parallelism and FSDP2 in training/fsdp2.py's `shard_model`, and its memory and bubble terms in
-planner.py.
+- pipeline.py: pipeline parallelism (`pp`, outermost in the mesh): the stage split by layer, applied before tensor
+  parallelism and FSDP2 in training/fsdp2.py's `prepare`, and the passes through PyTorch's own schedules
+  (`torch.distributed.pipelining`: 1F1B, GPipe).
 """
