@@ -85,6 +85,10 @@ class Strategy(Protocol):
         """The model's whole (unsharded) state dict, or its tensors of `names`."""
         ...
 
+    def state_names(self, model: torch.nn.Module) -> list[str]:
+        """The names of the model's whole state dict (on FSDP2 ranks at pp > 1: every stage's)."""
+        ...
+
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None: ...
 
     def save_adapter(self, model: torch.nn.Module, peft: torch.nn.Module, path: Path) -> None: ...
@@ -145,6 +149,9 @@ class LocalStrategy:
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         state_dict = model.state_dict()
         return state_dict if names is None else {name: state_dict[name] for name in names}
+
+    def state_names(self, model: torch.nn.Module) -> list[str]:
+        return list(model.state_dict())
 
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
         model.save_pretrained(path)
