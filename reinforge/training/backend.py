@@ -181,7 +181,7 @@ class Backend:
         assert model is not None, "the reference policy was not loaded (loss.kl_coef is 0)"
         try:
             with adapter_disabled(self.peft if reference else None):
-                return self.strategy.per_token(batch, self.plan, partial(self._outputs, model))
+                return self.strategy.per_token(batch, self.plan, partial(self._outputs, model), model)
         finally:
             clear_routing(model)
 
@@ -290,25 +290,34 @@ class Backend:
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.tensor(0.0, device=self.device))
         extremes: dict[str, torch.Tensor] = {}
         routed = RoutedTokens.of(batch) if model_routing(self.model) is not None else None
+
+        def micro_loss(indices, micro: TrainBatch, rows: list[list[int]]) -> torch.Tensor:
+            value, metrics = self._micro_loss(micro, rows, loss, norm, routed, losses)
+            accumulate_metrics(totals, extremes, metrics)
+            return value
+
         try:
-            for _, micro, rows in self.strategy.micro_batches(batch, self.plan):
-                metrics = self._micro_pass(micro, rows, loss, norm, backward, routed, losses)
-                accumulate_metrics(totals, extremes, metrics)
+            if self.strategy.pipelined:  # the schedule runs forward and backward (parallel/pipeline.py)
+                self.strategy.pipeline(self.model, batch, self.plan, micro_loss, backward)
+            else:
+                for micro_batch in self.strategy.micro_batches(batch, self.plan):
+                    value = micro_loss(*micro_batch)
+                    if backward:
+                        value.backward()
         finally:
             clear_routing(self.model)
         return self.strategy.reduce_metrics(totals, extremes)
 
-    def _micro_pass(
+    def _micro_loss(
         self,
         micro: TrainBatch,
         rows: list[list[int]],
         loss: Loss,
         norm: Normalisers,
-        backward: bool,
         routed: RoutedTokens | None = None,
         losses: list[torch.Tensor] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Forward, loss (and backward) of one micro-batch; its detached metric contributions, summable over
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and loss of one micro-batch; the loss, and its detached metric contributions, summable over
         micro-batches like the loss, with the head's per-token diagnostics (the policy's entropy) as token means.
         An MoE model's routing metrics (`routed`: the batch's token counts) come with them, and its auxiliary
         load-balancing loss joins the loss with weight `model.moe.aux_loss_coef`."""
@@ -323,11 +332,9 @@ class Backend:
             metrics.update(moe_metrics)
         if losses is not None:
             losses.append(value.detach())
-        if backward:
-            value.backward()
         mask, num_tokens = micro.loss_mask, max(norm.metric_tokens, 1)
         metrics.update({name: (d_BT * mask).sum() / num_tokens for name, d_BT in diagnostics.items()})
-        return {name: v.detach() for name, v in metrics.items()}
+        return value, {name: v.detach() for name, v in metrics.items()}
 
     # --- weights and state ---------------------------------------------------------------------
 

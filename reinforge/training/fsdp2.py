@@ -44,10 +44,12 @@ from reinforge.training import state
 from reinforge.training.base import TrainingConfig
 from reinforge.training.lora import adapter_state_dict, is_adapter_key
 from reinforge.training.micro_batching import Prompts, select_micro_batch, split_to
+from reinforge.training.numerics import local
 from reinforge.training.parallel import pipeline_weights
 from reinforge.training.parallel.context import split_context
 from reinforge.training.parallel.expert import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
 from reinforge.training.parallel.layout import ParallelConfig, build_mesh, check_layout, clip_gradients, fsdp_mesh
+from reinforge.training.parallel.pipeline import pipeline_plan, pipeline_stage, run_pipeline, split_stage
 from reinforge.training.parallel.tensor_plan import tensor_parallelize
 from reinforge.training.strategy import Compute, MicroBatch, Plan, batch_to
 
@@ -71,7 +73,7 @@ def shard_model(
     offload_policy = offload_policy or OffloadPolicy()  # the base class means "no offload"
     for experts in expert_modules(model) if experts_mesh is not None else ():
         fully_shard(experts, mesh=experts_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    for layer in transformer_blocks(model):
+    for layer in [block for block in transformer_blocks(model) if any(True for _ in block.parameters())]:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for module in model.modules():
@@ -125,7 +127,7 @@ class FSDP2Strategy:
     """Rank `rank` of `world_size` (gloo on CPU, NCCL on GPU, rendezvous at master_addr:master_port); `setup`
     starts the process group, in the rank's own process."""
 
-    is_main = False
+    is_main, pipelined = False, False
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int):
         self.rank, self.world_size = rank, world_size
@@ -161,13 +163,21 @@ class FSDP2Strategy:
         self.dp_group, self.dp_rank = self.mesh["dp"].get_group(), self.mesh["dp"].get_local_rank()
         # expert parallelism: `dp_shard_cp` unflattened into (edp_shard, ep) for the experts' weights
         self.expert_mesh = expert_mesh(self.mesh, self.parallel) if self.parallel.ep > 1 else None
+        # pipeline stages (parallel/pipeline.py): this rank's stage, its pipeline's ranks, the last stage's rank
+        self.pp_group, self.pp_rank = self.mesh["pp"].get_group(), self.mesh["pp"].get_local_rank()
+        self.pipelined, self.last_stage = (
+            self.parallel.pp > 1,
+            dist.get_global_rank(self.pp_group, self.parallel.pp - 1),
+        )
+        self.tied_group, self.tied = tied_group(self.mesh, self.parallel.pp), set()
         # sharded parameters, gradients and AdamW state stay in CPU memory; the optimizer steps there
         self.offload_policy = CPUOffloadPolicy() if training.cpu_offload else None
         return training
 
     def load_config(self, model_config: ModelConfig) -> ModelConfig:
         """fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32."""
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[model_config.dtype], reduce_dtype=torch.float32)
+        self.dtype = DTYPES[model_config.dtype]
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         return model_config.model_copy(update={"dtype": "float32"})
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -176,6 +186,8 @@ class FSDP2Strategy:
         lora = any(is_adapter_key(name) for name, _ in model.named_parameters())
         stateful = getattr(model, "_is_stateful", False)
         check_layout(self.parallel, model.config.get_text_config(), stateful, lora, is_vision_language(model.config))
+        if self.pipelined:  # this stage's layers only, before tensor parallelism and FSDP2 (parallel/pipeline.py)
+            split_stage(placed, self.pp_rank, self.parallel.pp)
         if self.parallel.tp > 1:
             tensor_parallelize(placed, self.mesh["tp"])
         if self.parallel.cp > 1:  # its forward passes run on this rank's chunk of each row (parallel/context.py)
@@ -186,7 +198,11 @@ class FSDP2Strategy:
             shard_experts(placed, self.expert_mesh["ep", "tp"] if tensor_parallel else self.expert_mesh["ep"])
             experts_mesh = expert_fsdp_mesh(self.expert_mesh, self.parallel)
         mesh = fsdp_mesh(self.mesh, self.parallel)
-        return shard_model(placed, mesh, self.mp_policy, self.offload_policy, experts_mesh)
+        sharded = shard_model(placed, mesh, self.mp_policy, self.offload_policy, experts_mesh)
+        if self.pipelined and pipeline_stage(sharded).tied:  # this stage's copy of the tied embedding
+            copy = sharded.get_input_embeddings() if self.pp_rank == 0 else sharded.get_output_embeddings()
+            self.tied.add(id(copy.weight))
+        return sharded
 
     def _share(self, batch: TrainBatch, rank: int | None = None) -> tuple[int, int]:
         """The contiguous rows of data-parallel rank `rank` (this one's by default); equal shares keep the ranks'
@@ -206,27 +222,70 @@ class FSDP2Strategy:
         shares = [self._share(batch, rank) for rank in range(self.parallel.data_parallel)]
         plans = [plan(lengths[start:end], prompts and prompts.slice(start, end)) for start, end in shares]
         share_batch = batch.slice(*shares[self.dp_rank])
-        for rows in split_to(plans[self.dp_rank], max(len(p) for p in plans)):
+        count = max(len(p) for p in plans)
+        if self.pipelined:  # `pp_microbatches`, or at least one per stage (1F1B's least)
+            count = self.parallel.pp_microbatches or max(count, self.parallel.pp)
+        for rows in (pipeline_plan if self.pipelined else split_to)(plans[self.dp_rank], count):
             micro, local_rows, indices = select_micro_batch(share_batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
 
-    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute) -> torch.Tensor:
-        """This rank's share computed, then the whole batch's [B, T] gathered on every rank (a collective)."""
+    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute, model=None) -> torch.Tensor:
+        """This rank's share computed, then the whole batch's [B, T] gathered on every rank (a collective). With
+        pipeline stages `model`'s last stage computes it, and sends it to the others."""
         start, end = self._share(batch)
         share_BT = torch.zeros((end - start, batch.loss_mask.shape[1]), device=self.device)
-        for indices, micro, rows in self.micro_batches(batch, plan):
+
+        def store(indices, micro, rows) -> torch.Tensor:
             values_BT = compute(micro, rows)
             share_BT[indices, : values_BT.shape[1]] = values_BT
+            return values_BT.new_zeros(())
+
+        if self.pipelined:
+            self.pipeline(model, batch, plan, store, backward=False)
+        else:
+            for indices, micro, rows in self.micro_batches(batch, plan):
+                store(indices, micro, rows)
         shares = [torch.empty_like(share_BT) for _ in range(self.parallel.data_parallel)]
         dist.all_gather(shares, share_BT, group=self.dp_group)
-        return torch.cat(shares).cpu() * batch.loss_mask
+        whole_BT = torch.cat(shares)
+        if self.pipelined:
+            dist.broadcast(whole_BT, src=self.last_stage, group=self.pp_group)
+        return whole_BT.cpu() * batch.loss_mask
+
+    def pipeline(self, model, batch: TrainBatch, plan: Plan, finish, backward: bool) -> None:
+        """This rank's micro-batches through the pipeline's schedule (parallel/pipeline.py); on the last stage
+        `finish(indices, micro, rows)` gives each one's loss (differentiated with `backward`)."""
+        items = list(self.micro_batches(batch, plan))
+        run_pipeline(
+            model,
+            [(micro, rows) for _, micro, rows in items],
+            self.config,
+            lambda i: finish(*items[i]),
+            backward,
+            self.pp_group,
+            self.device,
+            self.dtype,
+            self.parallel.pp_schedule,
+        )
 
     def clip_gradients(self, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        """Clip by the norm over every rank's shards."""
-        return clip_gradients(parameters, max_norm)
+        """Clip by the norm over every rank's shards (and every stage's: a tied embedding's two copies given their
+        summed gradient first, and counted once)."""
+        if not self.pipelined:
+            return clip_gradients(parameters, max_norm)
+        uncounted = frozenset(id(p) for p in parameters if id(p) in self.tied and self.pp_rank != 0)
+        for param in [p for p in parameters if id(p) in self.tied and p.grad is not None]:
+            dist.all_reduce(local(param.grad), group=self.tied_group)
+        return clip_gradients(parameters, max_norm, self.pp_group, uncounted)
 
     def reduce_metrics(self, totals: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor]) -> dict[str, float]:
-        return reduce_metrics(totals, extremes, self.device, self.dp_group)
+        """Over the data-parallel ranks; with pipeline stages the last stage's (where the loss is), sent to all."""
+        if not self.pipelined:
+            return reduce_metrics(totals, extremes, self.device, self.dp_group)
+        last = self.pp_rank == self.parallel.pp - 1
+        result = [reduce_metrics(totals, extremes, self.device, self.dp_group) if last else None]
+        dist.broadcast_object_list(result, src=self.last_stage, group=self.pp_group, device=self.device)
+        return result[0]
 
     def all_min(self, values: torch.Tensor) -> torch.Tensor:
         """Over every rank of the world (tensor- and context-parallel peers too: each holds shards of its own)."""
@@ -284,3 +343,15 @@ class FSDP2Strategy:
 
     def shutdown(self) -> None:
         dist.destroy_process_group()
+
+
+def tied_group(mesh: DeviceMesh, pp: int):
+    """The group of each pipeline's first and last stage (a tied embedding's two copies): the pp group at pp=2,
+    a group of two per pipeline beyond (every rank creates every pipeline's, in one order)."""
+    if pp <= 2:
+        return mesh["pp"].get_group()
+    mine = None
+    for column in mesh.mesh.reshape(pp, -1).T.tolist():
+        group = dist.new_group([column[0], column[-1]])
+        mine = group if dist.get_rank() in column else mine
+    return mine

@@ -46,6 +46,7 @@ class Strategy(Protocol):
     is_main: bool  # the process that writes files and answers remote callers
     rank: int  # of `world_size` processes that train the model together
     world_size: int
+    pipelined: bool  # micro-batches run through pipeline stages: the backend's passes call `pipeline`
 
     def setup(self, training: TrainingConfig) -> TrainingConfig:
         """Start what the strategy needs (a process group) in the process that trains; the settings with
@@ -64,8 +65,9 @@ class Strategy(Protocol):
         """This process's micro-batches of the batch."""
         ...
 
-    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute) -> torch.Tensor:
-        """`compute` over the micro-batches, assembled into the whole batch's [B, T], 0 off `batch.loss_mask`."""
+    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute, model=None) -> torch.Tensor:
+        """`compute` over the micro-batches, assembled into the whole batch's [B, T], 0 off `batch.loss_mask`
+        (`model`: what `compute` runs, for a strategy that runs it in pipeline stages)."""
         ...
 
     def clip_gradients(self, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -103,7 +105,7 @@ class Strategy(Protocol):
 class LocalStrategy:
     """The whole model in this process, on `training.device` (a quantized base stays where it was loaded)."""
 
-    is_main, rank, world_size = True, 0, 1
+    is_main, rank, world_size, pipelined = True, 0, 1, False
 
     def __init__(self):
         self.device = torch.device("cpu")
@@ -130,7 +132,7 @@ class LocalStrategy:
             micro, local_rows, indices = select_micro_batch(batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
 
-    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute) -> torch.Tensor:
+    def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute, model=None) -> torch.Tensor:
         out = torch.zeros_like(batch.loss_mask)
         for indices, micro, rows in self.micro_batches(batch, plan):
             values_BT = compute(micro, rows)

@@ -22,6 +22,7 @@ import os
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from pydantic import Field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -133,8 +134,16 @@ def check_layout(
             f"{text_config.model_type} has {text_config.num_hidden_layers}; set training.parallel.pp <= "
             f"{text_config.num_hidden_layers}"
         )
-    if parallel.pp > 1:  # removed by the pipeline's own split (parallel/pipeline.py)
-        raise ConfigError("training.parallel.pp > 1 is not built yet; set training.parallel.pp=1")
+    if parallel.pp > 1 and parallel.cp > 1:
+        raise ConfigError(
+            "training.parallel.pp > 1 with cp > 1 is not supported: a stage would pass on only its chunk of each "
+            "row's hidden states; set training.parallel.cp=1 (or pp=1)"
+        )
+    if parallel.pp > 1 and vision:
+        raise ConfigError(
+            "pipeline parallelism of a vision-language model is not supported (its vision tower and decoder are not "
+            "split into stages); set training.parallel.pp=1"
+        )
     heads = text_config.num_attention_heads
     if parallel.tp > 1:
         check_tensor_parallel(parallel.tp, text_config)
@@ -192,15 +201,22 @@ def _by_mesh(tensors: list[torch.Tensor], key=lambda t: t) -> list[list[torch.Te
     return list(groups.values())
 
 
-def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_gradients(
+    parameters: list[torch.nn.Parameter], max_norm: float, group=None, uncounted: frozenset[int] = frozenset()
+) -> torch.Tensor:
     """Clip by the global L2 norm of gradients that are DTensors on different meshes (FSDP2 x TP's 2-D mesh beside
-    FSDP2's 1-D one) or plain tensors, each group of one mesh reducing its own norm; the norm before clipping."""
+    FSDP2's 1-D one) or plain tensors, each group of one mesh reducing its own norm; the norm before clipping.
+    Pipeline stages: the squares summed over `group` too, the parameters whose id is in `uncounted` (a tied
+    embedding's second copy) clipped but not counted."""
     parameters = [p for p in parameters if p.grad is not None]
-    squares = []
-    for grads in _by_mesh([p.grad for p in parameters]):
+    squares = [torch.zeros((), device=parameters[0].grad.device)] if parameters else [torch.zeros(())]
+    for grads in _by_mesh([p.grad for p in parameters if id(p) not in uncounted]):
         norm = torch.nn.utils.get_total_norm(grads)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    total = total.sqrt()
     for group in _by_mesh(parameters, key=lambda p: p.grad):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -109,12 +109,11 @@ def tensor_parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.
         tp_mesh,
         PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
     )
-    root_plan = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "model.norm": PrepareModuleInput(input_layouts=(Shard(1),), **GATHERED),
-    }
-    output = model.get_output_embeddings()
-    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    root_plan = {"model.norm": PrepareModuleInput(input_layouts=(Shard(1),), **GATHERED)}
+    embedding, output = model.get_input_embeddings(), getattr(model.get_output_embeddings(), "weight", None)
+    if embedding is not None:  # a pipeline stage may hold neither (parallel/pipeline.py)
+        root_plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    tied = output is not None and embedding is not None and output is embedding.weight
     if output is not None:
         root_plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # the model's own call: one position
     parallelize_module(model, tp_mesh, root_plan)

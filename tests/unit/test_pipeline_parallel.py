@@ -1,0 +1,185 @@
+"""Pipeline parallelism (training/parallel/pipeline.py): the stage split, and pipelined training on real gloo ranks
+equal to one process.
+
+The split: a Qwen2 with tied embeddings cut into 2 and 3 stages, its stages chained (each decoder starting from
+the previous stage's output) give the whole model's logits, each stage holding only its own parameters under one
+process's names.
+
+Training: a Qwen2 of 4 layers, 4 heads, 2 key/value heads, a vocabulary of 97 and tied embeddings trains 3
+optimizer steps on GRPO's loss (packed, prompts shared) and SFT's NLL (one sequence per row) in one process and at
+pp=2 (1F1B and GPipe), pp=2 x dp_shard=2 and pp=2 x tp=2; the logprobs, loss, gradient norm and entropy on every
+rank and every weight after the steps agree to 1e-5, and each rank holds exactly its stage's parameters. One module
+fixture spawns each world once.
+"""
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+from test_fsdp2_worker import launch
+from test_torch_backend import loss_fn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from reinforge.algorithms.losses import token_mean
+from reinforge.algorithms.sft import nll_loss
+from reinforge.data.batch import Trajectory, collate
+from reinforge.model_config import ModelConfig
+from reinforge.training.backend import Backend
+from reinforge.training.base import TrainingConfig
+from reinforge.training.fsdp2 import FSDP2Strategy, gather
+from reinforge.training.heads import LogprobHead
+from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
+from reinforge.training.parallel.layout import ParallelConfig
+from reinforge.training.parallel.pipeline import split_stage, stage_layers
+
+NUM_STEPS = 3
+METRICS = ("loss", "grad_norm", "entropy")
+SCENARIOS = {
+    "grpo": (dict(sequence_packing=True, share_prompts=True), partial(loss_fn, token_mean, 0.0)),
+    "sft": (dict(sequence_packing=False), nll_loss),
+}
+# (key, ranks, training.parallel)
+LAYOUTS = (
+    ("pp2_1f1b", 2, dict(pp=2)),
+    ("pp2_gpipe", 2, dict(pp=2, pp_schedule="GPipe")),
+    ("pp2_dp2", 4, dict(pp=2, dp_shard=2)),
+    ("pp2_tp2", 4, dict(pp=2, tp=2)),
+)
+pytestmark = pytest.mark.xdist_group("fsdp2_worker")
+
+
+def tiny_qwen2(num_layers=4):
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_stage_layers_are_contiguous_and_earlier_stages_take_the_extra_layer():
+    assert [list(stage_layers(5, 2, s)) for s in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(stage_layers(7, 3, s)) for s in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [list(stage_layers(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_stages_chained_equal_the_whole_model(pp):
+    whole = tiny_qwen2(num_layers=5)
+    ids = torch.randint(2, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    expected = whole(input_ids=ids, logits_to_keep=0).logits
+    names = dict(whole.named_parameters())
+    stages = [copy.deepcopy(whole) for _ in range(pp)]
+    hidden, kept = None, []
+    for index, model in enumerate(stages):
+        stage = split_stage(model, index, pp)
+        stage.received = hidden
+        logits = model(input_ids=ids, logits_to_keep=0).logits
+        stage.received, hidden = None, stage.take()
+        own = {name for name, _ in model.named_parameters()}
+        layers = {int(name.split(".")[2]) for name in own if name.startswith("model.layers.")}
+        assert layers == set(stage.layers) and own <= set(names) | {"lm_head.weight"}
+        assert ("model.embed_tokens.weight" in own) == (index == 0)
+        assert ("model.norm.weight" in own) == ("lm_head.weight" in own) == (index == pp - 1)
+        kept.append(own)
+    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)
+    assert set().union(*kept) == set(names) | {"lm_head.weight"}  # every parameter on some stage (the tie copied)
+    assert sum(len(own) for own in kept) == len(names) + 1
+
+
+def make_batch():
+    """8 sequences, pairs sharing a prompt, old logprobs away from the policy's (the clip is active)."""
+    gen = torch.Generator().manual_seed(0)
+    trajectories = []
+    for row in range(8):
+        if row % 2 == 0:
+            prompt = torch.randint(2, 97, (3 + row % 3,), generator=gen).tolist()
+        response = torch.randint(2, 97, (2 + (row * 5) % 7,), generator=gen).tolist()
+        trajectories.append(Trajectory(prompt, response, [0.0] * len(response), False, 0.0, row // 2, "math"))
+    batch = collate(trajectories, torch.randn(8, generator=gen).tolist(), pad_token_id=0)
+    batch.old_logprobs = 0.3 * torch.randn(batch.loss_mask.shape, generator=gen) * batch.loss_mask
+    return batch
+
+
+def run_scenario(strategy, model_dir, scenario, parallel=None):
+    torch.manual_seed(0)
+    training, loss = SCENARIOS[scenario]
+    if parallel is not None:
+        training = dict(training, parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=strategy.world_size)
+    backend = Backend(
+        ModelConfig(name_or_path=str(model_dir)),
+        TrainingConfig(micro_batch_size=2, global_batch_size=8, **training),
+        OptimizerConfig(lr=1e-3),
+        SchedulerConfig(),
+        num_optimizer_steps=10,
+        head=LogprobHead(temperature=0.7),
+        strategy=strategy,
+    )
+    batch = make_batch()
+    logprobs = backend.logprobs(batch)
+    metrics = [backend.train_step(batch, loss) for _ in range(NUM_STEPS)]
+    own = {name: tuple(p.shape) for name, p in backend.model.named_parameters()}
+    # this stage's weights whole (a collective of the stage's ranks): the stages together hold every weight
+    weights = gather(backend.model.state_dict(keep_vars=True)) if parallel else dict(backend.named_weights())
+    backend.shutdown()
+    return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "own": own}
+
+
+def run_rank(rank, world_size, ports, model_dir, out_dir, parallel):
+    torch.set_num_threads(1)
+    results = {}
+    for port, scenario in zip(ports, SCENARIOS, strict=True):
+        results[scenario] = run_scenario(
+            FSDP2Strategy(rank, world_size, "127.0.0.1", port), model_dir, scenario, parallel
+        )
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"one": one process's results per scenario; each layout: every rank's per scenario}."""
+    base = tmp_path_factory.mktemp("pp")
+    tiny_qwen2().save_pretrained(base / "model")
+    results = {"one": {scenario: run_scenario(None, base / "model", scenario) for scenario in SCENARIOS}}
+    for key, world_size, parallel in LAYOUTS:
+        (base / key).mkdir()
+        results[key] = launch(
+            world_size, base / "model", base / key, parallel, target=run_rank, timeout_s=300, num_ports=len(SCENARIOS)
+        )
+    return results
+
+
+def stage_of(rank, world_size):
+    return rank // (world_size // 2)  # pp outermost in the mesh
+
+
+@pytest.mark.parametrize("layout, scenario", [(key, scenario) for key, _, _ in LAYOUTS for scenario in SCENARIOS])
+def test_pipelined_training_equals_one_process(runs, layout, scenario):
+    one = runs["one"][scenario]
+    assert one["metrics"][0]["grad_norm"] > 0
+    ranks = runs[layout]
+    for rank, result in enumerate(ranks):
+        ranked = result[scenario]
+        torch.testing.assert_close(ranked["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
+        for step in range(NUM_STEPS):
+            for name in METRICS:
+                assert abs(ranked["metrics"][step][name] - one["metrics"][step][name]) <= 1e-5, (rank, step, name)
+        stage = stage_of(rank, len(ranks))
+        layers = {int(name.split(".")[2]) for name in ranked["own"] if name.startswith("model.layers.")}
+        assert layers == set(stage_layers(4, 2, stage)), (rank, sorted(layers))
+        assert ("model.embed_tokens.weight" in ranked["own"]) == (stage == 0)
+        assert ("lm_head.weight" in ranked["own"]) == ("model.norm.weight" in ranked["own"]) == (stage == 1)
+        for name, weight in ranked["weights"].items():
+            torch.testing.assert_close(weight, one["weights"][name], atol=1e-5, rtol=0, msg=name)
+    stages = [ranks[0][scenario]["weights"], ranks[-1][scenario]["weights"]]
+    assert set(stages[0]) | set(stages[1]) == set(one["weights"])
+    initial = tiny_qwen2().state_dict()
+    for name, weight in one["weights"].items():
+        assert (weight - initial[name]).abs().max() > 0, f"{name} was not updated"
