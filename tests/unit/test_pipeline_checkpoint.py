@@ -6,9 +6,9 @@ In this process one backend takes 2 steps, saves `one/` (and `nested/`, the same
 pipelines: AdamW's hyperparameters in one list of names) and takes a 3rd: the uninterrupted run. At pp=2 (2 ranks):
 (A) the full weights of the fresh model, whole and by weight part, and `save_pretrained`'s export; then 2 steps,
 save `pp2/` (each stage writing its own layers), a 3rd step; (B) fresh ranks load `one/`, (C) `nested/`, and take
-the 3rd step. At tp=2 (2 ranks) fresh ranks load `pp2/`; in this process a fresh backend loads it. Every 3rd step's
-loss, gradient norm and entropy, and its weights, equal the uninterrupted run's to 1e-5. One module fixture spawns
-each world once.
+the 3rd step; then at tp=2 the same 2 processes load `pp2/`, as does a fresh backend in this process. Every 3rd
+step's loss, gradient norm, entropy and clip fraction, and its weights, equal the uninterrupted run's to 1e-5. One
+module fixture spawns the 2 processes once.
 """
 
 from functools import partial
@@ -62,23 +62,23 @@ def next_step(backend, batch) -> dict:
     return {"metrics": metrics, "weights": dict(backend.named_weights()), "lm_head_copy": copy.get(TIED[1])}
 
 
-def run_rank(rank, world_size, ports, model_dir, out_dir, parallel):
+def run_rank(rank, world_size, ports, model_dir, out_dir):
+    """At pp=2: (A) the full weights, the export, 2 steps, save, a 3rd step; (B) and (C) fresh ranks load `one/` and
+    `nested/` and take the 3rd step. Then at tp=2 the same processes load `pp2/` and take it."""
     torch.set_num_threads(1)
     batch = torch.load(out_dir / "batch.pt", weights_only=False)
-    ports = ports if isinstance(ports, list) else [ports]
     strategies = iter(FSDP2Strategy(rank, world_size, "127.0.0.1", port) for port in ports)
-    result = {}
-    if parallel.get("pp", 1) > 1:
-        saver = make_backend(model_dir, next(strategies), parallel)
-        result["initial"] = dict(saver.named_weights())
-        result["parts"] = [dict(saver.named_weights(part)) for part in range(saver.num_weight_parts())]
-        saver.save_pretrained(out_dir / "export")
-        for _ in range(2):
-            saver.train_step(batch, STEP)
-        saver.save_state(out_dir / "pp2")
-        result["saved"] = next_step(saver, batch)
-        saver.shutdown()
-    for source in ("one", "nested") if parallel.get("pp", 1) > 1 else ("pp2",):
+    pp2, result = dict(pp=2), {}
+    saver = make_backend(model_dir, next(strategies), pp2)
+    result["initial"] = dict(saver.named_weights())
+    result["parts"] = [dict(saver.named_weights(part)) for part in range(saver.num_weight_parts())]
+    saver.save_pretrained(out_dir / "export")
+    for _ in range(2):
+        saver.train_step(batch, STEP)
+    saver.save_state(out_dir / "pp2")
+    result["saved"] = next_step(saver, batch)
+    saver.shutdown()
+    for parallel, source in ((pp2, "one"), (pp2, "nested"), (dict(tp=2), "pp2")):
         resumed = make_backend(model_dir, next(strategies), parallel)
         resumed.load_state(out_dir / source)
         result[f"from_{source}"] = next_step(resumed, batch)
@@ -107,16 +107,14 @@ def runs(tmp_path_factory):
     one.save_state(out_dir / "one")
     save_nested(one, out_dir / "nested")
     uninterrupted = next_step(one, batch)
-    pp2 = launch(2, model_dir, out_dir, dict(pp=2), target=run_rank, timeout_s=240, num_ports=3)
-    tp2 = launch(2, model_dir, out_dir, dict(tp=2), target=run_rank, timeout_s=240)
+    ranks = launch(2, model_dir, out_dir, target=run_rank, timeout_s=240, num_ports=4)  # one world, both layouts
     resumed = make_backend(model_dir)
     resumed.load_state(out_dir / "pp2")
     return {
         "dir": out_dir,
         "initial": initial,
         "one": uninterrupted,
-        "pp2": pp2,
-        "tp2": tp2,
+        "ranks": ranks,
         "in_one_process": next_step(resumed, batch),
     }
 
@@ -135,7 +133,7 @@ def test_full_weights_at_pp2_are_one_process_weights_exactly(runs):
     initial = runs["initial"]
     exported = AutoModelForCausalLM.from_pretrained(runs["dir"] / "export")
     assert exported.lm_head.weight is exported.model.embed_tokens.weight  # the tie written once
-    for rank in runs["pp2"]:  # every rank gets every tensor whole, the other stage's broadcast to it
+    for rank in runs["ranks"]:  # every rank gets every tensor whole, the other stage's broadcast to it
         assert list(rank["initial"]) == list(initial)
         assert rank["initial"][TIED[1]].data_ptr() == rank["initial"][TIED[0]].data_ptr()
         parts = [list(part) for part in rank["parts"]]  # one decoder layer at a time, what is outside them first
@@ -147,17 +145,16 @@ def test_full_weights_at_pp2_are_one_process_weights_exactly(runs):
 
 
 def test_a_checkpoint_saved_at_pp2_resumes_in_one_process_and_at_tp2_with_the_next_step(runs):
-    for rank in runs["pp2"]:  # the pp=2 run itself is the one-process run
+    for rank in runs["ranks"]:  # the pp=2 run itself is the one-process run
         assert_same_step(rank["saved"], runs["one"])
+        assert_same_step(rank["from_pp2"], runs["one"])  # at tp=2
     assert_same_step(runs["in_one_process"], runs["one"])
-    for rank in runs["tp2"]:
-        assert_same_step(rank["from_pp2"], runs["one"])
 
 
 def test_a_one_process_checkpoint_resumes_at_pp2_with_both_tied_copies(runs):
     """`nested/` is the format before pipelines: it too restores the last stage's copy of the tied embedding."""
     for source in ("one", "nested"):
-        ranks = [rank[f"from_{source}"] for rank in runs["pp2"]]
+        ranks = [rank[f"from_{source}"] for rank in runs["ranks"]]
         for rank in ranks:
             assert_same_step(rank, runs["one"])
         assert ranks[0]["lm_head_copy"] is None  # the first stage holds the embedding only
