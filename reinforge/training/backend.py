@@ -64,6 +64,7 @@ from reinforge.training.numerics import (
 )
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
 from reinforge.training.parallel.context import context_group
+from reinforge.training.parallel.pipeline import check_staged_moe
 from reinforge.training.strategy import LocalStrategy, Strategy
 
 
@@ -145,7 +146,11 @@ class Backend:
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.moe = model_config.moe
         replay = self.moe.router_replay == "rollout"
-        if is_moe(self.model.config) and (replay or moe_routers(self.model)):  # router replay, metrics: training/moe.py
+        if is_moe(self.model.config) and self.strategy.pipelined:  # each stage holds some layers' routers
+            check_staged_moe(self.moe)
+        elif is_moe(self.model.config) and (
+            replay or moe_routers(self.model)
+        ):  # router replay, metrics: training/moe.py
             MoeRouting(self.model, replay)
             if replay and self.reference is not None:  # the reference's logprobs on the same routes
                 MoeRouting(self.reference, replay)

@@ -256,17 +256,24 @@ class FSDP2Strategy:
         """This rank's micro-batches through the pipeline's schedule (parallel/pipeline.py); on the last stage
         `finish(indices, micro, rows)` gives each one's loss (differentiated with `backward`)."""
         items = list(self.micro_batches(batch, plan))
-        run_pipeline(
-            model,
-            [(micro, rows) for _, micro, rows in items],
-            self.config,
-            lambda i: finish(*items[i]),
-            backward,
-            self.pp_group,
-            self.device,
-            self.dtype,
-            self.parallel.pp_schedule,
-        )
+        # The heads run on the root's weights outside its forward, and a schedule may run several forwards before
+        # a backward (GPipe): the root stays unsharded until the pass ends, not just until its next backward.
+        model.set_reshard_after_backward(False, recurse=False)
+        try:
+            run_pipeline(
+                model,
+                [(micro, rows) for _, micro, rows in items],
+                self.config,
+                lambda i: finish(*items[i]),
+                backward,
+                self.pp_group,
+                self.device,
+                self.dtype,
+                self.parallel.pp_schedule,
+            )
+        finally:
+            model.set_reshard_after_backward(True, recurse=False)
+            model.reshard()
 
     def clip_gradients(self, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip by the norm over every rank's shards (and every stage's: a tied embedding's two copies given their

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_fsdp2_worker import launch
 from test_torch_backend import loss_fn
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from reinforge.algorithms.losses import token_mean
 from reinforge.algorithms.sft import nll_loss
@@ -29,22 +29,25 @@ from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy, gather
 from reinforge.training.heads import LogprobHead
+from reinforge.training.numerics import local
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 from reinforge.training.parallel.layout import ParallelConfig
 from reinforge.training.parallel.pipeline import split_stage, stage_layers
 
 NUM_STEPS = 3
 METRICS = ("loss", "grad_norm", "entropy")
-SCENARIOS = {
-    "grpo": (dict(sequence_packing=True, share_prompts=True), partial(loss_fn, token_mean, 0.0)),
-    "sft": (dict(sequence_packing=False), nll_loss),
-}
-# (key, ranks, training.parallel)
+GRPO = partial(loss_fn, token_mean, 0.0)
+SHARED = dict(sequence_packing=True, share_prompts=True)
+# scenario: (model, training settings, loss)
+SCENARIOS = {"grpo": ("qwen2", SHARED, GRPO), "sft": ("qwen2", dict(sequence_packing=False), nll_loss)}
+SCENARIOS["moe_grpo"] = ("qwen3_moe", SHARED, GRPO)
+# (key, ranks, training.parallel, scenarios); ep borrows dp_shard's ranks
 LAYOUTS = (
-    ("pp2_1f1b", 2, dict(pp=2)),
-    ("pp2_gpipe", 2, dict(pp=2, pp_schedule="GPipe")),
-    ("pp2_dp2", 4, dict(pp=2, dp_shard=2)),
-    ("pp2_tp2", 4, dict(pp=2, tp=2)),
+    ("pp2_1f1b", 2, dict(pp=2), ("grpo", "sft")),
+    ("pp2_gpipe", 2, dict(pp=2, pp_schedule="GPipe"), ("grpo", "sft")),
+    ("pp2_dp2", 4, dict(pp=2, dp_shard=2), ("grpo", "sft")),
+    ("pp2_tp2", 4, dict(pp=2, tp=2), ("grpo", "sft")),
+    ("pp2_ep2", 4, dict(pp=2, dp_shard=2, ep=2), ("moe_grpo",)),
 )
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
@@ -62,6 +65,28 @@ def tiny_qwen2(num_layers=4):
         tie_word_embeddings=True,
     )
     return Qwen2ForCausalLM(config).eval()
+
+
+def tiny_qwen3_moe():
+    """4 layers of 4 experts (top-2), untied embeddings."""
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+MODELS = {"qwen2": tiny_qwen2, "qwen3_moe": tiny_qwen3_moe}
 
 
 def test_stage_layers_are_contiguous_and_earlier_stages_take_the_extra_layer():
@@ -108,13 +133,13 @@ def make_batch():
     return batch
 
 
-def run_scenario(strategy, model_dir, scenario, parallel=None):
+def run_scenario(strategy, model_dirs, scenario, parallel=None):
     torch.manual_seed(0)
-    training, loss = SCENARIOS[scenario]
+    model, training, loss = SCENARIOS[scenario]
     if parallel is not None:
         training = dict(training, parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=strategy.world_size)
     backend = Backend(
-        ModelConfig(name_or_path=str(model_dir)),
+        ModelConfig(name_or_path=str(model_dirs[model])),
         TrainingConfig(micro_batch_size=2, global_batch_size=8, **training),
         OptimizerConfig(lr=1e-3),
         SchedulerConfig(),
@@ -125,20 +150,19 @@ def run_scenario(strategy, model_dir, scenario, parallel=None):
     batch = make_batch()
     logprobs = backend.logprobs(batch)
     metrics = [backend.train_step(batch, loss) for _ in range(NUM_STEPS)]
-    own = {name: tuple(p.shape) for name, p in backend.model.named_parameters()}
+    own = {name: tuple(local(p).shape) for name, p in backend.model.named_parameters()}  # this rank's shards
     # this stage's weights whole (a collective of the stage's ranks): the stages together hold every weight
     weights = gather(backend.model.state_dict(keep_vars=True)) if parallel else dict(backend.named_weights())
     backend.shutdown()
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "own": own}
 
 
-def run_rank(rank, world_size, ports, model_dir, out_dir, parallel):
+def run_rank(rank, world_size, ports, model_dirs, out_dir, parallel, scenarios):
     torch.set_num_threads(1)
     results = {}
-    for port, scenario in zip(ports, SCENARIOS, strict=True):
-        results[scenario] = run_scenario(
-            FSDP2Strategy(rank, world_size, "127.0.0.1", port), model_dir, scenario, parallel
-        )
+    for port, scenario in zip([ports] if isinstance(ports, int) else ports, scenarios, strict=True):
+        strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port)
+        results[scenario] = run_scenario(strategy, model_dirs, scenario, parallel)
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
@@ -146,12 +170,15 @@ def run_rank(rank, world_size, ports, model_dir, out_dir, parallel):
 def runs(tmp_path_factory):
     """{"one": one process's results per scenario; each layout: every rank's per scenario}."""
     base = tmp_path_factory.mktemp("pp")
-    tiny_qwen2().save_pretrained(base / "model")
-    results = {"one": {scenario: run_scenario(None, base / "model", scenario) for scenario in SCENARIOS}}
-    for key, world_size, parallel in LAYOUTS:
+    model_dirs = {name: base / name for name in MODELS}
+    for name, make in MODELS.items():
+        make().save_pretrained(model_dirs[name])
+    results = {"one": {scenario: run_scenario(None, model_dirs, scenario) for scenario in SCENARIOS}}
+    for key, world_size, parallel, scenarios in LAYOUTS:
         (base / key).mkdir()
+        ports = len(scenarios)
         results[key] = launch(
-            world_size, base / "model", base / key, parallel, target=run_rank, timeout_s=300, num_ports=len(SCENARIOS)
+            world_size, model_dirs, base / key, parallel, scenarios, target=run_rank, timeout_s=400, num_ports=ports
         )
     return results
 
@@ -160,7 +187,7 @@ def stage_of(rank, world_size):
     return rank // (world_size // 2)  # pp outermost in the mesh
 
 
-@pytest.mark.parametrize("layout, scenario", [(key, scenario) for key, _, _ in LAYOUTS for scenario in SCENARIOS])
+@pytest.mark.parametrize("layout, scenario", [(key, scenario) for key, _, _, runs in LAYOUTS for scenario in runs])
 def test_pipelined_training_equals_one_process(runs, layout, scenario):
     one = runs["one"][scenario]
     assert one["metrics"][0]["grad_norm"] > 0
@@ -176,10 +203,13 @@ def test_pipelined_training_equals_one_process(runs, layout, scenario):
         assert layers == set(stage_layers(4, 2, stage)), (rank, sorted(layers))
         assert ("model.embed_tokens.weight" in ranked["own"]) == (stage == 0)
         assert ("lm_head.weight" in ranked["own"]) == ("model.norm.weight" in ranked["own"]) == (stage == 1)
+        if scenario.startswith("moe"):  # each rank holds half its layers' experts (ep=2)
+            experts = [shape for name, shape in ranked["own"].items() if name.endswith("experts.down_proj")]
+            assert len(experts) == 2 and all(shape[0] == 2 for shape in experts), ranked["own"]
         for name, weight in ranked["weights"].items():
             torch.testing.assert_close(weight, one["weights"][name], atol=1e-5, rtol=0, msg=name)
     stages = [ranks[0][scenario]["weights"], ranks[-1][scenario]["weights"]]
     assert set(stages[0]) | set(stages[1]) == set(one["weights"])
-    initial = tiny_qwen2().state_dict()
+    initial = MODELS[SCENARIOS[scenario][0]]().state_dict()
     for name, weight in one["weights"].items():
         assert (weight - initial[name]).abs().max() > 0, f"{name} was not updated"

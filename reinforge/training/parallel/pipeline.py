@@ -67,7 +67,7 @@ class SkippedHead(torch.nn.Module):
     """A head the last stage holds: no parameters; an empty output (nothing reads it)."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states[..., :0]
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
 
 
 @dataclass(eq=False)
@@ -160,6 +160,18 @@ def partial_catch(stage: Stage) -> Callable:
         stage.output = output[0]
 
     return catch
+
+
+def check_staged_moe(moe) -> None:
+    """A mixture-of-experts model in stages: a one-line error for what needs every layer's routing in one place
+    (router replay's per-layer routes, the auxiliary load-balancing loss over all layers); its routing metrics are
+    not logged."""
+    if moe.router_replay != "off" or moe.aux_loss_coef > 0:
+        raise ConfigError(
+            "model.moe.router_replay=rollout and model.moe.aux_loss_coef > 0 are not supported with "
+            "training.parallel.pp > 1 (each stage holds only its layers' routers, and the auxiliary loss couples "
+            "them all); set model.moe.router_replay=off and aux_loss_coef=0, or training.parallel.pp=1"
+        )
 
 
 def pad_to(hidden_RWH: torch.Tensor, rows: int, width: int) -> torch.Tensor:
