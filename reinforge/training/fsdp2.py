@@ -333,10 +333,12 @@ class FSDP2Strategy:
         """The LoRA adapter in PEFT's format: every rank gathers the adapter's tensors, rank 0 writes them."""
         if self.parallel.pp > 1:  # each stage's adapters, by one process's names
             adapter = self.full_state_dict(model, [name for name in self.state_names(model) if is_adapter_key(name)])
+            if self.is_main:
+                pipeline_weights.save_adapter(peft, adapter, path)
         else:
             adapter = gather(adapter_state_dict(model))
-        if self.is_main:  # PEFT's names are the PeftModel's: the Hugging Face model's under base_model.model
-            peft.save_pretrained(path, state_dict={f"base_model.model.{name}": t for name, t in adapter.items()})
+            if self.is_main:  # PEFT's names are the PeftModel's: the Hugging Face model's under base_model.model
+                peft.save_pretrained(path, state_dict={f"base_model.model.{name}": t for name, t in adapter.items()})
         dist.barrier()
 
     def save_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:

@@ -7,7 +7,8 @@ pipelines: AdamW's hyperparameters in one list of names) and takes a 3rd: the un
 (A) the full weights of the fresh model, whole and by weight part, and `save_pretrained`'s export; then 2 steps,
 save `pp2/` (each stage writing its own layers), a 3rd step; (B) fresh ranks load `one/`, (C) `nested/`, and take
 the 3rd step; then at tp=2 the same 2 processes load `pp2/`, as does a fresh backend in this process. Every 3rd
-step's loss, gradient norm, entropy and clip fraction, and its weights, equal the uninterrupted run's to 1e-5. One
+step's loss, gradient norm, entropy and clip fraction, and its weights, equal the uninterrupted run's to 1e-5.
+A LoRA adapter trained a step at pp=2 is written whole (`save_adapter`) and its state resumes in one process. One
 module fixture spawns the 2 processes once.
 """
 
@@ -16,6 +17,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from test_fsdp2_worker import launch
 from test_pipeline_parallel import make_batch, tiny_qwen2
 from test_torch_backend import loss_fn
@@ -23,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms.losses import token_mean
-from reinforge.model_config import ModelConfig
+from reinforge.model_config import LoraConfig, ModelConfig
 from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy, gather
@@ -35,16 +37,17 @@ from reinforge.training.state import SCHEDULER_FILE
 STEP = partial(loss_fn, token_mean, 0.0)  # GRPO's clipped loss: ratios away from 1, AdamW moments
 METRICS = ("loss", "grad_norm", "entropy", "clip_fraction")
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
+LORA = LoraConfig(rank=4, alpha=8.0)
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
 
-def make_backend(model_dir, strategy=None, parallel=None):
+def make_backend(model_dir, strategy=None, parallel=None, lora=None):
     torch.manual_seed(0)
     training = dict(micro_batch_size=2, global_batch_size=8, sequence_packing=True, share_prompts=True)
     if strategy is not None:
         training |= dict(parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=strategy.world_size)
     return Backend(
-        ModelConfig(name_or_path=str(model_dir)),
+        ModelConfig(name_or_path=str(model_dir), lora=lora),
         TrainingConfig(**training),
         OptimizerConfig(lr=1e-3),
         SchedulerConfig(),
@@ -83,6 +86,11 @@ def run_rank(rank, world_size, ports, model_dir, out_dir):
         resumed.load_state(out_dir / source)
         result[f"from_{source}"] = next_step(resumed, batch)
         resumed.shutdown()
+    adapted = make_backend(model_dir, next(strategies), pp2, LORA)  # a LoRA adapter: every stage's in its files
+    adapted.train_step(batch, STEP)
+    adapted.save_pretrained(out_dir / "adapter_pp2")
+    adapted.save_state(out_dir / "lora_pp2")
+    adapted.shutdown()
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 
@@ -107,15 +115,21 @@ def runs(tmp_path_factory):
     one.save_state(out_dir / "one")
     save_nested(one, out_dir / "nested")
     uninterrupted = next_step(one, batch)
-    ranks = launch(2, model_dir, out_dir, target=run_rank, timeout_s=240, num_ports=4)  # one world, both layouts
+    ranks = launch(2, model_dir, out_dir, target=run_rank, timeout_s=240, num_ports=5)  # one world, both layouts
     resumed = make_backend(model_dir)
     resumed.load_state(out_dir / "pp2")
+    adapted = make_backend(model_dir, lora=LORA)
+    adapted.train_step(batch, STEP)
+    adapted.save_pretrained(out_dir / "adapter_one")
+    lora_resumed = make_backend(model_dir, lora=LORA)
+    lora_resumed.load_state(out_dir / "lora_pp2")
     return {
         "dir": out_dir,
         "initial": initial,
         "one": uninterrupted,
         "ranks": ranks,
         "in_one_process": next_step(resumed, batch),
+        "lora": (next_step(adapted, batch), next_step(lora_resumed, batch)),
     }
 
 
@@ -175,3 +189,16 @@ def test_each_stage_writes_its_own_layers_under_one_process_names(runs):
     assert files["model.model.layers.0.mlp.up_proj.weight"] == files["model.model.embed_tokens.weight"]
     assert files["model.model.layers.3.mlp.up_proj.weight"] == files["model.lm_head.weight"]
     assert files["model.model.layers.0.mlp.up_proj.weight"] != files["model.model.layers.3.mlp.up_proj.weight"]
+
+
+def test_a_lora_adapter_at_pp2_is_written_whole_and_its_state_resumes_in_one_process(runs):
+    """The main rank's model holds the first stage's LoRA layers only; the adapter file holds every stage's."""
+    at_pp2, in_one = (load_file(runs["dir"] / f"adapter_{key}" / "adapter_model.safetensors") for key in ("pp2", "one"))
+    assert sorted(at_pp2) == sorted(in_one) and "base_model.model.model.layers.3.mlp.up_proj.lora_B.weight" in in_one
+    for name, tensor in in_one.items():
+        torch.testing.assert_close(at_pp2[name], tensor, atol=1e-5, rtol=0, msg=name)
+    uninterrupted, resumed = runs["lora"]
+    for name in METRICS[:3]:
+        assert abs(resumed["metrics"][name] - uninterrupted["metrics"][name]) <= 1e-5, name
+    for name, weight in uninterrupted["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, atol=1e-5, rtol=0, msg=name)

@@ -17,6 +17,7 @@ the copy's AdamW state by the embedding's name (`tied_copies`, training/state.py
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -91,3 +92,19 @@ def full_state_dict(
         dist.broadcast(tensor, group=group, group_src=owner)
         gathered[name] = tensor.cpu()
     return {name: gathered[layout.tied.get(name, name)] for name in wanted}
+
+
+def save_adapter(peft, adapter: dict[str, torch.Tensor], path: Path) -> None:
+    """PEFT's directory of the whole LoRA adapter (`adapter`: every stage's tensors by the Hugging Face model's
+    names), written by the main rank, whose model holds the LoRA layers of its own stage only: PEFT keeps only the
+    entries of layers it holds, so it writes the config and its weights file is then rewritten with every
+    stage's entries, under PEFT's names (`base_model.model.` before, the adapter's name taken out)."""
+    from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import save_file
+
+    peft.save_pretrained(path, state_dict={f"base_model.model.{name}": tensor for name, tensor in adapter.items()})
+    segment = f".{peft.active_adapter}."
+    tensors = {
+        f"base_model.model.{name.replace(segment, '.')}": tensor.contiguous() for name, tensor in adapter.items()
+    }
+    save_file(tensors, str(path / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
