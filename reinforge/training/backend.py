@@ -64,7 +64,6 @@ from reinforge.training.numerics import (
 )
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
 from reinforge.training.parallel.context import context_group
-from reinforge.training.parallel.pipeline import check_staged_moe
 from reinforge.training.strategy import LocalStrategy, Strategy
 
 
@@ -146,11 +145,8 @@ class Backend:
         self.hidden = {id(m): HiddenStates(m) for m in (self.model, self.reference) if m is not None}
         self.moe = model_config.moe
         replay = self.moe.router_replay == "rollout"
-        if is_moe(self.model.config) and self.strategy.pipelined:  # each stage holds some layers' routers
-            check_staged_moe(self.moe)
-        elif is_moe(self.model.config) and (
-            replay or moe_routers(self.model)
-        ):  # router replay, metrics: training/moe.py
+        whole = is_moe(self.model.config) and not self.strategy.pipelined  # a pipeline stage has some layers' routers
+        if whole and (replay or moe_routers(self.model)):  # router replay, metrics: training/moe.py
             MoeRouting(self.model, replay)
             if replay and self.reference is not None:  # the reference's logprobs on the same routes
                 MoeRouting(self.reference, replay)
@@ -301,14 +297,8 @@ class Backend:
             accumulate_metrics(totals, extremes, metrics)
             return value
 
-        try:
-            if self.strategy.pipelined:  # the schedule runs forward and backward (parallel/pipeline.py)
-                self.strategy.pipeline(self.model, batch, self.plan, micro_loss, backward)
-            else:
-                for micro_batch in self.strategy.micro_batches(batch, self.plan):
-                    value = micro_loss(*micro_batch)
-                    if backward:
-                        value.backward()
+        try:  # each micro-batch's loss (and backward): one after another, or through a pipeline's stages
+            self.strategy.passes(self.model, batch, self.plan, micro_loss, backward)
         finally:
             clear_routing(self.model)
         return self.strategy.reduce_metrics(totals, extremes)

@@ -16,6 +16,9 @@ and is left whole after the root's forward for the head to be applied after the 
 
 With `training.parallel.ep` a mixture-of-experts model's experts are split over ranks and its tokens sent to
 them (training/parallel/expert.py); their FSDP2 shards are on a mesh of their own, with the same SUM reduction.
+With `training.parallel.pp` each rank holds one pipeline stage's layers (split before tensor parallelism and
+FSDP2) and runs its micro-batches through the schedule (training/parallel/pipeline.py); the last stage's per-token
+outputs and metrics are sent to the others, and the gradient norm is summed over the stages.
 
 Master weights and optimizer state are always fp32; forward/backward run in `model.dtype` (float32 on CPU,
 bfloat16 on GPU) through FSDP2's MixedPrecisionPolicy, and gradients are reduced in fp32. Ray is not imported
@@ -49,9 +52,15 @@ from reinforge.training.parallel import pipeline_weights
 from reinforge.training.parallel.context import split_context
 from reinforge.training.parallel.expert import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
 from reinforge.training.parallel.layout import ParallelConfig, build_mesh, check_layout, clip_gradients, fsdp_mesh
-from reinforge.training.parallel.pipeline import pipeline_plan, pipeline_stage, run_pipeline, split_stage
+from reinforge.training.parallel.pipeline import (
+    check_staged_moe,
+    pipeline_plan,
+    pipeline_stage,
+    run_pipeline,
+    split_stage,
+)
 from reinforge.training.parallel.tensor_plan import tensor_parallelize
-from reinforge.training.strategy import Compute, MicroBatch, Plan, batch_to
+from reinforge.training.strategy import Compute, MicroBatch, MicroLoss, Plan, batch_to, run_passes
 
 
 def shard_model(
@@ -176,6 +185,8 @@ class FSDP2Strategy:
 
     def load_config(self, model_config: ModelConfig) -> ModelConfig:
         """fp32 master weights; forward/backward in the configured dtype, gradients reduced in fp32."""
+        if self.pipelined:
+            check_staged_moe(model_config.moe)
         self.dtype = DTYPES[model_config.dtype]
         self.mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         return model_config.model_copy(update={"dtype": "float32"})
@@ -252,9 +263,18 @@ class FSDP2Strategy:
             dist.broadcast(whole_BT, src=self.last_stage, group=self.pp_group)
         return whole_BT.cpu() * batch.loss_mask
 
-    def pipeline(self, model, batch: TrainBatch, plan: Plan, finish, backward: bool) -> None:
+    def passes(self, model: torch.nn.Module, batch: TrainBatch, plan: Plan, loss: MicroLoss, backward: bool) -> None:
+        """This rank's micro-batches' losses (and backward), one after another, or through the pipeline's schedule
+        (parallel/pipeline.py): `loss` runs on the last stage."""
+        if self.pipelined:
+            self.pipeline(model, batch, plan, loss, backward)
+        else:
+            run_passes(self.micro_batches(batch, plan), loss, backward)
+
+    def pipeline(self, model, batch: TrainBatch, plan: Plan, finish: MicroLoss, backward: bool) -> None:
         """This rank's micro-batches through the pipeline's schedule (parallel/pipeline.py); on the last stage
-        `finish(indices, micro, rows)` gives each one's loss (differentiated with `backward`)."""
+        `finish(indices, micro, rows)` gives each one's loss (differentiated with `backward`), or stores its
+        outputs."""
         items = list(self.micro_batches(batch, plan))
         # The heads run on the root's weights outside its forward, and a schedule may run several forwards before
         # a backward (GPipe): the root stays unsharded until the pass ends, not just until its next backward.

@@ -29,6 +29,16 @@ Plan = Callable[[list[int], "Prompts | None"], MicroBatchPlan]
 Compute = Callable[[TrainBatch, list[list[int]]], torch.Tensor]
 # (indices of the micro-batch's sequences in the batch or this rank's share, micro-batch on the device, its rows)
 MicroBatch = tuple[list[int], TrainBatch, list[list[int]]]
+# loss(indices, micro, rows) -> the micro-batch's loss (the backend's, with the global batch's normalisers)
+MicroLoss = Callable[[list[int], TrainBatch, list[list[int]]], torch.Tensor]
+
+
+def run_passes(micro_batches: Iterator[MicroBatch], loss: MicroLoss, backward: bool) -> None:
+    """Each micro-batch's loss, and its backward (`backward`), one micro-batch after another."""
+    for micro_batch in micro_batches:
+        value = loss(*micro_batch)
+        if backward:
+            value.backward()
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
@@ -46,7 +56,7 @@ class Strategy(Protocol):
     is_main: bool  # the process that writes files and answers remote callers
     rank: int  # of `world_size` processes that train the model together
     world_size: int
-    pipelined: bool  # micro-batches run through pipeline stages: the backend's passes call `pipeline`
+    pipelined: bool  # micro-batches run through pipeline stages (training/parallel/pipeline.py)
 
     def setup(self, training: TrainingConfig) -> TrainingConfig:
         """Start what the strategy needs (a process group) in the process that trains; the settings with
@@ -63,6 +73,10 @@ class Strategy(Protocol):
 
     def micro_batches(self, batch: TrainBatch, plan: Plan) -> Iterator[MicroBatch]:
         """This process's micro-batches of the batch."""
+        ...
+
+    def passes(self, model: torch.nn.Module, batch: TrainBatch, plan: Plan, loss: MicroLoss, backward: bool) -> None:
+        """`loss` of each of this process's micro-batches, differentiated with `backward`."""
         ...
 
     def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute, model=None) -> torch.Tensor:
@@ -131,6 +145,9 @@ class LocalStrategy:
         for rows in plan(batch.attention_mask.sum(dim=1).tolist(), Prompts.of(batch, self.config)):
             micro, local_rows, indices = select_micro_batch(batch, rows)
             yield indices, batch_to(micro, self.device), local_rows
+
+    def passes(self, model: torch.nn.Module, batch: TrainBatch, plan: Plan, loss: MicroLoss, backward: bool) -> None:
+        run_passes(self.micro_batches(batch, plan), loss, backward)
 
     def per_token(self, batch: TrainBatch, plan: Plan, compute: Compute, model=None) -> torch.Tensor:
         out = torch.zeros_like(batch.loss_mask)

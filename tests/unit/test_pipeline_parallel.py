@@ -24,15 +24,16 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from reinforge.algorithms.losses import token_mean
 from reinforge.algorithms.sft import nll_loss
 from reinforge.data.batch import Trajectory, collate
-from reinforge.model_config import ModelConfig
+from reinforge.errors import ConfigError
+from reinforge.model_config import ModelConfig, MoeConfig
 from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
 from reinforge.training.fsdp2 import FSDP2Strategy, gather
 from reinforge.training.heads import LogprobHead
 from reinforge.training.numerics import local
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
-from reinforge.training.parallel.layout import ParallelConfig
-from reinforge.training.parallel.pipeline import split_stage, stage_layers
+from reinforge.training.parallel.layout import ParallelConfig, check_layout
+from reinforge.training.parallel.pipeline import check_staged_moe, pipeline_plan, split_stage, stage_layers
 
 NUM_STEPS = 3
 METRICS = ("loss", "grad_norm", "entropy")
@@ -44,7 +45,7 @@ SCENARIOS["moe_grpo"] = ("qwen3_moe", SHARED, GRPO)
 # (key, ranks, training.parallel, scenarios); ep borrows dp_shard's ranks
 LAYOUTS = (
     ("pp2_1f1b", 2, dict(pp=2), ("grpo", "sft")),
-    ("pp2_gpipe", 2, dict(pp=2, pp_schedule="GPipe"), ("grpo", "sft")),
+    ("pp2_gpipe", 2, dict(pp=2, pp_schedule="GPipe", pp_microbatches=2), ("grpo", "sft")),  # 4 merged into 2
     ("pp2_dp2", 4, dict(pp=2, dp_shard=2), ("grpo", "sft")),
     ("pp2_tp2", 4, dict(pp=2, tp=2), ("grpo", "sft")),
     ("pp2_ep2", 4, dict(pp=2, dp_shard=2, ep=2), ("moe_grpo",)),
@@ -93,6 +94,30 @@ def test_stage_layers_are_contiguous_and_earlier_stages_take_the_extra_layer():
     assert [list(stage_layers(5, 2, s)) for s in range(2)] == [[0, 1, 2], [3, 4]]
     assert [list(stage_layers(7, 3, s)) for s in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
     assert [list(stage_layers(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_pp_microbatches_split_or_merge_the_plan_keeping_every_sequence_once():
+    plan = [[[0, 1], [2]], [[3]], [[4], [5]], [[6, 7]]]
+    merged = pipeline_plan(plan, 2)
+    assert merged == [[[0, 1], [2], [3]], [[4], [5], [6, 7]]]
+    split = pipeline_plan(plan, 6)
+    assert len(split) == 6 and sorted(i for micro in split for row in micro for i in row) == list(range(8))
+
+
+def test_what_pipeline_parallelism_cannot_do_is_a_one_line_error():
+    config = Qwen2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+    with pytest.raises(ConfigError, match="set training.parallel.cp=1"):
+        check_layout(ParallelConfig(pp=2, cp=2), config)
+    with pytest.raises(ConfigError, match="vision-language model is not supported"):
+        check_layout(ParallelConfig(pp=2), config, vision=True)
+    with pytest.raises(ConfigError, match="set training.parallel.pp <= 4"):
+        check_layout(ParallelConfig(pp=5), config)
+    with pytest.raises(ConfigError, match="set pp_microbatches >= 4"):
+        check_layout(ParallelConfig(pp=4, pp_microbatches=2), config)
+    check_layout(ParallelConfig(pp=4, pp_microbatches=2, pp_schedule="GPipe"), config)
+    with pytest.raises(ConfigError, match="aux_loss_coef > 0 are not supported with training.parallel.pp > 1"):
+        check_staged_moe(MoeConfig(aux_loss_coef=0.01))
+    check_staged_moe(MoeConfig())
 
 
 @pytest.mark.parametrize("pp", [2, 3])
@@ -157,29 +182,34 @@ def run_scenario(strategy, model_dirs, scenario, parallel=None):
     return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "own": own}
 
 
-def run_rank(rank, world_size, ports, model_dirs, out_dir, parallel, scenarios):
+def world_runs(world_size):
+    """(layout, its training.parallel, scenario) of every run of a world of `world_size` ranks."""
+    return [(key, parallel, s) for key, size, parallel, scenarios in LAYOUTS if size == world_size for s in scenarios]
+
+
+def run_rank(rank, world_size, ports, model_dirs, out_dir):
+    """Every run of the world, each on a process group (and port) of its own."""
     torch.set_num_threads(1)
     results = {}
-    for port, scenario in zip([ports] if isinstance(ports, int) else ports, scenarios, strict=True):
+    for port, (key, parallel, scenario) in zip(ports, world_runs(world_size), strict=True):
         strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port)
-        results[scenario] = run_scenario(strategy, model_dirs, scenario, parallel)
+        results[key, scenario] = run_scenario(strategy, model_dirs, scenario, parallel)
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"one": one process's results per scenario; each layout: every rank's per scenario}."""
+    """{"one": one process's results per scenario; 2 and 4: every rank's per (layout, scenario)}."""
     base = tmp_path_factory.mktemp("pp")
     model_dirs = {name: base / name for name in MODELS}
     for name, make in MODELS.items():
         make().save_pretrained(model_dirs[name])
     results = {"one": {scenario: run_scenario(None, model_dirs, scenario) for scenario in SCENARIOS}}
-    for key, world_size, parallel, scenarios in LAYOUTS:
-        (base / key).mkdir()
-        ports = len(scenarios)
-        results[key] = launch(
-            world_size, model_dirs, base / key, parallel, scenarios, target=run_rank, timeout_s=400, num_ports=ports
-        )
+    for world_size in (2, 4):  # one world of each size runs its layouts one after another
+        out_dir = base / f"world{world_size}"
+        out_dir.mkdir()
+        ports = len(world_runs(world_size))
+        results[world_size] = launch(world_size, model_dirs, out_dir, target=run_rank, timeout_s=600, num_ports=ports)
     return results
 
 
@@ -191,9 +221,8 @@ def stage_of(rank, world_size):
 def test_pipelined_training_equals_one_process(runs, layout, scenario):
     one = runs["one"][scenario]
     assert one["metrics"][0]["grad_norm"] > 0
-    ranks = runs[layout]
-    for rank, result in enumerate(ranks):
-        ranked = result[scenario]
+    ranks = [result[layout, scenario] for result in runs[next(size for key, size, _, _ in LAYOUTS if key == layout)]]
+    for rank, ranked in enumerate(ranks):
         torch.testing.assert_close(ranked["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
         for step in range(NUM_STEPS):
             for name in METRICS:
@@ -208,7 +237,7 @@ def test_pipelined_training_equals_one_process(runs, layout, scenario):
             assert len(experts) == 2 and all(shape[0] == 2 for shape in experts), ranked["own"]
         for name, weight in ranked["weights"].items():
             torch.testing.assert_close(weight, one["weights"][name], atol=1e-5, rtol=0, msg=name)
-    stages = [ranks[0][scenario]["weights"], ranks[-1][scenario]["weights"]]
+    stages = [ranks[0]["weights"], ranks[-1]["weights"]]
     assert set(stages[0]) | set(stages[1]) == set(one["weights"])
     initial = MODELS[SCENARIOS[scenario][0]]().state_dict()
     for name, weight in one["weights"].items():

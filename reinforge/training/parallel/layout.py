@@ -134,6 +134,11 @@ def check_layout(
             f"{text_config.model_type} has {text_config.num_hidden_layers}; set training.parallel.pp <= "
             f"{text_config.num_hidden_layers}"
         )
+    if parallel.pp > 1 and parallel.pp_schedule == "1F1B" and (parallel.pp_microbatches or parallel.pp) < parallel.pp:
+        raise ConfigError(
+            f"training.parallel.pp_microbatches={parallel.pp_microbatches} is fewer than the pp={parallel.pp} stages, "
+            f"which 1F1B needs at least; set pp_microbatches >= {parallel.pp} (or pp_schedule=GPipe)"
+        )
     if parallel.pp > 1 and parallel.cp > 1:
         raise ConfigError(
             "training.parallel.pp > 1 with cp > 1 is not supported: a stage would pass on only its chunk of each "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -81,7 +81,6 @@ class Stage:
     tied: bool
     received: torch.Tensor | None = None  # the next forward's decoder input (non-first stages)
     output: torch.Tensor | None = None  # the last forward's decoder output
-    hooks: list = field(default_factory=list)
 
     @property
     def is_first(self) -> bool:
@@ -135,27 +134,27 @@ def split_stage(model: torch.nn.Module, stage: int, pp: int) -> Stage:
         output.weight = torch.nn.Parameter(embedding.weight.detach().clone(), embedding.weight.requires_grad)
     if stage != 0:
         decoder.embed_tokens = None
-    info.hooks = [
-        decoder.register_forward_pre_hook(partial_receive(info), with_kwargs=True),
-        decoder.register_forward_hook(partial_catch(info)),
-    ]
+    decoder.register_forward_pre_hook(_receive_hook(info), with_kwargs=True)
+    decoder.register_forward_hook(_catch_hook(info))
     _STAGES[model] = info
     return info
 
 
-def partial_receive(stage: Stage) -> Callable:
-    """A decoder pre-hook: a non-first stage's decoder starts from the hidden states it received."""
+def _receive_hook(stage: Stage) -> Callable:
+    """A decoder pre-hook: a non-first stage's decoder starts from the hidden states it received (`inputs_embeds`),
+    not from token ids."""
 
     def receive(module, args, kwargs):
         if stage.received is None:
             return None
-        kwargs = dict(kwargs, input_ids=None, inputs_embeds=stage.received)
-        return args, kwargs
+        return args, dict(kwargs, input_ids=None, inputs_embeds=stage.received)
 
     return receive
 
 
-def partial_catch(stage: Stage) -> Callable:
+def _catch_hook(stage: Stage) -> Callable:
+    """A decoder hook keeping its output (after the final norm on the last stage; the last layer's on the others)."""
+
     def catch(module, args, output):
         stage.output = output[0]
 
