@@ -301,7 +301,9 @@ class FSDP2Strategy:
         if not self.pipelined:
             return clip_gradients(parameters, max_norm)
         uncounted = frozenset(id(p) for p in parameters if id(p) in self.tied and self.pp_rank != 0)
-        for param in [p for p in parameters if id(p) in self.tied and p.grad is not None]:
+        for param in [p for p in parameters if id(p) in self.tied]:
+            if param.grad is None:  # a copy no head read (a critic's LM head): the other copy's gradient is its own
+                param.grad = torch.zeros_like(param)
             dist.all_reduce(local(param.grad), group=self.tied_group)
         return clip_gradients(parameters, max_norm, self.pp_group, uncounted)
 

@@ -128,7 +128,7 @@ def check_layout(
         )
     if parallel.cp > 1 and vision:  # else the first batch of image prompts refuses it, after the model loaded
         raise ConfigError("context parallelism over image prompts is not supported yet; set training.parallel.cp=1")
-    if parallel.pp > text_config.num_hidden_layers:
+    if parallel.pp > 1 and parallel.pp > text_config.num_hidden_layers:
         raise ConfigError(
             f"training.parallel.pp={parallel.pp} stages need at least one decoder layer each, and "
             f"{text_config.model_type} has {text_config.num_hidden_layers}; set training.parallel.pp <= "
