@@ -170,7 +170,7 @@ class Backend:
     def num_parameters(self) -> tuple[int, int]:
         """(the model's parameters, the trained ones), whole-model counts on any rank (a sharded parameter, a
         DTensor, counts its full shape)."""
-        return sum(p.numel() for p in self.model.parameters()), sum(p.numel() for p in self.trainable)
+        return self.strategy.count_parameters(self.model, self.trainable)  # every stage's at pp > 1
 
     # --- per-token passes ----------------------------------------------------------------------
 

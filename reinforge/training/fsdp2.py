@@ -321,6 +321,18 @@ class FSDP2Strategy:
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
         return values
 
+    def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
+        """Whole-model counts (a DTensor counts its full shape); at pp > 1 every stage's, summed over the pipeline
+        group, a tied embedding's second copy not counted (one process holds one tensor)."""
+        own = [
+            [p for p in params if not (id(p) in self.tied and self.pp_rank != 0)]
+            for params in (model.parameters(), trainable)
+        ]
+        counts = torch.tensor([sum(p.numel() for p in params) for params in own], device=self.device)
+        if self.pipelined:
+            dist.all_reduce(counts, group=self.pp_group)
+        return counts[0].item(), counts[1].item()
+
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Full fp32 weights (of `names` only, when given: one process's names) on every rank (a collective); tied
         names share one object. Pipeline stages: each name's owner stage gathers it and broadcasts it to the

@@ -97,6 +97,10 @@ class Strategy(Protocol):
         decides with it)."""
         ...
 
+    def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
+        """(the model's parameters, the `trainable` ones), whole-model counts (a collective on FSDP2 ranks)."""
+        ...
+
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The model's whole (unsharded) state dict, or its tensors of `names`."""
         ...
@@ -164,6 +168,9 @@ class LocalStrategy:
 
     def all_min(self, values: torch.Tensor) -> torch.Tensor:
         return values
+
+    def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
+        return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trainable)
 
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         state_dict = model.state_dict()

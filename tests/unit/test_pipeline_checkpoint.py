@@ -73,7 +73,7 @@ def run_rank(rank, world_size, ports, model_dir, out_dir):
     strategies = iter(FSDP2Strategy(rank, world_size, "127.0.0.1", port) for port in ports)
     pp2, result = dict(pp=2), {}
     saver = make_backend(model_dir, next(strategies), pp2)
-    result["initial"] = dict(saver.named_weights())
+    result["initial"], result["counts"] = dict(saver.named_weights()), saver.num_parameters()
     result["parts"] = [dict(saver.named_weights(part)) for part in range(saver.num_weight_parts())]
     saver.save_pretrained(out_dir / "export")
     for _ in range(2):
@@ -110,6 +110,7 @@ def runs(tmp_path_factory):
     torch.save(batch, out_dir / "batch.pt")
     one = make_backend(model_dir)
     initial = {name: tensor.clone() for name, tensor in one.named_weights()}
+    counts = one.num_parameters()
     for _ in range(2):
         one.train_step(batch, STEP)
     one.save_state(out_dir / "one")
@@ -126,6 +127,7 @@ def runs(tmp_path_factory):
     return {
         "dir": out_dir,
         "initial": initial,
+        "counts": counts,
         "one": uninterrupted,
         "ranks": ranks,
         "in_one_process": next_step(resumed, batch),
@@ -148,6 +150,7 @@ def test_full_weights_at_pp2_are_one_process_weights_exactly(runs):
     exported = AutoModelForCausalLM.from_pretrained(runs["dir"] / "export")
     assert exported.lm_head.weight is exported.model.embed_tokens.weight  # the tie written once
     for rank in runs["ranks"]:  # every rank gets every tensor whole, the other stage's broadcast to it
+        assert rank["counts"] == runs["counts"]  # every stage's parameters, the tied embedding once
         assert list(rank["initial"]) == list(initial)
         assert rank["initial"][TIED[1]].data_ptr() == rank["initial"][TIED[0]].data_ptr()
         parts = [list(part) for part in rank["parts"]]  # one decoder layer at a time, what is outside them first
