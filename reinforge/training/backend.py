@@ -170,7 +170,7 @@ class Backend:
     def num_parameters(self) -> tuple[int, int]:
         """(the model's parameters, the trained ones), whole-model counts on any rank (a sharded parameter, a
         DTensor, counts its full shape)."""
-        return sum(p.numel() for p in self.model.parameters()), sum(p.numel() for p in self.trainable)
+        return self.strategy.count_parameters(self.model, self.trainable)  # every stage's at pp > 1
 
     # --- per-token passes ----------------------------------------------------------------------
 
@@ -348,7 +348,7 @@ class Backend:
         gathers one at a time, so no rank holds more than one layer's full weights beside its shards."""
         if not hasattr(self, "_weight_parts"):
             parts: dict[int, list[str]] = {}
-            for name in self.model.state_dict():
+            for name in self.strategy.state_names(self.model):  # every stage's at pp > 1
                 layer = re.search(r"\.layers\.(\d+)\.", name)
                 parts.setdefault(int(layer.group(1)) if layer else -1, []).append(name)
             self._weight_parts = [parts[key] for key in sorted(parts)]

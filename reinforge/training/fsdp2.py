@@ -48,6 +48,7 @@ from reinforge.training.base import TrainingConfig
 from reinforge.training.lora import adapter_state_dict, is_adapter_key
 from reinforge.training.micro_batching import Prompts, select_micro_batch, split_to
 from reinforge.training.numerics import local
+from reinforge.training.parallel import pipeline_weights
 from reinforge.training.parallel.context import split_context
 from reinforge.training.parallel.expert import expert_fsdp_mesh, expert_mesh, expert_modules, shard_experts
 from reinforge.training.parallel.layout import ParallelConfig, build_mesh, check_layout, clip_gradients, fsdp_mesh
@@ -141,6 +142,7 @@ class FSDP2Strategy:
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
         self.is_main = rank == 0
+        self.full_layouts: dict[int, pipeline_weights.FullLayout] = {}  # by id(model), at pp > 1
 
     def setup(self, training: TrainingConfig) -> TrainingConfig:
         if not isinstance(training.parallel, ParallelConfig):
@@ -319,11 +321,39 @@ class FSDP2Strategy:
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
         return values
 
+    def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
+        """Whole-model counts (a DTensor counts its full shape); at pp > 1 every stage's, summed over the pipeline
+        group, a tied embedding's second copy not counted (one process holds one tensor)."""
+        own = [
+            [p for p in params if not (id(p) in self.tied and self.pp_rank != 0)]
+            for params in (model.parameters(), trainable)
+        ]
+        counts = torch.tensor([sum(p.numel() for p in params) for params in own], device=self.device)
+        if self.pipelined:
+            dist.all_reduce(counts, group=self.pp_group)
+        return counts[0].item(), counts[1].item()
+
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """Full fp32 weights (of `names` only, when given) on every rank (a collective); keep_vars: tied names
-        share one object."""
+        """Full fp32 weights (of `names` only, when given: one process's names) on every rank (a collective); tied
+        names share one object. Pipeline stages: each name's owner stage gathers it and broadcasts it to the
+        others (parallel/pipeline_weights.py)."""
+        if self.parallel.pp > 1:
+            layout = self._full_layout(model)
+            return pipeline_weights.full_state_dict(model, names, layout, self.pp_group, self.pp_rank, self.device)
         state_dict = model.state_dict(keep_vars=True)
         return gather(state_dict if names is None else {name: state_dict[name] for name in names})
+
+    def state_names(self, model: torch.nn.Module) -> list[str]:
+        """One process's state-dict names of the model (every stage's, in order, at pp > 1: a collective the first
+        time)."""
+        if self.parallel.pp > 1:
+            return list(self._full_layout(model).names)
+        return list(model.state_dict())
+
+    def _full_layout(self, model: torch.nn.Module) -> pipeline_weights.FullLayout:
+        if id(model) not in self.full_layouts:
+            self.full_layouts[id(model)] = pipeline_weights.full_layout(model, self.pp_group)
+        return self.full_layouts[id(model)]
 
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
         """Every rank gathers; rank 0 writes the Hugging Face directory."""
@@ -335,9 +365,14 @@ class FSDP2Strategy:
     @torch.no_grad()
     def save_adapter(self, model: torch.nn.Module, peft: torch.nn.Module, path: Path) -> None:
         """The LoRA adapter in PEFT's format: every rank gathers the adapter's tensors, rank 0 writes them."""
-        adapter = gather(adapter_state_dict(model))
-        if self.is_main:  # PEFT's names are the PeftModel's: the Hugging Face model's under base_model.model
-            peft.save_pretrained(path, state_dict={f"base_model.model.{name}": t for name, t in adapter.items()})
+        if self.parallel.pp > 1:  # each stage's adapters, by one process's names
+            adapter = self.full_state_dict(model, [name for name in self.state_names(model) if is_adapter_key(name)])
+            if self.is_main:
+                pipeline_weights.save_adapter(peft, adapter, path)
+        else:
+            adapter = gather(adapter_state_dict(model))
+            if self.is_main:  # PEFT's names are the PeftModel's: the Hugging Face model's under base_model.model
+                peft.save_pretrained(path, state_dict={f"base_model.model.{name}": t for name, t in adapter.items()})
         dist.barrier()
 
     def save_state(self, model, optimizer, scheduler, path: Path, adapter_only: bool) -> None:

@@ -97,8 +97,16 @@ class Strategy(Protocol):
         decides with it)."""
         ...
 
+    def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
+        """(the model's parameters, the `trainable` ones), whole-model counts (a collective on FSDP2 ranks)."""
+        ...
+
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The model's whole (unsharded) state dict, or its tensors of `names`."""
+        ...
+
+    def state_names(self, model: torch.nn.Module) -> list[str]:
+        """The names of the model's whole state dict (on FSDP2 ranks at pp > 1: every stage's)."""
         ...
 
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None: ...
@@ -161,9 +169,15 @@ class LocalStrategy:
     def all_min(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
+        return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trainable)
+
     def full_state_dict(self, model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         state_dict = model.state_dict()
         return state_dict if names is None else {name: state_dict[name] for name in names}
+
+    def state_names(self, model: torch.nn.Module) -> list[str]:
+        return list(model.state_dict())
 
     def save_pretrained(self, model: torch.nn.Module, path: Path) -> None:
         model.save_pretrained(path)
