@@ -50,8 +50,8 @@ from reinforge.training.lora import adapter_disabled, merge_lora_weights, scalin
 from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, model_layouts, plan_micro_batches
 from reinforge.training.moe import MoeRouting, RoutedTokens, forward_metrics, model_routing
 from reinforge.training.numerics import (
-    NONE,
     NonfiniteSteps,
+    ParameterNames,
     fault_step,
     gradient_code,
     local,
@@ -153,6 +153,7 @@ class Backend:
         trained = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         self.trainable_names, self.trainable = [name for name, _ in trained], [p for _, p in trained]
         self.nonfinite = NonfiniteSteps(training.max_nonfinite_steps)
+        self.names = ParameterNames.of(self.strategy, self.model, self.trainable_names)  # numerics' names
         self.fault_at = fault_step() if nonfinite_fault_at is None else nonfinite_fault_at
         self.role = "the critic's training" if getattr(self.head, "module", None) == "value_head" else "training"
         self.versions: dict[int, list[torch.Tensor]] = {}  # keep_version's copies
@@ -239,7 +240,7 @@ class Backend:
         if step == self.fault_at:  # the testing hook: this step's gradients are NaN
             for grad in (p.grad for p in self.trainable if p.grad is not None):
                 local(grad).fill_(float("nan"))
-        gradient = gradient_code(self.trainable)  # before clipping spreads a NaN to every gradient
+        gradient = gradient_code(self.trainable, self.names.codes)  # before clipping spreads a NaN to every gradient
         grad_norm = self.strategy.clip_gradients(self.trainable, clip_norm(self.optimizer_config))
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         note = self._skip_note(step, losses, gradient, grad_norm)
@@ -257,7 +258,7 @@ class Backend:
         """Whether this step is skipped, decided alike on every rank: the line that says so (None: it is not), or a
         `NumericalError` at `training.max_nonfinite_steps` in a row."""
         loss, first_gradient, norm_finite = reduced_checks(self.strategy, losses, gradient, grad_norm)
-        if (fault := step_fault(loss, norm_finite, self.strategy.world_size, self._name(first_gradient))) is None:
+        if (fault := step_fault(loss, norm_finite, self.strategy.world_size, self.names.name(first_gradient))) is None:
             return None
         return self.nonfinite.skip(step, fault, self.role)
 
@@ -265,10 +266,7 @@ class Backend:
         """The first trained parameter that is not finite (or too large; with `moments`, or whose AdamW moments are
         not finite) on some rank; None when all are (a collective on FSDP2 ranks)."""
         optimizer = self.optimizer if moments else None
-        return nonfinite_parameter(self.strategy, self.trainable_names, self.trainable, optimizer)
-
-    def _name(self, index: int) -> str | None:
-        return self.trainable_names[index] if index < NONE else None
+        return nonfinite_parameter(self.strategy, self.names, self.trainable, optimizer)
 
     def accumulate_gradients(self, batch: TrainBatch, loss_fn: LossFn | Loss) -> dict[str, float]:
         """Add the gradient of the global-batch loss to `.grad`, one micro-batch at a time; the batch's metrics."""

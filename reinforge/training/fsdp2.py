@@ -124,11 +124,14 @@ def reduce_metrics(
 
 def gather(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each tensor of a (sharded) state dict whole, on the CPU (a collective: every rank calls it with the
-    same names); names bound to one tensor object stay bound to one."""
+    same names); names bound to one tensor object stay bound to one. Always a copy: on the CPU a replicated
+    DTensor's `full_tensor` (or a plain tensor) is the parameter's own storage, which the next step changes."""
     gathered: dict[int, torch.Tensor] = {}
     for tensor in state_dict.values():
         if id(tensor) not in gathered:
-            gathered[id(tensor)] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+            whole = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+            own = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage().data_ptr()
+            gathered[id(tensor)] = whole.to("cpu", copy=whole.untyped_storage().data_ptr() == own)
     return {name: gathered[id(tensor)] for name, tensor in state_dict.items()}
 
 

@@ -75,26 +75,46 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def nonfinite_parameter(strategy, names: list[str], parameters: list[torch.Tensor], optimizer=None) -> str | None:
+@dataclass(frozen=True)
+class ParameterNames:
+    """The names the ranks' parameter codes index, the same list on every rank, and each trained parameter's code:
+    the trained names themselves, or at pp > 1 (each stage holding other parameters) one process's state-dict
+    names, so that the least code over the ranks names the right parameter."""
+
+    names: list[str]
+    codes: list[int]
+
+    @classmethod
+    def of(cls, strategy, model: torch.nn.Module, trained: list[str]) -> "ParameterNames":
+        if not strategy.pipelined:
+            return cls(trained, list(range(len(trained))))
+        position = {name: i for i, name in enumerate(strategy.state_names(model))}
+        return cls(list(position), [position[name] for name in trained])
+
+    def name(self, code: int) -> str | None:
+        return self.names[code] if code < NONE else None
+
+
+def nonfinite_parameter(strategy, names: ParameterNames, parameters: list[torch.Tensor], optimizer=None) -> str | None:
     """The name of the first parameter whose weights' norm is not finite (`first_nonfinite`; with `optimizer`: or whose
     AdamW moments hold a NaN or an infinity) on some rank, None when there is none: a fused reduction over this
     rank's shards, then the minimum over the ranks (`strategy.all_min`, a collective on FSDP2 ranks)."""
-    first = first_nonfinite([local(p).detach() for p in parameters]).to(strategy.device)
+    first = first_nonfinite([local(p).detach() for p in parameters], names.codes).to(strategy.device)
     if optimizer is not None:
-        moments = [(i, state[key]) for i, p in enumerate(parameters) for state in [optimizer.state.get(p, {})]
-                   for key in ("exp_avg", "exp_avg_sq") if key in state]  # fmt: skip
+        states = [(code, optimizer.state.get(p, {})) for code, p in zip(names.codes, parameters)]
+        moments = [(code, state[key]) for code, state in states for key in ("exp_avg", "exp_avg_sq") if key in state]
         owners = [i for i, _ in moments]
         moment = first_nonfinite([local(m).detach() for _, m in moments], owners, INF).to(strategy.device)
         first = torch.minimum(first, moment)
-    first = int(strategy.all_min(first.reshape(1))[0])
-    return None if first >= NONE else names[first]
+    return names.name(int(strategy.all_min(first.reshape(1))[0]))
 
 
-def gradient_code(parameters: list[torch.Tensor]) -> torch.Tensor:
-    """The index of the first parameter whose gradient (this rank's shard) holds a NaN or an infinity, NONE when none
-    does, without a wait for the device: taken before clipping, which spreads one NaN to every gradient."""
+def gradient_code(parameters: list[torch.Tensor], codes: list[int]) -> torch.Tensor:
+    """The code (`ParameterNames`) of the first parameter whose gradient (this rank's shard) holds a NaN or an
+    infinity, NONE when none does, without a wait for the device: taken before clipping, which spreads one NaN to
+    every gradient."""
     indices = [i for i, param in enumerate(parameters) if param.grad is not None]
-    return first_nonfinite([local(parameters[i].grad).detach() for i in indices], indices)
+    return first_nonfinite([local(parameters[i].grad).detach() for i in indices], [codes[i] for i in indices])
 
 
 def reduced_checks(strategy, losses: list[torch.Tensor], gradient: torch.Tensor, grad_norm) -> tuple[int, int, bool]:
