@@ -25,7 +25,7 @@ def test_grpo_with_vllm_raises_reward_and_logs_refit_and_consistency(tmp_path):
         "generation.backend=vllm",
         "loop.max_steps=12",
         "loop.val_every=0",
-        "checkpoint.save_every=10",
+        "checkpoint.save_every=8",
         "checkpoint.keep_last=0",
         "checkpoint.resume=auto",
     ]
@@ -43,9 +43,9 @@ def test_grpo_with_vllm_raises_reward_and_logs_refit_and_consistency(tmp_path):
         rows[-1]["val/accuracy"],
     )
 
-    # A crash after step 10's checkpoint: the same run directory without what came after it. The same
-    # command resumes from step 10 (a fresh engine refitted with the checkpoint's weights) and must
-    # recompute steps 11-12 exactly (step 12 after a refit of the resumed run's own).
+    # A crash after step 8's checkpoint: the same run directory without what came after it. The same
+    # command resumes from step 8 (a fresh engine refitted with the checkpoint's weights) and must
+    # recompute steps 9-12 exactly.
     crashed = tmp_path / "crashed"
     shutil.copytree(tmp_path / "run", crashed)
     shutil.rmtree(crashed / "checkpoints" / "step_00000012")
