@@ -145,6 +145,7 @@ def test_a_teacher_of_another_size_with_the_students_tokenizer_distils(tmp_path,
             "loop.max_steps=1",
             "loop.val_every=0",
             "data.max_val_prompts=4",
+            "cluster.max_restarts=0",  # in this process, not a supervised child
             f"logging.run_dir={tmp_path / 'run'}",
         ]
     )
