@@ -82,8 +82,10 @@ def ranks_of(process: subprocess.Popen) -> list[int]:
 def test_a_stopped_and_then_a_killed_fsdp2_rank_each_restart_the_run_and_it_ends_like_a_run_never_killed(tmp_path):
     """One supervised run on two FSDP2 ranks, cluster.max_restarts at its default: a rank SIGSTOPped once step 1 is
     checkpointed (the calls may take 600 s, cluster.worker_timeout_s's default) is noticed by its heartbeat in seconds,
-    named as stopped, its own stack in the hang report; a rank of the restarted run SIGKILLed mid-step 3 is named as
-    died; each restart resumes from the newest checkpoint, and the run ends with the metrics of a run never killed."""
+    named as stopped, its own stack in the hang report; a rank of the restarted run SIGKILLed mid-step 3 ends that
+    attempt within seconds with one line naming it as died (exit 75: restartable), and every Ray process of that
+    attempt exits on its own; each restart resumes from the newest checkpoint, and the run ends with the metrics of a
+    run never killed."""
     reference = subprocess.run(command(tmp_path / "reference", *FSDP2), capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
     run = tmp_path / "run"
@@ -98,7 +100,19 @@ def test_a_stopped_and_then_a_killed_fsdp2_rank_each_restart_the_run_and_it_ends
         wait_for(process, run / "restarts.jsonl")  # the heartbeat's restart, from step 1
         wait_for(process, run / "checkpoints" / "step_00000002" / "COMPLETE")
         time.sleep(0.2)  # into step 3: generation or training
+        attempt = [pid for pid in descendants(process.pid) if "reinforge.cli grpo" in cmdline(pid)][-1]
+        ours = [
+            pid for pid in descendants(attempt) if any(n in cmdline(pid) for n in ("ray::", "raylet", "gcs_server"))
+        ]
+        assert len(ours) >= 4, ours  # the ranks, the engine's actor, raylet, GCS
         os.kill([pid for pid in ranks_of(process) if pid != stopped][-1], signal.SIGKILL)
+        killed_at = time.time()
+        while process.poll() is None and len(json_rows(run / "restarts.jsonl")) < 2 and time.time() < killed_at + 60:
+            time.sleep(0.1)
+        ended_after = time.time() - killed_at
+        while [pid for pid in ours if cmdline(pid)] and time.time() < killed_at + ended_after + 30:
+            time.sleep(0.5)  # every Ray process of the killed attempt exits on its own
+        left = [cmdline(pid) for pid in ours if cmdline(pid)]
         stdout, stderr = process.communicate(timeout=600)
     finally:
         with contextlib.suppress(ProcessLookupError, TypeError):  # gone once restarted; if not, so it can be killed
@@ -114,6 +128,8 @@ def test_a_stopped_and_then_a_killed_fsdp2_rank_each_restart_the_run_and_it_ends
     assert ": stopped (T)) in " in hang and hang.endswith(f"(cluster.heartbeat_timeout_s=5); stacks in {run}/"
                                                             "hang_report.txt"), hang  # fmt: skip
     assert died.startswith("training[") and "died" in died, died
+    assert restarts[1]["exit"] == 75 and restarts[1]["last_line"] == f"reinforge: error: {died}", restarts[1]
+    assert ended_after < 30 and left == [], (ended_after, left)
     assert "reinforge: restart 2 of 3" in stderr and "(resumed from step_00000002)" in stdout
     assert comparable(run) == comparable(tmp_path / "reference")
 
