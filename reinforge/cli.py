@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         from reinforge import supervisor
 
         settings = supervisor.settings(getattr(args, "config", None) or str(DEMO_CONFIG), args.overrides)
-        if settings.max_restarts and not supervisor.supervised():
+        dry_run = getattr(args, "validate", False)  # trains nothing, so nothing to restart: no child process
+        if settings.max_restarts and not supervisor.supervised() and not dry_run:
             return supervisor.supervise(argv, settings)
     # Imports after parsing so that `--help` is instant.
     from reinforge import exits, hang

@@ -13,6 +13,10 @@ overlap with each other carry an xdist group, and a group runs on one worker, te
   module's servers start once and share the cores with one other worker only.
 Each worker keeps torch to one thread, and so do the processes it starts (OMP_NUM_THREADS), so that
 the two workers share the cores instead of fighting over them.
+
+`reinforge.cli.main([...])` of a training command starts its run in a supervised child process (a new interpreter,
+seconds) unless `cluster.max_restarts=0` is among its overrides: a test of the command's own line or run passes it,
+and leaves the supervisor's relay of that line to the tests that run the real CLI (tests/e2e/test_cli.py).
 """
 
 import os

@@ -1,12 +1,14 @@
-"""Lossless async resume: an async GRPO run (generation one policy ahead of training) killed with SIGKILL at five
-random moments and resumed each time trains on exactly the prompts of a run never killed: the same prompt ordinals
-step by step (RUN_DIR/prompts.jsonl), none missing, none twice, with the same metrics."""
+"""Lossless async resume: an async GRPO run (generation one policy ahead of training, the batch generated ahead kept
+in each checkpoint) killed with SIGKILL at three random moments and once right after a checkpoint, and resumed each
+time, trains on exactly the prompts of a run never killed: the same prompt ordinals step by step
+(RUN_DIR/prompts.jsonl), none missing, none twice, with the same metrics. (At rollout.max_staleness=0 an async run
+equals the synchronous one: tests/e2e/test_async_grpo.py.)"""
 
 import subprocess
 from collections import Counter
 
 import pytest
-from _kill import cli_command, json_rows, kill_at_random_moments
+from _kill import cli_command, json_rows, kill_at_random_moments, kill_once_step_checkpointed
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -47,7 +49,14 @@ def comparable(run_dir) -> list[dict]:
     ]
 
 
-def test_an_async_run_killed_at_five_random_moments_trains_on_exactly_the_prompts_of_a_run_never_killed(tmp_path):
+def newest_checkpoint(run_dir) -> int:
+    """The newest complete checkpoint's step (0 without one)."""
+    return max((int(path.parent.name[5:]) for path in run_dir.glob("checkpoints/step_*/COMPLETE")), default=0)
+
+
+def test_an_async_run_killed_at_random_moments_and_after_a_checkpoint_trains_on_the_prompts_of_a_run_never_killed(
+    tmp_path,
+):
     reference = tmp_path / "uninterrupted"
     result = subprocess.run(command(reference), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -55,12 +64,21 @@ def test_an_async_run_killed_at_five_random_moments_trains_on_exactly_the_prompt
     assert [step for step, _ in expected] == [1, 2, 3, 4, 5, 6]
     assert all(len(ordinals) == 4 for _, ordinals in expected)
     assert sorted(o for _, ordinals in expected for o in ordinals) == list(range(24))  # the stream, in draws
+    steps = [row for row in json_rows(reference / "metrics.jsonl") if row["step"] > 0]
+    assert [row["rollout/policy_version"] for row in steps] == [0, 0, 1, 2, 3, 4]  # one policy behind
+    # IS correction on: the engine's policy is the trainer's at step 1 only
+    assert [abs(row["train/is_ratio_mean"] - 1.0) > 1e-5 for row in steps] == [False] + [True] * 5
 
     run = tmp_path / "killed"
     kills = kill_at_random_moments(command(run), run, reference, seed=26)
+    assert kills >= 3, kills
+    # and once as soon as a checkpoint, holding the batch generated ahead, is complete (the last step has none ahead)
+    after = newest_checkpoint(run) + 1
+    assert after <= 5, after
+    kill_once_step_checkpointed(command(run), run, after)
     final = subprocess.run(command(run), capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stderr[-3000:]
-    assert kills >= 3, kills
+    assert f"resumed from step_{after:08d}" in final.stdout
     got = trained_prompts(run)
     ordinals = Counter(o for _, step_ordinals in got for o in step_ordinals)
     assert sorted(ordinals) == list(range(24)) and set(ordinals.values()) == {1}, ordinals  # none lost, none twice

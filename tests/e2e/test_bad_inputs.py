@@ -233,6 +233,8 @@ def test_a_bad_input_is_one_error_line_and_leaves_no_directory(case, files, caps
     args = make_args(files)
     if args[0] in ("grpo", "sft", "dpo", "rm") and not any(a.startswith("logging.run_dir=") for a in args):
         args.append(f"logging.run_dir={files}/run")
+    if args[0] in ("grpo", "sft", "dpo", "rm"):  # in this process, not a supervised child started per case (the
+        args.append("cluster.max_restarts=0")  # supervisor relays the same line: tests/e2e/test_cli.py)
     status = main(args)
     captured = capsys.readouterr()
     assert status == 2, (case, captured.err[-2000:])

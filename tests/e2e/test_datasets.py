@@ -1,6 +1,7 @@
 """Datasets as users keep them, through the command line: GRPO from a parquet file and from a directory saved with
 `datasets`, their columns renamed (`data.columns`); SFT from a parquet of chats; a missing column, a bad row and
-an unreachable hub name each one line. The files are the shipped demo data, rewritten by the real `datasets`."""
+an unreachable hub name each one line (the first two through cli.main in this process). The files are the shipped demo
+data, rewritten by the real `datasets`."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import datasets
 import pytest
 
+from reinforge.cli import main
 from reinforge.paths import PROJECT_ROOT
 
 CONFIGS = PROJECT_ROOT / "configs"
@@ -109,21 +111,31 @@ def test_sft_trains_on_a_parquet_of_chats(tmp_path):
     assert (tmp_path / "run" / "final").is_dir()
 
 
-def test_a_missing_column_and_a_bad_row_are_one_line_errors_naming_the_row(gsm_style, tmp_path):
+def grpo_here(capsys, run_dir, *overrides) -> subprocess.CompletedProcess:
+    """`grpo` through cli.main in this process (cluster.max_restarts=0: no supervised child, no interpreter start-up;
+    the supervisor relays the same line: tests/e2e/test_cli.py), as a finished command."""
+    status = main(["grpo", "--config", str(CONFIGS / "grpo_demo.yaml"), f"logging.run_dir={run_dir}",
+                   "checkpoint.resume=never", "cluster.max_restarts=0", *TINY, *overrides])  # fmt: skip
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["grpo"], status, captured.out, captured.err)
+
+
+def test_a_missing_column_and_a_bad_row_are_one_line_errors_naming_the_row(gsm_style, tmp_path, capsys):
     parquet = gsm_style / "train.parquet"
-    result = grpo(tmp_path / "run", f"data.train_path={parquet}", "data.columns.prompt=problem")
+    result = grpo_here(capsys, tmp_path / "run", f"data.train_path={parquet}", "data.columns.prompt=problem")
     assert_one_line_error(
         result, f"{parquet}: row 0: no column 'problem' (data.columns.prompt)", "its columns are question, solution"
     )
     rows = [{"question": "What is 2 + 2?", "solution": "4"}, {"question": None, "solution": "5"}]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "bad.parquet"))
-    result = grpo(tmp_path / "run", f"data.train_path={tmp_path / 'bad.parquet'}", "data.columns.prompt=question")
+    bad = f"data.train_path={tmp_path / 'bad.parquet'}"
+    result = grpo_here(capsys, tmp_path / "run", bad, "data.columns.prompt=question")
     assert_one_line_error(result, f"{tmp_path / 'bad.parquet'}: row 1: question must be a string")
     assert not (tmp_path / "run").exists()
 
 
-def test_the_old_prompt_key_points_to_data_columns(tmp_path):
-    result = grpo(tmp_path / "run", "data.prompt_key=question")
+def test_the_old_prompt_key_points_to_data_columns(tmp_path, capsys):
+    result = grpo_here(capsys, tmp_path / "run", "data.prompt_key=question")
     assert_one_line_error(result, "unknown config key data.prompt_key", "did you mean data.columns.prompt?")
 
 

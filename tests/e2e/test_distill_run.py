@@ -85,8 +85,10 @@ def test_a_distillation_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_
 
 
 def one_line_error(capsys, run_dir, *overrides):
-    """The CLI in this process (no interpreter start-up per case): its exit status and stderr's lines."""
-    status = main(["distill", "--config", str(CONFIG), *SMALL, *overrides, f"logging.run_dir={run_dir}"])
+    """The CLI in this process (no supervised child, no interpreter start-up per case): its exit status and stderr's
+    lines."""
+    here = "cluster.max_restarts=0"  # the supervisor relays the same line: tests/e2e/test_cli.py
+    status = main(["distill", "--config", str(CONFIG), *SMALL, *overrides, here, f"logging.run_dir={run_dir}"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(lines) == 1 and lines[0].startswith("reinforge: error: "), lines
     return lines[0]
@@ -143,6 +145,7 @@ def test_a_teacher_of_another_size_with_the_students_tokenizer_distils(tmp_path,
             "loop.max_steps=1",
             "loop.val_every=0",
             "data.max_val_prompts=4",
+            "cluster.max_restarts=0",  # in this process, not a supervised child
             f"logging.run_dir={tmp_path / 'run'}",
         ]
     )

@@ -89,7 +89,7 @@ def test_agent_episodes_in_flight_span_updates_and_are_all_recorded(tmp_path):
     assert len(ordinals) == len(set(ordinals)) == 8 * len(steps)
 
 
-def test_an_in_flight_run_killed_at_five_random_moments_loses_no_prompt_and_trains_none_twice(tmp_path):
+def test_an_in_flight_run_killed_at_three_random_moments_loses_no_prompt_and_trains_none_twice(tmp_path):
     """Which groups finish first depends on timing, so the prompts of each step are not those of another run; what
     must hold: every prompt drawn is trained once, or is still owed (finished or to be generated again) in the last
     checkpoint."""

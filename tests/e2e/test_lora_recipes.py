@@ -207,7 +207,10 @@ def test_bad_lora_input_is_a_one_line_error_before_any_run_directory(command, tm
         ([*lora, f"model.adapter={other_base_adapter}"], "was trained on"),
         ([*lora, "model.lora.quantize_base=nf4"], "model.lora.quantize_base (QLoRA) is not supported by"),
     ] + ([(["sft.random_init=true"], "sft.random_init does not go with model.lora")] if command == "sft" else []):
-        status = main([command, "--config", str(CONFIGS[command]), f"logging.run_dir={tmp_path / 'run'}", *overrides])
+        here = "cluster.max_restarts=0"  # in this process, not a supervised child per case (as tests/e2e/test_cli.py)
+        status = main(
+            [command, "--config", str(CONFIGS[command]), f"logging.run_dir={tmp_path / 'run'}", here, *overrides]
+        )
         stderr = capsys.readouterr().err
         assert status == 2, (overrides, stderr)
         assert (

@@ -119,7 +119,8 @@ def test_a_ppo_run_killed_after_step_2_resumes_to_the_metrics_of_a_run_never_kil
 )
 def test_what_ppo_does_not_support_is_one_line_before_any_run_directory(tmp_path, capsys, override, message):
     run_dir = tmp_path / "run"
-    assert main(["ppo", "--config", str(CONFIG), override, f"logging.run_dir={run_dir}"]) == 2
+    here = "cluster.max_restarts=0"  # in this process, not a supervised child (as tests/e2e/test_cli.py)
+    assert main(["ppo", "--config", str(CONFIG), override, here, f"logging.run_dir={run_dir}"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("reinforge: error: ") and message in error[0], error
     assert not run_dir.exists()

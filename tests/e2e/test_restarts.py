@@ -1,7 +1,8 @@
 """Automatic recovery (cluster.max_restarts, reinforge/supervisor.py): a run whose process or training rank is killed
-with SIGKILL mid-step restarts itself from its last checkpoint and ends with the metrics of a run never killed; past
-the bound the command stops with one line."""
+with SIGKILL mid-step, or whose rank is stopped (SIGSTOP, noticed by its heartbeat), restarts itself from its last
+checkpoint and ends with the metrics of a run never killed; past the bound the command stops with one line."""
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 
 import pytest
 from _kill import cli_command, cmdline, descendants, json_rows
+from test_hangs import read_hang_report
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -65,16 +67,70 @@ def test_a_killed_run_process_restarts_from_its_checkpoint_and_ends_like_a_run_n
     assert comparable(run) == comparable(tmp_path / "reference")
 
 
+def wait_for(process: subprocess.Popen, path, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while process.poll() is None and not path.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert path.exists(), f"{path} never came: {process.poll()}"
+
+
+def ranks_of(process: subprocess.Popen) -> list[int]:
+    return [pid for pid in descendants(process.pid) if "ray::Backend" in cmdline(pid)]
+
+
 @pytest.mark.xdist_group("ray")
-def test_a_killed_fsdp2_rank_restarts_the_run_from_its_checkpoint_and_ends_like_a_run_never_killed(tmp_path):
+def test_a_stopped_and_then_a_killed_fsdp2_rank_each_restart_the_run_and_it_ends_like_a_run_never_killed(tmp_path):
+    """One supervised run on two FSDP2 ranks, cluster.max_restarts at its default: a rank SIGSTOPped once step 1 is
+    checkpointed (the calls may take 600 s, cluster.worker_timeout_s's default) is noticed by its heartbeat in seconds,
+    named as stopped, its own stack in the hang report; a rank of the restarted run SIGKILLed mid-step 3 ends that
+    attempt within seconds with one line naming it as died (exit 75: restartable), and every Ray process of that
+    attempt exits on its own; each restart resumes from the newest checkpoint, and the run ends with the metrics of a
+    run never killed."""
     reference = subprocess.run(command(tmp_path / "reference", *FSDP2), capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    run = tmp_path / "killed"
-    result = run_and_kill(command(run, *FSDP2), run, "ray::Backend")
-    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    line = command(run, *FSDP2, "cluster.heartbeat_timeout_s=5")
+    process = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        wait_for(process, run / "checkpoints" / "step_00000001" / "COMPLETE")
+        stopped = ranks_of(process)[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.time()
+        wait_for(process, run / "restarts.jsonl")  # the heartbeat's restart, from step 1
+        wait_for(process, run / "checkpoints" / "step_00000002" / "COMPLETE")
+        time.sleep(0.2)  # into step 3: generation or training
+        attempt = [pid for pid in descendants(process.pid) if "reinforge.cli grpo" in cmdline(pid)][-1]
+        ours = [
+            pid for pid in descendants(attempt) if any(n in cmdline(pid) for n in ("ray::", "raylet", "gcs_server"))
+        ]
+        assert len(ours) >= 4, ours  # the ranks, the engine's actor, raylet, GCS
+        os.kill([pid for pid in ranks_of(process) if pid != stopped][-1], signal.SIGKILL)
+        killed_at = time.time()
+        while process.poll() is None and len(json_rows(run / "restarts.jsonl")) < 2 and time.time() < killed_at + 60:
+            time.sleep(0.1)
+        ended_after = time.time() - killed_at
+        while [pid for pid in ours if cmdline(pid)] and time.time() < killed_at + ended_after + 30:
+            time.sleep(0.5)  # every Ray process of the killed attempt exits on its own
+        left = [cmdline(pid) for pid in ours if cmdline(pid)]
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError, TypeError):  # gone once restarted; if not, so it can be killed
+            os.kill(stopped, signal.SIGCONT)
+        process.kill()
+    assert process.returncode == 0, stderr[-3000:]
+    seconds, victim = read_hang_report(run, stopped, stopped_at)
+    assert seconds < 5 + 40  # the heartbeat timeout, a look, the stack dumps
     restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
-    assert len(restarts) == 1 and restarts[0]["cause"].startswith("training["), restarts
-    assert "died" in restarts[0]["cause"], restarts
+    assert len(restarts) == 2, restarts
+    hang, died = restarts[0]["cause"], restarts[1]["cause"]
+    assert hang.startswith(f"training: waited 5 s for a heartbeat from {victim} (pid {stopped}"), hang
+    assert ": stopped (T)) in " in hang and hang.endswith(f"(cluster.heartbeat_timeout_s=5); stacks in {run}/"
+                                                            "hang_report.txt"), hang  # fmt: skip
+    assert died.startswith("training[") and "died" in died, died
+    assert restarts[1]["exit"] == 75 and restarts[1]["last_line"] == f"reinforge: error: {died}", restarts[1]
+    assert ended_after < 30 and left == [], (ended_after, left)
+    assert "reinforge: restart 2 of 3" in stderr and "(resumed from step_00000002)" in stdout
     assert comparable(run) == comparable(tmp_path / "reference")
 
 

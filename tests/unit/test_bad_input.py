@@ -59,23 +59,43 @@ def test_plan_refuses_a_model_config_it_cannot_read_in_one_line(tmp_path):
 
 
 def test_a_layout_the_ranks_would_refuse_is_one_line_before_the_run_directory(tmp_path):
-    """training.cpu_offload on ranks without a GPU was refused by each rank, after the run directory existed."""
+    """training.cpu_offload on ranks without a GPU was refused by each rank, after the run directory existed (Ray's
+    ActorDiedError traceback); the ranks' placement (cluster.num_gpus_per_worker=0 on a machine without a GPU) says
+    they have none before any starts (a worker's own ConfigError is one line too: tests/unit/test_worker_group.py)."""
     run_dir = tmp_path / "run"
     result = reinforge(
         "grpo", "--config", "configs/grpo_demo.yaml", f"logging.run_dir={run_dir}", "training.backend=fsdp2",
         "training.num_workers=2", "training.cpu_offload=true",
     )  # fmt: skip
-    assert_one_line(result, "training.cpu_offload=true offloads GPU memory to the CPU, and the ranks have no GPU")
+    assert_one_line(
+        result,
+        "training.cpu_offload=true offloads GPU memory to the CPU, and the ranks have no GPU "
+        "(cluster.num_gpus_per_worker=0 or training.device=cpu); set it to false",
+    )
     assert not run_dir.exists()
+
+
+CP_IMAGES = "context parallelism over image prompts is not supported yet"
+CPU_OFFLOAD = "training.cpu_offload=true offloads GPU memory"
+FSDP2_HERE = ["training.backend=fsdp2", "training.num_workers=2", "cluster.max_restarts=0"]  # in this process
+
+
+def refused(capsys, config: str, *args: str) -> str:
+    """`reinforge COMMAND --config configs/CONFIG.yaml` on two FSDP2 ranks with `args`: exit status 2 and one line,
+    returned."""
+    assert main([config.split("_")[0], "--config", f"configs/{config}.yaml", *FSDP2_HERE, *args]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1, errors
+    return errors[0]
 
 
 @pytest.mark.parametrize(
     "config, overrides, expected",
     [
         # a vision-language model's images under context parallelism: refused at the first batch of image prompts
-        ("grpo_vlm_demo", ["training.parallel.cp=2"], "context parallelism over image prompts is not supported yet"),
-        ("sft_vlm_demo", ["training.parallel.cp=2"], "context parallelism over image prompts is not supported yet"),
-        ("sft_demo", ["training.cpu_offload=true"], "training.cpu_offload=true offloads GPU memory"),
+        ("grpo_vlm_demo", ["training.parallel.cp=2"], CP_IMAGES),
+        ("sft_vlm_demo", ["training.parallel.cp=2"], CP_IMAGES),
+        ("sft_demo", ["training.cpu_offload=true"], CPU_OFFLOAD),
         # GPUs asked of a Ray started on a machine without one: a placement timeout after the run directory
         pytest.param("grpo_demo", ["cluster.num_gpus_per_worker=1"], "Ray starts on this machine", marks=pytest.mark.
                      skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
@@ -87,26 +107,17 @@ def test_layouts_and_devices_the_ranks_refuse_are_one_line_before_the_run_direct
     tmp_path, capsys, config, overrides, expected
 ):
     run_dir = tmp_path / "run"
-    command = config.split("_")[0]
-    fsdp2 = ["training.backend=fsdp2", "training.num_workers=2", "cluster.max_restarts=0"]  # in this process
-    argv = [command, "--config", f"configs/{config}.yaml", f"logging.run_dir={run_dir}", *fsdp2, *overrides]
-    assert main(argv) == 2
-    errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and expected in errors[0], errors
+    assert expected in refused(capsys, config, f"logging.run_dir={run_dir}", *overrides)
     assert not run_dir.exists()
 
 
 @pytest.mark.parametrize(
     "config, overrides, expected",
     [
-        ("grpo_vlm_demo", ["training.parallel.cp=2"], "context parallelism over image prompts"),
+        ("grpo_vlm_demo", ["training.parallel.cp=2"], CP_IMAGES),
         ("grpo_vlm_demo", ["training.parallel.tp=2"], "tensor parallelism of a vision-language model"),
-        ("grpo_demo", ["training.cpu_offload=true"], "training.cpu_offload=true offloads GPU memory"),
+        ("grpo_demo", ["training.cpu_offload=true"], CPU_OFFLOAD),
     ],
 )
 def test_validate_refuses_what_the_run_refuses(capsys, config, overrides, expected):
-    argv = ["grpo", "--config", f"configs/{config}.yaml", "training.backend=fsdp2", "training.num_workers=2",
-            "cluster.max_restarts=0"]  # fmt: skip
-    assert main([*argv, *overrides, "--validate"]) == 2
-    errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and expected in errors[0], errors
+    assert expected in refused(capsys, config, *overrides, "--validate")

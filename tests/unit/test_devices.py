@@ -70,7 +70,8 @@ def test_the_run_says_where_it_computes_in_one_line():
 )
 def test_an_absent_device_stops_the_run_before_its_directory(command, setting, tmp_path, capsys):
     config = DEMO if command == "grpo" else str(PROJECT_ROOT / "configs" / "sft_demo.yaml")
-    status = main([command, "--config", config, setting, f"logging.run_dir={tmp_path}/run"])
+    here = "cluster.max_restarts=0"  # in this process, not a supervised child (as tests/e2e/test_cli.py)
+    status = main([command, "--config", config, setting, here, f"logging.run_dir={tmp_path}/run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and err[0].startswith(f"reinforge: error: {setting}, but this process")
     assert not (tmp_path / "run").exists()

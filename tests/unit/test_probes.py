@@ -2,10 +2,8 @@
 (401) and a wrong URL (404) are one-line configuration errors; an answer, or a 5xx (infrastructure, for the calls
 to retry), passes."""
 
-from http.server import BaseHTTPRequestHandler
-
 import pytest
-from _http import http_server
+from _http import QuietHandler, served
 
 from reinforge.algorithms.grpo_config import load_config
 from reinforge.data.prompts import Prompt
@@ -16,7 +14,7 @@ from reinforge.loops.probes import probe, probe_servers
 from reinforge.network import ThreadedServer, free_port
 
 
-class Answers(BaseHTTPRequestHandler):
+class Answers(QuietHandler):
     """Answers each path with the status its first segment names: /401/..., /404/..., /200/..., /503/..."""
 
     def _answer(self):
@@ -30,14 +28,8 @@ class Answers(BaseHTTPRequestHandler):
 
     do_GET = do_POST = _answer
 
-    def log_message(self, *args):
-        pass
 
-
-@pytest.fixture(scope="module")
-def server():
-    with http_server(Answers) as url:
-        yield url
+server = served(Answers, "server")
 
 
 def test_a_refused_port_a_wrong_key_and_a_wrong_url_are_one_line_and_an_answer_or_5xx_passes(server):
