@@ -107,8 +107,7 @@ def check_layout(
 ) -> None:
     """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise, or what
     the layout cannot split: recurrent layers (`stateful`, transformers' `_is_stateful`) under context parallelism,
-    LoRA adapters or a vision-language model under tensor parallelism, a vision-language model's images under
-    context parallelism."""
+    LoRA adapters under tensor parallelism, a vision-language model (`vision`) in pipeline stages."""
     check_expert_layout(parallel, text_config)
     if parallel.cp > 1 and stateful:
         raise ConfigError(
@@ -120,13 +119,11 @@ def check_layout(
             "model.lora with training.parallel.tp > 1 is not supported yet (the adapters would need their own "
             "tensor-parallel split); set training.parallel.tp=1: FSDP2 shards the frozen base over the ranks"
         )
-    if parallel.tp > 1 and vision:
+    if parallel.pp > 1 and vision:  # tp and cp split its language model only (parallel/tensor_plan.py, context.py)
         raise ConfigError(
-            "tensor parallelism of a vision-language model is not supported yet; set training.parallel.tp=1: "
-            "FSDP2 shards its decoder and vision layers over the ranks"
+            "pipeline parallelism of a vision-language model is not supported (its vision tower feeds the first "
+            "stage's embeddings); set training.parallel.pp=1: tp, cp and FSDP2 split it"
         )
-    if parallel.cp > 1 and vision:  # else the first batch of image prompts refuses it, after the model loaded
-        raise ConfigError("context parallelism over image prompts is not supported yet; set training.parallel.cp=1")
     if parallel.pp > text_config.num_hidden_layers:
         raise ConfigError(
             f"training.parallel.pp={parallel.pp} stages need at least one decoder layer each, and "
