@@ -72,9 +72,9 @@ def test_a_layout_the_ranks_would_refuse_is_one_line_before_the_run_directory(tm
 @pytest.mark.parametrize(
     "config, overrides, expected",
     [
-        # a vision-language model's images under context parallelism: refused at the first batch of image prompts
-        ("grpo_vlm_demo", ["training.parallel.cp=2"], "context parallelism over image prompts is not supported yet"),
-        ("sft_vlm_demo", ["training.parallel.cp=2"], "context parallelism over image prompts is not supported yet"),
+        # a vision-language model in pipeline stages: refused by the ranks, after the model loaded
+        ("grpo_vlm_demo", ["training.parallel.pp=2"], "pipeline parallelism of a vision-language model is not"),
+        ("sft_vlm_demo", ["training.parallel.pp=2"], "pipeline parallelism of a vision-language model is not"),
         ("sft_demo", ["training.cpu_offload=true"], "training.cpu_offload=true offloads GPU memory"),
         # GPUs asked of a Ray started on a machine without one: a placement timeout after the run directory
         pytest.param("grpo_demo", ["cluster.num_gpus_per_worker=1"], "Ray starts on this machine", marks=pytest.mark.
@@ -99,8 +99,7 @@ def test_layouts_and_devices_the_ranks_refuse_are_one_line_before_the_run_direct
 @pytest.mark.parametrize(
     "config, overrides, expected",
     [
-        ("grpo_vlm_demo", ["training.parallel.cp=2"], "context parallelism over image prompts"),
-        ("grpo_vlm_demo", ["training.parallel.tp=2"], "tensor parallelism of a vision-language model"),
+        ("grpo_vlm_demo", ["training.parallel.pp=2"], "pipeline parallelism of a vision-language model"),
         ("grpo_demo", ["training.cpu_offload=true"], "training.cpu_offload=true offloads GPU memory"),
     ],
 )
