@@ -2,11 +2,14 @@
 
 The tiny Idefics3 (conftest's `tiny_vlm_dir`: a 2-layer Llama text model with 2 heads, a 2-layer vision tower, 4
 image tokens per picture) trains 3 optimizer steps of GRPO's loss on image prompts, its vision tower trained too
-(`freeze_vision=false`), in one process and at tp=2 and at cp=2 (2 ranks each), packed with shared prompts and
-unpacked. Logprobs, loss, gradient norm, entropy and every weight after the steps agree to 1e-5. Each rank also
-records what it holds: at tp=2 a decoder projection is a tp-sharded DTensor of half the rows and the vision tower
-is not split over tp; at cp=2 the model takes whole rows (every image's features merged) and its decoder half of
-them. One module fixture spawns each world once.
+(`freeze_vision=false`), in one process, at tp=2 packed with shared prompts, and at cp=2 packed with shared
+prompts and unpacked (2 ranks each). Logprobs, loss, gradient norm, entropy and every weight after the steps
+agree to 1e-5. Each rank also records what it holds: at tp=2 a decoder projection is a tp-sharded DTensor of half
+the rows and the vision tower is not split over tp; at cp=2 the model takes whole rows (every image's features
+merged) and its decoder half of them. One module fixture spawns each world once.
+
+AdamW's eps is 1e-6: the vision attention's key bias has no gradient in exact arithmetic (softmax ignores a shift
+shared by every key), and with eps=1e-8 Adam turns its rounding noise into steps that differ between layouts.
 """
 
 from functools import partial
@@ -34,6 +37,7 @@ SCENARIOS = (  # (name, training settings)
     ("padded", dict(sequence_packing=False)),
 )
 LAYOUTS = (("tp2", dict(tp=2)), ("cp2", dict(cp=2)))  # (key, training.parallel), 2 ranks each
+RUNS = {"tp2": ("shared",), "cp2": ("shared", "padded")}  # the scenarios each layout runs
 PROJECTION = "model.text_model.layers.0.self_attn.q_proj.weight"
 VISION = "model.vision_model.encoder.layers.0.mlp.fc1.weight"
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
@@ -91,7 +95,10 @@ def run_scenario(strategy, model_dir, data_path, training):
 def run_rank(rank, world_size, ports, model_dir, out_dir, data_path, parallel):
     torch.set_num_threads(1)
     results = {}
-    for port, (name, training) in zip(ports, SCENARIOS, strict=True):
+    layout = next(key for key, layout_parallel in LAYOUTS if layout_parallel == parallel)
+    scenarios = [(name, training) for name, training in SCENARIOS if name in RUNS[layout]]
+    ports = ports if isinstance(ports, list) else [ports]  # launch hands one port as it is
+    for port, (name, training) in zip(ports, scenarios, strict=True):
         strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port)
         training = dict(training, parallel=ParallelConfig(**parallel), backend="fsdp2", num_workers=world_size)
         results[name] = run_scenario(strategy, model_dir, data_path, training)
@@ -115,12 +122,12 @@ def runs(tiny_vlm_dir, tmp_path_factory):
         out_dir = base / key
         out_dir.mkdir()
         results[key] = launch(
-            2, tiny_vlm_dir, out_dir, data_path, parallel, target=run_rank, timeout_s=240, num_ports=len(SCENARIOS)
+            2, tiny_vlm_dir, out_dir, data_path, parallel, target=run_rank, timeout_s=240, num_ports=len(RUNS[key])
         )
     return results
 
 
-@pytest.mark.parametrize("layout, scenario", [(key, name) for key, _ in LAYOUTS for name, _ in SCENARIOS])
+@pytest.mark.parametrize("layout, scenario", [(key, name) for key, _ in LAYOUTS for name in RUNS[key]])
 def test_a_vlm_under_tensor_or_context_parallelism_trains_as_one_process(runs, layout, scenario):
     one = runs["one"][scenario]
     assert one["metrics"][0]["grad_norm"] > 0 and one["logprobs"].abs().max() > 0
@@ -145,7 +152,7 @@ def test_every_weight_moves_the_vision_tower_included(runs, tiny_vlm_dir):
             assert (weight - initial[name]).abs().max() > 0, f"{name} was not updated"
 
 
-@pytest.mark.parametrize("scenario", [name for name, _ in SCENARIOS])
+@pytest.mark.parametrize("scenario", RUNS["tp2"])
 def test_tensor_parallel_ranks_hold_half_of_each_decoder_projection_and_all_of_the_vision_tower(runs, scenario):
     for rank in runs["tp2"]:
         held = rank[scenario]["shards"]
@@ -156,7 +163,7 @@ def test_tensor_parallel_ranks_hold_half_of_each_decoder_projection_and_all_of_t
         assert all(model == decoder for model, decoder in rank[scenario]["widths"]), "tp gathers the decoder's output"
 
 
-@pytest.mark.parametrize("scenario", [name for name, _ in SCENARIOS])
+@pytest.mark.parametrize("scenario", RUNS["cp2"])
 def test_context_parallel_ranks_merge_images_into_whole_rows_and_decode_half(runs, scenario):
     for rank in runs["cp2"]:
         seen = rank[scenario]["widths"]
