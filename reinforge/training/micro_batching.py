@@ -45,7 +45,6 @@ from reinforge.data.packing import (
     sequence_rows,
     shared_prompt_rows,
 )
-from reinforge.errors import ConfigError
 from reinforge.modeling import say_once
 from reinforge.training.base import TrainingConfig
 from reinforge.training.logit_transform import IDENTITY, LogitTransform, logit_transform
@@ -349,7 +348,8 @@ def trained_hidden_states(
     states that predict them; 0: their own), in the micro-batch's packed, prompt-sharing or padded layout;
     those tokens' ids [N]; and their (row, column) indices in the micro-batch. With context parallelism
     (`context_group`) the tokens whose states this rank's chunk of columns holds only: callers sum their outputs
-    over the group (`combine_context`). `logits_to_keep` goes to the
+    over the group (`combine_context`); a vision-language model's images are merged into the whole rows on every
+    rank before its decoder takes the chunk (context.py's `ulysses_forward`). `logits_to_keep` goes to the
     model (1: a causal LM's head on one position per row; None: a model without that argument)."""
     layout = micro_batch_layout(micro, rows, config)
     group = context_group(model)
@@ -357,10 +357,9 @@ def trained_hidden_states(
         routing.prepare(micro, layout, None if group is None else sequence_chunk(layout.input_ids.shape[1], group))
     # with logits_to_keep=1 the LM head runs on one position per row: `hidden` has what the head needs
     kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    images = {}
     if micro.images is not None:  # a vision-language model: each prompt's images once, in the layout's order
-        if group is not None:
-            raise ConfigError("context parallelism over image prompts is not supported yet; set training.parallel.cp=1")
-        kwargs |= forward_images(
+        images = forward_images(
             micro.images,
             micro.input_ids,
             layout.token_index,
@@ -374,10 +373,10 @@ def trained_hidden_states(
     # with shift 1, token t is predicted from the hidden state of token t - 1 of the same sequence (t > 0)
     source = layout.token_index[b_index, t_index - shift]
     if group is None:
-        forward_layout(model, layout, **kwargs)
+        forward_layout(model, layout, **kwargs, **images)
         return hidden.take().flatten(0, 1)[source], layout.input_ids.flatten()[flat], (b_index, t_index)
     # context parallelism: this rank's chunk of columns only, and the trained tokens whose state it holds
-    ulysses_forward(model, layout, group, **kwargs)
+    ulysses_forward(model, layout, group, images, **kwargs)
     hidden_RCH, width = hidden.take(), layout.input_ids.shape[1]
     chunk = sequence_chunk(width, group)
     row, column = source // width, source % width

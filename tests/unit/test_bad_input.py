@@ -75,7 +75,7 @@ def test_a_layout_the_ranks_would_refuse_is_one_line_before_the_run_directory(tm
     assert not run_dir.exists()
 
 
-CP_IMAGES = "context parallelism over image prompts is not supported yet"
+PP_VISION = "pipeline parallelism of a vision-language model is not"
 CPU_OFFLOAD = "training.cpu_offload=true offloads GPU memory"
 FSDP2_HERE = ["training.backend=fsdp2", "training.num_workers=2", "cluster.max_restarts=0"]  # in this process
 
@@ -92,9 +92,9 @@ def refused(capsys, config: str, *args: str) -> str:
 @pytest.mark.parametrize(
     "config, overrides, expected",
     [
-        # a vision-language model's images under context parallelism: refused at the first batch of image prompts
-        ("grpo_vlm_demo", ["training.parallel.cp=2"], CP_IMAGES),
-        ("sft_vlm_demo", ["training.parallel.cp=2"], CP_IMAGES),
+        # a vision-language model in pipeline stages: check_layout from the model's config, before the run directory
+        ("grpo_vlm_demo", ["training.parallel.pp=2"], PP_VISION),
+        ("sft_vlm_demo", ["training.parallel.pp=2"], PP_VISION),
         ("sft_demo", ["training.cpu_offload=true"], CPU_OFFLOAD),
         # GPUs asked of a Ray started on a machine without one: a placement timeout after the run directory
         pytest.param("grpo_demo", ["cluster.num_gpus_per_worker=1"], "Ray starts on this machine", marks=pytest.mark.
@@ -114,8 +114,7 @@ def test_layouts_and_devices_the_ranks_refuse_are_one_line_before_the_run_direct
 @pytest.mark.parametrize(
     "config, overrides, expected",
     [
-        ("grpo_vlm_demo", ["training.parallel.cp=2"], CP_IMAGES),
-        ("grpo_vlm_demo", ["training.parallel.tp=2"], "tensor parallelism of a vision-language model"),
+        ("grpo_vlm_demo", ["training.parallel.pp=2"], PP_VISION),
         ("grpo_demo", ["training.cpu_offload=true"], CPU_OFFLOAD),
     ],
 )

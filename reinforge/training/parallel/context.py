@@ -222,11 +222,18 @@ def padded_segments(attention_mask: torch.Tensor, position_ids: torch.Tensor) ->
     return [bucket.to(attention_mask.device).with_mask(flat_positions) for bucket in buckets]
 
 
-def ulysses_forward(model: torch.nn.Module, layout: RowLayout, group: dist.ProcessGroup, **kwargs):
+def ulysses_forward(
+    model: torch.nn.Module, layout: RowLayout, group: dist.ProcessGroup, images: dict | None = None, **kwargs
+):
     """`model`'s output for this rank's chunk of columns (`sequence_chunk(W, group)`) of a layout already on
     the model's device (`RowLayout.to`), every rank of `group` calling it with the same layout; keyword
-    arguments go to the model. The decoder's hidden states are [R, padded W / cp, H]."""
-    check_heads(model.config, dist.get_world_size(group))
+    arguments go to the model. The decoder's hidden states are [R, padded W / cp, H].
+
+    `images` (a vision-language model's image tensors for the layout, data/images.py's `forward_images`): the
+    model embeds the whole rows and merges every image's features into them, and its decoder takes this rank's
+    chunk of the embeddings (`_decoder_takes_chunk`). Each rank runs the vision tower on all of the layout's
+    images; the gradient reaching it is its own chunk's share, and the group's sum is one process's."""
+    check_heads(model.config.get_text_config(), dist.get_world_size(group))
     chunk = sequence_chunk(layout.input_ids.shape[1], group)
     pad = chunk.padded_width - chunk.width
     input_ids = F.pad(layout.input_ids, (0, pad))
@@ -236,13 +243,38 @@ def ulysses_forward(model: torch.nn.Module, layout: RowLayout, group: dist.Proce
     if segments is None:  # padded: each row one segment, its sequence
         segments = padded_segments(layout.attention_mask, position_ids)
     segments = _padded_segments(segments, chunk.width, chunk.padded_width)
-    with attention_implementation(model.config, ULYSSES_ATTENTION):
-        return model(
-            input_ids=input_ids[:, chunk.start : chunk.end],
-            position_ids=position_ids[:, chunk.start : chunk.end],
-            attention_mask=None,
-            use_cache=False,
-            attention_segments=segments,
-            ulysses_group=group,
-            **kwargs,
-        )
+    columns = slice(chunk.start, chunk.end)
+    hook = None
+    if images:  # whole rows in, the decoder cuts them
+        hook = model.get_decoder().register_forward_pre_hook(_decoder_takes_chunk(columns), with_kwargs=True)
+        kwargs |= images
+    else:
+        input_ids, position_ids = input_ids[:, columns], position_ids[:, columns]
+    try:
+        with attention_implementation(model.config, ULYSSES_ATTENTION):
+            return model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=None,
+                use_cache=False,
+                attention_segments=segments,
+                ulysses_group=group,
+                **kwargs,
+            )
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def _decoder_takes_chunk(columns: slice):
+    """A forward pre-hook on a vision-language model's decoder: its whole-row `inputs_embeds` [R, W, H] (image
+    features merged) and `position_ids` [..., R, W] cut to this rank's columns."""
+
+    def hook(module, args, kwargs):
+        assert not args and kwargs.get("inputs_embeds") is not None, "the decoder is called with inputs_embeds"
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"][:, columns]
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = kwargs["position_ids"][..., columns]
+        return args, kwargs
+
+    return hook

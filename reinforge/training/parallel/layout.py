@@ -109,21 +109,14 @@ def check_layout(
 ) -> None:
     """The model can be split this way: a one-line error naming the nearest valid tp, cp or ep otherwise, or what
     the layout cannot split: recurrent layers (`stateful`, transformers' `_is_stateful`) under context parallelism,
-    a vision-language model under tensor parallelism, its images under context parallelism. `lora` refuses nothing
-    now: the adapters are split with their base layers (parallel/lora_tensor.py)."""
+    a vision-language model (`vision`) in pipeline stages, pipeline stages with context parallelism. `lora` refuses
+    nothing: the adapters are split with their base layers (parallel/lora_tensor.py)."""
     check_expert_layout(parallel, text_config)
     if parallel.cp > 1 and stateful:
         raise ConfigError(
             f"{text_config.model_type} has recurrent (state-space) layers, which context parallelism would cut "
             "mid-sequence; set training.parallel.cp=1"
         )
-    if parallel.tp > 1 and vision:
-        raise ConfigError(
-            "tensor parallelism of a vision-language model is not supported yet; set training.parallel.tp=1: "
-            "FSDP2 shards its decoder and vision layers over the ranks"
-        )
-    if parallel.cp > 1 and vision:  # else the first batch of image prompts refuses it, after the model loaded
-        raise ConfigError("context parallelism over image prompts is not supported yet; set training.parallel.cp=1")
     if parallel.pp > 1 and parallel.pp > text_config.num_hidden_layers:
         raise ConfigError(
             f"training.parallel.pp={parallel.pp} stages need at least one decoder layer each, and "
@@ -142,8 +135,8 @@ def check_layout(
         )
     if parallel.pp > 1 and vision:
         raise ConfigError(
-            "pipeline parallelism of a vision-language model is not supported (its vision tower and decoder are not "
-            "split into stages); set training.parallel.pp=1"
+            "pipeline parallelism of a vision-language model is not supported (its vision tower feeds the first "
+            "stage's embeddings); set training.parallel.pp=1: tp, cp and FSDP2 split it"
         )
     heads = text_config.num_attention_heads
     if parallel.tp > 1:

@@ -91,37 +91,45 @@ def check_tensor_parallel(tp: int, text_config) -> None:
 
 
 def tensor_parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
-    """Tensor and sequence parallelism of a causal LM on `tp_mesh`, in place (the module docstring).
+    """Tensor and sequence parallelism of a causal LM, or of a vision-language model's language model, on
+    `tp_mesh`, in place (the module docstring).
 
+    The decoder is `model.get_decoder()` (a vision-language model's text model): its layers, embedding and final
+    norm are split; a vision tower and its projector are left whole on every rank (FSDP2 shards them over the
+    data-parallel ranks only). Their image features are merged into the all-reduced embeddings before the first
+    layer takes its share of the positions, and that layer's backward all-gathers the positions' gradients, so
+    every rank's vision tower gets the whole gradient, as in one process.
     The decoder's output (after its final norm) is gathered whole on every rank, so the heads (the chunked LM
     head, a value or score head) see the same [R, W, H] hidden states as in one process."""
     family = model.config.get_text_config().model_type
-    if not isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList):
+    decoder = model.get_decoder()
+    if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
         raise ConfigError(f"tensor parallelism does not find {family}'s decoder layers; set training.parallel.tp=1")
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}  # LoRA's base
-    for layer in model.model.layers:
+    for layer in decoder.layers:
         after: list = []  # hooks that act on a style's outputs: registered after the styles' own
         plan = adapter_styles(layer, layer_plan(layer, family, tp_mesh, after), tp_mesh.size())
         parallelize_module(layer, tp_mesh, plan)
         for hook in after:
             hook()
     # The embedding's output is all-reduced whole (not reduce-scattered): the model builds its attention masks and
-    # rotary embeddings from it, for all W positions. The first layer takes its rows' share of the positions.
+    # rotary embeddings from it, for all W positions (and merges image features into it). The first layer takes
+    # its rows' share of the positions.
     parallelize_module(
-        model.model.layers[0],
+        decoder.layers[0],
         tp_mesh,
         PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
     )
-    root_plan = {"model.norm": PrepareModuleInput(input_layouts=(Shard(1),), **GATHERED)}
-    embedding, output = model.get_input_embeddings(), getattr(model.get_output_embeddings(), "weight", None)
+    decoder_plan = {"norm": PrepareModuleInput(input_layouts=(Shard(1),), **GATHERED)}
+    embedding, output = decoder.embed_tokens, model.get_output_embeddings()
     if embedding is not None:  # a pipeline stage may hold neither (parallel/pipeline.py)
-        root_plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    tied = output is not None and embedding is not None and output is embedding.weight
-    if output is not None:
-        root_plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # the model's own call: one position
-    parallelize_module(model, tp_mesh, root_plan)
-    if tied:  # each style distributed its own copy of the shared weight: tie them again (both Shard(0))
-        model.lm_head.weight = model.model.embed_tokens.weight
+        decoder_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    parallelize_module(decoder, tp_mesh, decoder_plan)
+    if getattr(output, "weight", None) is not None:  # the model's own call: one position
+        tied = embedding is not None and output.weight is embedding.weight
+        parallelize_module(output, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        if tied:  # each style distributed its own copy of the shared weight: tie them again (both Shard(0))
+            output.weight = decoder.embed_tokens.weight
     for name, param in model.named_parameters():  # SequenceParallel's replicas require grad: a frozen norm stays so
         param.requires_grad_(name not in frozen)
     return model
