@@ -260,7 +260,9 @@ def resolve_auto(
     )  # fmt: skip
     parallel = ParallelConfig(**layout)
     line = (
-        f"training.parallel=auto: dp_replicate={parallel.dp_replicate} dp_shard={parallel.dp_shard} "
-        f"tp={parallel.tp} cp={parallel.cp} for {training.num_workers} ranks of {memory_gb:.0f} GiB ({device})"
+        f"training.parallel=auto: {f'pp={parallel.pp} ' if parallel.pp > 1 else ''}dp_replicate="
+        f"{parallel.dp_replicate} dp_shard={parallel.dp_shard} tp={parallel.tp} cp={parallel.cp}"
+        f"{f' ep={parallel.ep}' if parallel.ep > 1 else ''} for {training.num_workers} ranks of {memory_gb:.0f} GiB "
+        f"({device})"
     )
     return training.model_copy(update={"parallel": parallel}), line
