@@ -230,13 +230,16 @@ def relative_step_time(
     workload: Workload | None = None,
 ) -> float:  # fmt: skip
     """A rank of speed, 1.0 the fastest possible (module docstring): no seconds, only an order. Without `shape`
-    and `workload`, a cross-node FSDP2 group costs its 10% floor and pp its bubble at the default micro-batches."""
+    and `workload` (or for CPU ranks, where the GPU's compute and network figures say nothing), a cross-node FSDP2
+    group costs its 10% floor and pp its bubble at the default micro-batches."""
     time = (
         (1 + AC_COST * activation_checkpointing)
         * (1 + TP_COST * math.log2(layout.tp))
         * (1 + CP_COST * math.log2(layout.cp))
     )
     cross_node = layout.shard_group > gpus_per_node
+    if workload is not None and workload.device == "cpu":  # gloo ranks of one host: the GPU figures do not apply
+        shape = workload = None
     if layout.dp_shard * layout.cp > 1 and shape and workload:
         gbps = INTER_NODE_GBPS if cross_node else NVLINK_GBPS
         time *= 1 + max(CROSS_NODE_FSDP_COST * cross_node, fsdp_network_ratio(shape, layout, workload, gbps) - 1)
