@@ -32,7 +32,7 @@ VOCABULARY = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _placement(placement) -> str:
-    if isinstance(placement, Shard):  # _StridedShard is a Shard
+    if isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard":  # the module docstring
         return f"S{placement.dim}"
     return "R" if isinstance(placement, Replicate) else type(placement).__name__
 
