@@ -80,26 +80,33 @@ def _chunk(size: int, parts: int, index: int) -> int:
     return max(0, min(step, size - index * step))
 
 
-def tensor_parallel_placement(name: str, shape: tuple, hidden: int, head_dim: int) -> int | str | None:
-    """The tensor-parallel split of a parameter by its role: the dimension it is sharded on, "R" (replicated), or
-    None (not on the tensor-parallel mesh)."""
+def tensor_parallel_placement(name: str, shapes: dict[str, tuple], head_dim: int, transposed: bool) -> int | str | None:
+    """The tensor-parallel split of parameter `name` (of a model whose parameters have `shapes`) by its role: the
+    dimension it is sharded on, "R" (replicated), or None (not on the tensor-parallel mesh). Fused experts are
+    transformers' gate_up_proj [E, 2I, H] and down_proj [E, H, I], or [E, H, 2I] and [E, I, H] when `transposed`
+    (gpt-oss)."""
     if name in VOCABULARY:
         return 0
     parts = name.split(".")
     if ".experts." in name:
-        if parts[-1] in ("gate_up_proj", "down_proj"):  # [E, ., .]: the intermediate dimension
-            return next(dim for dim in (1, 2) if shape[dim] != hidden)
+        if parts[-1] in ("gate_up_proj", "down_proj"):  # the intermediate dimension
+            return 1 + ((parts[-1] == "down_proj") != transposed)
         return 1 if parts[-1] == "gate_up_proj_bias" else None  # down's bias is added once, whole
     if not name.startswith("model.layers."):
         return None  # the final norm, a value head: on the gathered hidden states
-    block = parts[3]
+    block, module, kind = parts[3], parts[-2], parts[-1]
     if block not in ATTENTION + MLP:
-        return "R" if len(shape) == 1 else None  # the norms between the blocks: sequence parallel
-    module, kind = parts[-2], parts[-1]
-    if block in ATTENTION and module not in ("q_norm", "k_norm") and not module.endswith("_proj"):
-        return None  # MLA's or OLMo-2's whole-width norms, attention sinks: on gathered projections
-    if block in ATTENTION and module in ("q_norm", "k_norm"):
-        return "R" if shape == (head_dim,) else None
+        return "R" if len(shapes[name]) == 1 else None  # the norms between the blocks: sequence parallel
+    linear = len(shapes.get(name.rsplit(".", 1)[0] + ".weight", ())) == 2
+    if block in ATTENTION:
+        if module in ("q_norm", "k_norm"):  # per-head (Qwen3's: the query's norm one head wide) on this rank's
+            attention = name.rsplit(".", 2)[0]  # heads; whole-width ones (OLMo-2's) on gathered projections
+            return "R" if shapes.get(f"{attention}.q_norm.weight") == (head_dim,) else None
+        if not linear:
+            return None  # MLA's norms, attention sinks: on gathered projections
+        if module == "o_proj":
+            return 1 if kind == "weight" else "R"
+        return 0  # every other projection column-parallel (MLA's low-rank ones too, their outputs gathered)
     if not module.endswith("_proj"):
         return None  # a router, a shared expert's gate: on the gathered sequence, whole
     if module in ROW_PARALLEL:
@@ -108,13 +115,14 @@ def tensor_parallel_placement(name: str, shape: tuple, hidden: int, head_dim: in
 
 
 def expected_held(
-    names_shapes: dict[str, tuple], layout: Layout, rank: int, hidden: int, head_dim: int
+    names_shapes: dict[str, tuple], layout: Layout, rank: int, head_dim: int, transposed: bool = False
 ) -> dict[str, tuple]:
-    """`held`'s table for rank `rank` of `layout`, from each parameter's name and global shape alone."""
+    """`held`'s table for rank `rank` of `layout`, from each parameter's name and global shape alone (`head_dim`: the
+    model's, for per-head norms; `transposed`: its fused experts' layout, `tensor_parallel_placement`)."""
     at = layout.coordinates(rank)
     table = {}
     for name, shape in names_shapes.items():
-        tp_split = tensor_parallel_placement(name, shape, hidden, head_dim) if layout.tp > 1 else None
+        tp_split = tensor_parallel_placement(name, names_shapes, head_dim, transposed) if layout.tp > 1 else None
         experts = layout.ep > 1 and ".experts." in name and name.split(".")[-1] in ("gate_up_proj", "down_proj")
         local = list(shape)
         mesh, placements = [], []

@@ -169,7 +169,7 @@ def test_each_rank_holds_its_shard_and_gets_its_rows(runs, tiny_model_dir):
         ranks, _ = runs[key]
         grid = _shards.Layout(dp_shard=world_size)
         for rank, result in enumerate(ranks):
-            expected = _shards.expected_held(shapes, grid, rank, hidden=32, head_dim=16)
+            expected = _shards.expected_held(shapes, grid, rank, head_dim=16)
             _shards.assert_held(result["held"], expected, f"{key} rank {rank}")
             assert result["held"]["model.embed_tokens.weight"][3] == (64 // world_size, 32)
         routing = [result["routing"] for result in ranks]

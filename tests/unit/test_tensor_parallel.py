@@ -204,7 +204,7 @@ def test_each_rank_holds_its_shards_and_gets_its_rows(runs, layout, scenario):
     grid = _shards.Layout(**{"dp_shard": 1, **parallel})
     ranks = runs[layout]
     for rank, result in enumerate(ranks):
-        expected = _shards.expected_held(shapes, grid, rank, hidden=64, head_dim=16)
+        expected = _shards.expected_held(shapes, grid, rank, head_dim=16)
         _shards.assert_held(result[scenario]["held"], expected, f"{layout} {scenario} rank {rank}")
     # the vocabulary split unevenly over tp: 97 rows as 49 + 48, then 49 as 25 + 24 over dp_shard
     embedding = [result[scenario]["held"]["model.embed_tokens.weight"][3] for result in ranks]
