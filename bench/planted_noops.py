@@ -73,14 +73,17 @@ def plant(path: Path, function: str, body: str) -> None:
     path.write_text("".join(lines))
 
 
-def outcomes(report: Path) -> dict[str, str]:
-    """{test id: passed | failed | error | skipped} from pytest's JUnit XML."""
+def outcomes(report: Path) -> dict[str, tuple[str, str]]:
+    """{test id: (passed | failed | error | skipped, the first line of the failure's message)} from pytest's JUnit
+    XML."""
     if not report.exists():
         return {}
     result = {}
     for case in ET.parse(report).getroot().iter("testcase"):
-        kind = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        result[f"{case.get('classname')}::{case.get('name')}"] = {"failure": "failed"}.get(kind, kind)
+        child = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        kind = "passed" if child is None else {"failure": "failed"}.get(child.tag, child.tag)
+        message = "" if child is None else (child.get("message") or "").strip().splitlines()[:1]
+        result[f"{case.get('classname')}::{case.get('name')}"] = (kind, message[0][:300] if message else "")
     return result
 
 
@@ -105,8 +108,9 @@ def run_plant(name: str, spec, timeout_s: int, keep: bool) -> dict:
             returncode, tail = None, f"timed out after {timeout_s} s\n{(timeout.stdout or b'')[-2000:]!r}"
         seconds = round(time.monotonic() - start, 1)
         tests_run = outcomes(report)
-        noticed = sorted(test for test, outcome in tests_run.items() if outcome in ("failed", "error"))
+        noticed = {t: f"{kind}: {why}" for t, (kind, why) in sorted(tests_run.items()) if kind in ("failed", "error")}
         status = "caught" if noticed or returncode not in (0, None) else "missed"
+        status = "timed out" if returncode is None and not noticed else status
         print(f"{name}: {status} ({len(noticed)} of {len(tests_run)} tests failed, {seconds} s)", flush=True)
         return {
             "file": file, "function": function, "no_op": body, "tests": tests, "status": status,
