@@ -137,9 +137,9 @@ def main() -> None:
             print(f"{name}: not planted (not in the code yet)", flush=True)
             continue
         results[name] = run_plant(name, spec, args.timeout_s, args.keep)
-    for result in results.values():
+    for name, result in results.items():
         result |= {
-            "command": "python bench/planted_noops.py " + " ".join(sys.argv[1:]),
+            "command": f"python bench/planted_noops.py --plants {name}",
             "machine": f"CPU ({os.cpu_count()} cores, shared), {platform.machine()}",
             "date": datetime.date.today().isoformat(),
         }
