@@ -53,6 +53,10 @@ def held(model: torch.nn.Module) -> dict[str, tuple]:
 
 @dataclass(frozen=True)
 class Layout:
+    """A training layout's degrees (`training.parallel`'s, dp_shard resolved). `pp` only places the ranks so far:
+    the stages' expected tables (each stage's layers, the embedding on the first) are for when the pipeline lands."""
+
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
@@ -61,17 +65,20 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """The rank's index along each mesh dimension (row-major, tp innermost), and the flattened ones."""
         rank, tp = divmod(rank, self.tp)
         rank, cp = divmod(rank, self.cp)
-        replicate, shard = divmod(rank, self.dp_shard)
+        rank, shard = divmod(rank, self.dp_shard)
+        pp, replicate = divmod(rank, self.dp_replicate)
         shard_cp = shard * self.cp + cp
         edp, ep = divmod(shard_cp, self.ep)
         dp = replicate * self.dp_shard + shard
-        return dict(dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, dp_shard_cp=shard_cp, edp=edp, ep=ep, dp=dp)
+        return dict(
+            pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, dp_shard_cp=shard_cp, edp=edp, ep=ep, dp=dp
+        )
 
 
 def _chunk(size: int, parts: int, index: int) -> int:
