@@ -10,6 +10,7 @@ ranks (cp=2). The ep=2 run's checkpoint after 2 steps resumes in one process, an
 
 from functools import partial
 
+import _shards
 import pytest
 import torch
 from test_fsdp2_worker import launch
@@ -78,13 +79,18 @@ def train(backend, num_steps, save_after=None, save_to=None):
     """`num_steps` steps on `moe_batch` (the state saved to `save_to` after `save_after` of them): logprobs and the
     experts' gradients before training, each step's metrics, the weights after."""
     batch = moe_batch()
-    logprobs, grads = backend.logprobs(batch), expert_gradients(backend, batch)
+    # what this rank holds (before a forward: FSDP2 leaves the root's parameters whole after one) and receives
+    held, seen = _shards.held(backend.model), _shards.watch_inputs(backend.model)
+    logprobs = backend.logprobs(batch)
+    routing = {"rows": _shards.micro_batch_rows(backend, batch), "inputs": _shards.inputs_record(seen)}
+    grads = expert_gradients(backend, batch)
     metrics = []
     for step in range(num_steps):
         if step == save_after:
             backend.save_state(save_to)
         metrics.append(backend.train_step(batch, LOSS))
-    return {"logprobs": logprobs, "grads": grads, "metrics": metrics, "weights": dict(backend.named_weights())}
+    weights = dict(backend.named_weights())
+    return {"logprobs": logprobs, "grads": grads, "metrics": metrics, "weights": weights, "held": held} | routing
 
 
 def run_rank(rank, world_size, ports, model_dir, out_dir):
@@ -148,6 +154,24 @@ def test_expert_parallel_training_equals_one_process(runs, scenario):
     assert experts.shape == initial["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
     for name, weight in one["weights"].items():
         assert (weight - initial[name]).abs().max() > 0, f"{name} was not updated"
+
+
+@pytest.mark.parametrize("scenario", [*(name for name, _ in SCENARIOS), "resumed"])
+def test_each_rank_holds_its_experts_and_gets_its_rows(runs, scenario):
+    """The experts Shard(0) over ep (2 of 4 per rank), every other weight FSDP2-sharded over dp_shard x cp; at
+    dp_shard=2 the ranks train different rows, at cp=2 the same rows in different chunks (_shards.py)."""
+    one = runs["one"]
+    shapes = {name: shape for name, (_, _, shape, _) in one["held"].items()}
+    assert one["held"] == _shards.plain(shapes)
+    parallel = dict(SCENARIOS).get(scenario, dict(parallel=EP2))["parallel"]
+    grid = _shards.Layout(dp_shard=parallel.resolved(2).dp_shard, cp=parallel.cp, ep=parallel.ep)
+    ranks = [result[scenario] for result in runs["ep2"]]
+    for rank, result in enumerate(ranks):
+        expected = _shards.expected_held(shapes, grid, rank, head_dim=32)
+        _shards.assert_held(result["held"], expected, f"{scenario} rank {rank}")
+        experts = result["held"]["model.layers.1.mlp.experts.down_proj"]
+        assert experts == (("edp_shard", "ep"), ("S0", "S0"), (4, 64, 32), (2, 64, 32)), experts
+    _shards.assert_routing([r["rows"] for r in ranks], [r["inputs"] for r in ranks], grid, len(moe_batch()))
 
 
 def test_an_expert_parallel_checkpoint_resumes_in_one_process_and_back(runs):

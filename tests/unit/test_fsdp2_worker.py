@@ -9,6 +9,7 @@ import socket
 import time
 from functools import partial
 
+import _shards
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -51,7 +52,10 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
         load_reference=True,
     )
     batch = make_batch()
+    # what this rank holds (before a forward: FSDP2 leaves the root's parameters whole after one) and receives
+    held, seen = _shards.held(worker.model), _shards.watch_inputs(worker.model)
     logprobs = worker.logprobs(batch)
+    routing = {"rows": _shards.micro_batch_rows(worker, batch), "inputs": _shards.inputs_record(seen)}
     perturb(batch, logprobs, worker.logprobs(batch, reference=True))
     metrics = [worker.train_step(batch, partial(loss_fn, token_mean, 0.1)) for _ in range(NUM_STEPS)]
     weights = dict(worker.named_weights())
@@ -64,6 +68,7 @@ def run_rank(rank, world_size, port, model_dir, out_dir, activation_checkpointin
     )
     unchanged = all(torch.equal(before, local(p)) for before, p in zip(shards, worker.trainable))
     result = {"logprobs": logprobs, "metrics": metrics, "nonfinite": (skipped["nonfinite_steps"], note, unchanged)}
+    result |= {"held": held, "routing": routing}
     if rank == 0:
         result["weights"] = weights
     torch.save(result, out_dir / f"rank{rank}.pt")
@@ -153,6 +158,22 @@ def test_two_ranks_give_the_same_loss_and_weights_as_one_rank(runs, tiny_model_d
         assert abs(metrics["loss"] - one["metrics"][step]["loss"]) <= 1e-5
     for name, weight in backend.named_weights():
         torch.testing.assert_close(one["weights"][name], weight, atol=1e-5, rtol=0)
+
+
+def test_each_rank_holds_its_shard_and_gets_its_rows(runs, tiny_model_dir):
+    """FSDP2 shards dim 0 of every parameter over the ranks (the embedding's 64 rows as 32 + 32); the two ranks
+    train different rows, together the batch (_shards.py)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for key, world_size in ((1, 1), (2, 2), ("2ac", 2)):
+        ranks, _ = runs[key]
+        grid = _shards.Layout(dp_shard=world_size)
+        for rank, result in enumerate(ranks):
+            expected = _shards.expected_held(shapes, grid, rank, head_dim=16)
+            _shards.assert_held(result["held"], expected, f"{key} rank {rank}")
+            assert result["held"]["model.embed_tokens.weight"][3] == (64 // world_size, 32)
+        routing = [result["routing"] for result in ranks]
+        _shards.assert_routing([r["rows"] for r in routing], [r["inputs"] for r in routing], grid, len(make_batch()))
 
 
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(runs):

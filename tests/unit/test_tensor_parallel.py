@@ -12,6 +12,7 @@ activation checkpointing. One module fixture spawns each world once.
 from functools import partial
 from types import SimpleNamespace
 
+import _shards
 import pytest
 import torch
 from test_fsdp2_worker import launch
@@ -62,6 +63,13 @@ LAYOUTS = (
     ("hsdp2", 2, dict(dp_replicate=2)),  # two model copies (HSDP's replicate dimension), one shard each
 )
 SCALE = {"tp2": 1, "dp2tp2": 1, "cp2": 2, "hsdp2": 1}
+# each rank's share of the tied embedding / LM head [97, 64]
+VOCABULARY_ROWS = {
+    "tp2": [(49, 64), (48, 64)],
+    "dp2tp2": [(25, 64), (24, 64), (24, 64), (24, 64)],
+    "cp2": [(49, 64), (48, 64)],  # FSDP2's shards over dp_shard x cp
+    "hsdp2": [(97, 64), (97, 64)],  # two whole copies
+}
 RUNS = {"tp2": SCENARIOS, "cp2": SCENARIOS, "dp2tp2": SCENARIOS[:4], "hsdp2": SCENARIOS[:4]}
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
@@ -124,11 +132,15 @@ def run_scenario(strategy, model_dir, training, loss, scale=1):
     )
     batch = make_batch(scale)
     fn = LOSSES[loss]
+    # what this rank holds (before a forward: FSDP2 leaves the root's parameters whole after one) and receives in
+    # its logprobs pass (tests/unit/_shards.py)
+    held, seen = _shards.held(backend.model), _shards.watch_inputs(backend.model)
     logprobs = backend.logprobs(batch)
+    routing = {"rows": _shards.micro_batch_rows(backend, batch), "inputs": _shards.inputs_record(seen)}
     metrics = [backend.train_step(batch, fn) for _ in range(NUM_STEPS)]
     weights = dict(backend.named_weights())
     backend.shutdown()
-    return {"logprobs": logprobs, "metrics": metrics, "weights": weights}
+    return {"logprobs": logprobs, "metrics": metrics, "weights": weights, "held": held, "routing": routing}
 
 
 def run_rank(rank, world_size, ports, model_dirs, out_dir, parallel, scale):
@@ -181,6 +193,27 @@ def test_tensor_and_context_parallel_training_equals_one_process(runs, layout, s
         torch.testing.assert_close(weights[name], weight, atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("layout, scenario", [(key, s[0]) for key, _, _ in LAYOUTS for s in RUNS[key]])
+def test_each_rank_holds_its_shards_and_gets_its_rows(runs, layout, scenario):
+    """Every parameter's placements and local shape on every rank as the layout says (a skipped plan holds whole
+    weights); ranks of a tp or cp group get the same rows, of a dp group different ones (_shards.py)."""
+    one = runs["one"][scenario, SCALE[layout]]
+    shapes = {name: shape for name, (_, _, shape, _) in one["held"].items()}
+    assert one["held"] == _shards.plain(shapes)  # one process: plain tensors
+    parallel = next(parallel for key, _, parallel in LAYOUTS if key == layout)
+    grid = _shards.Layout(**{"dp_shard": 1, **parallel})
+    ranks = runs[layout]
+    for rank, result in enumerate(ranks):
+        expected = _shards.expected_held(shapes, grid, rank, head_dim=16)
+        _shards.assert_held(result[scenario]["held"], expected, f"{layout} {scenario} rank {rank}")
+    # the vocabulary split unevenly over tp: 97 rows as 49 + 48, then 49 as 25 + 24 over dp_shard
+    embedding = [result[scenario]["held"]["model.embed_tokens.weight"][3] for result in ranks]
+    assert embedding == VOCABULARY_ROWS[layout], embedding
+    routing = [result[scenario]["routing"] for result in ranks]
+    rows = len(make_batch(SCALE[layout]))
+    _shards.assert_routing([r["rows"] for r in routing], [r["inputs"] for r in routing], grid, rows)
+
+
 def test_a_layout_the_model_cannot_take_is_a_one_line_error_naming_the_nearest():
     config = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
     with pytest.raises(ConfigError, match="nearest valid tp is 2"):
@@ -188,7 +221,7 @@ def test_a_layout_the_model_cannot_take_is_a_one_line_error_naming_the_nearest()
     with pytest.raises(ConfigError, match="nearest valid cp is 2"):
         check_layout(ParallelConfig(tp=1, cp=3), config)
     with pytest.raises(ConfigError, match="and gpt2 has none; set training.parallel.tp=1"):
-        gpt2 = SimpleNamespace(model_type="gpt2", num_attention_heads=4, intermediate_size=96)
+        gpt2 = SimpleNamespace(model_type="gpt2", num_attention_heads=4, intermediate_size=96, num_hidden_layers=2)
         check_layout(ParallelConfig(tp=2), gpt2)
     with pytest.raises(ConfigError, match="must multiply to training.num_workers=4"):
         ParallelConfig(tp=3).resolved(4)

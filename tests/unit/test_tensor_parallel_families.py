@@ -17,6 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import _shards
 import pytest
 import torch
 from test_fsdp2_worker import launch
@@ -58,6 +59,8 @@ LAYOUTS = {
     "tp2": (2, {name: dict(tp=2) for name in SPLIT}),
     "dp2tp2": (4, {name: FOUR_RANKS[name] for name in [*EXPERT_PARALLEL, "phi3", "olmo2", "gemma3", "gpt_oss"]}),
 }
+# each rank's rows of the embedding [449, 64]: 225 + 224 over tp, then over dp_shard (225 as 113 + 112)
+VOCABULARY_ROWS = {"tp2": [225, 224], "dp2tp2": [113, 112, 112, 112]}
 # an AdamW step that is a gradient step: -lr g / (|g| + eps) = -g (1 - |g| / eps) with lr = eps
 STEP = OptimizerConfig(lr=100.0, adam_eps=100.0, max_grad_norm=0.0)
 
@@ -95,7 +98,10 @@ def run_family(strategy, model_dir, training, checkpoint=None):
     backend = make_backend(strategy, model_dir, training)
     batch, noise = make_batch()
     before = {name: weight.clone() for name, weight in backend.named_weights()}
+    # what this rank holds (before a forward: FSDP2 leaves the root's parameters whole after one) and receives
+    held, seen = _shards.held(backend.model), _shards.watch_inputs(backend.model)
     logprobs = backend.logprobs(batch)
+    shards = {"held": held, "rows": _shards.micro_batch_rows(backend, batch), "inputs": _shards.inputs_record(seen)}
     batch.old_logprobs = logprobs + noise  # near the policy's: the clip is active on some tokens only
     metrics = backend.train_step(batch, lambda *args: loss_fn(token_mean, 0.0, *args))
     after = dict(backend.named_weights())
@@ -103,7 +109,8 @@ def run_family(strategy, model_dir, training, checkpoint=None):
         backend.save_state(checkpoint)
     backend.shutdown()
     steps = {name: weight - before[name] for name, weight in after.items()}
-    return {"logprobs": logprobs, "metrics": metrics, "steps": steps} | ({"after": after} if checkpoint else {})
+    result = {"logprobs": logprobs, "metrics": metrics, "steps": steps} | shards
+    return result | ({"after": after} if checkpoint else {})
 
 
 def run_rank(rank, world_size, ports, model_dirs, out_dir, layout):
@@ -171,6 +178,28 @@ def test_tensor_parallel_equals_one_process(runs, layout, family):
             torch.testing.assert_close(ranked["steps"][name], step, atol=2e-5 * step.abs().max(), rtol=0, msg=name)
     moved = [name for name, step in reference["steps"].items() if step.abs().max() > 0]
     assert len(moved) >= 0.9 * len(reference["steps"]), "most weights get a gradient"
+
+
+@pytest.mark.parametrize("layout, family", [(key, name) for key, (_, names) in LAYOUTS.items() for name in names])
+def test_each_rank_holds_its_shards_and_gets_its_rows(runs, layout, family):
+    """Every parameter's placements and local shape on every rank as the layout says: projections, vocabulary and
+    experts split over tp (the vocabulary of 449 as 225 + 224), experts over ep, all over FSDP2's dp_shard; tp
+    peers get the same rows, dp ranks different ones (_shards.py)."""
+    one, ranks, model_dirs, _ = runs
+    shapes = {name: shape for name, (_, _, shape, _) in one[family]["held"].items()}
+    assert one[family]["held"] == _shards.plain(shapes)
+    world_size, families = LAYOUTS[layout]
+    grid = _shards.Layout(**{"dp_shard": 1, **families[family]})
+    config = AutoConfig.from_pretrained(model_dirs[family]).get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for rank, result in enumerate(ranks[layout]):
+        ranked = result[family]
+        assert not isinstance(ranked, str), f"rank {rank} failed:\n{ranked}"
+        expected = _shards.expected_held(shapes, grid, rank, head_dim, transposed=family == "gpt_oss")
+        _shards.assert_held(ranked["held"], expected, f"{layout} {family} rank {rank}")
+        assert ranked["held"]["model.embed_tokens.weight"][3] == (VOCABULARY_ROWS[layout][rank], 64)
+    routing = [result[family] for result in ranks[layout]]
+    _shards.assert_routing([r["rows"] for r in routing], [r["inputs"] for r in routing], grid, len(make_batch()[0]))
 
 
 @pytest.mark.parametrize("family", SPLIT)
