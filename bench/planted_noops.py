@@ -51,10 +51,16 @@ PLANTS: dict[str, tuple[str, str, str, list[str]] | None] = {
         "return []",
         ["tests/unit/test_expert_parallel.py", "tests/unit/test_tensor_parallel_families.py"],
     ),
-    # the pipeline's stage split (issue 45 item 1), for the lead to fill in when it lands in main, e.g.
-    # ("reinforge/training/parallel/pipeline.py", "split_stage", "return model",
-    #  ["tests/unit/test_pipeline_parallel.py", "tests/unit/test_pipeline_checkpoint.py"])
-    "pipeline_split_stage": None,
+    # the pipeline's stage split kept as a no-op: every stage keeps every layer, its embedding and its heads (the
+    # hooks that feed a stage its received hidden states stay, so the pass runs)
+    "pipeline_split_stage": (
+        "reinforge/training/parallel/pipeline.py",
+        "split_stage",
+        "info = Stage(stage, pp, range(len(decoder_layers(model))), False); "
+        "model.get_decoder().register_forward_pre_hook(_receive_hook(info), with_kwargs=True); "
+        "model.get_decoder().register_forward_hook(_catch_hook(info)); _STAGES[model] = info; return info",
+        ["tests/unit/test_pipeline_parallel.py"],
+    ),
 }
 IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "results", "*.pyc")
 
