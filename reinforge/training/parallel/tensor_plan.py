@@ -122,11 +122,12 @@ def tensor_parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.
     )
     decoder_plan = {"norm": PrepareModuleInput(input_layouts=(Shard(1),), **GATHERED)}
     embedding, output = decoder.embed_tokens, model.get_output_embeddings()
+    head = getattr(output, "weight", None)
+    tied = head is not None and embedding is not None and head is embedding.weight  # before the styles replace them
     if embedding is not None:  # a pipeline stage may hold neither (parallel/pipeline.py)
         decoder_plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     parallelize_module(decoder, tp_mesh, decoder_plan)
-    if getattr(output, "weight", None) is not None:  # the model's own call: one position
-        tied = embedding is not None and output.weight is embedding.weight
+    if head is not None:  # the model's own call: one position
         parallelize_module(output, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
         if tied:  # each style distributed its own copy of the shared weight: tie them again (both Shard(0))
             output.weight = decoder.embed_tokens.weight
