@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from transformers import PreTrainedModel
 
 from reinforge.data.batch import TrainBatch
@@ -389,6 +390,10 @@ class FSDP2Strategy:
 
     def shutdown(self) -> None:
         dist.destroy_process_group()
+        # DTensor caches its ops' shardings by mesh, and meshes compare by their ranks' layout, not their process
+        # groups: a later group in this process (a test's next layout) would otherwise reuse this one's mesh, and a
+        # collective on one of its destroyed groups
+        _clear_sharding_prop_cache()
 
 
 def tied_group(mesh: DeviceMesh, pp: int):

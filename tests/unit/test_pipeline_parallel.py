@@ -7,8 +7,9 @@ process's names.
 
 Training: a Qwen2 of 4 layers, 4 heads, 2 key/value heads, a vocabulary of 97 and tied embeddings trains 3
 optimizer steps on GRPO's loss (packed, prompts shared) and SFT's NLL (one sequence per row) in one process and at
-pp=2 (1F1B; GPipe with 4 micro-batches merged into 2), pp=2 x dp_shard=2 and pp=2 x tp=2, and as PPO's critic (a
-value head) at pp=2; a Qwen3-MoE of 4 layers and 4 experts at pp=2 x ep=2. The logprobs (values), loss, gradient
+pp=2 (1F1B; GPipe with 4 micro-batches merged into 2), pp=2 x dp_shard=2 and pp=2 x tp=2, GRPO on sequences 4 times
+as long at pp=2 x cp=2 (each stage passing its chunk of the rows on), and as PPO's critic (a value head) at pp=2; a
+Qwen3-MoE of 4 layers and 4 experts at pp=2 x ep=2. The logprobs (values), loss, gradient
 norm and entropy on every rank and every weight after the steps agree to 1e-5, and each rank holds exactly its
 stage's parameters. One module fixture spawns a world of 2 ranks and one of 4 once.
 """
@@ -45,6 +46,8 @@ SHARED = dict(sequence_packing=True, share_prompts=True)
 SCENARIOS = {"grpo": ("qwen2", SHARED, GRPO), "sft": ("qwen2", dict(sequence_packing=False), nll_loss)}
 SCENARIOS["moe_grpo"] = ("qwen3_moe", SHARED, GRPO)
 SCENARIOS["critic"] = ("qwen2", SHARED, "value")  # PPO's critic: a value head on the last stage
+SCENARIOS["grpo_long"] = ("qwen2", SHARED, GRPO)  # sequences 4 times as long, for context parallelism
+SCALES = {"grpo_long": 4}
 # (key, ranks, training.parallel, scenarios); ep borrows dp_shard's ranks
 LAYOUTS = (
     ("pp2_1f1b", 2, dict(pp=2), ("grpo", "sft", "critic")),
@@ -52,6 +55,7 @@ LAYOUTS = (
     ("pp2_dp2", 4, dict(pp=2, dp_shard=2), ("grpo", "sft")),
     ("pp2_tp2", 4, dict(pp=2, tp=2), ("grpo", "sft")),
     ("pp2_ep2", 4, dict(pp=2, dp_shard=2, ep=2), ("moe_grpo",)),
+    ("pp2_cp2", 4, dict(pp=2, cp=2), ("grpo_long",)),
 )
 pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
@@ -109,8 +113,7 @@ def test_pp_microbatches_split_or_merge_the_plan_keeping_every_sequence_once():
 
 def test_what_pipeline_parallelism_cannot_do_is_a_one_line_error():
     config = Qwen2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
-    with pytest.raises(ConfigError, match="set training.parallel.cp=1"):
-        check_layout(ParallelConfig(pp=2, cp=2), config)
+    check_layout(ParallelConfig(pp=2, cp=2), config)  # each stage passes its chunk on to the same cp rank
     with pytest.raises(ConfigError, match="vision-language model is not supported"):
         check_layout(ParallelConfig(pp=2), config, vision=True)
     with pytest.raises(ConfigError, match="set training.parallel.pp <= 4"):
@@ -147,14 +150,15 @@ def test_stages_chained_equal_the_whole_model(pp):
     assert sum(len(own) for own in kept) == len(names) + 1
 
 
-def make_batch():
-    """8 sequences, pairs sharing a prompt, old logprobs away from the policy's (the clip is active)."""
+def make_batch(scale=1):
+    """8 sequences, pairs sharing a prompt, old logprobs away from the policy's (the clip is active); `scale` times
+    longer for context parallelism."""
     gen = torch.Generator().manual_seed(0)
     trajectories = []
     for row in range(8):
         if row % 2 == 0:
-            prompt = torch.randint(2, 97, (3 + row % 3,), generator=gen).tolist()
-        response = torch.randint(2, 97, (2 + (row * 5) % 7,), generator=gen).tolist()
+            prompt = torch.randint(2, 97, (scale * (3 + row % 3),), generator=gen).tolist()
+        response = torch.randint(2, 97, (scale * (2 + (row * 5) % 7),), generator=gen).tolist()
         trajectories.append(Trajectory(prompt, response, [0.0] * len(response), False, 0.0, row // 2, "math"))
     batch = collate(trajectories, torch.randn(8, generator=gen).tolist(), pad_token_id=0)
     batch.old_logprobs = 0.3 * torch.randn(batch.loss_mask.shape, generator=gen) * batch.loss_mask
@@ -182,7 +186,7 @@ def run_scenario(strategy, model_dirs, scenario, parallel=None):
         strategy=strategy,
     )
     loss = value_loss if loss == "value" else loss
-    batch = make_batch()
+    batch = make_batch(SCALES.get(scenario, 1))
     logprobs = backend.logprobs(batch)
     metrics = [backend.train_step(batch, loss) for _ in range(NUM_STEPS)]
     metrics.append(backend.evaluate(batch, loss))  # forward only, in eval mode (validation)

@@ -33,18 +33,6 @@ from reinforge.training.parallel.planner import (
 TINY = ModelShape(8, 2, 2, 1, 16, 32, tie_word_embeddings=True, attention_bias=True)
 
 
-def check_layout_or_pipeline_pending(parallel: ParallelConfig, text_config) -> None:
-    """The run's own check (layout.py `check_layout`). Until the pipeline's split lands, its one refusal of pp > 1
-    ("not built yet") is expected, and then every other check runs at pp=1 (the same tp, cp and ep; the layer count
-    against pp is checked before that refusal); once the refusal is gone, the first call checks everything."""
-    try:
-        check_layout(parallel, text_config)
-    except ConfigError as error:
-        if parallel.pp == 1 or "not built yet" not in str(error):
-            raise
-        check_layout(parallel.model_copy(update={"pp": 1}), text_config)
-
-
 def test_stage_layers_bubble_and_the_speed_of_a_pipeline_by_hand():
     assert stage_layer_counts(94, 4) == [24, 24, 23, 23] and stage_layer_counts(126, 32) == [4] * 30 + [3] * 2
     assert bubble(4, 12) == 3 / 15 and bubble(2, 3) == 1 / 4 and bubble(1, 5) == 0
@@ -107,7 +95,7 @@ def test_every_candidate_the_planner_prints_is_one_the_run_accepts(generation):
             for e in plan(shape, gpus, 80, Workload(4096, generation=generation)).estimates:
                 if e.activation_checkpointing:
                     continue  # the same layout as its row without
-                check_layout_or_pipeline_pending(ParallelConfig(**e.layout.fields()).resolved(gpus), text_config)
+                check_layout(ParallelConfig(**e.layout.fields()).resolved(gpus), text_config)
                 heads = dict(heads=shape.num_attention_heads, kv_heads=shape.num_key_value_heads)
                 check_engine_layout(e.engine_layout, gpus, gpus_per_node=8, on_gpu=True, **heads)
                 assert e.engine_layout.colocate == (generation == "colocated")
@@ -118,9 +106,9 @@ def test_every_candidate_the_planner_prints_is_one_the_run_accepts(generation):
 def test_the_planner_refuses_a_layout_the_run_would_refuse():
     """The check the test above relies on can fail: a pp over the layer count, a tp over the key/value heads."""
     with pytest.raises(ConfigError, match="need at least one decoder layer each"):
-        check_layout_or_pipeline_pending(ParallelConfig(pp=4), text_config_of(TINY))
+        check_layout(ParallelConfig(pp=4), text_config_of(TINY))
     with pytest.raises(ConfigError, match="tp=4"):
-        check_layout_or_pipeline_pending(ParallelConfig(tp=4), text_config_of(TINY))
+        check_layout(ParallelConfig(tp=4), text_config_of(TINY))
 
 
 def test_the_two_large_reference_models_have_their_public_sizes():
@@ -168,7 +156,7 @@ def test_the_large_reference_cases_name_a_layout_that_a_tiny_model_of_their_fami
     else:
         model = LlamaForCausalLM(LlamaConfig(**sizes))
     parallel = ParallelConfig(**layout.fields()).resolved(gpus)
-    check_layout_or_pipeline_pending(parallel, model.config)
+    check_layout(parallel, model.config)
     assert parallel.pp * parallel.dp_replicate * parallel.dp_shard * parallel.tp * parallel.cp == gpus
     argv = ["plan", "--model", name, "--gpus", str(gpus), "--gpu-memory", "80", "--seq-len", "8192"]
     argv += ["--lora", "16", "--generation", "separate"] if workload.lora_rank else ["--generation", "none"]

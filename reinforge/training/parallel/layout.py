@@ -128,11 +128,6 @@ def check_layout(
             f"training.parallel.pp_microbatches={parallel.pp_microbatches} is fewer than the pp={parallel.pp} stages, "
             f"which 1F1B needs at least; set pp_microbatches >= {parallel.pp} (or pp_schedule=GPipe)"
         )
-    if parallel.pp > 1 and parallel.cp > 1:
-        raise ConfigError(
-            "training.parallel.pp > 1 with cp > 1 is not supported: a stage would pass on only its chunk of each "
-            "row's hidden states; set training.parallel.cp=1 (or pp=1)"
-        )
     if parallel.pp > 1 and vision:
         raise ConfigError(
             "pipeline parallelism of a vision-language model is not supported (its vision tower feeds the first "

@@ -8,6 +8,9 @@ keeps the embedding, the last the final norm and the heads (LM head, value or sc
 A stage's forward is the model's own forward: a non-first stage's decoder gets the hidden states it received as
 `inputs_embeds` (a pre-hook on the decoder), so masks, rotary embeddings, packed segments and sequence
 parallelism are built on every stage as in one process, and the last stage's head runs unchanged.
+With context parallelism a stage's decoder runs on its chunk of each row (parallel/context.py, Ulysses) and sends
+only that chunk to the same cp rank of the next stage (a pp group's ranks share their cp coordinate), whose decoder
+takes it as its chunk: no stage gathers whole rows, and each chunk's gradient returns the same way.
 
 Tied input and output embeddings (`tie_word_embeddings`) become two copies, the first stage's embedding and the
 last stage's LM head; their gradients are summed over the two stages before clipping (both take the same step),
@@ -37,6 +40,7 @@ from reinforge.data.batch import TrainBatch
 from reinforge.errors import ConfigError
 from reinforge.training.micro_batching import MicroBatchPlan, micro_batch_layout, split_to
 from reinforge.training.moe import model_routing
+from reinforge.training.parallel.context import context_group, sequence_chunk, ulysses_forward
 from reinforge.training.segment_attention import forward_layout
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
@@ -198,7 +202,15 @@ class _StageModule(torch.nn.Module):
         super().__init__()
         self.items, self.config, self.finish = items, config, finish
         self.stage, self.layouts = stage, [micro_batch_layout(micro, rows, config) for micro, rows in items]
-        self.shapes = [tuple(layout.input_ids.shape) for layout in self.layouts]
+        # context parallelism: each decoder holds its chunk of every row's columns, and passes on only that, to the
+        # same cp rank of the next stage (the pp group's), whose decoder takes that chunk (parallel/context.py)
+        self.group = context_group(model)
+        widths = [layout.input_ids.shape[1] for layout in self.layouts]
+        self.chunks = [None if self.group is None else sequence_chunk(width, self.group) for width in widths]
+        self.shapes = [
+            (layout.input_ids.shape[0], width if chunk is None else chunk.end - chunk.start)
+            for layout, width, chunk in zip(self.layouts, widths, self.chunks)
+        ]
         self.rows, self.width = (max(sizes) for sizes in zip(*self.shapes))
         object.__setattr__(self, "model", model)  # not a submodule: the schedule treats the stage as plain
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -211,8 +223,11 @@ class _StageModule(torch.nn.Module):
                 return self.finish(micro)
             batch, layout = self.items[micro][0], self.layouts[micro]
             if (routing := model_routing(self.model)) is not None:  # MoE: replay recorded routes, capture routing
-                routing.prepare(batch, layout, None)
-            forward_layout(self.model, layout, **self.keep)
+                routing.prepare(batch, layout, self.chunks[micro])
+            if self.group is None:
+                forward_layout(self.model, layout, **self.keep)
+            else:  # this rank's chunk; its attention over the whole rows
+                ulysses_forward(self.model, layout, self.group, **self.keep)
             return pad_to(self.stage.take(), self.rows, self.width)
         finally:
             self.stage.received = None
