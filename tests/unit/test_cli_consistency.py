@@ -45,6 +45,7 @@ def test_every_subcommand_has_a_summary_and_a_description_and_every_flag_a_help(
                 continue
             if not action.help or action.help == argparse.SUPPRESS:
                 missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}: no help")
+        parser.format_help()  # argparse expands each help's %-formats: a stray `%` is a traceback at --help
     assert not missing, missing
 
 

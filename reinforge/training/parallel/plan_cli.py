@@ -71,7 +71,7 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=MARGIN * 100,
         metavar="PERCENT",
-        help=f"memory every GPU keeps free, percent of it (default: {MARGIN:.0%}); a layout fits within the rest",
+        help=f"memory every GPU keeps free, in percent (default: {MARGIN * 100:.0f}); a layout fits within the rest",
     )
     plan_parser.add_argument(
         "--pp-schedule", choices=("1F1B", "GPipe"), default="1F1B", help="the pipeline's schedule (default: 1F1B)"
