@@ -1,6 +1,8 @@
 """Killing a run at a known point, for the resume tests: a recipe's resumed run must end with the metrics of a run
 never killed."""
 
+import contextlib
+import io
 import json
 import random
 import signal
@@ -8,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from reinforge.cli import main
 
 
 def cli_command(recipe: str, config: str | Path, *args: str) -> list[str]:
@@ -68,14 +72,24 @@ def comparable_metrics(run_dir) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
 
 
+def run_here(command: list[str]) -> subprocess.CompletedProcess:
+    """A `cli_command`-style command through cli.main in this process (cluster.max_restarts=0: no supervised child,
+    no interpreter start-up; the supervisor's relay is tests/e2e/test_cli.py's), as a finished command."""
+    assert command[1:3] == ["-m", "reinforge.cli"], command
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+        status = main([*map(str, command[3:]), "cluster.max_restarts=0"])
+    return subprocess.CompletedProcess(command, status, out.getvalue(), err.getvalue())
+
+
 def assert_resumes_like_a_run_never_killed(command_of, tmp_path, step: int) -> list[dict]:
     """Run `command_of(run_dir)` through uninterrupted; run it again, killed once step `step` is checkpointed, and
-    resume it with the same command: the metrics must be equal. Returns them."""
+    resume it with the same command: the metrics must be equal. Returns them. Only the killed run needs a process
+    of its own: the other two run in this one."""
     reference, run = tmp_path / "uninterrupted", tmp_path / "killed"
-    uninterrupted = subprocess.run(command_of(reference), capture_output=True, text=True, timeout=600)
+    uninterrupted = run_here(command_of(reference))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     kill_once_step_checkpointed(command_of(run), run, step)
-    resumed = subprocess.run(command_of(run), capture_output=True, text=True, timeout=600)
+    resumed = run_here(command_of(run))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step_{step:08d}" in resumed.stdout
     assert comparable_metrics(run) == comparable_metrics(reference)

@@ -17,12 +17,11 @@ from reinforge.paths import PROJECT_ROOT
 from reinforge.training.convert import convert
 
 
-def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path):
+def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path, capsys):
+    """The run and the refusals through cli.main in this process (no interpreter start-up each); the conversion
+    through the real command line."""
     run = tmp_path / "run"
     grpo = [
-        sys.executable,
-        "-m",
-        "reinforge.cli",
         "grpo",
         "--config",
         str(PROJECT_ROOT / "configs" / "grpo_demo.yaml"),
@@ -33,8 +32,9 @@ def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path)
         "training.micro_batch_size=32",
         "data.max_val_prompts=4",
         f"logging.run_dir={run}",
+        "cluster.max_restarts=0",
     ]
-    assert subprocess.run(grpo, capture_output=True, timeout=600).returncode == 0
+    assert main(grpo) == 0, capsys.readouterr().err[-3000:]
     out = tmp_path / "hf"
     result = subprocess.run(
         [
@@ -55,24 +55,12 @@ def test_a_checkpoint_converts_to_the_same_weights_as_the_final_export(tmp_path)
     final = AutoModelForCausalLM.from_pretrained(run / "final").state_dict()
     assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
     assert (out / "tokenizer_config.json").is_file()
-    again = subprocess.run(
-        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--output", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 2 and "already exists" in again.stderr
-    merged = subprocess.run(
-        [sys.executable, "-m", "reinforge.cli", "convert", str(run), "--output", str(tmp_path / "merged"), "--merge"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert (
-        merged.returncode == 2
-        and "holds a whole model, not a LoRA adapter" in merged.stderr
-        and not (tmp_path / "merged").exists()
-    )
+    capsys.readouterr()
+    assert main(["convert", str(run), "--output", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["convert", str(run), "--output", str(tmp_path / "merged"), "--merge"]) == 2
+    assert "holds a whole model, not a LoRA adapter" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists()
 
 
 def test_a_lora_run_exports_merged_models_whose_logprobs_are_the_adapter_models(tmp_path, capsys):

@@ -7,11 +7,10 @@ The first test needs the RL loop (loops.train) to build its sampler with
 reinforge.loops.curriculum_prefilter.build_prompt_sampler (see that module)."""
 
 import json
-import subprocess
-import sys
 
 from reinforge import loops
 from reinforge.algorithms.grpo_config import load_config
+from reinforge.cli import main
 from reinforge.data.jsonl import read_jsonl
 from reinforge.data.prompts import Prompt
 from reinforge.loops.curriculum_prefilter import build_prompt_sampler
@@ -76,15 +75,13 @@ def test_a_curriculum_run_logs_its_schedule_and_resumes_to_the_same_metrics_with
     assert rows(split) == expected
 
 
-def test_offline_prefilter_writes_records_whose_pass_rates_a_progressive_run_uses_as_they_are(tmp_path):
+def test_offline_prefilter_writes_records_whose_pass_rates_a_progressive_run_uses_as_they_are(tmp_path, capsys):
     records = read_jsonl(PROJECT_ROOT / "data" / "demo" / "train.jsonl")[:8]
     source, out = tmp_path / "train.jsonl", tmp_path / "rated.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = subprocess.run(
+    # cli.main in this process: no interpreter start-up (the real command line's entry is tests/e2e/test_cli.py's)
+    status = main(
         [
-            sys.executable,
-            "-m",
-            "reinforge.cli",
             "curriculum",
             "prefilter",
             "--config",
@@ -94,12 +91,9 @@ def test_offline_prefilter_writes_records_whose_pass_rates_a_progressive_run_use
             "--keep-all",
             f"data.train_path={source}",
             "cluster.num_threads=1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert status == 0, capsys.readouterr().err[-2000:]
     rated = read_jsonl(out)
     assert [{k: v for k, v in r.items() if k != "pass_rate"} for r in rated] == records
     assert all(r["pass_rate"] * 8 == round(r["pass_rate"] * 8) for r in rated)  # multiples of 1/8

@@ -2,13 +2,12 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from reinforge.algorithms import dpo
+from reinforge.cli import main
 from reinforge.config.loader import load_recipe_config
 from reinforge.loops.supervised import train
 from reinforge.paths import PROJECT_ROOT
@@ -95,14 +94,10 @@ def test_precomputed_reference_logprobs_give_the_same_run_as_a_frozen_reference_
         assert abs(loss_a - loss_b) < 1e-5 and abs(margin_a - margin_b) < 1e-5, losses
 
 
-def test_the_dpo_command_reports_config_errors_on_one_line(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "reinforge.cli", "dpo", "--config", str(CONFIG), "dpo.betta=0.2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
+def test_the_dpo_command_reports_config_errors_on_one_line(tmp_path, capsys):
+    """cli.main in this process (cluster.max_restarts=0: no supervised child; the supervisor relays the same line:
+    tests/e2e/test_cli.py)."""
+    assert main(["dpo", "--config", str(CONFIG), "dpo.betta=0.2", "cluster.max_restarts=0"]) == 2
+    assert capsys.readouterr().err.strip() == (
         "reinforge: error: unknown config key dpo.betta: reinforge dpo has no such setting; did you mean dpo.beta?"
     )

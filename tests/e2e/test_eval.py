@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from reinforge.cli import main
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.registry import EnvConfig, build_envs
 from reinforge.errors import ReinforgeError
@@ -28,6 +29,13 @@ def reinforge(*args):
     return subprocess.run(
         [sys.executable, "-m", "reinforge.cli", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
+
+
+def here(capsys, *args) -> subprocess.CompletedProcess:
+    """`reinforge` through cli.main in this process (no interpreter start-up), as a finished command."""
+    status = main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, captured.out, captured.err)
 
 
 def read_outputs(directory: Path):
@@ -133,15 +141,26 @@ def assert_one_line_error(result, pattern):
     assert len(lines) == 1 and lines[0].startswith("reinforge: error: ") and pattern in lines[0], result.stderr
 
 
-def test_unknown_benchmark_is_a_one_line_error(tmp_path):
-    result = reinforge("eval", "--model", "models/demo", "--benchmark", "gsm9k", "--k", 1, "--output", tmp_path / "out")
+def test_unknown_benchmark_is_a_one_line_error(tmp_path, capsys):
+    result = here(
+        capsys,
+        "eval",
+        "--model",
+        ROOT / "models" / "demo",
+        "--benchmark",
+        "gsm9k",
+        "--k",
+        1,
+        "--output",
+        tmp_path / "out",
+    )
     assert_one_line_error(result, "unknown benchmark 'gsm9k'; choose one of gsm8k, math500")
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_model_path_is_a_one_line_error(tmp_path):
-    result = reinforge(
-        "eval", "--model", tmp_path / "no_model", "--benchmark", "gsm8k", "--k", 1, "--output", tmp_path / "out"
+def test_missing_model_path_is_a_one_line_error(tmp_path, capsys):
+    result = here(
+        capsys, "eval", "--model", tmp_path / "no_model", "--benchmark", "gsm8k", "--k", 1, "--output", tmp_path / "out"
     )
     assert_one_line_error(result, "no such directory")
     assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from _kill import cli_command, run_here
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -25,17 +26,17 @@ def reinforge(*args: str, cwd) -> subprocess.CompletedProcess:
 def run_dir(tmp_path_factory):
     """Three GRPO steps of 16 prompts x 8 answers, validating on 16 prompts before and after each."""
     tmp = tmp_path_factory.mktemp("report")
-    result = reinforge(
-        "grpo",
-        "--config",
-        str(CONFIG),
-        "loop.max_steps=3",
-        "loop.val_every=1",
-        "data.max_val_prompts=16",
-        "rollout.num_prompts_per_step=16",
-        "checkpoint.save_final=false",
-        f"logging.run_dir={tmp / 'run'}",
-        cwd=tmp,
+    result = run_here(  # in this process (no interpreter start-up); the report through the real command line
+        cli_command(
+            "grpo",
+            CONFIG,
+            "loop.max_steps=3",
+            "loop.val_every=1",
+            "data.max_val_prompts=16",
+            "rollout.num_prompts_per_step=16",
+            "checkpoint.save_final=false",
+            f"logging.run_dir={tmp / 'run'}",
+        )
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "run"

@@ -2,9 +2,7 @@
 its checkpoint covered lost and no step twice; on an edited data file the resume is one line (docs/reliability.md,
 "Ledgers")."""
 
-import subprocess
-
-from _kill import cli_command, json_rows
+from _kill import cli_command, json_rows, run_here
 
 from reinforge.paths import PROJECT_ROOT
 
@@ -26,7 +24,7 @@ ARGS = [
 def run(run_dir, data, max_steps):
     config = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
     args = [*ARGS, f"loop.max_steps={max_steps}", f"data.train_path={data}", f"logging.run_dir={run_dir}"]
-    return subprocess.run(cli_command("grpo", config, *args), capture_output=True, text=True, timeout=600)
+    return run_here(cli_command("grpo", config, *args))  # in this process: no interpreter start-up per run
 
 
 def test_a_run_resumes_after_torn_ledgers_and_refuses_an_edited_data_file(tmp_path):

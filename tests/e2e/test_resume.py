@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from _kill import run_here
+
 from reinforge.paths import PROJECT_ROOT
 
 ARGS = [
@@ -61,7 +63,7 @@ def kill_when(run_dir, ready, timeout_s=240):
 def test_a_run_killed_at_random_moments_resumes_to_the_same_metrics(tmp_path):
     reference = tmp_path / "uninterrupted"
     began = time.time()
-    assert subprocess.run(command(reference), capture_output=True, timeout=600).returncode == 0
+    assert run_here(command(reference)).returncode == 0  # only the killed runs need processes of their own
     duration = time.time() - began  # the random moments below are fractions of it, so they land on any machine
     run = tmp_path / "killed"
     checkpoints = run / "checkpoints"
@@ -86,7 +88,7 @@ def test_a_run_killed_at_random_moments_resumes_to_the_same_metrics(tmp_path):
             kills += 1
         newest = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step_"))
         assert all((p / "COMPLETE").is_file() for p in newest), "a half-written checkpoint is visible as a checkpoint"
-    final = subprocess.run(command(run), capture_output=True, text=True, timeout=600)
+    final = run_here(command(run))
     assert final.returncode == 0, final.stderr[-3000:]
     assert kills >= 2
     assert comparable(run) == comparable(reference)
@@ -105,8 +107,8 @@ def test_resuming_with_another_model_is_refused_naming_the_setting(tmp_path):
         "data.max_val_prompts=4",
         f"logging.run_dir={run}",
     ]
-    assert subprocess.run(short, capture_output=True, timeout=600).returncode == 0
-    other = subprocess.run(short + ["optimizer.lr=3e-4"], capture_output=True, text=True, timeout=600)
+    assert run_here(short).returncode == 0
+    other = run_here(short + ["optimizer.lr=3e-4"])
     assert other.returncode == 2
     assert (
         other.stderr.strip().splitlines()[-1].startswith("reinforge: error: cannot resume from")
@@ -119,14 +121,14 @@ def test_a_corrupted_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_o
     place (same size, so only the SHA-256 in COMPLETE can tell). Rerun to 4 steps with the same command: it warns
     naming the corrupt checkpoint, resumes from step 2, and ends with the metrics of a 4-step run never stopped."""
     reference, run = tmp_path / "uninterrupted", tmp_path / "corrupted"
-    assert subprocess.run(command(reference, max_steps=4), capture_output=True, timeout=600).returncode == 0
-    assert subprocess.run(command(run, max_steps=3), capture_output=True, timeout=600).returncode == 0
+    assert run_here(command(reference, max_steps=4)).returncode == 0
+    assert run_here(command(run, max_steps=3)).returncode == 0
     newest = run / "checkpoints" / "step_00000003"
     state = next(path for path in (newest / "trainer").iterdir() if path.stat().st_size > 4096)
     with open(state, "r+b") as handle:
         handle.seek(state.stat().st_size // 2)
         handle.write(b"\x00" * 64)
-    resumed = subprocess.run(command(run, max_steps=4), capture_output=True, text=True, timeout=600)
+    resumed = run_here(command(run, max_steps=4))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (
         f"checkpoint {newest} does not match its COMPLETE manifest's checksums (corrupt); skipping it"

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from _kill import cli_command, cmdline, comparable_metrics, descendants, kill_once_step_checkpointed
+from _kill import cli_command, cmdline, comparable_metrics, descendants, kill_once_step_checkpointed, run_here
 from safetensors.torch import load_file
 
 from reinforge.config.loader import load_recipe_config
@@ -60,10 +60,10 @@ def weight_difference(run_a, run_b) -> float:
 def test_a_killed_run_resumes_to_the_metrics_and_weights_of_a_run_never_killed(recipe, tmp_path):
     command_of = command_for(recipe, tmp_path, "cluster.max_restarts=0")  # the kill ends the command: no restart
     reference, run = tmp_path / "uninterrupted", tmp_path / "killed"
-    uninterrupted = subprocess.run(command_of(reference), capture_output=True, text=True, timeout=600)
+    uninterrupted = run_here(command_of(reference))  # only the killed run needs a process of its own
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     kill_once_step_checkpointed(command_of(run), run, step=2)
-    resumed = subprocess.run(command_of(run), capture_output=True, text=True, timeout=600)
+    resumed = run_here(command_of(run))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "(resumed from step_00000002)" in resumed.stdout, resumed.stdout[-2000:]
 

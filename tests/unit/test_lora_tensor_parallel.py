@@ -2,11 +2,12 @@
 
 The tiny Qwen2 of test_tensor_parallel.py (4 heads, 2 kv heads, q/k/v biases) with adapters on every attention
 and MLP projection trains 3 GRPO steps (clip and KL active, the reference the adapters switched off) in one
-process, at tp=2 (2 ranks) and at dp_shard=2 x tp=2 (4 ranks): logprobs, loss, gradient norm, the adapters and
-the merged weights agree to 1e-5. Each adapter matrix is split with its base layer (A replicated and B on its
-rows beside a column-wise base; A on its columns and B replicated beside a row-wise one), as placements and
-local shapes on every rank show; a checkpoint written at tp=2 resumes in one process, and one written in one
-process resumes at tp=2, the next step equal to the uninterrupted run's. One module fixture spawns each world once.
+process and at tp=2 (2 ranks): logprobs, loss, gradient norm, the adapters and the merged weights agree to 1e-5
+(dp_shard x tp is test_tensor_parallel.py's, for the base model). Each adapter matrix is split with its base
+layer (A replicated and B on its rows beside a column-wise base; A on its columns and B replicated beside a
+row-wise one), as placements and local shapes on every rank show; a checkpoint written at tp=2 resumes in one
+process, and one written in one process resumes at tp=2, the next step equal to the uninterrupted run's. One
+module fixture spawns the world once.
 """
 
 from functools import partial
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.xdist_group("fsdp2_worker")
 
 NUM_STEPS = 3
 LOSS = partial(loss_fn, token_mean, 0.1)
-LAYOUTS = {"tp2": (2, dict(tp=2)), "dp2tp2": (4, dict(tp=2, dp_shard=2))}
+PARALLEL = dict(tp=2)
 COLUMN_WISE, ROW_WISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
 
 
@@ -86,18 +87,17 @@ def run_rank(rank, world_size, port, model_dir, out_dir, parallel):
     result["metrics"] = [backend.train_step(batch, LOSS) for _ in range(NUM_STEPS)]
     result["adapter"] = adapter(backend)
     result["weights"] = dict(backend.named_weights())
-    if parallel == LAYOUTS["tp2"][1]:  # the checkpoints' and the export's test reads tp=2's
-        backend.save_state(out_dir / "state")
-        backend.save_adapter(out_dir / "adapter")
-        backend.load_state(out_dir.parent / "one_state1")
-        result["after_load"] = backend.train_step(batch, LOSS)
+    backend.save_state(out_dir / "state")
+    backend.save_adapter(out_dir / "adapter")
+    backend.load_state(out_dir.parent / "one_state1")
+    result["after_load"] = backend.train_step(batch, LOSS)
     backend.shutdown()
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"one": one process's results, with its 4th step; each layout: every rank's results and its directory}."""
+    """{"one": one process's results, with its 4th step; "tp2": every rank's results and their directory}."""
     base = tmp_path_factory.mktemp("lora_tp")
     model_dir = make_model_dir(base / "model", "sdpa")
     backend = make_backend(model_dir)
@@ -109,15 +109,13 @@ def runs(tmp_path_factory):
     one["weights"] = dict(backend.named_weights())
     one["next"] = backend.train_step(batch, LOSS)
     results = {"one": one, "model_dir": model_dir}
-    for key, (world_size, parallel) in LAYOUTS.items():
-        (base / key).mkdir()
-        results[key] = launch(world_size, model_dir, base / key, parallel, target=run_rank, timeout_s=300), base / key
+    (base / "tp2").mkdir()
+    results["tp2"] = launch(2, model_dir, base / "tp2", PARALLEL, target=run_rank, timeout_s=300), base / "tp2"
     return results
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_lora_at_tp2_trains_as_one_process(runs, layout):
-    one, (ranks, _) = runs["one"], runs[layout]
+def test_lora_at_tp2_trains_as_one_process(runs):
+    one, (ranks, _) = runs["one"], runs["tp2"]
     assert one["metrics"][0]["clip_fraction"] > 0 and one["metrics"][1]["kl"] > 0
     for rank, result in enumerate(ranks):
         torch.testing.assert_close(result["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
@@ -133,10 +131,8 @@ def test_lora_at_tp2_trains_as_one_process(runs, layout):
         torch.testing.assert_close(ranks[0]["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_each_adapter_is_split_with_its_base_layer(runs, layout):
-    (ranks, _), (_, parallel) = runs[layout], LAYOUTS[layout]
-    dp = parallel.get("dp_shard", 1)
+def test_each_adapter_is_split_with_its_base_layer(runs):
+    ranks, _ = runs["tp2"]
     for result in ranks:
         assert len(result["shards"]) == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
         for name, (placement, local_shape, shape) in result["shards"].items():
@@ -146,8 +142,8 @@ def test_each_adapter_is_split_with_its_base_layer(runs, layout):
             expected = split.get(matrix, Replicate())
             assert placement == expected, (name, placement)
             tp_parts = 1 if expected == Replicate() else 2
-            assert torch.Size(local_shape).numel() * tp_parts * dp == torch.Size(shape).numel(), (name, local_shape)
-            if isinstance(expected, Shard) and dp == 1:
+            assert torch.Size(local_shape).numel() * tp_parts == torch.Size(shape).numel(), (name, local_shape)
+            if isinstance(expected, Shard):
                 assert local_shape[expected.dim] == shape[expected.dim] // 2, (name, local_shape)
 
 
