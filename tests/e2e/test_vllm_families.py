@@ -66,7 +66,8 @@ def test_mixtral_refits_into_vllm_verified_and_its_logprobs_match_transformers(t
         "model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight (from down_proj) differs (stale or wrongly "
         "loaded); the run stops rather than train off-policy"
     )
-    assert outcomes["after 1"] > 1.01, outcomes
+    # NaN is a mismatch too: a token one side samples at a logprob of -inf (seen once in a loaded full run)
+    assert not outcomes["after 1"] <= 1.01, outcomes
 
 
 def window_on_layer_1(config) -> None:
