@@ -20,12 +20,12 @@ from functools import partial
 import pytest
 import torch
 from test_fsdp2_worker import launch
+from test_tensor_parallel import make_batch, value_loss
 from test_torch_backend import loss_fn
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from reinforge.algorithms.losses import token_mean
 from reinforge.algorithms.sft import nll_loss
-from reinforge.data.batch import Trajectory, collate
 from reinforge.errors import ConfigError
 from reinforge.model_config import ModelConfig, MoeConfig
 from reinforge.training.backend import Backend
@@ -148,27 +148,6 @@ def test_stages_chained_equal_the_whole_model(pp):
     torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)
     assert set().union(*kept) == set(names) | {"lm_head.weight"}  # every parameter on some stage (the tie copied)
     assert sum(len(own) for own in kept) == len(names) + 1
-
-
-def make_batch(scale=1):
-    """8 sequences, pairs sharing a prompt, old logprobs away from the policy's (the clip is active); `scale` times
-    longer for context parallelism."""
-    gen = torch.Generator().manual_seed(0)
-    trajectories = []
-    for row in range(8):
-        if row % 2 == 0:
-            prompt = torch.randint(2, 97, (scale * (3 + row % 3),), generator=gen).tolist()
-        response = torch.randint(2, 97, (scale * (2 + (row * 5) % 7),), generator=gen).tolist()
-        trajectories.append(Trajectory(prompt, response, [0.0] * len(response), False, 0.0, row // 2, "math"))
-    batch = collate(trajectories, torch.randn(8, generator=gen).tolist(), pad_token_id=0)
-    batch.old_logprobs = 0.3 * torch.randn(batch.loss_mask.shape, generator=gen) * batch.loss_mask
-    return batch
-
-
-def value_loss(values_BT, micro, norm):
-    """A critic's squared error against the advantages."""
-    loss = token_mean((values_BT - micro.advantages) ** 2, micro.loss_mask, norm)
-    return loss, {"loss": loss.detach()}
 
 
 def run_scenario(strategy, model_dirs, scenario, parallel=None):
