@@ -42,7 +42,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("algorithms",),
     # 6, the loops that run the recipes (the RL loop, the supervised loop) and their machinery: building a run's
     # parts from config, checkpoints and resume, refit, the run's checks, the table of recipes.
-    ("loops",),
+    ("loops", "tinker"),
     # 7, the front doors: multi-stage recipes, the command line and the supervisor that restarts a failed run.
     ("recipes", "cli", "supervisor"),
 )
