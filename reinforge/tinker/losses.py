@@ -156,7 +156,9 @@ def datum_loss(
         sequence_ratio = torch.exp(log_ratio + lp - lp.detach())
         loss = -clipped_objective(sequence_ratio, advantages, clip["clip_low_threshold"], clip["clip_high_threshold"])
     else:  # stable_reinforce
-        weight = torch.minimum(ratio, torch.as_tensor(clip["clip_high_threshold"], dtype=lp.dtype)).detach()
+        weight = torch.minimum(
+            ratio, torch.as_tensor(clip["clip_high_threshold"], dtype=lp.dtype, device=lp.device)
+        ).detach()
         loss = -(inputs[SAMPLED] * weight * lp * advantages).sum()
     return loss, outputs
 

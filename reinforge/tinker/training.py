@@ -199,9 +199,10 @@ class TinkerTrainer:
             return
         for index, datum in enumerate(datums):
             for what, ids in (("model_input", datum.tokens), ("target_tokens", datum.inputs["target_tokens"])):
-                if np.size(ids) and (int(np.max(ids)) >= self.vocab_size or int(np.min(ids)) < 0):
+                outside = [int(i) for i in np.ravel(ids) if not 0 <= int(i) < self.vocab_size]
+                if outside:
                     raise TinkerRequestError(
-                        f"datum {index}: {what} holds token id {int(np.max(ids))}, outside the model's vocabulary "
+                        f"datum {index}: {what} holds token id {outside[0]}, outside the model's vocabulary "
                         f"(ids 0 to {self.vocab_size - 1})"
                     )
 

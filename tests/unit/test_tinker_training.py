@@ -10,6 +10,8 @@ import pytest
 import torch
 from test_fsdp2_worker import launch
 
+from reinforge.cluster import worker_group
+from reinforge.cluster.config import TrainerClusterConfig
 from reinforge.data.batch import sequences_batch
 from reinforge.model_config import LoraConfig, ModelConfig
 from reinforge.tinker.datum import Datum
@@ -147,6 +149,29 @@ def test_two_forward_backward_calls_then_one_step_train_on_their_sum():
     stop_whole()
 
 
+def test_a_client_side_custom_loss_trains_through_the_cross_entropy_surrogate(trainer):
+    """The SDK's forward_backward_custom: a forward with cross_entropy (weights 0), the loss C(lp) and its gradient
+    on the client, then cross_entropy with weights -dC/dlp: the parameters' gradient is C's (here sum(lp^2))."""
+    datums = next_token_datums()
+    for datum in datums:
+        datum.inputs["weights"] = np.zeros(len(datum.tokens))
+    forward = trainer.forward_backward(datums, "cross_entropy", {}, backward=False)
+    for datum, output in zip(datums, forward.outputs):
+        datum.inputs["weights"] = -2.0 * output["logprobs"]  # -d(lp^2)/dlp
+    model = trainer.backend.model
+    model.zero_grad()
+    trainer.forward_backward(datums, "cross_entropy", {}, backward=True)
+    surrogate = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    for datum in datums:
+        logits = model(torch.tensor([datum.tokens])).logits[0].float()
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(datum.inputs["target_tokens"])[:, None])
+        (lp**2).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(surrogate[name], param.grad, atol=1e-4, rtol=1e-4, msg=named(name))
+    model.zero_grad()
+
+
 def adapters(trainer: TinkerTrainer) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in trainer.backend.model.named_parameters() if p.requires_grad}
 
@@ -196,6 +221,36 @@ def run_tinker_rank(rank, world_size, port, model_dir, out_dir):
     }
     torch.save({**results, "metrics": metrics, "weights": dict(backend.named_weights())}, out_dir / f"rank{rank}.pt")
     backend.shutdown()
+
+
+@pytest.mark.xdist_group("ray")
+def test_a_lora_client_on_fsdp2_ranks_in_ray_trains_as_in_process():
+    """`training.backend=fsdp2`: two ranks in Ray actors (cluster/fsdp2_trainer.py's `FSDP2Ranks`) give the outputs,
+    the loss and the step of the trainer in this process, with the same LoRA adapters from the same seed."""
+    datums, adam = next_token_datums(), AdamStep(learning_rate=1e-2, eps=1e-2)
+    results, cluster = {}, TrainerClusterConfig(num_cpus=2)
+    stop_ray = worker_group.ensure_ray(cluster, 2)  # build_tinker_backend's own call finds it running
+    for kind, training in (
+        ("torch", TRAINING),
+        ("fsdp2", TrainingConfig(backend="fsdp2", num_workers=2, micro_batch_size=1, device="cpu")),
+    ):
+        model = ModelConfig(name_or_path=DEMO, lora=LoraConfig(rank=8))
+        trainer, stop = build_tinker_backend(model, training, cluster, lora_rank=4, seed=3)
+        try:
+            first = trainer.forward_backward(datums, "cross_entropy", {}, backward=True)
+            step = trainer.optim_step(adam)
+            after = trainer.forward_backward(datums, "cross_entropy", {}, backward=False)
+        finally:
+            stop()
+        results[kind] = first, step, after
+    stop_ray()
+    (first, step, after), (ray_first, ray_step, ray_after) = results["torch"], results["fsdp2"]
+    assert ray_step["optim/grad_norm"] == pytest.approx(step["optim/grad_norm"], rel=1e-5)
+    for mine, theirs in ((first, ray_first), (after, ray_after)):
+        assert theirs.metrics["loss:sum"] == pytest.approx(mine.metrics["loss:sum"], abs=1e-3)
+        for a, b in zip(theirs.outputs, mine.outputs, strict=True):
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-4)
+    assert after.metrics["loss:sum"] < first.metrics["loss:sum"]
 
 
 @pytest.mark.xdist_group("fsdp2_worker")
