@@ -134,17 +134,19 @@ def tinker_batch(datums: list[Datum], names: tuple[str, ...], shares: int) -> Ti
         batch.input_ids[b, :n] = torch.tensor(datum.tokens)
         batch.attention_mask[b, : n + 1] = 1
         batch.loss_mask[b, 1 : n + 1] = 1.0
-        wide = np.ndim(datum.inputs["target_tokens"]) == 2
-        batch.width[b] = np.shape(datum.inputs["target_tokens"])[1] if wide else 0
-        targets = torch.as_tensor(np.asarray(datum.inputs["target_tokens"], dtype=np.int64))
-        batch.target_ids[b, 1 : n + 1, : targets.shape[1] if wide else 1] = targets if wide else targets[:, None]
+        targets = columns(datum.inputs["target_tokens"], np.int64)
+        batch.target_ids[b, 1 : n + 1, : targets.shape[1]] = targets
+        batch.width[b] = targets.shape[1] if np.ndim(datum.inputs["target_tokens"]) == 2 else 0
         for f, name in enumerate(names):
-            value = datum.sampled if name == SAMPLED else datum.inputs[name]
-            value = torch.as_tensor(np.asarray(value, dtype=np.float32))
-            batch.values[b, 1 : n + 1, f, : value.shape[1] if value.ndim == 2 else 1] = (
-                value if value.ndim == 2 else value[:, None]
-            )
+            value = columns(datum.sampled if name == SAMPLED else datum.inputs[name], np.float32)
+            batch.values[b, 1 : n + 1, f, : value.shape[1]] = value
     return batch
+
+
+def columns(value, dtype) -> torch.Tensor:
+    """An input, (N,) or (N, K), as an [N, K] tensor."""
+    tensor = torch.as_tensor(np.asarray(value, dtype=dtype))
+    return tensor if tensor.ndim == 2 else tensor[:, None]
 
 
 class TinkerTrainer:

@@ -195,18 +195,19 @@ def test_a_lora_client_gets_its_rank_and_its_seed():
         stop()
 
 
-def run_tinker_rank(rank, world_size, port, model_dir, out_dir):
-    """One forward_backward of three datums (padded to four rows on two ranks), one optim_step, one forward."""
-    torch.set_num_threads(1)
-    backend = Backend(
+def tiny_backend(model_dir, **kwargs) -> Backend:
+    return Backend(
         ModelConfig(name_or_path=str(model_dir)),
-        TrainingConfig(backend="fsdp2", num_workers=world_size, micro_batch_size=1),
-        OptimizerConfig(),
-        SchedulerConfig(),
+        optimizer=OptimizerConfig(),
+        scheduler=SchedulerConfig(),
         num_optimizer_steps=1,
         head=LogprobHead(1.0),
-        strategy=FSDP2Strategy(rank, world_size, "127.0.0.1", port),
+        **kwargs,
     )
+
+
+def one_step(backend: Backend) -> dict:
+    """One forward_backward of three datums (padded to four rows on two ranks), one optim_step, one forward."""
     trainer = TinkerTrainer(backend)
     datums = [
         Datum([t % 64 for t in s[:-1]], {"target_tokens": np.array(s[1:]) % 64, "weights": np.ones(len(s) - 1)})
@@ -215,11 +216,20 @@ def run_tinker_rank(rank, world_size, port, model_dir, out_dir):
     result = trainer.forward_backward(datums, "cross_entropy", {}, backward=True)
     metrics = trainer.optim_step(AdamStep(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1.0))
     after = trainer.forward_backward(datums, "cross_entropy", {}, backward=False)
-    results = {  # tensors: the rank's file is read with torch.load's weights_only
+    results = {  # tensors: a rank's file is read with torch.load's weights_only
         key: ([torch.from_numpy(out["logprobs"]) for out in r.outputs], r.metrics)
         for key, r in (("result", result), ("after", after))
     }
-    torch.save({**results, "metrics": metrics, "weights": dict(backend.named_weights())}, out_dir / f"rank{rank}.pt")
+    return {**results, "metrics": metrics, "weights": dict(backend.named_weights())}
+
+
+def run_tinker_rank(rank, world_size, port, model_dir, out_dir):
+    torch.set_num_threads(1)
+    strategy = FSDP2Strategy(rank, world_size, "127.0.0.1", port)
+    backend = tiny_backend(
+        model_dir, training=TrainingConfig(backend="fsdp2", num_workers=2, micro_batch_size=1), strategy=strategy
+    )
+    torch.save(one_step(backend), out_dir / f"rank{rank}.pt")
     backend.shutdown()
 
 
@@ -254,19 +264,14 @@ def test_a_lora_client_on_fsdp2_ranks_in_ray_trains_as_in_process():
 
 
 @pytest.mark.xdist_group("fsdp2_worker")
-def test_two_fsdp2_ranks_train_as_one(tiny_model_dir, tmp_path):
-    worlds = {}
-    for world_size in (1, 2):
-        out_dir = tmp_path / str(world_size)
-        out_dir.mkdir()
-        worlds[world_size] = launch(world_size, tiny_model_dir, out_dir, target=run_tinker_rank)
-    (one,), two = worlds[1], worlds[2]
-    for rank in two:
+def test_two_fsdp2_ranks_train_as_one_process(tiny_model_dir, tmp_path):
+    one = one_step(tiny_backend(tiny_model_dir, training=TrainingConfig(micro_batch_size=1)))
+    for rank in launch(2, tiny_model_dir, tmp_path, target=run_tinker_rank):
         for key in ("result", "after"):
             assert rank[key][1]["loss:sum"] == pytest.approx(one[key][1]["loss:sum"], abs=1e-4)
             for a, b in zip(rank[key][0], one[key][0], strict=True):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         assert rank["metrics"]["optim/grad_norm"] == pytest.approx(one["metrics"]["optim/grad_norm"], abs=1e-4)
         for name, weight in one["weights"].items():
-            torch.testing.assert_close(rank["weights"][name], weight, atol=1e-5, rtol=0)
+            torch.testing.assert_close(rank["weights"][name], weight, atol=1e-5, rtol=0, msg=named(name))
     assert one["after"][1]["loss:sum"] < one["result"][1]["loss:sum"]
