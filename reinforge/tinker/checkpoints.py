@@ -94,7 +94,8 @@ class CheckpointInfo:
 
 
 class Checkpoints:
-    """The checkpoints under `run_dir` (the server's directory)."""
+    """The checkpoints under `run_dir` (the server's directory). Each `backend` argument is a reinforge training
+    backend or a TinkerTrainer (its `backend` is used)."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
@@ -107,7 +108,7 @@ class Checkpoints:
         """Write the training backend's state (weights and optimizer) as `tinker://<model_id>/weights/<name>`."""
         path, directory = self._new(model_id, "training", name, overwrite)
         with atomic_directory(directory) as tmp:
-            backend.save_state(tmp / "trainer")
+            training_backend(backend).save_state(tmp / "trainer")
             model = trained.model.model_dump(mode="json")
             (tmp / "config.yaml").write_text(yaml.safe_dump({"model": model}, sort_keys=False))
             _write_record(tmp, trained, step, user_metadata, ttl_seconds)
@@ -124,6 +125,7 @@ class Checkpoints:
         name = name or f"sampler-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{next(self.unnamed)}"
         path, directory = self._new(model_id, "sampler", name, overwrite=True)
         with atomic_directory(directory) as tmp:
+            backend = training_backend(backend)
             (backend.save_adapter if trained.lora_rank is not None else backend.save_pretrained)(tmp)
             _write_record(tmp, trained, step, user_metadata, ttl_seconds)
         return path
@@ -147,6 +149,7 @@ class Checkpoints:
             )
         if not verifies(info.directory):
             raise TinkerRequestError(f"{path} is damaged: its files do not match their checksums; save it again")
+        backend = training_backend(backend)
         backend.load_state(info.directory / "trainer")
         if not with_optimizer:
             reset_optimizer(backend)
@@ -218,10 +221,20 @@ def parse_path(path: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
+def training_backend(trainer):
+    """The reinforge training backend of `trainer`: itself, or the `backend` of a TinkerTrainer (tinker/training.py)."""
+    return trainer if hasattr(trainer, "save_state") else trainer.backend
+
+
 def reset_optimizer(backend) -> None:
     """A fresh optimizer for weights loaded without their optimizer state: AdamW's moments and step forgotten."""
     if hasattr(backend, "reset_optimizer"):  # a backend of ranks in other processes says how itself
         return backend.reset_optimizer()
+    if not hasattr(backend, "optimizer"):
+        raise TinkerRequestError(
+            "this server's training backend cannot load weights without their optimizer state; load the state with "
+            "its optimizer (create_training_client_from_state_with_optimizer)"
+        )
     backend.optimizer.state.clear()
 
 

@@ -47,8 +47,9 @@ class SavedWeights:
 class LiveWeights:
     """A training client's weights as they are in its training backend, at `version`.
 
-    `trainer`: anything with `backend` (a reinforge training backend: `named_weights()`, `save_adapter(path)`) and
-    `version` (an int its owner bumps whenever the weights change: each optimizer step, each load). `version` None:
+    `trainer`: anything with `version` (an int its owner bumps whenever the weights change: each optimizer step,
+    each load) and `backend` (a reinforge training backend: `named_weights()`, `save_adapter(path)`), or `trainer`
+    whose `backend` that is (tinker/training.py's TinkerTrainer; None once freed). `version` None:
     whatever the trainer holds when a sample runs (Tinker's `inflight` kind); an int: exactly those weights (the
     `snapshot` kind), which can be sampled while the trainer is still at that version or the engine still holds
     them; past that, a one-line `TinkerRequestError`."""
@@ -62,14 +63,17 @@ class LiveWeights:
 SamplerWeights = BaseWeights | SavedWeights | LiveWeights
 BASE = ("base",)
 _serials = itertools.count(1)
-_trainer_ids: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_trainer_ids: dict[int, int] = {}  # id() of a live trainer -> its number
 
 
 def trainer_id(trainer) -> int:
-    """A number of its own for each trainer object, never reused (an `id()` is, after the object is freed)."""
-    if trainer not in _trainer_ids:
-        _trainer_ids[trainer] = next(_serials)
-    return _trainer_ids[trainer]
+    """A number of its own for each trainer object, never reused (an `id()` is, after the object is freed; the
+    object may be unhashable, a dataclass)."""
+    key = id(trainer)
+    if key not in _trainer_ids:
+        _trainer_ids[key] = next(_serials)
+        weakref.finalize(trainer, _trainer_ids.pop, key, None)
+    return _trainer_ids[key]
 
 
 class EngineSlot:
@@ -91,13 +95,7 @@ class EngineSlot:
         if isinstance(weights, BaseWeights):
             return BASE
         if isinstance(weights, SavedWeights):
-            try:
-                stat = os.stat(weights.path)
-            except OSError:
-                raise TinkerRequestError(
-                    f"the saved weights at {weights.path} are gone; save them again with save_weights_for_sampler"
-                ) from None
-            return ("saved", str(weights.path), stat.st_ino, stat.st_mtime_ns)
+            return saved_key(weights)
         current = weights.trainer.version
         return ("live", trainer_id(weights.trainer), current if weights.version is None else weights.version)
 
@@ -143,7 +141,7 @@ class EngineSlot:
         self._load_merged(_model_weights(whole))
 
     def _serve_live(self, weights: LiveWeights) -> None:
-        backend = weights.trainer.backend
+        backend = live_backend(weights.trainer)
         if self._takes_adapter(weights.lora_rank):
             with atomic_directory(self.adapter_dir) as tmp:
                 backend.save_adapter(tmp)
@@ -173,6 +171,29 @@ class EngineSlot:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def saved_key(weights: SavedWeights) -> tuple:
+    """Saved weights by their directory's path, inode and time: saved again under the same name, they are others."""
+    try:
+        stat = os.stat(weights.path)
+    except OSError:
+        raise TinkerRequestError(
+            f"the saved weights at {weights.path} are gone; save them again with save_weights_for_sampler"
+        ) from None
+    return ("saved", str(weights.path), stat.st_ino, stat.st_mtime_ns)
+
+
+def live_backend(trainer):
+    """The training backend of `trainer` (`trainer.backend`, or `trainer.trainer.backend` for a record that holds the
+    training client), or a one-line error when the client was freed."""
+    backend = getattr(trainer, "backend", None) or getattr(getattr(trainer, "trainer", None), "backend", None)
+    if backend is None:
+        raise TinkerRequestError(
+            "the training client of this sampling client was freed (its session ended); save_weights_for_sampler "
+            "keeps weights to sample after"
+        )
+    return backend
 
 
 def _model_weights(model: ModelConfig) -> dict[str, torch.Tensor]:

@@ -15,17 +15,19 @@ weights it serves: the HF engine's model in a forward pass, vLLM's `prompt_logpr
 from __future__ import annotations
 
 import random
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from reinforge.generation.base import GenerationConfig, SamplingParams
-from reinforge.model_config import ModelConfig
-from reinforge.tinker.engine_slot import EngineSlot, SamplerWeights
+from reinforge.model_config import LoraConfig, ModelConfig
+from reinforge.tinker.engine_slot import EngineSlot, LiveWeights, SamplerWeights, SavedWeights, live_backend, saved_key
 from reinforge.tinker.errors import TinkerRequestError
 from reinforge.tinker.prompt_scores import PromptScores, prompt_scores
 
 MAX_SEED = 2**31 - 1
+MAX_ALIASES = 64  # saved weights remembered as live ones (`Samplers.remember`)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,24 @@ class Samplers:
     `models`: each base model's name (what clients call it) -> its `ModelConfig` (its `lora` section, when set, is
     the LoRA defaults: with `generation.backend=vllm` and adapter sync, the engine takes adapters up to its rank);
     `tokenizer_for(name)`: that model's tokenizer; `run_dir`: where live LoRA adapters are written for vLLM;
-    `seed`: the engines'; `max_model_len`: vLLM's context (default: the model's max_position_embeddings)."""
+    `seed`: the engines'; `max_model_len`: vLLM's context (default: the model's max_position_embeddings);
+    `lora_rank`: with vLLM, the largest LoRA rank its engines take as adapters (LoRA clients of larger ranks are
+    served merged; None: `model.lora`'s rank where its sync is adapter or auto, else every LoRA client merged)."""
+
+    @classmethod
+    def for_server(cls, config, tokenizer_for: Callable[[str], Any], run_dir: Path) -> "Samplers":
+        """From the server's `TinkerServeConfig` (tinker/config.py): its served models, `generation`, `seed`, the
+        longest sequence it takes and the largest LoRA rank (as vLLM adapters unless `model.lora.sync=merged`)."""
+        merged = config.model.lora is not None and config.model.lora.sync == "merged"
+        return cls(
+            {name: config.model_config_for(name) for name in config.served_models()},
+            config.generation,
+            tokenizer_for,
+            run_dir,
+            config.seed,
+            config.tinker.max_sequence_tokens or None,
+            None if merged else config.tinker.max_lora_rank,
+        )
 
     def __init__(
         self,
@@ -91,12 +110,14 @@ class Samplers:
         run_dir: Path,
         seed: int = 0,
         max_model_len: int | None = None,
+        lora_rank: int | None = None,
     ):
         self.models, self.generation, self.tokenizer_for = dict(models), generation, tokenizer_for
-        self.run_dir, self.seed, self.max_model_len = Path(run_dir), seed, max_model_len
+        self.run_dir, self.seed, self.max_model_len, self.lora_rank = Path(run_dir), seed, max_model_len, lora_rank
         self.slots: dict[str, EngineSlot] = {}
         self.limits: dict[str, tuple[int, int | None]] = {}
         self.seeds = random.Random()  # a request without a seed gets a fresh one
+        self.aliases: dict[tuple, tuple] = {}  # saved weights' key -> (the trainer, weakly; its version; LoRA rank)
 
     def slot(self, base_model: str) -> EngineSlot:
         """The engine of `base_model`, built now if it is the first request for it."""
@@ -104,7 +125,7 @@ class Samplers:
             known = ", ".join(sorted(self.models))
             raise TinkerRequestError(f"unknown base model {base_model!r}; this server holds: {known}")
         if base_model not in self.slots:
-            model = self.models[base_model]
+            model = engine_model(self.models[base_model], self.generation, self.lora_rank)
             engine = build_engine(model, self.generation, self.tokenizer_for(base_model), self.seed, self.max_model_len)
             adapter_dir = self.run_dir / "sampler_adapters" / f"{len(self.slots)}"
             self.slots[base_model] = EngineSlot(engine, model, self.generation, adapter_dir)
@@ -115,6 +136,7 @@ class Samplers:
     ) -> list[SampleResult]:
         """`num_samples` samples of each prompt with `weights` (the engine refitted first if it holds others)."""
         slot = self.slot(weights.base_model)
+        weights = self._from_memory(weights, slot)
         eos = self.tokenizer_for(weights.base_model).eos_token_id
         engine_params = sampling_params(params, num_samples, self.generation, eos, self._seed(params))
         vocab, context = self._limits(weights.base_model)
@@ -128,6 +150,28 @@ class Samplers:
             for result, scores in zip(results, prompt_scores(slot.engine, prompts, params.topk_prompt_logprobs)):
                 _attach(result, scores, params)
         return results
+
+    def remember(self, saved: SavedWeights, live: LiveWeights) -> None:
+        """`saved` was just written from `live` (save_weights_for_sampler): while the trainer stays at that version,
+        sampling `saved` takes the weights from the trainer's memory, or from the engine without a refit when it
+        holds them already, instead of reading the directory back (a loop that saves and samples every step)."""
+        version = live.trainer.version if live.version is None else live.version
+        self.aliases[saved_key(saved)] = (weakref.ref(live.trainer), version, live.lora_rank)
+        while len(self.aliases) > MAX_ALIASES:  # the oldest first: insertion order
+            del self.aliases[next(iter(self.aliases))]
+
+    def _from_memory(self, weights: SamplerWeights, slot: EngineSlot) -> SamplerWeights:
+        """`weights`, or the live weights `remember` says they equal when the trainer or the engine still holds them."""
+        alias = self.aliases.get(saved_key(weights)) if isinstance(weights, SavedWeights) else None
+        trainer = alias[0]() if alias else None
+        if trainer is None:
+            return weights
+        live = LiveWeights(weights.base_model, trainer, alias[1], alias[2])
+        try:
+            held = slot.weights_key(live) == slot.holds or (trainer.version == alias[1] and live_backend(trainer))
+        except TinkerRequestError:  # the training client was freed: the directory it is
+            return weights
+        return live if held else weights
 
     def _seed(self, params: SampleParams) -> int:
         return self.seeds.randrange(MAX_SEED) if params.seed is None else params.seed
@@ -213,6 +257,14 @@ def check_request(
                 f"the prompt's {len(prompt)} tokens and max_tokens={max_tokens} exceed the model's context of "
                 f"{context} tokens; shorten the prompt or lower max_tokens"
             )
+
+
+def engine_model(model: ModelConfig, generation: GenerationConfig, lora_rank: int | None) -> ModelConfig:
+    """The model config an engine is built from: with vLLM and `lora_rank`, LoRA adapters of up to that rank."""
+    if generation.backend != "vllm" or lora_rank is None:
+        return model
+    lora = (model.lora or LoraConfig()).model_copy(update={"rank": lora_rank, "sync": "adapter"})
+    return model.model_copy(update={"lora": lora})
 
 
 def build_engine(model: ModelConfig, generation: GenerationConfig, tokenizer, seed: int, max_model_len: int | None):

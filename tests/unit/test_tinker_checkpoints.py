@@ -82,6 +82,27 @@ def test_sampler_weights_sample_as_the_live_weights_did(tmp_path, model):
     samplers.shutdown()
 
 
+def test_saved_weights_remembered_as_live_ones_are_served_without_a_refit_until_training_moves_on(tmp_path):
+    checkpoints = Checkpoints(tmp_path)
+    tokenizer = load_tokenizer(DEMO)
+    samplers = Samplers({BASE: DEMO}, GenerationConfig(), lambda name: tokenizer, tmp_path)
+    trainer = Trainer(make_backend())
+    one_step(trainer)
+    live, params = LiveWeights(BASE, trainer, trainer.version, None), SampleParams(max_tokens=12, seed=2)
+    first = samplers.sample(live, prompts(), 2, params)
+    saved = checkpoints.info(checkpoints.save_for_sampler("m1", "s", trainer.backend, TrainedModel(BASE, DEMO), 1))
+    samplers.remember(saved.sampler_weights(), live)
+    slot = samplers.slots[BASE]
+    refits = slot.refits
+    assert samplers.sample(saved.sampler_weights(), prompts(), 2, params) == first
+    assert slot.refits == refits  # the engine held them
+    one_step(trainer)
+    samplers.sample(LiveWeights(BASE, trainer, trainer.version, None), prompts(), 2, params)
+    assert samplers.sample(saved.sampler_weights(), prompts(), 2, params) == first  # read back from the directory
+    assert slot.refits == refits + 2
+    samplers.shutdown()
+
+
 def test_convert_exports_a_state_as_hugging_face_weights_or_a_peft_adapter(tmp_path):
     checkpoints = Checkpoints(tmp_path / "server")
     for model, name in ((DEMO, "full"), (LORA, "lora")):

@@ -28,9 +28,10 @@ DEMO = ModelConfig(name_or_path="models/demo")
 BASE = "demo"
 
 
-@dataclass(eq=False)
+@dataclass
 class Trainer:
-    """What the sampler reads of a training client: its backend and the version of its weights."""
+    """What the sampler reads of a training client: its backend and the version of its weights (unhashable, as a
+    dataclass with equality is)."""
 
     backend: Backend
     version: int = 0
