@@ -4,12 +4,14 @@ names (engine_slot.py: the base, a training client's live weights, or weights sa
 What a request may ask is the SDK's `SamplingParams` and `SampleRequest` (`SampleParams.of`): `max_tokens`,
 `temperature` (0: greedy), `top_k` (-1: none), `top_p`, `seed` (None: a fresh one per request), `stop` (None: the
 tokenizer's EOS ends a sample; strings or token ids: those too, EOS still; `[]`: nothing but `max_tokens`), and the
-prompt's logprobs (`prompt_logprobs`, `topk_prompt_logprobs`). What comes back per prompt (`SampleResult`): each
-sample's tokens (the stop token or stop string's tokens included), the logprob of each under the distribution it
-was sampled from (temperature, top-k and top-p applied, as reinforge's engines report them: the numbers an
-importance-sampling loss needs), and `stop_reason` ("stop" or "length"). Prompt logprobs are the model's own
-distribution (temperature 1, nothing filtered, as vLLM and Tinker give them), computed by the engine itself on the
-weights it serves: the HF engine's model in a forward pass, vLLM's `prompt_logprobs` (prompt_scores.py).
+prompt's logprobs (`prompt_logprobs`, `topk_prompt_logprobs`, `prompt_logprobs_last_n`). What comes back per
+prompt (`SampleResult`): each sample's tokens (the stop token or stop string's tokens included), the logprob of each
+under the distribution it was sampled from (temperature, top-k and top-p applied, as reinforge's engines report
+them: the numbers an importance-sampling loss needs), and `stop_reason` ("stop" or "length"). Prompt logprobs are
+the model's own distribution (temperature 1, nothing filtered, as vLLM and Tinker give them), computed by the engine
+itself on the weights it serves: the HF engine's model in a forward pass, vLLM's `prompt_logprobs`
+(prompt_scores.py). Not supported (the service refuses them): `topk_sample_logprobs`, `target_prompt_logprobs`,
+`prompt_alt_tokens_k`.
 """
 
 from __future__ import annotations
@@ -42,9 +44,13 @@ class SampleParams:
     stop: str | Sequence[str] | Sequence[int] | None = None
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (the others None)
 
     @classmethod
-    def of(cls, sampling_params, prompt_logprobs: bool | None = False, topk_prompt_logprobs: int = 0) -> "SampleParams":
+    def of(
+        cls, sampling_params, prompt_logprobs: bool | None = False, topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> "SampleParams":  # fmt: skip
         """From the SDK's `types.SamplingParams` and a `SampleRequest`'s prompt logprob fields."""
         return cls(
             max_tokens=sampling_params.max_tokens,
@@ -55,6 +61,7 @@ class SampleParams:
             stop=sampling_params.stop,
             prompt_logprobs=bool(prompt_logprobs),
             topk_prompt_logprobs=topk_prompt_logprobs,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
 
 
@@ -193,10 +200,12 @@ class Samplers:
 
 
 def _attach(result: SampleResult, scores: PromptScores, params: SampleParams) -> None:
+    """The prompt logprobs asked for, None before the last `prompt_logprobs_last_n` tokens."""
+    skip = len(scores.logprobs) - (params.prompt_logprobs_last_n or len(scores.logprobs))
     if params.prompt_logprobs:
-        result.prompt_logprobs = scores.logprobs
+        result.prompt_logprobs = [None] * skip + scores.logprobs[skip:]
     if params.topk_prompt_logprobs:
-        result.topk_prompt_logprobs = scores.topk
+        result.topk_prompt_logprobs = [None] * skip + scores.topk[skip:]
 
 
 def sampling_params(
@@ -247,9 +256,15 @@ def check_request(
     for failed, message in problems:
         if failed:
             raise TinkerRequestError(message)
+    last_n = params.prompt_logprobs_last_n
     for prompt in prompts:
         if not prompt:
             raise TinkerRequestError("the prompt is empty; give at least one token")
+        if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
+            raise TinkerRequestError(
+                f"prompt_logprobs_last_n={last_n}: must be between 1 and the prompt's length less one "
+                f"({len(prompt) - 1})"
+            )
         if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
             raise TinkerRequestError(f"prompt token {bad} is outside the model's vocabulary (0 to {vocab - 1})")
         if context is not None and len(prompt) + max_tokens > context:

@@ -181,6 +181,10 @@ def test_prompt_logprobs_are_the_models_own_of_each_prompt_token(samplers):
     assert result.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-5)
     for position, top in enumerate(result.topk_prompt_logprobs[1:]):
         assert [t for t, _ in top] == logprobs_TV[position].topk(3).indices.tolist()
+    last = SampleParams(max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=3)
+    (result,) = samplers.sample(BaseWeights(BASE), [prompt], 1, last)
+    assert result.prompt_logprobs[:-3] == [None] * (len(prompt) - 3) == result.topk_prompt_logprobs[:-3]
+    assert result.prompt_logprobs[-3:] == pytest.approx(expected[-3:], abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -192,6 +196,7 @@ def test_prompt_logprobs_are_the_models_own_of_each_prompt_token(samplers):
         (SampleParams(top_k=0), "top_k"),
         (SampleParams(max_tokens=5000), "context"),
         (SampleParams(stop=[1.5]), "stop"),
+        (SampleParams(prompt_logprobs=True, prompt_logprobs_last_n=500), "prompt_logprobs_last_n=500"),
     ],
 )
 def test_bad_requests_are_one_line_errors(samplers, params, message):
