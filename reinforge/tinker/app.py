@@ -125,6 +125,7 @@ def _add_service_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         body = await _parse(request, types.FutureRetrieveRequest)
+        service.sessions.touch(service.futures.session_of(body.request_id) or "")
         record = await service.futures.wait(body.request_id, service.config.tinker.retrieve_wait_s)
         if record is None:
             return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})

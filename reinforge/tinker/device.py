@@ -42,6 +42,17 @@ class ModelEntry:
     version: int = 0  # optimizer steps taken
 
 
+@dataclass(frozen=True)
+class WeightsSpec:
+    """Which weights a sampling session samples with: a base model's, a sampler checkpoint's, or a training
+    client's live weights as they were after `version` optimizer steps (save_weights_and_get_sampling_client)."""
+
+    base_model: str
+    checkpoint: str | None = None
+    model: ModelEntry | None = None
+    version: int = 0
+
+
 @dataclass
 class SamplerEntry:
     """A sampling session: which weights its samples come from."""
@@ -50,7 +61,7 @@ class SamplerEntry:
     session_id: str
     base_model: str
     model_path: str | None
-    weights: Any  # sampler.py's SamplerWeights
+    weights: WeightsSpec
 
 
 @dataclass(frozen=True)
@@ -142,6 +153,8 @@ class Device:
         from reinforge.tinker.losses import LOSS_NAMES, check_inputs
 
         limit = self.config.tinker.max_datums_per_request
+        if call.error:
+            raise TinkerRequestError(call.error)
         if not call.data:
             raise TinkerRequestError("no datums: send at least one")
         if len(call.data) > limit:
@@ -168,7 +181,7 @@ class Device:
                         f"datum {i}: loss_fn_inputs[{name!r}] has length {array.shape[0] if array.ndim else 0} but "
                         f"model_input has {n} tokens; they must be equal (targets are the inputs shifted by one)"
                     )
-        datums = [Datum(tokens=list(d.tokens), inputs=dict(d.inputs)) for d in call.data]
+        datums = [Datum(tokens=list(d.tokens), inputs=dict(d.inputs), sampled=d.sampled) for d in call.data]
         check_inputs(call.loss_fn, call.loss_fn_config, datums)
         return datums
 
@@ -231,20 +244,26 @@ class Device:
             self._samplers = Samplers(self.config, self.tokenizer)
         return self._samplers
 
-    def live_weights(self, entry: ModelEntry):
+    def live_weights(self, entry: ModelEntry) -> WeightsSpec:
+        return WeightsSpec(entry.base_model, model=entry, version=entry.version)
+
+    def checkpoint_weights(self, path: str) -> WeightsSpec:
+        return WeightsSpec(self.checkpoint_info(path, sampler=True).base_model, checkpoint=path)
+
+    def base_weights(self, base_model: str) -> WeightsSpec:
+        return WeightsSpec(base_model)
+
+    def _engine_weights(self, spec: WeightsSpec):
+        """sampler.py's SamplerWeights for `spec`."""
         from reinforge.tinker.sampler import SamplerWeights
 
-        return SamplerWeights.live(entry.base_model, entry.trainer, entry.version)
-
-    def checkpoint_weights(self, path: str):
-        from reinforge.tinker.sampler import SamplerWeights
-
-        return SamplerWeights.checkpoint(path, self.checkpoints)
-
-    def base_weights(self, base_model: str):
-        from reinforge.tinker.sampler import SamplerWeights
-
-        return SamplerWeights.base(base_model)
+        if spec.model is not None:
+            if spec.model.trainer is None:
+                raise TinkerRequestError(f"the training client {spec.model.model_id} of this sampler was freed")
+            return SamplerWeights.live(spec.base_model, spec.model.trainer, spec.version)
+        if spec.checkpoint is not None:
+            return SamplerWeights.checkpoint(spec.checkpoint, self.checkpoints)
+        return SamplerWeights.base(spec.base_model)
 
     def check_sample(self, sampler: SamplerEntry, request: types.SampleRequest) -> list[int]:
         tokens: list[int] = []
@@ -270,7 +289,7 @@ class Device:
 
         params = request.sampling_params
         result = self.samplers.sample(
-            sampler.weights,
+            self._engine_weights(sampler.weights),
             [prompt],
             request.num_samples,
             SampleParams(

@@ -64,6 +64,10 @@ class FutureStore:
             self._records[request_id] = _Record(session_id)
         return request_id
 
+    def session_of(self, request_id: str) -> str | None:
+        record = self._records.get(request_id)
+        return record.session_id if record is not None else None
+
     def finish(self, request_id: str, payload: Payload) -> None:
         self._complete(request_id, payload=payload)
 

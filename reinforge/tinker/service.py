@@ -244,7 +244,7 @@ class TinkerService:
 
     def list_checkpoints(self, model_id: str) -> dict[str, Any]:
         if model_id not in self.registry.models and not self.device.has_checkpoints(model_id):
-            raise UnknownResource(f"unknown training run {model_id!r}: no model or checkpoint of that id")
+            raise UnknownResource(f"unknown model id {model_id!r}: no training client or checkpoint of that id")
         return {"checkpoints": self.device.list_checkpoints(model_id), "cursor": None}
 
     def _numbered(self, entry: ModelEntry, seq_id: int | None, kind: str, check, run) -> dict[str, Any]:
@@ -266,9 +266,8 @@ class TinkerService:
         session = self._session(request.session_id)
         sampler_id = f"{session.session_id}:sample:{request.sampling_session_seq_id}"
         if request.model_path:
-            info = self.device.checkpoint_info(request.model_path, sampler=True)
             weights = self.device.checkpoint_weights(request.model_path)
-            sampler = SamplerEntry(sampler_id, session.session_id, info.base_model, request.model_path, weights)
+            sampler = SamplerEntry(sampler_id, session.session_id, weights.base_model, request.model_path, weights)
         elif request.base_model:
             self._check_base_model(request.base_model)
             sampler = SamplerEntry(

@@ -63,6 +63,12 @@ class Sessions:
     def heartbeat(self, session_id: str) -> None:
         self.get(session_id).last_seen = time.monotonic()
 
+    def touch(self, session_id: str) -> None:
+        """A sign of life other than a heartbeat (a poll of one of its futures)."""
+        session = self._sessions.get(session_id)
+        if session is not None and not session.closed:
+            session.last_seen = time.monotonic()
+
     def close(self, session_id: str, reason: str) -> None:
         with self._lock:
             session = self._sessions.get(session_id)

@@ -47,6 +47,7 @@ class WireDatum:
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+    sampled: np.ndarray | None = None  # (N,) 1.0 on tokens the provenance spans call sampled; None without spans
 
 
 @dataclass
@@ -57,6 +58,7 @@ class ForwardBackwardCall:
     loss_fn_config: dict[str, float | str]
     forward_only: bool
     data: list[WireDatum]
+    error: str = ""  # a datum that could not be read: the request fails in its turn (its seq_id must not stall)
 
 
 def _pb():
@@ -80,8 +82,13 @@ def decode_forward_backward(body: bytes, content_encoding: str = "") -> ForwardB
     config: dict[str, float | str] = {k: float(v) for k, v in message.loss_fn_config.items()}
     for key, value in message.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else float(value.number)
-    data = [_decode_datum(datum, i, pb) for i, datum in enumerate(message.data)]
-    return ForwardBackwardCall(message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data)
+    try:
+        data, error = [_decode_datum(datum, i, pb) for i, datum in enumerate(message.data)], ""
+    except TinkerRequestError as exc:
+        data, error = [], str(exc)
+    return ForwardBackwardCall(
+        message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data, error
+    )
 
 
 def _decode_datum(datum, index: int, pb) -> WireDatum:
@@ -97,7 +104,24 @@ def _decode_datum(datum, index: int, pb) -> WireDatum:
         name: _decode_tensor(tensor, f"datum {index}: loss_fn_inputs[{name!r}]", pb)
         for name, tensor in datum.loss_fn_inputs.items()
     }
-    return WireDatum(tokens, inputs)
+    return WireDatum(tokens, inputs, _sampled_mask(datum.loss_fn_input_spans, len(tokens), index))
+
+
+def _sampled_mask(spans, length: int, index: int) -> np.ndarray | None:
+    """Provenance spans (prompt or sampled tokens, in order) as a per-token mask of the sampled ones."""
+    if not spans:
+        return None
+    parts = []
+    for span in spans:
+        kind = span.WhichOneof("span")
+        arm = getattr(span, kind)
+        parts.append(np.full(arm.length, 1.0 if kind == "sampled_tokens" else 0.0, dtype=np.float32))
+    mask = np.concatenate(parts)
+    if mask.size != length:
+        raise TinkerRequestError(
+            f"datum {index}: loss_fn_input_spans cover {mask.size} tokens but the datum has {length}; they must match"
+        )
+    return mask
 
 
 def _decode_tensor(tensor, where: str, pb) -> np.ndarray:
