@@ -1,6 +1,7 @@
 """The Tinker service's HTTP adapter: FastAPI routes under /api/v1/ as the `tinker` SDK calls them (wire.py's notes
 say what it expects), over `TinkerService`. Every error answer is `{"detail": "<one line>"}` with the status the
-SDK turns into its own exception; no traceback leaves the server."""
+SDK turns into its own exception; no traceback leaves the server. An unexpected exception in a route is answered 400
+(`tinker.BadRequestError`), not 5xx: the SDK retries a 5xx for five minutes, and retrying a bug gains nothing."""
 
 from __future__ import annotations
 
@@ -31,11 +32,6 @@ def build_app(service: TinkerService) -> FastAPI:
     async def _refused(request: Request, exc: TinkerRequestError) -> JSONResponse:
         return error_response(exc.status, one_line(exc))
 
-    @app.exception_handler(Exception)
-    async def _crashed(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("tinker route %s failed", request.url.path)
-        return error_response(500, f"internal server error: {one_line(exc)}")
-
     _add_service_routes(app, service)
     _add_training_routes(app, service)
     _add_sampling_routes(app, service)
@@ -54,7 +50,11 @@ def _add_guard(app: FastAPI, service: TinkerService) -> None:
         if length.isdigit() and int(length) > service.config.tinker.max_request_bytes:
             limit = service.config.tinker.max_request_bytes
             return error_response(413, f"request body over the server's limit of {limit} bytes; send smaller batches")
-        return await call_next(request)
+        try:
+            return await call_next(request)
+        except Exception as exc:  # a bug of ours: logged here, one line for the client, which must not retry it
+            logger.exception("tinker route %s failed", request.url.path)
+            return error_response(400, f"server error in {request.url.path}: {one_line(exc)} (see the server's log)")
 
 
 def _check_key(key: str, token: str | None) -> None:

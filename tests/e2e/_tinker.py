@@ -57,11 +57,16 @@ def sft_datums(tok, count: int) -> list[types.Datum]:
     datums = []
     for line in (ROOT / "data/demo/sft.jsonl").read_text().splitlines()[:count]:
         messages = json.loads(line)["messages"]
-        prompt = tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
-        full = tok.apply_chat_template(messages, tokenize=True)
+        prompt = chat_ids(tok, messages[:-1], add_generation_prompt=True)
+        full = chat_ids(tok, messages)
         weights = [0.0] * len(prompt) + [1.0] * (len(full) - len(prompt))
         datums.append(supervised_datum(full, weights))
     return datums
+
+
+def chat_ids(tok, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 def supervised_datum(tokens: list[int], weights: list[float]) -> types.Datum:
@@ -84,15 +89,7 @@ def math_prompts(tok, count: int, offset: int = 0) -> list[tuple[list[int], dict
     """Demo arithmetic prompts rendered with the chat template, with their records."""
     lines = (ROOT / "data/demo/train.jsonl").read_text().splitlines()[offset : offset + count]
     records = [json.loads(line) for line in lines]
-    return [
-        (
-            tok.apply_chat_template(
-                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True
-            ),
-            r,
-        )
-        for r in records
-    ]
+    return [(chat_ids(tok, [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True), r) for r in records]
 
 
 def service_client() -> tinker.ServiceClient:
