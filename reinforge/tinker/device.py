@@ -39,7 +39,8 @@ class ModelEntry:
     lora: types.LoraConfig | None
     trainer: Any = None  # training.py's TinkerTrainer, once built
     cleanup: Any = None
-    version: int = 0  # optimizer steps taken
+    version: int = 0  # bumped whenever the weights change (optim_step, load_state): sampler.py's live weights
+    model_config: Any = None  # the ModelConfig it was built from (its `lora` with the client's rank)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class WeightsSpec:
     base_model: str
     checkpoint: str | None = None
     model: ModelEntry | None = None
-    version: int = 0
+    version: int | None = 0  # None: inflight
 
 
 @dataclass
@@ -66,8 +67,19 @@ class SamplerEntry:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
+    """What the service needs of a checkpoint (checkpoints.py's record of it in `record`)."""
+
     base_model: str
     lora_rank: int | None
+    kind: str  # "training" or "sampler"
+    record: Any = None
+
+    def lora_config(self) -> types.LoraConfig | None:
+        if self.lora_rank is None:
+            return None
+        trained = self.record.trained
+        flags = {k: getattr(trained, k) for k in ("train_mlp", "train_attn", "train_unembed")}
+        return types.LoraConfig(rank=self.lora_rank, **{k: v for k, v in flags.items() if v is not None})
 
 
 class Device:
@@ -133,6 +145,7 @@ class Device:
             lora = base.model_copy(update={"rank": rank, "target_modules": targets or base.target_modules})
             model_config = model_config.model_copy(update={"lora": lora})
         seed = entry.lora.seed if entry.lora is not None and entry.lora.seed is not None else self.config.seed
+        entry.model_config = model_config.model_copy(update={"lora": model_config.lora if rank else None})
         entry.trainer, entry.cleanup = build_tinker_backend(
             model_config, self.config.training, self.config.cluster, rank, seed
         )
@@ -207,32 +220,52 @@ class Device:
             self._checkpoints = Checkpoints(self.run_dir)
         return self._checkpoints
 
-    def save_state(self, entry: ModelEntry, name: str) -> str:
-        return self.checkpoints.save_state(entry.model_id, name, entry.trainer, entry.base_model, _rank(entry))
+    def _trained(self, entry: ModelEntry):
+        from reinforge.tinker.checkpoints import TrainedModel
 
-    def save_for_sampler(self, entry: ModelEntry, name: str) -> str:
-        return self.checkpoints.save_for_sampler(entry.model_id, name, entry.trainer, entry.base_model, _rank(entry))
+        lora = entry.lora
+        flags = (lora.train_unembed, lora.train_mlp, lora.train_attn) if lora is not None else (None, None, None)
+        return TrainedModel(entry.base_model, entry.model_config, *flags)
+
+    def save_state(self, entry: ModelEntry, request: types.SaveWeightsRequest) -> str:
+        return self.checkpoints.save_state(
+            entry.model_id, request.path, entry.trainer, self._trained(entry), entry.version,
+            overwrite=request.overwrite, user_metadata=request.user_metadata, ttl_seconds=request.ttl_seconds,
+        )  # fmt: skip
+
+    def save_for_sampler(self, entry: ModelEntry, request: types.SaveWeightsForSamplerRequest) -> str:
+        """Write the sampler's weights; sampling them while the client has not trained on comes from memory."""
+        from reinforge.tinker.engine_slot import LiveWeights
+
+        path = self.checkpoints.save_for_sampler(
+            entry.model_id, request.path, entry.trainer, self._trained(entry), entry.version,
+            user_metadata=request.user_metadata, ttl_seconds=request.ttl_seconds,
+        )  # fmt: skip
+        saved = self.checkpoints.info(path).sampler_weights()
+        self.samplers.remember(saved, LiveWeights(entry.base_model, entry, entry.version, _rank(entry)))
+        return path
 
     def load_state(self, entry: ModelEntry, path: str, with_optimizer: bool) -> None:
-        self.checkpoints.load_state(path, entry.trainer, with_optimizer)
+        self.checkpoints.load_state(path, entry.trainer, with_optimizer, expected=self._trained(entry))
+        entry.version += 1
 
-    def checkpoint_info(self, path: str, sampler: bool = False) -> CheckpointInfo:
-        """The checkpoint's base model and LoRA rank; `UnknownResource` when there is none at `path`."""
-        if not path.startswith("tinker://"):
-            raise TinkerRequestError(f"{path!r} is not a tinker:// path (tinker://MODEL_ID/weights/NAME)")
+    def checkpoint_info(self, path: str) -> CheckpointInfo:
+        """The checkpoint at `path`: a malformed path is a `TinkerRequestError` (400), a missing one
+        `UnknownResource` (404)."""
+        from reinforge.tinker.checkpoints import parse_path
+
+        parse_path(path)
         try:
-            info = self.checkpoints.info(path)
-        except (FileNotFoundError, KeyError, ValueError) as exc:
-            raise UnknownResource(f"no checkpoint at {path}: {' '.join(str(exc).split())}") from None
-        base_model, rank = (info[0], info[1]) if isinstance(info, tuple) else (info.base_model, info.lora_rank)
-        return CheckpointInfo(base_model, rank)
+            record = self.checkpoints.info(path)
+        except TinkerRequestError as exc:
+            raise UnknownResource(str(exc)) from None
+        return CheckpointInfo(record.trained.base_model, record.trained.lora_rank, record.checkpoint_type, record)
 
     def has_checkpoints(self, model_id: str) -> bool:
         return bool(self.list_checkpoints(model_id))
 
     def list_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
-        records = self.checkpoints.list(model_id)
-        return [r if isinstance(r, dict) else r.model_dump(mode="json") for r in records]
+        return [record.model_dump(mode="json") for record in self.checkpoints.list(model_id)]
 
     # sampling
 
@@ -241,29 +274,31 @@ class Device:
         if self._samplers is None:
             from reinforge.tinker.sampler import Samplers
 
-            self._samplers = Samplers(self.config, self.tokenizer)
+            self._samplers = Samplers.for_server(self.config, self.tokenizer, self.run_dir)
         return self._samplers
 
-    def live_weights(self, entry: ModelEntry) -> WeightsSpec:
-        return WeightsSpec(entry.base_model, model=entry, version=entry.version)
+    def live_weights(self, entry: ModelEntry, inflight: bool = False) -> WeightsSpec:
+        """The client's weights now (`snapshot`: as they are at this version; `inflight`: whatever they are when
+        each sample runs)."""
+        return WeightsSpec(entry.base_model, model=entry, version=None if inflight else entry.version)
 
     def checkpoint_weights(self, path: str) -> WeightsSpec:
-        return WeightsSpec(self.checkpoint_info(path, sampler=True).base_model, checkpoint=path)
+        info = self.checkpoint_info(path)
+        info.record.sampler_weights()  # a training state is refused here, before a sample queues
+        return WeightsSpec(info.base_model, checkpoint=path)
 
     def base_weights(self, base_model: str) -> WeightsSpec:
         return WeightsSpec(base_model)
 
     def _engine_weights(self, spec: WeightsSpec):
         """sampler.py's SamplerWeights for `spec`."""
-        from reinforge.tinker.sampler import SamplerWeights
+        from reinforge.tinker.engine_slot import BaseWeights, LiveWeights
 
         if spec.model is not None:
-            if spec.model.trainer is None:
-                raise TinkerRequestError(f"the training client {spec.model.model_id} of this sampler was freed")
-            return SamplerWeights.live(spec.base_model, spec.model.trainer, spec.version)
+            return LiveWeights(spec.base_model, spec.model, spec.version, _rank(spec.model))
         if spec.checkpoint is not None:
-            return SamplerWeights.checkpoint(spec.checkpoint, self.checkpoints)
-        return SamplerWeights.base(spec.base_model)
+            return self.checkpoint_info(spec.checkpoint).record.sampler_weights()
+        return BaseWeights(spec.base_model)
 
     def check_sample(self, sampler: SamplerEntry, request: types.SampleRequest) -> list[int]:
         tokens: list[int] = []
@@ -287,24 +322,10 @@ class Device:
     def sample(self, sampler: SamplerEntry, request: types.SampleRequest, prompt: list[int]) -> bytes:
         from reinforge.tinker.sampler import SampleParams
 
-        params = request.sampling_params
-        result = self.samplers.sample(
-            self._engine_weights(sampler.weights),
-            [prompt],
-            request.num_samples,
-            SampleParams(
-                max_tokens=params.max_tokens or self.config.generation.max_new_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seed=params.seed,
-                stop=params.stop,
-                prompt_logprobs=bool(request.prompt_logprobs),
-            ),
-        )[0]
-        sequences = [WireSequence(list(s.tokens), list(s.logprobs), s.stop_reason) for s in result]
-        prompt_logprobs = getattr(result[0], "prompt_logprobs", None) if request.prompt_logprobs and result else None
-        return encode_sample_response(sequences, prompt_logprobs)
+        params = SampleParams.of(request.sampling_params, request.prompt_logprobs, request.topk_prompt_logprobs)
+        (result,) = self.samplers.sample(self._engine_weights(sampler.weights), [prompt], request.num_samples, params)
+        sequences = [WireSequence(list(s.tokens), list(s.logprobs), s.stop_reason) for s in result.sequences]
+        return encode_sample_response(sequences, result.prompt_logprobs if request.prompt_logprobs else None)
 
     def shutdown(self) -> None:
         if self._samplers is not None:

@@ -176,7 +176,7 @@ class TinkerService:
             request.seq_id,
             "save_weights",
             lambda: _checkpoint_name(request.path),
-            lambda name: Payload({"type": "save_weights", "path": self.device.save_state(entry, name)}),
+            lambda name: Payload({"type": "save_weights", "path": self.device.save_state(entry, request)}),
         )
 
     def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest) -> dict[str, Any]:
@@ -184,7 +184,7 @@ class TinkerService:
 
         def run(name: str | None) -> Payload:
             if name is not None:
-                path = self.device.save_for_sampler(entry, name)
+                path = self.device.save_for_sampler(entry, request)
                 return Payload({"type": "save_weights_for_sampler", "path": path})
             # save_weights_and_get_sampling_client: a sampling session on the live weights, no checkpoint on disk
             sampler = SamplerEntry(
@@ -192,7 +192,7 @@ class TinkerService:
                 entry.session_id,
                 entry.base_model,
                 None,
-                self.device.live_weights(entry),
+                self.device.live_weights(entry, request.kind == "inflight"),
             )
             self._add_sampler(sampler)
             return Payload({"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id})
@@ -227,7 +227,11 @@ class TinkerService:
         self._check_base_model(base_model)
         if request.optimizer_config is not None:
             _check_optimizer(request.optimizer_config)
-        lora = types.LoraConfig(rank=info.lora_rank) if info.lora_rank else None
+        if info.kind != "training":
+            raise TinkerRequestError(
+                f"{request.path} holds sampler weights; a training client starts from a state saved with save_state"
+            )
+        lora = info.lora_config()
         model_id = f"{session.session_id}:train:{request.model_seq_id}"
         entry = ModelEntry(model_id, session.session_id, base_model, lora)
 
@@ -239,8 +243,7 @@ class TinkerService:
         return self._ordered(session, entry, run, "load_weights", 0)
 
     def weights_info(self, tinker_path: str) -> dict[str, Any]:
-        info = self.device.checkpoint_info(tinker_path)
-        return {"base_model": info.base_model, "is_lora": info.lora_rank is not None, "lora_rank": info.lora_rank}
+        return self.device.checkpoint_info(tinker_path).record.weights_info().model_dump(mode="json")
 
     def list_checkpoints(self, model_id: str) -> dict[str, Any]:
         if model_id not in self.registry.models and not self.device.has_checkpoints(model_id):
@@ -307,10 +310,8 @@ class TinkerService:
 
     def _one_off_sampler(self, request: types.SampleRequest) -> SamplerEntry:
         if request.model_path:
-            info = self.device.checkpoint_info(request.model_path, sampler=True)
-            return SamplerEntry(
-                "", "", info.base_model, request.model_path, self.device.checkpoint_weights(request.model_path)
-            )
+            weights = self.device.checkpoint_weights(request.model_path)
+            return SamplerEntry("", "", weights.base_model, request.model_path, weights)
         if request.base_model:
             self._check_base_model(request.base_model)
             return SamplerEntry("", "", request.base_model, None, self.device.base_weights(request.base_model))
