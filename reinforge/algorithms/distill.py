@@ -60,9 +60,8 @@ from reinforge.logging.metrics import Timers
 from reinforge.model_config import ModelConfig
 from reinforge.modeling import load_processor, load_tokenizer
 from reinforge.rollout.source import RolloutBatch
-from reinforge.training.backend import with_outputs
 from reinforge.training.base import TrainingBackend
-from reinforge.training.heads import LogprobsAt
+from reinforge.training.heads import LogprobsAt, with_outputs
 from reinforge.training.teacher import Teacher
 
 

@@ -48,11 +48,7 @@ class FSDP2Group(FSDP2Ranks):
         """`backend_kwargs`: the in-process `Backend`'s arguments (its `training`, `head`, `row_tokens`, ...)."""
         kwargs = dict(backend_kwargs)
         self.training, self.row_tokens = kwargs.pop("training"), kwargs.get("row_tokens")
-        # the ranks with distinct shares of a batch (tensor- and context-parallel ranks of one share compute together)
-        self.rows_together, self.shares = (
-            rows_together,
-            self.training.parallel.resolved(self.training.num_workers).data_parallel,
-        )
+        self.rows_together = rows_together  # `shares`: FSDP2Ranks'
         head = kwargs["head"]
         kwargs["head"] = replace(head, load_model=partial(seeded_load, load_model=head.load_model, seed=seed))
         super().__init__("training", self.training, cluster, kwargs)

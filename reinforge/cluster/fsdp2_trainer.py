@@ -38,6 +38,8 @@ class FSDP2Ranks:
         actor_fraction: float = 1.0,
     ):
         port, num_workers = free_port(), training.num_workers
+        # the ranks with distinct shares of a batch (tensor- and context-parallel ranks of one share compute together)
+        self.shares = training.parallel.resolved(num_workers).data_parallel
         # the testing hook of the driver's environment, which the ranks of a Ray cluster started elsewhere lack
         backend_kwargs = {**backend_kwargs, "nonfinite_fault_at": fault_step()}
         self.group = WorkerGroup(
@@ -61,6 +63,16 @@ class FSDP2Ranks:
         if note:
             warn(note)
         return metrics
+
+    def loss_pass(self, batch: TrainBatch, loss_fn, backward: bool) -> tuple[dict[str, float], list]:
+        """`Backend.loss_pass` on every rank (the batch splits evenly over `shares`): rank 0's metrics, and the loss
+        function as every rank left it (each has its share's outputs)."""
+        return self.group.call("loss_pass", batch, loss_fn, backward)[0]
+
+    def adam_step(
+        self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, max_grad_norm: float
+    ) -> tuple[dict[str, float], str | None]:
+        return self.group.call("adam_step", lr, betas, eps, weight_decay, max_grad_norm)[0]
 
     def memory_metrics(self) -> dict[str, float]:
         """`perf/<group>[r]/peak_rss_gb` (and `gpu_peak_memory_gb`) of every rank."""

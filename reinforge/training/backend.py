@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -45,10 +44,10 @@ from reinforge.modeling import (
     moe_routers,
 )
 from reinforge.training.base import LossFn, TrainingConfig
-from reinforge.training.heads import Head, LogprobHead, LogprobsAt
+from reinforge.training.heads import Head, LogprobHead, Loss
 from reinforge.training.lora import adapter_disabled, merge_lora_weights, scaling
 from reinforge.training.micro_batching import HiddenStates, MicroBatchPlan, model_layouts, plan_micro_batches
-from reinforge.training.moe import MoeRouting, RoutedTokens, forward_metrics, model_routing
+from reinforge.training.moe import MoeRouting, RoutedTokens, clear_routing, forward_metrics, model_routing
 from reinforge.training.numerics import (
     NonfiniteSteps,
     ParameterNames,
@@ -65,22 +64,6 @@ from reinforge.training.numerics import (
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig, build_optimizer, clip_norm
 from reinforge.training.parallel.context import context_group
 from reinforge.training.strategy import LocalStrategy, Strategy
-
-
-@dataclass(frozen=True)
-class Loss:
-    """A loss function with the extra per-token outputs it reads: for each `LogprobsAt`, the backend puts the
-    policy's logprobs at the ids of one batch field into another before calling `fn`."""
-
-    fn: LossFn
-    logprobs_at: tuple[LogprobsAt, ...] = ()
-
-    def __call__(self, outputs_BT: torch.Tensor, micro: TrainBatch, norm: Normalisers):
-        return self.fn(outputs_BT, micro, norm)
-
-    @staticmethod
-    def of(loss_fn: "LossFn | Loss") -> "Loss":
-        return loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
 
 
 def accumulate_metrics(
@@ -157,6 +140,7 @@ class Backend:
         self.fault_at = fault_step() if nonfinite_fault_at is None else nonfinite_fault_at
         self.role = "the critic's training" if getattr(self.head, "module", None) == "value_head" else "training"
         self.versions: dict[int, list[torch.Tensor]] = {}  # keep_version's copies
+        self.pending_losses: list[torch.Tensor] = []  # loss_pass's, checked at the next adam_step
         self.optimizer_config = optimizer
         self.optimizer, self.scheduler = build_optimizer(self.trainable, optimizer, scheduler, num_optimizer_steps)
 
@@ -233,20 +217,50 @@ class Backend:
     ) -> tuple[dict[str, float], str | None]:
         """`train_step`, with the line that says a non-finite step was skipped (None: it was not) returned for the
         caller to show (an FSDP2 rank's output is not the console)."""
-        step = self.nonfinite.begin(step)
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         metrics = self._passes(batch, Loss.of(loss_fn), backward=True, losses=losses)
+        step_metrics, note = self._apply_gradients(step, losses, clip_norm(self.optimizer_config))
+        return {**metrics, **step_metrics}, note
+
+    def loss_pass(self, batch: TrainBatch, loss_fn: LossFn | Loss, backward: bool) -> tuple[dict[str, float], list]:
+        """`loss_fn` over `batch` for a caller that steps itself (`adam_step`): with `backward` its gradient adds to
+        `.grad` (Tinker's forward_backward calls add up until optim_step), its losses kept for the step's checks;
+        else in eval mode without gradients. The metrics, and `loss_fn` as each rank left it (a loss that records
+        outputs hands them back so)."""
+        if backward:
+            metrics = self._passes(batch, Loss.of(loss_fn), backward=True, losses=self.pending_losses)
+        else:
+            metrics = self.evaluate(batch, loss_fn)
+        return metrics, self.strategy.gather_objects(loss_fn)
+
+    def adam_step(
+        self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, max_grad_norm: float
+    ) -> tuple[dict[str, float], str | None]:
+        """AdamW on the gradients `loss_pass` accumulated, with these settings in every parameter group (no schedule:
+        a Tinker client sends its learning rate each step), clipped to `max_grad_norm` (0: not clipped); checked and
+        skipped as `checked_step` is, the gradients zeroed after."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        losses, self.pending_losses = self.pending_losses, []
+        return self._apply_gradients(None, losses, max_grad_norm if max_grad_norm > 0 else float("inf"), False)
+
+    def _apply_gradients(
+        self, step: int | None, losses: list[torch.Tensor], max_norm: float, schedule: bool = True
+    ) -> tuple[dict[str, float], str | None]:
+        """Clip, check, step (and advance the schedule with `schedule`) on the accumulated gradients, then free them."""
+        step = self.nonfinite.begin(step)
         if step == self.fault_at:  # the testing hook: this step's gradients are NaN
             for grad in (p.grad for p in self.trainable if p.grad is not None):
                 local(grad).fill_(float("nan"))
         gradient = gradient_code(self.trainable, self.names.codes)  # before clipping spreads a NaN to every gradient
-        grad_norm = self.strategy.clip_gradients(self.trainable, clip_norm(self.optimizer_config))
-        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        grad_norm = self.strategy.clip_gradients(self.trainable, max_norm)
+        metrics = dict(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
         note = self._skip_note(step, losses, gradient, grad_norm)
         if note is None:
             self.optimizer.step()
-            self.scheduler.step()
+            if schedule:
+                self.scheduler.step()
             self.nonfinite.finite()
             if (bad := self._first_nonfinite()) is not None:
                 raise parameter_error(step, bad, self.role)
@@ -434,15 +448,3 @@ class Backend:
 
     def shutdown(self) -> None:
         self.strategy.shutdown()
-
-
-def clear_routing(model: torch.nn.Module) -> None:
-    """Forget an MoE model's last routed forward (its routes and captured logits), so no later forward of the
-    model (a generation engine's, say) replays them."""
-    if (routing := model_routing(model)) is not None:
-        routing.clear()
-
-
-def with_outputs(loss_fn: LossFn, *logprobs_at: LogprobsAt) -> Loss:
-    """`loss_fn` declaring the extra per-token logprobs it reads."""
-    return Loss(loss_fn, tuple(logprobs_at))

@@ -325,6 +325,11 @@ class FSDP2Strategy:
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
         return values
 
+    def gather_objects(self, value) -> list:
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
         """Whole-model counts (a DTensor counts its full shape); at pp > 1 every stage's, summed over the pipeline
         group, a tied embedding's second copy not counted (one process holds one tensor)."""

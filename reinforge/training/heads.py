@@ -19,9 +19,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from reinforge.data.batch import TrainBatch
+from reinforge.data.batch import Normalisers, TrainBatch
 from reinforge.model_config import ModelConfig
-from reinforge.training.base import TrainingConfig
+from reinforge.training.base import LossFn, TrainingConfig
 from reinforge.training.lora import load_policy
 from reinforge.training.micro_batching import (
     HiddenStates,
@@ -42,6 +42,27 @@ class LogprobsAt:
 
     ids: str
     into: str
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A loss function with the extra per-token outputs it reads: for each `LogprobsAt`, the backend puts the
+    policy's logprobs at the ids of one batch field into another before calling `fn`."""
+
+    fn: LossFn
+    logprobs_at: tuple[LogprobsAt, ...] = ()
+
+    def __call__(self, outputs_BT: torch.Tensor, micro: TrainBatch, norm: Normalisers):
+        return self.fn(outputs_BT, micro, norm)
+
+    @staticmethod
+    def of(loss_fn: "LossFn | Loss") -> "Loss":
+        return loss_fn if isinstance(loss_fn, Loss) else Loss(loss_fn)
+
+
+def with_outputs(loss_fn: LossFn, *logprobs_at: LogprobsAt) -> Loss:
+    """`loss_fn` declaring the extra per-token logprobs it reads."""
+    return Loss(loss_fn, tuple(logprobs_at))
 
 
 class Head(Protocol):

@@ -273,3 +273,10 @@ def forward_metrics(stats: RoutingStatistics, counts: RoutedTokens, replay: bool
         if replay:
             metrics["moe/replayed_share"] = stats.replayed_L.mean() / max(counts.num_recorded, 1)
     return {name: value if name == "moe/aux_loss" else value.detach() for name, value in metrics.items()}
+
+
+def clear_routing(model: torch.nn.Module) -> None:
+    """Forget an MoE model's last routed forward (its routes and captured logits), so no later forward of the
+    model (a generation engine's, say) replays them."""
+    if (routing := model_routing(model)) is not None:
+        routing.clear()

@@ -97,6 +97,10 @@ class Strategy(Protocol):
         decides with it)."""
         ...
 
+    def gather_objects(self, value) -> list:
+        """`value` (any picklable object) of every rank, in rank order, on every rank (a collective on FSDP2 ranks)."""
+        ...
+
     def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
         """(the model's parameters, the `trainable` ones), whole-model counts (a collective on FSDP2 ranks)."""
         ...
@@ -168,6 +172,9 @@ class LocalStrategy:
 
     def all_min(self, values: torch.Tensor) -> torch.Tensor:
         return values
+
+    def gather_objects(self, value) -> list:
+        return [value]
 
     def count_parameters(self, model: torch.nn.Module, trainable: list[torch.nn.Parameter]) -> tuple[int, int]:
         return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trainable)

@@ -15,9 +15,9 @@ from reinforge.algorithms.distill_losses import reverse_kl_advantages, topk_kl
 from reinforge.algorithms.losses import token_mean
 from reinforge.data.batch import Normalisers, Trajectory, collate
 from reinforge.model_config import ModelConfig
-from reinforge.training.backend import Backend, with_outputs
+from reinforge.training.backend import Backend
 from reinforge.training.base import TrainingConfig
-from reinforge.training.heads import LogprobHead, LogprobsAt
+from reinforge.training.heads import LogprobHead, LogprobsAt, with_outputs
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig
 from reinforge.training.teacher import Teacher
 
