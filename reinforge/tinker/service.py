@@ -104,11 +104,22 @@ class TinkerService:
         return self._ordered(session, entry, run, "create_model", 0)
 
     def _ordered(self, session: Session, entry: ModelEntry, run: Callable[[], Payload], kind: str, seq: int):
-        """Register a new model whose first request (seq `seq`) is `run`."""
+        """Register a new model whose first request (seq `seq`) is `run`; a model that fails to build is forgotten."""
+
+        def first() -> Payload:
+            try:
+                return run()
+            except Exception:
+                self.registry.models.pop(entry.model_id, None)
+                session.model_ids.discard(entry.model_id)
+                self.scheduler.forget_model(entry.model_id)
+                self.device.free([entry])
+                raise
+
         self.registry.models[entry.model_id] = entry
         session.model_ids.add(entry.model_id)
         self.scheduler.register_model(entry.model_id, seq)
-        future = self._submit(session.session_id, kind, run, model_id=entry.model_id, seq_id=seq)
+        future = self._submit(session.session_id, kind, first, model_id=entry.model_id, seq_id=seq)
         return {**future, "model_id": entry.model_id}
 
     def get_info(self, model_id: str) -> dict[str, Any]:

@@ -5,9 +5,11 @@ the problem, the server answering the next request."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -15,6 +17,8 @@ from tinker import types
 
 from reinforge.envs.base import EnvRequest
 from reinforge.envs.math_env import MathEnv
+from reinforge.network import free_port
+from tests.e2e._servers import server_process
 from tests.e2e._tinker import BASE, math_prompts, mean_token_loss, sft_datums, supervised_datum, tinker_server
 from tests.e2e._tinker import tokenizer as demo_tokenizer
 
@@ -270,3 +274,17 @@ def test_a_lapsed_session_is_closed_and_a_wrong_key_refused(tmp_path, tok, monke
         assert entry.trainer is None  # freed on the device
         fresh = tinker.ServiceClient().create_lora_training_client(base_model=BASE, rank=4).result()
         assert fresh.forward(sft_datums(tok, 1), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_the_command_serves_the_demo_until_stopped(tmp_path):
+    port = free_port("127.0.0.1")
+    command = [sys.executable, "-m", "reinforge.cli", "serve-tinker", "configs/tinker_demo.yaml",
+               f"tinker.port={port}", f"tinker.run_dir={tmp_path}"]  # fmt: skip
+    url = f"http://127.0.0.1:{port}/api/v1"
+    with server_process(command, f"{url}/healthz", startup_timeout_s=120):
+        answer = httpx.get(f"{url}/get_server_capabilities", headers={"X-API-Key": "tml-any"})
+        assert answer.json() == {"supported_models": [
+            {"model_name": "models/demo", "max_context_length": 2048, "trainable": True, "sampleable": True}
+        ]}  # fmt: skip
+        refused = httpx.get(f"{url}/get_server_capabilities")
+        assert refused.status_code == 401 and "TINKER_API_KEY" in refused.json()["detail"]
