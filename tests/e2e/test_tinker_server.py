@@ -73,33 +73,31 @@ def test_supervised_loop_lowers_the_loss(client, tok):
 
 
 def test_rl_loop_raises_the_reward(client, tok):
-    """Sample groups from the live weights, score them with reinforge's math env, centre the rewards per group,
-    train with importance_sampling: the mean reward of the last steps beats the first's."""
+    """Sample groups of 8 from the live weights (save_weights_and_get_sampling_client), score them with reinforge's
+    math env, centre the rewards per group, train with importance_sampling: on the same 8 prompts, the mean reward
+    of the last 3 of 10 steps beats the first 3's by 0.15 (0.32 -> 0.60 and 0.31 -> 0.65 at lr 1e-3 and 3e-3)."""
     training_client = client.create_lora_training_client(base_model=BASE, rank=16, seed=0).result()
     env = MathEnv()
+    prompts = math_prompts(tok, 8)
+    params = types.SamplingParams(max_tokens=32, temperature=1.0, stop=["<|im_end|>"])
     rewards = []
-    params = types.SamplingParams(max_tokens=40, temperature=1.0, stop=["<|im_end|>"])
-    for step in range(8):
+    for _ in range(10):
         sampler = training_client.save_weights_and_get_sampling_client().result()
-        prompts = math_prompts(tok, 8, offset=8 * step)
         futures = [sampler.sample(types.ModelInput.from_ints(p), 8, params) for p, _ in prompts]
         datums, step_rewards = [], []
         for (prompt, record), future in zip(prompts, futures):
             sequences = future.result().sequences
             texts = [tok.decode(s.tokens, skip_special_tokens=True) for s in sequences]
-            scores = [
-                r.reward for r in env.step([EnvRequest([{"role": "assistant", "content": t}], record) for t in texts])
-            ]
+            requests = [EnvRequest([{"role": "assistant", "content": text}], record) for text in texts]
+            scores = [response.reward for response in env.step(requests)]
             step_rewards += scores
-            advantage = np.asarray(scores) - np.mean(scores)
-            for sequence, a in zip(sequences, advantage):
-                if a != 0:
-                    datums.append(rl_datum(prompt, sequence, float(a)))
+            advantages = np.asarray(scores) - np.mean(scores)
+            datums += [rl_datum(prompt, s, float(a)) for s, a in zip(sequences, advantages) if a != 0]
         rewards.append(float(np.mean(step_rewards)))
         if datums:
             training_client.forward_backward(datums, "importance_sampling").result()
             training_client.optim_step(types.AdamParams(learning_rate=2e-3)).result()
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
 
 
 def rl_datum(prompt: list[int], sequence, advantage: float) -> types.Datum:
