@@ -86,6 +86,7 @@ class SamplingParams:
     top_k: int = -1  # -1: no top-k filtering
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False  # nothing stops a completion but `max_new_tokens` (stop ids and strings are ignored too)
     num_samples: int = 1  # completions per prompt
     seed: int = 0
     record_routes: bool = False

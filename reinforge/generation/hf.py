@@ -101,7 +101,7 @@ class HFGenerationBackend:
         for row, ids in enumerate(prompts):  # left padding: every prompt ends at the same column
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
-        stop_ids = list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
+        stop_ids = [] if params.ignore_eos else list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
         recorder = RouteRecorder(self.model) if params.record_routes else None
         versions: list[int] = []  # of each decoding step, with `on_step`
         sampled = SampledLogprobs(params)
@@ -150,8 +150,8 @@ class HFGenerationBackend:
             top_k=None if greedy else max(params.top_k, 0),  # 0: no top-k (None would take the model's default)
             eos_token_id=stop_ids,
             pad_token_id=pad_id,
-            stop_strings=list(params.stop_strings) or None,
-            tokenizer=self.tokenizer if params.stop_strings else None,
+            stop_strings=None if params.ignore_eos else list(params.stop_strings) or None,
+            tokenizer=self.tokenizer if params.stop_strings and not params.ignore_eos else None,
             repetition_penalty=1.0,
             logits_processor=logits_processor,
         )
@@ -159,7 +159,7 @@ class HFGenerationBackend:
     def _cut(self, tokens: list[int], logprobs: list[float], stop_ids: set[int], params: SamplingParams) -> Completion:
         """Keep the tokens up to and including the first stop token or the end of a stop string."""
         end = next((i + 1 for i, token in enumerate(tokens) if token in stop_ids), None)
-        if end is None and params.stop_strings:
+        if end is None and params.stop_strings and not params.ignore_eos:
             end = next(
                 (
                     i + 1

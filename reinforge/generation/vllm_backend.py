@@ -198,6 +198,12 @@ class VLLMGenerationBackend:
         self.llm.reset_prefix_cache()
         self._reset_image_features()
 
+    def clear_adapter(self) -> None:
+        """Generate with the base weights again, without the adapter `load_adapter` loaded (vLLM keeps it until
+        the next load evicts it)."""
+        self.adapter = None
+        self.llm.reset_prefix_cache()
+
     def _reset_image_features(self) -> None:
         """Forget the image features vLLM keeps by image (its encoder cache): the old weights computed them, and
         `reload_weights` empties the worker's half of that cache (a dummy forward), which the scheduler's half

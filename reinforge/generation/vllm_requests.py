@@ -43,8 +43,9 @@ def vllm_sampling_params(
         top_p=1.0 if greedy else params.top_p,
         top_k=0 if greedy or params.top_k <= 0 else params.top_k,
         max_tokens=params.max_new_tokens,
-        stop_token_ids=list(params.stop_token_ids) or None,
-        stop=list(params.stop_strings) or None,
+        stop_token_ids=None if params.ignore_eos else list(params.stop_token_ids) or None,
+        stop=None if params.ignore_eos else list(params.stop_strings) or None,
+        ignore_eos=params.ignore_eos,
         include_stop_str_in_output=True,  # the stop string's tokens are trained on, as in the HF backend
         seed=params.seed * 1_000_003 + index,  # reproducible, and independent across prompts
         logprobs=0,  # just the sampled token's

@@ -110,14 +110,20 @@ def save_checkpoint(
             model.save_state(tmp / name)
         torch.save(driver_state, tmp / "driver.pt")
         (tmp / "config.yaml").write_text(config_yaml)
-        manifest = {
-            str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256(p)}
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
-        finite = all(json.loads(p.read_text()).get("finite", True) for p in tmp.glob(f"*/{NUMERICS_FILE}"))
-        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "files": manifest, "finite": finite}, indent=1))
+        write_complete(tmp, step)
     return final
+
+
+def write_complete(directory: Path, step: int) -> None:
+    """The checkpoint's last file, COMPLETE: every file under `directory` with its size and SHA-256, and the
+    `finite` mark of the models' states (their numerics.json)."""
+    manifest = {
+        str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+    finite = all(json.loads(p.read_text()).get("finite", True) for p in directory.glob(f"*/{NUMERICS_FILE}"))
+    (directory / "COMPLETE").write_text(json.dumps({"step": step, "files": manifest, "finite": finite}, indent=1))
 
 
 def is_finite(path: Path) -> bool:
