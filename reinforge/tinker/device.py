@@ -308,6 +308,18 @@ class Device:
             tokens.extend(chunk.tokens)
         if not tokens:
             raise TinkerRequestError("the prompt is empty")
+        unsupported = [
+            name
+            for name, asked in (
+                ("topk_sample_logprobs", request.topk_sample_logprobs),
+                ("target_prompt_logprobs", request.target_prompt_logprobs is not None),
+                ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
+                ("record_stability_info", request.record_stability_info),
+            )
+            if asked
+        ]
+        if unsupported:
+            raise TinkerRequestError(f"this server does not serve {', '.join(unsupported)} in a sample request")
         if request.num_samples < 1:
             raise TinkerRequestError(f"num_samples={request.num_samples} must be >= 1")
         context = self.max_tokens(sampler.base_model)
@@ -322,10 +334,19 @@ class Device:
     def sample(self, sampler: SamplerEntry, request: types.SampleRequest, prompt: list[int]) -> bytes:
         from reinforge.tinker.sampler import SampleParams
 
-        params = SampleParams.of(request.sampling_params, request.prompt_logprobs, request.topk_prompt_logprobs)
+        params = SampleParams.of(
+            request.sampling_params,
+            request.prompt_logprobs,
+            request.topk_prompt_logprobs,
+            request.prompt_logprobs_last_n,
+        )
         (result,) = self.samplers.sample(self._engine_weights(sampler.weights), [prompt], request.num_samples, params)
         sequences = [WireSequence(list(s.tokens), list(s.logprobs), s.stop_reason) for s in result.sequences]
-        return encode_sample_response(sequences, result.prompt_logprobs if request.prompt_logprobs else None)
+        return encode_sample_response(
+            sequences,
+            result.prompt_logprobs if request.prompt_logprobs else None,
+            result.topk_prompt_logprobs if request.topk_prompt_logprobs else None,
+        )
 
     def shutdown(self) -> None:
         if self._samplers is not None:

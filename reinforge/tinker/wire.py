@@ -181,9 +181,13 @@ class WireSequence:
     stop_reason: str  # "stop" | "length"
 
 
-def encode_sample_response(sequences: list[WireSequence], prompt_logprobs: list[float | None] | None) -> bytes:
+def encode_sample_response(
+    sequences: list[WireSequence],
+    prompt_logprobs: list[float | None] | None,
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None,
+) -> bytes:
     """`tinker_public.SampleResponse`: tokens as int32 bytes, logprobs as float32 bytes, prompt logprobs with NaN
-    where there is none (the first token)."""
+    where there is none (the first token), top-k prompt logprobs as N x K matrices (empty cells: id 0, -99999)."""
     pb = _pb()
     message = pb.SampleResponse()
     reasons = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -196,4 +200,13 @@ def encode_sample_response(sequences: list[WireSequence], prompt_logprobs: list[
     if prompt_logprobs is not None:
         values = [np.nan if v is None else v for v in prompt_logprobs]
         message.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    if topk_prompt_logprobs is not None:
+        k = max((len(row) for row in topk_prompt_logprobs if row), default=0)
+        ids = np.zeros((len(topk_prompt_logprobs), k), dtype=np.int32)
+        values = np.full((len(topk_prompt_logprobs), k), -99999.0, dtype=np.float32)
+        for i, row in enumerate(topk_prompt_logprobs):
+            for j, (token, logprob) in enumerate(row or []):
+                ids[i, j], values[i, j] = token, logprob
+        topk = message.topk_prompt_logprobs
+        topk.token_ids, topk.logprobs, topk.k, topk.length = ids.tobytes(), values.tobytes(), k, len(ids)
     return message.SerializeToString()
