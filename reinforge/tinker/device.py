@@ -331,22 +331,27 @@ class Device:
             )
         return tokens
 
-    def sample(self, sampler: SamplerEntry, request: types.SampleRequest, prompt: list[int]) -> bytes:
+    def sample(self, sampler: SamplerEntry, requests: list[types.SampleRequest], prompts: list[list[int]]):
+        """The encoded SampleResponse of each request; several requests (equal settings, `_sample_batch_key`) go to
+        the engine in one call."""
         from reinforge.tinker.sampler import SampleParams
 
+        request = requests[0]
         params = SampleParams.of(
             request.sampling_params,
             request.prompt_logprobs,
             request.topk_prompt_logprobs,
             request.prompt_logprobs_last_n,
         )
-        (result,) = self.samplers.sample(self._engine_weights(sampler.weights), [prompt], request.num_samples, params)
-        sequences = [WireSequence(list(s.tokens), list(s.logprobs), s.stop_reason) for s in result.sequences]
-        return encode_sample_response(
-            sequences,
-            result.prompt_logprobs if request.prompt_logprobs else None,
-            result.topk_prompt_logprobs if request.topk_prompt_logprobs else None,
-        )
+        results = self.samplers.sample(self._engine_weights(sampler.weights), prompts, request.num_samples, params)
+        return [
+            encode_sample_response(
+                [WireSequence(list(s.tokens), list(s.logprobs), s.stop_reason) for s in result.sequences],
+                result.prompt_logprobs if request.prompt_logprobs else None,
+                result.topk_prompt_logprobs if request.topk_prompt_logprobs else None,
+            )
+            for result in results
+        ]
 
     def shutdown(self) -> None:
         if self._samplers is not None:

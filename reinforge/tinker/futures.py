@@ -14,14 +14,13 @@ and a category) and lets `retrieve_future` wait for it without a thread per poll
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from reinforge.network import one_line
 from reinforge.tinker.errors import QueueFull, TinkerRequestError, UnknownResource
@@ -141,14 +140,18 @@ class Job:
     model_id: str | None = None  # ordered: runs when seq_id is the model's next
     seq_id: int | None = None
     kind: str = ""
+    batch_key: Hashable | None = None  # queued jobs with equal keys run as one call of `run_batch` (samples)
+    run_batch: Callable[[list["Job"]], list[Payload]] | None = None
+    args: Any = None  # what `run_batch` needs of this job
 
 
 class Scheduler:
     """The device's queue and its one worker thread."""
 
-    def __init__(self, futures: FutureStore, max_queued: int) -> None:
+    def __init__(self, futures: FutureStore, max_queued: int, max_batch: int = 64) -> None:
         self.futures = futures
         self.max_queued = max_queued
+        self.max_batch = max_batch
         self._queues: OrderedDict[str, deque[Job]] = OrderedDict()  # session -> its jobs; order = round-robin
         self._next_seq: dict[str, int] = {}
         self._skipped: dict[str, set[int]] = {}
@@ -157,7 +160,7 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="reinforge-tinker-worker", daemon=True)
         self.busy_s = 0.0  # time spent running jobs, for the logs and benchmarks
-        self._ids = itertools.count()
+        self.busy_by_kind: dict[str, float] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -235,6 +238,21 @@ class Scheduler:
                     return job
         return None
 
+    def _batch(self, first: Job) -> list[Job]:
+        """`first` and the queued jobs that can share its call (same `batch_key`), oldest first."""
+        batch = [first]
+        if first.batch_key is None:
+            return batch
+        for session_id, jobs in list(self._queues.items()):
+            for job in list(jobs):
+                if len(batch) < self.max_batch and job.batch_key == first.batch_key:
+                    jobs.remove(job)
+                    self._queued -= 1
+                    batch.append(job)
+            if not jobs:
+                del self._queues[session_id]
+        return batch
+
     def _work(self) -> None:
         while True:
             with self._cond:
@@ -244,12 +262,31 @@ class Scheduler:
                     job = self._pick()
                 if job is None:
                     return
-            self._run(job)
+                batch = self._batch(job)
+            if len(batch) > 1:
+                self._run_batch(batch)
+            else:
+                self._run(job)
             if job.model_id is not None and job.seq_id is not None:
                 with self._cond:
                     if job.model_id in self._next_seq:
                         self._next_seq[job.model_id] = max(self._next_seq[job.model_id], job.seq_id + 1)
                     self._cond.notify_all()
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        start = time.monotonic()
+        try:
+            payloads = jobs[0].run_batch(jobs)
+        except Exception:  # one bad request must not fail the others: each runs on its own, and fails alone
+            logger.info("a batch of %d %s requests failed; running them one by one", len(jobs), jobs[0].kind)
+            for job in jobs:
+                self._run(job)
+            return
+        for job, payload in zip(jobs, payloads, strict=True):
+            self.futures.finish(job.request_id, payload)
+        spent = time.monotonic() - start
+        self.busy_s += spent
+        self.busy_by_kind[jobs[0].kind] = self.busy_by_kind.get(jobs[0].kind, 0.0) + spent
 
     def _run(self, job: Job) -> None:
         start = time.monotonic()
@@ -263,4 +300,6 @@ class Scheduler:
         else:
             self.futures.finish(job.request_id, payload)
         finally:
-            self.busy_s += time.monotonic() - start
+            spent = time.monotonic() - start
+            self.busy_s += spent
+            self.busy_by_kind[job.kind] = self.busy_by_kind.get(job.kind, 0.0) + spent

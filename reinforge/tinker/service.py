@@ -315,7 +315,12 @@ class TinkerService:
             sampler = self._one_off_sampler(request)
             session_id = "__stateless__"
         prompt = self.device.check_sample(sampler, request)
-        future = self._submit(session_id, "sample", lambda: Payload(self.device.sample(sampler, request, prompt)))
+        future = self._submit(
+            session_id, "sample", lambda: Payload(self.device.sample(sampler, [request], [prompt])[0]),
+            batch_key=_sample_batch_key(sampler, request), args=(request, prompt),
+            run_batch=lambda jobs: [Payload(body) for body in self.device.sample(
+                sampler, [job.args[0] for job in jobs], [job.args[1] for job in jobs])],
+        )  # fmt: skip
         ids = [f"{future['request_id']}:{i}" for i in range(request.num_samples)]
         return {**future, "sample_sequence_ids": ids}
 
@@ -348,9 +353,11 @@ class TinkerService:
         self.sessions.heartbeat(session_id)
         return session
 
-    def _submit(self, session_id: str, kind: str, run, model_id=None, seq_id=None, force=False, own_session=True):
+    def _submit(
+        self, session_id: str, kind: str, run, model_id=None, seq_id=None, force=False, own_session=True, **batch
+    ) -> dict[str, Any]:
         request_id = self.futures.create(session_id if own_session else "__server__")
-        job = Job(request_id, session_id if own_session else "__server__", run, model_id, seq_id, kind)
+        job = Job(request_id, session_id if own_session else "__server__", run, model_id, seq_id, kind, **batch)
         try:
             self.scheduler.submit(job, force=force)
         except TinkerRequestError:
@@ -374,6 +381,17 @@ class TinkerService:
             )
         if not (lora.train_attn or lora.train_mlp):
             raise TinkerRequestError("LoRA with train_attn=False and train_mlp=False trains nothing; set one")
+
+
+def _sample_batch_key(sampler: SamplerEntry, request: types.SampleRequest) -> tuple | None:
+    """Samples of one sampling session with the same settings share an engine call (the RL loop's prompts of a
+    step); a seeded request runs alone, so that its seed alone decides its samples."""
+    if not sampler.sampler_id or request.sampling_params.seed is not None:
+        return None
+    return (
+        sampler.sampler_id, request.num_samples, request.sampling_params.model_dump_json(),
+        request.prompt_logprobs, request.topk_prompt_logprobs, request.prompt_logprobs_last_n,
+    )  # fmt: skip
 
 
 def _check_optimizer(optimizer: Any) -> None:

@@ -97,3 +97,38 @@ def test_a_poll_waits_then_answers_pending_or_the_result():
 
     pending, done = asyncio.run(poll())
     assert pending is None and done.payload.is_proto and done.payload.body == b"proto"
+
+
+def test_jobs_with_one_batch_key_share_a_call_and_a_failed_batch_runs_them_alone(queue):
+    futures, scheduler, gate, ran = queue
+    calls: list[list[str]] = []
+
+    def together(jobs):
+        calls.append([j.args for j in jobs])
+        if "bad" in calls[-1]:
+            raise TinkerRequestError("bad prompt")
+        return [Payload({"name": j.args}) for j in jobs]
+
+    def alone(name):
+        def run():
+            if name == "bad":
+                raise TinkerRequestError("bad prompt")
+            ran.append(name)
+            return Payload({"name": name})
+
+        return run
+
+    def sample(name, key):
+        return Job(futures.create("a"), "a", alone(name), kind="sample", batch_key=key, run_batch=together, args=name)
+
+    first = [sample(name, "k") for name in ("p0", "p1", "p2")] + [sample("other", "k2")]
+    second = [sample(name, "k3") for name in ("q0", "bad", "q1")]
+    for j in first + second:
+        scheduler.submit(j)
+    gate.set()
+    records = wait_all(futures, [j.request_id for j in first + second])
+    assert calls == [["p0", "p1", "p2"], ["q0", "bad", "q1"]]  # a lone job runs on its own
+    assert [r.payload.body["name"] if r.payload else r.error[0] for r in records] == [
+        "p0", "p1", "p2", "other", "q0", "bad prompt", "q1",
+    ]  # fmt: skip
+    assert ran == ["other", "q0", "q1"]
