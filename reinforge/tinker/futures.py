@@ -148,10 +148,11 @@ class Job:
 class Scheduler:
     """The device's queue and its one worker thread."""
 
-    def __init__(self, futures: FutureStore, max_queued: int, max_batch: int = 64) -> None:
+    def __init__(self, futures: FutureStore, max_queued: int, max_batch: int = 64, batch_wait_s: float = 0.02) -> None:
         self.futures = futures
         self.max_queued = max_queued
         self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s  # how long a batchable job waits for the others of its batch to arrive
         self._queues: OrderedDict[str, deque[Job]] = OrderedDict()  # session -> its jobs; order = round-robin
         self._next_seq: dict[str, int] = {}
         self._skipped: dict[str, set[int]] = {}
@@ -239,19 +240,28 @@ class Scheduler:
         return None
 
     def _batch(self, first: Job) -> list[Job]:
-        """`first` and the queued jobs that can share its call (same `batch_key`), oldest first."""
+        """`first` and the queued jobs that can share its call (same `batch_key`), oldest first, including those that
+        arrive within `batch_wait_s` (a client sends an RL step's prompts at once, a few ms apart). Called with the
+        lock held."""
         batch = [first]
         if first.batch_key is None:
             return batch
+        deadline = time.monotonic() + self.batch_wait_s
+        self._take_matching(batch)
+        while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(timeout=left)
+            self._take_matching(batch)
+        return batch
+
+    def _take_matching(self, batch: list[Job]) -> None:
         for session_id, jobs in list(self._queues.items()):
             for job in list(jobs):
-                if len(batch) < self.max_batch and job.batch_key == first.batch_key:
+                if len(batch) < self.max_batch and job.batch_key == batch[0].batch_key:
                     jobs.remove(job)
                     self._queued -= 1
                     batch.append(job)
             if not jobs:
                 del self._queues[session_id]
-        return batch
 
     def _work(self) -> None:
         while True:
