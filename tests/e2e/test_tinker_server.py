@@ -75,15 +75,19 @@ def test_supervised_loop_lowers_the_loss(client, tok):
 def test_rl_loop_raises_the_reward(client, tok):
     """Sample groups of 8 from the live weights (save_weights_and_get_sampling_client), score them with reinforge's
     math env, centre the rewards per group, train with importance_sampling: on the same 8 prompts, the mean reward
-    of the last 3 of 10 steps beats the first 3's by 0.15 (0.32 -> 0.60 and 0.31 -> 0.65 at lr 1e-3 and 3e-3)."""
+    of the last 3 of 12 steps beats the first 3's by 0.15 (0.30 -> 0.70 when measured; lr 4e-3 collapses instead).
+    Seeded samples make the run repeatable."""
     training_client = client.create_lora_training_client(base_model=BASE, rank=16, seed=0).result()
     env = MathEnv()
     prompts = math_prompts(tok, 8)
-    params = types.SamplingParams(max_tokens=32, temperature=1.0, stop=["<|im_end|>"])
     rewards = []
-    for _ in range(10):
+    for step in range(12):
         sampler = training_client.save_weights_and_get_sampling_client().result()
-        futures = [sampler.sample(types.ModelInput.from_ints(p), 8, params) for p, _ in prompts]
+        futures = [
+            sampler.sample(types.ModelInput.from_ints(prompt), 8, types.SamplingParams(
+                max_tokens=32, temperature=1.0, stop=["<|im_end|>"], seed=1000 * step + i))
+            for i, (prompt, _) in enumerate(prompts)
+        ]  # fmt: skip
         datums, step_rewards = [], []
         for (prompt, record), future in zip(prompts, futures):
             sequences = future.result().sequences
@@ -96,7 +100,7 @@ def test_rl_loop_raises_the_reward(client, tok):
         rewards.append(float(np.mean(step_rewards)))
         if datums:
             training_client.forward_backward(datums, "importance_sampling").result()
-            training_client.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+            training_client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
 
 
@@ -124,7 +128,7 @@ def test_save_state_then_load_state_gives_the_same_next_step(client, tok, server
     train_steps(first, datums, 2)
     path = first.save_state("two-steps").result().path
     assert path.startswith(f"tinker://{first.model_id}/weights/")
-    listed = client.create_rest_client().list_checkpoints(first.model_id).result()
+    listed = tinker.RestClient().list_checkpoints(first.model_id).result()
     assert path in [c.tinker_path for c in listed.checkpoints]
     expected = train_steps(first, datums, 2)
     second = client.create_training_client_from_state_with_optimizer(path).result()
@@ -167,7 +171,7 @@ def test_bad_requests_get_the_sdks_exceptions_and_the_server_goes_on(client, tok
         assert "Traceback" not in message
         next_request_works()
 
-    rest = client.create_rest_client()
+    rest = tinker.RestClient()
     tokens = good[0].model_input.to_ints()
     too_long = supervised_datum(list(range(3, 3 + 2050)), [1.0] * 2050)
     short_input = types.Datum(
