@@ -15,6 +15,7 @@ from reinforge.envs.cli import add_env_commands, add_serve_rm_command
 from reinforge.evaluation.cli import add_eval_command
 from reinforge.paths import PROJECT_ROOT
 from reinforge.serving.cli import add_serve_command
+from reinforge.tinker.cli import add_serve_tinker_command
 from reinforge.training.parallel.plan_cli import add_plan_command
 
 DEMO_CONFIG = PROJECT_ROOT / "configs" / "grpo_demo.yaml"
@@ -249,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_eval_command,
         add_serve_command,
         add_serve_rm_command,
+        add_serve_tinker_command,
         add_plan_command,
         add_curriculum_parser,
         add_report_parser,

@@ -34,6 +34,7 @@ from reinforge.training.checkpoint import verifies, write_complete
 
 TINKER_FILE = "tinker.json"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a directory name of its own: no "/", no "..", no dot file
+MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # the SDK's model ids are SESSION:train:N
 KINDS = {"weights": "training", "sampler_weights": "sampler"}  # the path's segment -> the SDK's checkpoint_type
 SEGMENTS = {kind: segment for segment, kind in KINDS.items()}
 
@@ -167,13 +168,13 @@ class Checkpoints:
 
     def list(self, model_id: str | None = None) -> list[types.Checkpoint]:
         """The checkpoints of `model_id` (of every model when None), oldest first."""
-        if model_id is not None and not NAME.match(model_id):
+        if model_id is not None and not MODEL_ID.match(model_id):
             raise TinkerRequestError(f"malformed model id {model_id!r}")
         infos = []
         for record in sorted(self.run_dir.glob(f"{model_id or '*'}/*/*/{TINKER_FILE}")):
             directory = record.parent
             model, segment, name = directory.parent.parent.name, directory.parent.name, directory.name
-            if segment in KINDS and NAME.match(name) and NAME.match(model):
+            if segment in KINDS and NAME.match(name) and MODEL_ID.match(model):
                 info = self._read(directory, f"tinker://{model}/{segment}/{name}")
                 infos.extend([info] if info else [])
         return [info.checkpoint() for info in sorted(infos, key=lambda info: info.time)]
@@ -213,7 +214,7 @@ class Checkpoints:
 def parse_path(path: str) -> tuple[str, str, str]:
     """`tinker://<model_id>/<weights|sampler_weights>/<name>` as its three parts, or a one-line error."""
     parts = path.removeprefix("tinker://").split("/") if isinstance(path, str) and path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in KINDS or not NAME.match(parts[0]) or not NAME.match(parts[2]):
+    if len(parts) != 3 or parts[1] not in KINDS or not MODEL_ID.match(parts[0]) or not NAME.match(parts[2]):
         raise TinkerRequestError(
             f"malformed checkpoint path {path!r}; expected tinker://<model_id>/weights/<name> or "
             "tinker://<model_id>/sampler_weights/<name>, names of letters, digits, '.', '_' and '-'"

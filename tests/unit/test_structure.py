@@ -41,7 +41,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # its step, its losses and advantages, and the math they share. A recipe never runs itself.
     ("algorithms",),
     # 6, the loops that run the recipes (the RL loop, the supervised loop) and their machinery: building a run's
-    # parts from config, checkpoints and resume, refit, the run's checks, the table of recipes.
+    # parts from config, checkpoints and resume, refit, the run's checks, the table of recipes; and the Tinker
+    # service, which drives the same training backend and engines from a remote user's loop.
     ("loops", "tinker"),
     # 7, the front doors: multi-stage recipes, the command line and the supervisor that restarts a failed run.
     ("recipes", "cli", "supervisor"),
