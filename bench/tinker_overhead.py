@@ -136,7 +136,9 @@ def score(env, tok, batch, prompt_ids, groups, request) -> list:
     datums = []
     for record, prompt, group in zip(batch, prompt_ids, groups):
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for s in group]
-        rewards = np.asarray([r.reward for r in env.step([request([{"role": "assistant", "content": t}], record) for t in texts])])
+        rewards = np.asarray(
+            [r.reward for r in env.step([request([{"role": "assistant", "content": t}], record) for t in texts])]
+        )
         advantages = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6) / total_tokens
         for sequence, advantage in zip(group, advantages):
             if advantage == 0:
