@@ -46,6 +46,7 @@ def grpo_side(steps: int, prompts: int) -> list[float]:
     rows, _ = run_cli(
         [
             "grpo",
+            "--config",
             "configs/grpo_lora_demo.yaml",
             f"rollout.num_prompts_per_step={prompts}",
             f"rollout.num_generations_per_prompt={GROUP}",
@@ -103,10 +104,7 @@ def tinker_side(steps: int, prompts: int, url: str) -> list[dict[str, float]]:
         sampler = client.save_weights_and_get_sampling_client().result()
         refit = time.perf_counter()
         batch = records[step * prompts : (step + 1) * prompts]
-        prompt_ids = [
-            tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
-            for r in batch
-        ]
+        prompt_ids = [chat_ids(tok, record["prompt"]) for record in batch]
         futures = [sampler.sample(types.ModelInput.from_ints(p), GROUP, params) for p in prompt_ids]
         groups = [future.result().sequences for future in futures]
         sampled = time.perf_counter()
@@ -126,6 +124,13 @@ def tinker_side(steps: int, prompts: int, url: str) -> list[dict[str, float]]:
             }
         )
     return times
+
+
+def chat_ids(tok, prompt: str) -> list[int]:
+    """A user turn rendered with the chat template, as reinforge grpo renders its prompts."""
+    messages = [{"role": "user", "content": prompt}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 def score(env, tok, batch, prompt_ids, groups, request) -> list:
