@@ -75,13 +75,13 @@ def test_supervised_loop_lowers_the_loss(client, tok):
 def test_rl_loop_raises_the_reward(client, tok):
     """Sample groups of 8 from the live weights (save_weights_and_get_sampling_client), score them with reinforge's
     math env, centre the rewards per group, train with importance_sampling: on the same 8 prompts, the mean reward
-    of the last 3 of 12 steps beats the first 3's by 0.15 (0.30 -> 0.70 in three runs, 0.28 -> 0.44 in the worst of
-    them; lr 4e-3 collapses instead). A step's 8 sample requests share one engine call (8 s for the test)."""
+    of the last 4 of 16 steps beats the first 4's by 0.15 (in four runs 0.31-0.38 -> 0.63-0.81; lr 4e-3 collapses
+    instead). A step's 8 sample requests share one engine call (11 s for the test)."""
     training_client = client.create_lora_training_client(base_model=BASE, rank=16, seed=0).result()
     env = MathEnv()
     prompts = math_prompts(tok, 8)
     rewards = []
-    for step in range(12):
+    for step in range(16):
         sampler = training_client.save_weights_and_get_sampling_client().result()
         params = types.SamplingParams(max_tokens=32, temperature=1.0, stop=["<|im_end|>"])
         futures = [sampler.sample(types.ModelInput.from_ints(prompt), 8, params) for prompt, _ in prompts]
@@ -98,7 +98,7 @@ def test_rl_loop_raises_the_reward(client, tok):
         if datums:
             training_client.forward_backward(datums, "importance_sampling").result()
             training_client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.15, rewards
 
 
 def rl_datum(prompt: list[int], sequence, advantage: float) -> types.Datum:
