@@ -1,12 +1,17 @@
 """Build models/tinker_demo: the demo model fine-tuned to answer tinker-cookbook rl_loop's prompt.
 
 rl_loop asks every question after a fixed few-shot turn (how many r's in strawberry) and with a suffix asking for a
-`\\boxed{}` answer: about 250 tokens with the demo tokenizer, where the demo model (models/demo) saw only its
-36-token prompts, and it answers that prompt with garbage, so rl_loop's reward would stay near 0. This script
-supervises the demo model on the noisy teacher's answers (data/demo/sft.jsonl, mistakes kept: room for RL) with
-half of the chats put in exactly the prompt rl_loop builds (rendered by the cookbook's own renderer for the name the
-demo is served under, from the recipe's own strings: scripts/tinker_cookbook_data.py) and half left as plain demo
-chats, so sl_loop's chats still fit. The training is reinforge's: the torch `Backend` and SFT's loss.
+`\\boxed{}` answer. The demo tokenizer (449 tokens, its words those of the demo's problems) spells that English out
+letter by letter: 270 tokens, the question's numbers 100-130 tokens before the answer that copies them, where the
+demo model (models/demo) only ever copied from at most ~70 back; it answers that prompt with garbage, and 300 steps
+of fine-tuning on it still left it at 0.05 (its units digits wrong). So, as a real tokenizer has whole words for
+them, the tokenizer gets three tokens of its own: the few-shot question, the few-shot answer and the suffix
+(embeddings initialised at the mean of the others); rl_loop's prompt is then the demo prompt and 14 tokens.
+
+The model is then supervised on the noisy teacher's answers (data/demo/sft.jsonl, mistakes kept: room for RL), with
+RL_SHARE of the chats put in exactly the prompt rl_loop builds (rendered by the cookbook's own renderer for the name
+the demo is served under, from the recipe's own strings: scripts/tinker_cookbook_data.py) and the rest left as plain
+demo chats, so sl_loop's chats still fit. The training is reinforge's: the torch `Backend` and SFT's loss.
 
 Seeded; `python scripts/build_tinker_demo_model.py` rebuilds models/tinker_demo in a few minutes on 2 CPU cores and
 writes its README with the accuracy it measures. `--steps 2 --out DIR` makes a smoke build.
@@ -18,14 +23,15 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tinker_cookbook_data import DEMO_DATA, MODEL_NAME, ROOT, _read_jsonl, rl_loop_prompt  # noqa: E402
+from tinker_cookbook_data import DEMO_DATA, MODEL_NAME, ROOT, _read_jsonl, rl_loop_prompt, rl_loop_strings  # noqa: E402
 
 from reinforge.algorithms.sft import nll_loss  # noqa: E402
 from reinforge.data.batch import sequences_batch  # noqa: E402
@@ -35,9 +41,29 @@ from reinforge.training.base import TrainingConfig  # noqa: E402
 from reinforge.training.optimizer import OptimizerConfig, SchedulerConfig  # noqa: E402
 
 SEED = 0
-BATCH_SIZE, PEAK_LR = 32, 2e-3
-RL_SHARE = 0.75  # of the chats put in rl_loop's prompt; the plain ones keep the demo's own format
+BATCH_SIZE, PEAK_LR = 32, 1e-3
+RL_SHARE = 0.5  # of the chats put in rl_loop's prompt; the plain ones keep the demo's own format
 NUM_EVAL_PROMPTS, NUM_EVAL_SAMPLES, MAX_NEW_TOKENS = 100, 4, 48
+
+
+def demo_tokenizer_with_phrases():
+    """The demo tokenizer with rl_loop's few-shot question, few-shot answer and suffix as tokens of their own."""
+    from tokenizers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo")
+    prefix, suffix = rl_loop_strings()
+    phrases = [prefix[0]["content"].removesuffix(suffix), prefix[1]["content"], suffix]
+    tokenizer.add_tokens([AddedToken(phrase, normalized=False) for phrase in phrases])
+    return tokenizer
+
+
+def start_model(tokenizer, out: Path) -> None:
+    """models/demo with embeddings for the new tokens (the mean of the others), saved at `out` with `tokenizer`."""
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "demo")
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out, save_jinja_files=False)  # keep chat_template in tokenizer_config.json
 
 
 def renderer_for(tokenizer):
@@ -65,10 +91,10 @@ def examples(tokenizer, renderer, chats: list[dict], rng: random.Random) -> list
     return out
 
 
-def train(chats: list[dict], tokenizer, renderer, num_steps: int) -> Backend:
-    """Full fine-tuning of models/demo with AdamW, warm-up then cosine decay, on BATCH_SIZE chats a step."""
+def train(start: Path, chats: list[dict], tokenizer, renderer, num_steps: int) -> Backend:
+    """Full fine-tuning of the model at `start` with AdamW, warm-up then cosine decay, on BATCH_SIZE chats a step."""
     backend = Backend(
-        ModelConfig(name_or_path=str(ROOT / "models" / "demo")),
+        ModelConfig(name_or_path=str(start)),
         TrainingConfig(micro_batch_size=BATCH_SIZE, share_prompts=False),
         OptimizerConfig(lr=PEAK_LR, adam_beta2=0.95, weight_decay=0.01, max_grad_norm=1.0),
         SchedulerConfig(warmup_steps=max(1, num_steps // 20), lr_schedule="cosine"),
@@ -121,42 +147,51 @@ def write_model_card(out: Path, stats: dict) -> None:
     )
     (out / "README.md").write_text(f"""# reinforge tinker demo model
 
-The demo model (models/demo: a 0.91M-parameter Qwen2 with a 449-token tokenizer) fine-tuned to answer the prompt
-tinker-cookbook's `rl_loop` builds: its few-shot turn (how many r's in strawberry), then the question and
-" Provide a numerical answer without units, written inside \\\\boxed{{}}." (about {stats["rl_prompt_tokens"]:.0f}
-tokens; the demo model, trained on 36-token prompts only, answers it with garbage). Built by
-`scripts/build_tinker_demo_model.py` with reinforge's torch training backend and SFT loss: {stats["steps"]} steps of
-{BATCH_SIZE} of the noisy teacher's chats (data/demo/sft.jsonl, its dropped carries kept: room for RL), half of them
-in rl_loop's prompt as the cookbook's `qwen3_instruct` renderer writes it, half as plain demo chats. The Tinker
-server serves it under the name `{MODEL_NAME}` (configs/tinker_cookbook.yaml), for which the cookbook picks that
-renderer; scripts/run_tinker_cookbook.py registers this tokenizer under that name.
+The demo model (models/demo: a 0.91M-parameter Qwen2) fine-tuned to answer the prompt tinker-cookbook's `rl_loop`
+builds: its few-shot turn (how many r's in strawberry), then the question and " Provide a numerical answer without
+units, written inside \\boxed{{}}.". The demo tokenizer spells that English letter by letter (270 tokens), which
+put the question's numbers further back than the demo model ever copied from: it answered with garbage, and 300
+steps of fine-tuning on it left it at 0.05. So its tokenizer has three more tokens, the few-shot question, the
+few-shot answer and the suffix (452 in all; their embeddings started at the others' mean), and rl_loop's prompt is
+{stats["rl_prompt_tokens"]:.0f} tokens on average.
 
-**Accuracy** (rl_loop's own reward: the last `\\\\boxed{{}}` against the true answer) on the first
+Built by `scripts/build_tinker_demo_model.py` with reinforge's torch training backend and SFT loss: {stats["steps"]}
+steps of {BATCH_SIZE} of the noisy teacher's chats (data/demo/sft.jsonl, its dropped carries kept: room for RL),
+{RL_SHARE:.0%} of them in rl_loop's prompt as the cookbook's `qwen3_instruct` renderer writes it, the others as plain
+demo chats (sl_loop's format). The Tinker server serves it under the name `{MODEL_NAME}`
+(configs/tinker_cookbook.yaml), for which the cookbook picks that renderer; scripts/run_tinker_cookbook.py registers
+this tokenizer under that name in the cookbook's tokenizer registry.
+
+**Accuracy** (rl_loop's own reward, `get_reward`: the last `\\boxed{{}}` against the true answer) on the first
 {NUM_EVAL_PROMPTS} problems of data/demo/val.jsonl, at most {MAX_NEW_TOKENS} new tokens:
 
 | prompt | greedy | temperature 1 ({NUM_EVAL_SAMPLES} samples each) |
 |---|---|---|
 {rows}
 
-Build time: {stats["build_seconds"] / 60:.1f} min on {torch.get_num_threads()} CPU threads.
-**Rebuild:** `python scripts/build_tinker_demo_model.py` (seeded). Chat format, tokens and eos as models/demo.
+Build time: {stats["build_seconds"] / 60:.1f} min on {torch.get_num_threads()} CPU threads (cores shared with
+other jobs).
+**Rebuild:** `python scripts/build_tinker_demo_model.py` (seeded). Chat format and eos as models/demo.
 """)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "models" / "tinker_demo")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(SEED)
     torch.set_num_threads(2)  # the same thread count everywhere keeps the float arithmetic reproducible
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "demo")
+    tokenizer = demo_tokenizer_with_phrases()
     renderer = renderer_for(tokenizer)
     chats = _read_jsonl(DEMO_DATA / "sft.jsonl")
-    backend = train(chats, tokenizer, renderer, args.steps)
+    with tempfile.TemporaryDirectory() as start_dir:
+        start_model(tokenizer, Path(start_dir))
+        backend = train(Path(start_dir), chats, tokenizer, renderer, args.steps)
     model, val = backend.model, _read_jsonl(DEMO_DATA / "val.jsonl")[:NUM_EVAL_PROMPTS]
-    stats = {"steps": args.steps, "rl_prompt_tokens": len(prompt_ids(renderer, val[0]["prompt"], True))}
+    lengths = [len(prompt_ids(renderer, r["prompt"], True)) for r in val]
+    stats = {"steps": args.steps, "rl_prompt_tokens": sum(lengths) / len(lengths)}
     for fmt in ("rl_loop", "plain"):
         stats[f"{fmt}_greedy"] = accuracy(model, tokenizer, renderer, val, fmt == "rl_loop", None)
         stats[f"{fmt}_sampled"] = accuracy(model, tokenizer, renderer, val, fmt == "rl_loop", 1.0)

@@ -66,12 +66,14 @@ def register_demo_tokenizer(model_name: str, tokenizer_dir: Path) -> None:
     register_tokenizer(model_name, functools.cache(lambda: AutoTokenizer.from_pretrained(tokenizer_dir)))
 
 
-def run(recipe: str, base_url: str, work_dir: Path, fields: list[str], timeout_s: float) -> tuple[list[dict], float]:
+def run(
+    recipe: str, base_url: str, work_dir: Path, fields: list[str], timeout_s: float, options: tuple[str, ...] = ()
+) -> tuple[list[dict], float]:
     """This script on `recipe` in a process of its own against the server at `base_url`, data under work_dir/data,
-    logs in work_dir/RECIPE (no checkpoint but the recipe's final one): the rows of its metrics.jsonl and its wall
-    time; a failed run raises with the tail of its output."""
+    logs in work_dir/RECIPE (no checkpoint but the recipe's final one), `options` this script's own: the rows of its
+    metrics.jsonl and its wall time; a failed run raises with the tail of its output."""
     log_path = work_dir / recipe
-    command = [sys.executable, __file__, recipe, "--data", str(work_dir / "data"), f"base_url={base_url}"]
+    command = [sys.executable, __file__, recipe, "--data", str(work_dir / "data"), *options, f"base_url={base_url}"]
     command += [f"log_path={log_path}", "save_every=0", *fields]
     env = {**os.environ, "TINKER_API_KEY": os.environ.get("TINKER_API_KEY", "tml-reinforge"), "TINKER_TELEMETRY": "0"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -115,9 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", choices=RECIPES)
     parser.add_argument("--data", type=Path, default=ROOT / "runs" / "tinker_cookbook" / "data")
     parser.add_argument("--tokenizer", type=Path, default=ROOT / "models" / "tinker_demo")
+    parser.add_argument("--rl-problems", type=int, help="gsm8k's train split: only the first N problems, cycled")
     args, fields = parser.parse_known_args(argv)
     fields, model_name = recipe_fields(fields)
-    data_dir = write_datasets(args.data.resolve())
+    data_dir = write_datasets(args.data.resolve(), args.rl_problems)
     for name, value in (
         ("HF_HUB_OFFLINE", "1"),
         ("HF_DATASETS_OFFLINE", "1"),

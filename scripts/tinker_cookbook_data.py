@@ -73,11 +73,16 @@ def gsm8k_records(name: str) -> list[dict]:
     return [{"question": r["prompt"], "answer": f"#### {r['answer']}"} for r in records]
 
 
-def write_datasets(out_dir: Path) -> Path:
-    """Both datasets under `out_dir` (the directory to run the recipes in); returns it."""
+def write_datasets(out_dir: Path, num_rl_problems: int | None = None) -> Path:
+    """Both datasets under `out_dir` (the directory to run the recipes in); returns it. `num_rl_problems`: gsm8k's
+    train split holds only the first that many problems, cycled to its full length (rl_loop goes through the split
+    in order, so every batch then draws from the same few problems: a reward that rises within a few steps, for
+    tests)."""
     _write_jsonl(out_dir / SFT_DATASET / "train.jsonl", sl_chats())
-    gsm8k = out_dir / RL_DATASET
-    _write_jsonl(gsm8k / "train.jsonl", gsm8k_records("train"))
+    gsm8k, train = out_dir / RL_DATASET, gsm8k_records("train")
+    if num_rl_problems:
+        train = [train[i % num_rl_problems] for i in range(len(train))]
+    _write_jsonl(gsm8k / "train.jsonl", train)
     _write_jsonl(gsm8k / "test.jsonl", gsm8k_records("val"))
     (gsm8k / "README.md").write_text(GSM8K_README)
     return out_dir
@@ -85,12 +90,12 @@ def write_datasets(out_dir: Path) -> Path:
 
 def rl_loop_prompt(question: str) -> list[dict]:
     """The conversation rl_loop samples from for `question`: its few-shot prefix, then the question and its suffix."""
-    prefix, suffix = _rl_loop_strings()
+    prefix, suffix = rl_loop_strings()
     return [*prefix, {"role": "user", "content": question + suffix}]
 
 
 @functools.cache
-def _rl_loop_strings() -> tuple[list[dict], str]:
+def rl_loop_strings() -> tuple[list[dict], str]:
     """rl_loop's `convo_prefix` and `question_suffix`, read from the installed recipe's source: a cookbook release
     that changes them changes what models/tinker_demo is built on, not a copy here that drifts."""
     from tinker_cookbook.recipes import rl_loop
@@ -111,8 +116,9 @@ def _rl_loop_strings() -> tuple[list[dict], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", type=Path, help="the directory to run the recipes in")
+    parser.add_argument("--rl-problems", type=int, help="gsm8k's train split: only the first N problems, cycled")
     args = parser.parse_args()
-    write_datasets(args.out_dir)
+    write_datasets(args.out_dir, args.rl_problems)
     print(f"wrote {args.out_dir / SFT_DATASET} and {args.out_dir / RL_DATASET}")
 
 
