@@ -25,8 +25,8 @@ from _common import write_result  # noqa: E402
 from run_tinker_cookbook import cookbook_server, run  # noqa: E402
 
 LIMIT_S = 15 * 60
-SL_FIELDS = ["batch_size=32", "lora_rank=16", "learning_rate=5e-3"]
-RL_FIELDS = ["batch_size=16", "group_size=8", "max_tokens=40", "lora_rank=16", "learning_rate=5e-3"]
+SL_FIELDS = ["batch_size=32", "lora_rank=16", "learning_rate=2e-3"]
+RL_FIELDS = ["batch_size=16", "group_size=8", "max_tokens=40", "lora_rank=16", "learning_rate=1e-3"]
 
 
 def mean(values: list[float]) -> float:
@@ -36,7 +36,7 @@ def mean(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sl-steps", type=int, default=30)
-    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--rl-steps", type=int, default=60)
     parser.add_argument("--loss-fn", default="importance_sampling", help="rl_loop's loss_fn")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "tinker_cookbook.json")
     args = parser.parse_args()
