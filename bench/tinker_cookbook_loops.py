@@ -1,7 +1,7 @@
 """tinker-cookbook's own sl_loop and rl_loop, unchanged, against a reinforge Tinker server on this machine (the issue's
 claim: sl_loop lowers the demo's SFT loss, rl_loop raises the demo's reward by at least 0.15 within 15 minutes).
 
-    python bench/tinker_cookbook.py --json bench/results/tinker_cookbook.json
+    python bench/tinker_cookbook_loops.py --json bench/results/tinker_cookbook_loops.json
 
 One server (configs/tinker_cookbook.yaml: models/tinker_demo under the name the cookbook knows, the torch backend, the
 HF engine) in this process; each recipe in a process of its own through scripts/run_tinker_cookbook.py, which only
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--loss-fn", default="importance_sampling", help="rl_loop's loss_fn")
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--eval-samples", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "tinker_cookbook.json")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "tinker_cookbook_loops.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, cookbook_server(Path(tmp) / "server") as url:
         sl_rows, sl_wall = run("sl_loop", url, Path(tmp), [*SL_FIELDS, f"max_steps={args.sl_steps}"], LIMIT_S)
