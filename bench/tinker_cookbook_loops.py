@@ -52,7 +52,9 @@ def evaluate(model_path: str | None, num_problems: int, num_samples: int) -> flo
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "tinker_demo")
     renderer = renderers.get_renderer(model_info.get_recommended_renderer_name(MODEL_NAME), tokenizer)
     service = tinker.ServiceClient()
-    client = service.create_sampling_client(model_path=model_path, base_model=None if model_path else MODEL_NAME)
+    client = service.create_sampling_client(
+        model_path=model_path, base_model=None if model_path else MODEL_NAME
+    ).result()
     params = tinker.types.SamplingParams(max_tokens=40, temperature=1.0, stop=renderer.get_stop_sequences())
     problems = gsm8k_records("val")[:num_problems]
     futures = [
