@@ -34,7 +34,7 @@ from run_tinker_cookbook import MODEL_NAME, cookbook_server, run  # noqa: E402
 LIMIT_S = 15 * 60
 TIMEOUT_S = 2 * LIMIT_S  # a run past LIMIT_S still reports (and fails the claim) unless it is this far past
 SL_FIELDS = ["batch_size=32", "lora_rank=16", "learning_rate=2e-3"]
-RL_FIELDS = ["batch_size=16", "group_size=8", "max_tokens=40", "lora_rank=16", "learning_rate=1e-3"]
+RL_FIELDS = ["batch_size=16", "group_size=8", "max_tokens=40", "lora_rank=16", "learning_rate=2e-3"]
 
 
 def mean(values: list[float]) -> float:
@@ -79,7 +79,7 @@ def final_sampler_path(log_path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sl-steps", type=int, default=30)
-    parser.add_argument("--rl-steps", type=int, default=60)
+    parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--loss-fn", default="importance_sampling", help="rl_loop's loss_fn")
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--eval-samples", type=int, default=4)
