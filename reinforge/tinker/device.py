@@ -314,7 +314,6 @@ class Device:
                 ("topk_sample_logprobs", request.topk_sample_logprobs),
                 ("target_prompt_logprobs", request.target_prompt_logprobs is not None),
                 ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
-                ("record_stability_info", request.record_stability_info),
             )
             if asked
         ]
