@@ -168,7 +168,8 @@ def test_a_client_side_custom_loss_trains_through_the_cross_entropy_surrogate(tr
         lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(datum.inputs["target_tokens"])[:, None])
         (lp**2).sum().backward()
     for name, param in model.named_parameters():
-        torch.testing.assert_close(surrogate[name], param.grad, atol=1e-4, rtol=1e-4, msg=named(name))
+        # float32 over different micro-batchings: a wrong surrogate is off by the gradient itself
+        torch.testing.assert_close(surrogate[name], param.grad, atol=5e-4, rtol=1e-3, msg=named(name))
     model.zero_grad()
 
 
